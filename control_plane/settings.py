@@ -1,0 +1,121 @@
+"""Every control-plane setting, declared once: name, type, default, doc.
+
+Values come from (highest first) a command-line flag, an environment variable, the home
+folder's `skiff.json` (written by `skiff init`), then the default. They are read once at
+the entry point and passed in; nothing below the CLI reads the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from control_plane import errors
+
+CONFIG_FILE = "skiff.json"
+TOKEN_FILE = "admin.token"
+
+
+def default_home() -> Path:
+    """Return the home folder: $SKIFF_HOME, else ~/.skiff."""
+    return Path(os.environ.get("SKIFF_HOME") or Path.home() / ".skiff")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting."""
+
+    name: str
+    type: type
+    default: Any
+    env: str
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("grpc", str, "127.0.0.1:7443", "SKIFF_GRPC", "gRPC listen address (HOST:PORT)."),
+    Setting("server", str, "", "SKIFF_SERVER", "Address the CLI dials; defaults to `grpc`."),
+    Setting("db", str, "", "SKIFF_DB", "SQLAlchemy URL; default: SQLite in the home folder."),
+    Setting("blobs", str, "", "SKIFF_BLOBS", "Blob store URL (file:// or s3://); default: home."),
+    Setting("kek", str, "", "SKIFF_KEK", "Key-encryption key: file path or aws-kms:// URL."),
+    Setting("signing_key", str, "", "SKIFF_SIGNING_KEY", "Ed25519 manifest signing key (PEM)."),
+    Setting("max_model_bytes", int, 2 << 30, "SKIFF_MAX_MODEL_BYTES", "Largest accepted upload."),
+    Setting("mnn_timeout_s", float, 600.0, "SKIFF_MNN_TIMEOUT_S", "Limit for one MNN job."),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Resolved settings for one process."""
+
+    home: Path
+    grpc: str
+    server: str
+    db: str
+    blobs: str
+    kek: str
+    signing_key: str
+    max_model_bytes: int
+    mnn_timeout_s: float
+
+    @property
+    def dial_address(self) -> str:
+        """Where a client connects."""
+        return self.server or self.grpc
+
+
+def _defaults_for(home: Path) -> dict[str, Any]:
+    return {
+        "db": f"sqlite:///{home / 'skiff.db'}",
+        "blobs": (home / "blobs").as_uri(),
+        "kek": str(home / "keys" / "kek.json"),
+        "signing_key": str(home / "keys" / "signing_ed25519.pem"),
+    }
+
+
+def load_config(
+    home: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Resolve every setting for `home` from flags, environment, config file and defaults."""
+    home = Path(home or default_home()).expanduser().resolve()
+    environ = os.environ if environ is None else environ
+    stored = read_config_file(home)
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        raw = (overrides or {}).get(s.name)
+        if raw in (None, ""):
+            raw = environ.get(s.env) or stored.get(s.name) or _defaults_for(home).get(s.name)
+        try:
+            values[s.name] = s.default if raw in (None, "") else s.type(raw)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"setting {s.name}: {exc}") from None
+    return Config(home=home, **values)
+
+
+def read_config_file(home: Path) -> dict[str, Any]:
+    """Return the settings stored in the home folder (empty when there is none)."""
+    path = home / CONFIG_FILE
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise errors.InvalidArgument(f"cannot read {path}: {exc}") from None
+    known = {f.name for f in fields(Config)}
+    return {k: v for k, v in data.items() if k in known}
+
+
+def write_config_file(config: Config) -> Path:
+    """Store the non-default settings of `config` in its home folder."""
+    path = config.home / CONFIG_FILE
+    body = {s.name: getattr(config, s.name) for s in SETTINGS if getattr(config, s.name)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path

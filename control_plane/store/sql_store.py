@@ -1,0 +1,257 @@
+"""SQLAlchemy implementation of the registry store: SQLite (WAL) and PostgreSQL."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Iterator
+
+from sqlalchemy import create_engine, event, func, select, text
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from control_plane import errors
+from control_plane.crypto.kek import WrappedKey
+from control_plane.store import orm
+from control_plane.store.base import (
+    ModelRecord,
+    RegistryStore,
+    Rewrapper,
+    TokenRecord,
+    VariantRecord,
+    VersionBuilder,
+    VersionRecord,
+)
+from control_plane.store.migrate import upgrade
+
+# A concurrent push that takes the same number loses on the unique constraint and retries.
+_VERSION_RETRIES = 5
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    # WAL lets readers proceed during a push; busy_timeout makes writers queue instead of
+    # failing at once; SQLite leaves foreign keys off unless asked.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def make_engine(url: str) -> Engine:
+    """Create an engine for a SQLAlchemy URL, with the settings each backend needs."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 10})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    if url.startswith("postgresql"):
+        # pool_pre_ping turns a server restart into one reconnect instead of an error;
+        # connect_timeout bounds how long a call waits on an unreachable server.
+        return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5})
+    raise errors.InvalidArgument(f"unsupported database URL scheme: {url.split(':', 1)[0]}")
+
+
+def _sorted_db_error(exc: sa_exc.SQLAlchemyError) -> errors.SkiffError:
+    """Sort a database error once: lost connection is retryable, integrity is a conflict."""
+    if isinstance(exc, sa_exc.IntegrityError):
+        return errors.AlreadyExists("already exists (constraint violated)")
+    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
+        return errors.Unavailable("database unavailable: " + type(exc.orig or exc).__name__)
+    return errors.SkiffError("database error: " + type(exc).__name__)
+
+
+def _variant(row: orm.VariantRow) -> VariantRecord:
+    return VariantRecord(
+        name=row.name,
+        plaintext_size=row.plaintext_size,
+        plaintext_sha256=row.plaintext_sha256,
+        ciphertext_size=row.ciphertext_size,
+        ciphertext_sha256=row.ciphertext_sha256,
+        segment_size=row.segment_size,
+        signature=dict(row.signature),
+    )
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    # SQLite hands back naive datetimes; everything Skiff stores is UTC.
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+def _version(row: orm.VersionRow, model: str) -> VersionRecord:
+    return VersionRecord(
+        model=model,
+        number=row.number,
+        created_at=_aware(row.created_at),
+        uid=row.uid,
+        created_by=row.created_by,
+        notes=row.notes,
+        source_format=row.source_format,
+        signature=dict(row.signature),
+        variants=tuple(_variant(v) for v in row.variants),
+        data_key=WrappedKey(kek_id=row.kek_id, ciphertext=row.wrapped_data_key),
+        manifest=row.manifest,
+        manifest_signature=row.manifest_signature,
+        signing_key_id=row.signing_key_id,
+    )
+
+
+class SqlStore(RegistryStore):
+    """Registry store over any SQLAlchemy URL Skiff supports."""
+
+    def __init__(self, url: str, *, migrate: bool = True) -> None:
+        self._engine = make_engine(url)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        if migrate:
+            self.check()  # sorts "cannot connect" into Unavailable before Alembic runs
+            upgrade(self._engine)
+
+    @contextlib.contextmanager
+    def _scope(self) -> Iterator[Session]:
+        """One transaction per call; database errors are sorted here and nowhere else."""
+        try:
+            with self._sessions.begin() as session:
+                yield session
+        except sa_exc.SQLAlchemyError as exc:
+            raise _sorted_db_error(exc) from exc
+
+    def create_version(self, model: str, build: VersionBuilder) -> VersionRecord:
+        """Append the next version; retries when a concurrent push took the number."""
+        for attempt in range(_VERSION_RETRIES):
+            try:
+                return self._insert_version(model, build)
+            except errors.AlreadyExists:
+                if attempt == _VERSION_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _model_row(self, session: Session, name: str) -> orm.ModelRow:
+        row = session.scalar(select(orm.ModelRow).where(orm.ModelRow.name == name))
+        if row is None:
+            row = orm.ModelRow(name=name)
+            session.add(row)
+            session.flush()
+        return row
+
+    def _insert_version(self, model: str, build: VersionBuilder) -> VersionRecord:
+        with self._scope() as session:
+            model_row = self._model_row(session, model)
+            # Serialises pushes of one model on PostgreSQL; a no-op on SQLite, where the
+            # unique constraint plus retry does the same job.
+            session.execute(
+                select(orm.ModelRow.id).where(orm.ModelRow.id == model_row.id).with_for_update()
+            )
+            latest = session.scalar(
+                select(func.max(orm.VersionRow.number)).where(
+                    orm.VersionRow.model_id == model_row.id
+                )
+            )
+            new = build((latest or 0) + 1)
+            row = orm.VersionRow(
+                model_id=model_row.id,
+                number=(latest or 0) + 1,
+                uid=new.uid,
+                created_at=new.created_at,
+                created_by=new.created_by,
+                notes=new.notes,
+                source_format=new.source_format,
+                signature=new.signature,
+                kek_id=new.data_key.kek_id,
+                wrapped_data_key=new.data_key.ciphertext,
+                manifest=new.manifest,
+                manifest_signature=new.manifest_signature,
+                signing_key_id=new.signing_key_id,
+                variants=[orm.VariantRow(**v.__dict__) for v in new.variants],
+            )
+            session.add(row)
+            session.flush()
+            return _version(row, model)
+
+    def list_models(self) -> list[ModelRecord]:
+        """Return every model with versions, by name."""
+        stmt = (
+            select(orm.ModelRow, func.max(orm.VersionRow.number), func.count(orm.VersionRow.id))
+            .join(orm.VersionRow)
+            .group_by(orm.ModelRow.id)
+            .order_by(orm.ModelRow.name)
+        )
+        with self._scope() as session:
+            return [
+                ModelRecord(m.name, _aware(m.created_at), latest, count)
+                for m, latest, count in session.execute(stmt)
+            ]
+
+    def get_model(self, name: str) -> ModelRecord:
+        """Return one model."""
+        for record in self.list_models():
+            if record.name == name:
+                return record
+        raise errors.NotFound(f"model {name!r} not found")
+
+    def _versions_query(self, name: str):
+        return (
+            select(orm.VersionRow)
+            .join(orm.ModelRow)
+            .where(orm.ModelRow.name == name)
+            .options(selectinload(orm.VersionRow.variants))
+            .order_by(orm.VersionRow.number)
+        )
+
+    def list_versions(self, name: str) -> list[VersionRecord]:
+        """Return every version of a model, oldest first."""
+        with self._scope() as session:
+            rows = session.scalars(self._versions_query(name)).all()
+            if not rows:
+                raise errors.NotFound(f"model {name!r} not found")
+            return [_version(r, name) for r in rows]
+
+    def get_version(self, name: str, number: int | None = None) -> VersionRecord:
+        """Return one version, the latest when number is None."""
+        stmt = self._versions_query(name)
+        if number is None:
+            stmt = stmt.order_by(None).order_by(orm.VersionRow.number.desc()).limit(1)
+        else:
+            stmt = stmt.where(orm.VersionRow.number == number)
+        with self._scope() as session:
+            row = session.scalars(stmt).first()
+            if row is None:
+                what = f"model {name!r}" if number is None else f"version {name}:{number}"
+                raise errors.NotFound(f"{what} not found")
+            return _version(row, name)
+
+    def referenced_blobs(self) -> set[str]:
+        """Return every ciphertext digest a variant points at."""
+        with self._scope() as session:
+            return set(session.scalars(select(orm.VariantRow.ciphertext_sha256)))
+
+    def rewrap_data_keys(self, rewrap: Rewrapper) -> int:
+        """Re-wrap every data key in one transaction: all or nothing."""
+        with self._scope() as session:
+            rows = session.scalars(select(orm.VersionRow).with_for_update()).all()
+            for row in rows:
+                new = rewrap(row.uid, WrappedKey(row.kek_id, row.wrapped_data_key))
+                row.kek_id, row.wrapped_data_key = new.kek_id, new.ciphertext
+            return len(rows)
+
+    def add_token(self, *, name: str, role: str, token_sha256: str) -> TokenRecord:
+        """Store a token hash."""
+        with self._scope() as session:
+            session.add(orm.TokenRow(name=name, role=role, token_sha256=token_sha256))
+        return TokenRecord(name=name, role=role, token_sha256=token_sha256)
+
+    def find_token(self, token_sha256: str) -> TokenRecord | None:
+        """Look a token up by its hash."""
+        with self._scope() as session:
+            row = session.scalar(
+                select(orm.TokenRow).where(orm.TokenRow.token_sha256 == token_sha256)
+            )
+            return None if row is None else TokenRecord(row.name, row.role, row.token_sha256)
+
+    def check(self) -> None:
+        """Probe the database."""
+        with self._scope() as session:
+            session.execute(text("SELECT 1"))
+
+    def close(self) -> None:
+        """Dispose of the connection pool."""
+        self._engine.dispose()

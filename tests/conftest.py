@@ -1,0 +1,75 @@
+"""Fixtures shared by the whole suite: real servers on loopback, port 0."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """An S3/KMS-compatible server speaking HTTP on loopback (moto's standalone server)."""
+    from moto.server import ThreadedMotoServer
+
+    # moto needs *some* credentials and a region; these are not secrets.
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        os.environ.setdefault(name, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{server._server.server_port}"
+    finally:
+        server.stop()
+
+
+PG_ADMIN_URL = os.environ.get(
+    "SKIFF_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def _pg_admin_engine():
+    from sqlalchemy import create_engine
+
+    return create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5})
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database on the local server, dropped afterwards.
+
+    On CI (CI set) an unreachable server fails the test: the PostgreSQL run is mandatory.
+    """
+    import uuid
+
+    from sqlalchemy import exc, text
+
+    admin = _pg_admin_engine()
+    name = f"skiff_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except exc.OperationalError as error:
+        admin.dispose()
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is required on CI and unreachable: {error}")
+        pytest.skip(f"PostgreSQL unreachable: {error}")
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request, tmp_path) -> str:
+    """Every store test runs on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'skiff.db'}"
+    return request.getfixturevalue("pg_url")

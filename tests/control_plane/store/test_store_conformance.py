@@ -1,0 +1,163 @@
+"""One conformance suite for the registry store, run on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+
+from control_plane import errors
+from control_plane.crypto.kek import WrappedKey
+from control_plane.store.base import NewVersion, VariantRecord
+from control_plane.store.migrate import alembic_config
+from control_plane.store.sql_store import SqlStore
+
+
+@pytest.fixture
+def store(db_url):
+    s = SqlStore(db_url)
+    yield s
+    s.close()
+
+
+def _variant(name="fp32", seed=0) -> VariantRecord:
+    return VariantRecord(
+        name=name,
+        plaintext_size=100 + seed,
+        plaintext_sha256=f"{seed:064x}",
+        ciphertext_size=150 + seed,
+        ciphertext_sha256=f"{seed + 1000:064x}",
+        segment_size=1 << 20,
+        signature={"inputs": [{"name": "x", "shape": [1, 4], "dtype": "float32"}]},
+    )
+
+
+def _builder(tag: str, variants=("fp32",)):
+    def build(number: int) -> NewVersion:
+        return NewVersion(
+            uid=f"{tag}{number:04d}".ljust(32, "0"),
+            created_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+            created_by="admin",
+            notes=f"note {number}",
+            source_format="onnx",
+            signature={"mnn_version": "3.6.1"},
+            variants=tuple(_variant(v, seed=number * 10 + i) for i, v in enumerate(variants)),
+            data_key=WrappedKey(kek_id="local:1", ciphertext=b"wrapped-" + tag.encode()),
+            manifest=b'{"version": %d}' % number,
+            manifest_signature=b"sig",
+            signing_key_id="k1",
+        )
+
+    return build
+
+
+def test_empty_store_has_nothing(store):
+    assert store.list_models() == []
+    with pytest.raises(errors.NotFound, match="'nope' not found"):
+        store.get_model("nope")
+    with pytest.raises(errors.NotFound):
+        store.get_version("nope")
+    with pytest.raises(errors.NotFound):
+        store.list_versions("nope")
+
+
+def test_versions_are_numbered_from_one_and_read_back(store):
+    first = store.create_version("det", _builder("a", ("fp32", "int8")))
+    second = store.create_version("det", _builder("b"))
+    store.create_version("other", _builder("c"))
+    assert (first.number, second.number) == (1, 2)
+    assert [v.name for v in first.variants] == ["fp32", "int8"]
+    assert first.variant("int8").plaintext_size == 111
+    assert first.variant("fp16") is None
+    latest = store.get_version("det")
+    assert latest.number == 2 and latest.notes == "note 2"
+    assert latest.created_at.tzinfo is not None
+    assert store.get_version("det", 1) == first
+    assert [v.number for v in store.list_versions("det")] == [1, 2]
+    models = {m.name: m for m in store.list_models()}
+    assert (models["det"].latest_version, models["det"].version_count) == (2, 2)
+    assert list(models) == ["det", "other"]
+    with pytest.raises(errors.NotFound, match="det:3"):
+        store.get_version("det", 3)
+
+
+def test_failed_build_leaves_no_row_and_no_gap(store):
+    def explode(number: int) -> NewVersion:
+        raise errors.Unavailable("kms down")
+
+    with pytest.raises(errors.Unavailable):
+        store.create_version("det", explode)
+    assert store.list_models() == []
+    assert store.create_version("det", _builder("a")).number == 1
+
+
+def test_concurrent_pushes_get_distinct_gapless_numbers(store):
+    numbers, failures = [], []
+
+    def push(i: int) -> None:
+        try:
+            numbers.append(store.create_version("det", _builder(f"t{i}")).number)
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert sorted(numbers) == [1, 2, 3, 4, 5, 6]
+
+
+def test_rewrap_is_all_or_nothing(store):
+    store.create_version("det", _builder("a"))
+    store.create_version("det", _builder("b"))
+    calls = []
+
+    def failing(uid, wrapped):
+        calls.append(uid)
+        if len(calls) == 2:
+            raise errors.Unavailable("kms down")
+        return WrappedKey("new", b"x")
+
+    with pytest.raises(errors.Unavailable):
+        store.rewrap_data_keys(failing)
+    assert {v.data_key.kek_id for v in store.list_versions("det")} == {"local:1"}
+    count = store.rewrap_data_keys(lambda uid, w: WrappedKey("new", w.ciphertext + b"!"))
+    assert count == 2
+    assert {v.data_key.kek_id for v in store.list_versions("det")} == {"new"}
+    assert store.get_version("det", 1).data_key.ciphertext == b"wrapped-a!"
+
+
+def test_referenced_blobs(store):
+    a = store.create_version("det", _builder("a", ("fp32", "int8")))
+    assert store.referenced_blobs() == {v.ciphertext_sha256 for v in a.variants}
+
+
+def test_tokens(store):
+    store.add_token(name="admin", role="admin", token_sha256="ab" * 32)
+    assert store.find_token("ab" * 32).name == "admin"
+    assert store.find_token("cd" * 32) is None
+    with pytest.raises(errors.AlreadyExists):
+        store.add_token(name="admin", role="admin", token_sha256="ef" * 32)
+
+
+def test_migrations_are_idempotent_and_reversible(db_url):
+    from alembic import command
+
+    store = SqlStore(db_url)
+    store.create_version("det", _builder("a"))
+    SqlStore(db_url).close()  # upgrading an up-to-date schema is a no-op
+    assert store.get_version("det").number == 1
+    config = alembic_config(store._engine)
+    command.downgrade(config, "base")
+    command.upgrade(config, "head")
+    assert store.list_models() == []
+    store.close()
+
+
+@pytest.mark.postgres
+def test_unreachable_database_is_unavailable():
+    with pytest.raises(errors.Unavailable, match="database unavailable"):
+        SqlStore("postgresql+psycopg://postgres@127.0.0.1:1/nothing")
