@@ -1,0 +1,35 @@
+"""Content-addressed blob stores for encrypted model artifacts.
+
+``open_blob_store(url)`` picks the backend from the URL scheme: ``file://`` or a plain
+path for a local directory, ``s3://`` for S3 and S3-compatible services.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from control_plane.blobs.base import CHUNK_SIZE, BlobInfo, BlobStore
+from control_plane.blobs.local_blob_store import LocalBlobStore
+from control_plane.blobs.s3_blob_store import S3BlobStore
+from control_plane.errors import InvalidArgument
+
+__all__ = [
+    "CHUNK_SIZE",
+    "BlobInfo",
+    "BlobStore",
+    "LocalBlobStore",
+    "S3BlobStore",
+    "open_blob_store",
+]
+
+
+def open_blob_store(url: str) -> BlobStore:
+    """Return the blob store named by ``url``; raise InvalidArgument for unknown schemes."""
+    if not url:
+        raise InvalidArgument("blob store URL is empty")
+    scheme = urlsplit(url).scheme
+    if scheme in ("", "file"):
+        return LocalBlobStore.from_url(url)
+    if scheme == "s3":
+        return S3BlobStore.from_url(url)
+    raise InvalidArgument(f"unsupported blob store URL scheme {scheme!r}")
