@@ -1,0 +1,234 @@
+"""Streaming envelope encryption of model artifacts with Tink's AES-GCM-HKDF streaming AEAD.
+
+Each model version gets a fresh *data key*: a serialized Tink keyset holding one
+AES256_GCM_HKDF_1MB streaming key. The artifact is cut into 1 MiB ciphertext segments,
+each authenticated on its own, so a download can be resumed and verified segment by
+segment while memory stays bounded by one segment.
+
+Ciphertext format (Tink's, see "Streaming AEAD" in the Tink wire-format docs), with
+S = SEGMENT_SIZE, H = 40 and T = 16::
+
+    header (H bytes) = header length (1) || HKDF salt (32) || nonce prefix (7)
+    segment 0        = the header, then up to S - H - T plaintext bytes, then a GCM tag
+    segment i > 0    = up to S - T plaintext bytes, then a GCM tag
+
+Every segment's nonce carries its index and a "last segment" flag, so reordering,
+dropping or truncating segments (even exactly at a segment boundary) fails
+authentication. Tink never emits an empty trailing segment, which makes the size of a
+ciphertext a pure function of the plaintext size (`ciphertext_size`).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
+
+import tink
+from google.protobuf.message import DecodeError
+from tink import secret_key_access, streaming_aead
+from tink.proto import aes_gcm_hkdf_streaming_pb2, common_pb2, tink_pb2
+
+from control_plane import errors
+
+SEGMENT_SIZE = 1 << 20
+"""Ciphertext segment size in bytes (header and tag included)."""
+
+_HEADER_SIZE = 1 + 32 + 7  # length byte + salt (= derived key size) + nonce prefix
+_TAG_SIZE = 16
+_FIRST_SEGMENT_PLAINTEXT = SEGMENT_SIZE - _HEADER_SIZE - _TAG_SIZE
+_SEGMENT_PLAINTEXT = SEGMENT_SIZE - _TAG_SIZE
+_KEY_TYPE_URL = "type.googleapis.com/google.crypto.tink.AesGcmHkdfStreamingKey"
+_TEMPLATE = streaming_aead.streaming_aead_key_templates.AES256_GCM_HKDF_1MB
+_TAMPERED = "ciphertext failed authentication (tampered, truncated, wrong key or wrong AD)"
+
+streaming_aead.register()
+
+
+def new_data_key() -> bytes:
+    """Return a fresh serialized Tink keyset holding one AES256_GCM_HKDF_1MB key (secret)."""
+    handle = tink.new_keyset_handle(_TEMPLATE)
+    return tink.proto_keyset_format.serialize(handle, secret_key_access.TOKEN)
+
+
+def ciphertext_size(plaintext_size: int) -> int:
+    """Return the exact ciphertext size for a plaintext of `plaintext_size` bytes.
+
+    One header, plus the plaintext, plus one tag per segment. The first segment holds
+    fewer plaintext bytes because the header shares it; an empty plaintext still
+    produces one (empty, authenticated) segment.
+    """
+    if plaintext_size < 0:
+        raise errors.InvalidArgument("plaintext size must not be negative")
+    extra = max(0, plaintext_size - _FIRST_SEGMENT_PLAINTEXT)
+    segments = 1 + -(-extra // _SEGMENT_PLAINTEXT)  # ceiling division
+    return _HEADER_SIZE + plaintext_size + segments * _TAG_SIZE
+
+
+def encrypt_stream(
+    data_key: bytes, chunks: Iterable[bytes], out: BinaryIO, *, associated_data: bytes
+) -> int:
+    """Encrypt `chunks` into `out` and return the number of ciphertext bytes written.
+
+    Memory use is bounded by one segment plus one input chunk. `out` is left open.
+    If reading `chunks` or writing `out` fails, the error propagates and the final
+    segment is *not* written, so a partial output never authenticates as complete.
+    """
+    primitive = _primitive(data_key)
+    sink = _Sink(out)
+    try:
+        stream = primitive.new_encrypting_stream(sink, associated_data)
+        for chunk in chunks:
+            stream.write(chunk)
+        stream.close()  # encrypts and writes the final, "last"-flagged segment
+    except BaseException as exc:
+        # The abandoned stream would finalize itself when garbage-collected;
+        # aborting the sink drops that write instead of completing a truncated file.
+        sink.abort()
+        if isinstance(exc, tink.TinkError) and sink.error is not None:
+            raise sink.error from None
+        raise
+    return sink.written
+
+
+def decrypt_stream(
+    data_key: bytes, src: BinaryIO | Iterable[bytes], *, associated_data: bytes
+) -> Iterator[bytes]:
+    """Yield the plaintext of `src` (a readable binary file or an iterable of chunks).
+
+    Segments are authenticated one by one, so plaintext is yielded before the whole
+    ciphertext is checked: a consumer must discard everything it received if the
+    iteration ends in `errors.IntegrityError`. `src` is left open.
+    """
+    primitive = _primitive(data_key)  # validated eagerly, not on the first next()
+    chunks = _read_chunks(src) if hasattr(src, "read") else iter(src)
+    return _decrypt(primitive, _Source(chunks), associated_data)
+
+
+def _decrypt(
+    primitive: streaming_aead.StreamingAead, source: _Source, associated_data: bytes
+) -> Iterator[bytes]:
+    try:
+        with primitive.new_decrypting_stream(source, associated_data) as stream:
+            while chunk := stream.read(_SEGMENT_PLAINTEXT):
+                yield chunk
+    except tink.TinkError as exc:
+        if source.error is not None:
+            # The source failed (network, disk): report that, not a bogus tamper.
+            raise source.error from None
+        raise errors.IntegrityError(_TAMPERED) from exc
+
+
+def _primitive(data_key: bytes) -> streaming_aead.StreamingAead:
+    """Parse and check a data key; its parameters fix the format `ciphertext_size` predicts."""
+    try:
+        _check_params(tink_pb2.Keyset.FromString(data_key))
+        handle = tink.proto_keyset_format.parse(data_key, secret_key_access.TOKEN)
+        return handle.primitive(streaming_aead.StreamingAead)
+    except (tink.TinkError, DecodeError, _ParamsError):
+        # `from None`: parser messages are not ours to vouch for; keep key bytes out.
+        raise errors.IntegrityError("data key is not an AES256_GCM_HKDF_1MB keyset") from None
+
+
+class _ParamsError(ValueError):
+    """The keyset parsed but does not hold exactly the expected key type and parameters."""
+
+
+def _check_params(keyset: tink_pb2.Keyset) -> None:
+    if len(keyset.key) != 1 or keyset.key[0].key_data.type_url != _KEY_TYPE_URL:
+        raise _ParamsError("expected exactly one AesGcmHkdfStreamingKey")
+    key = aes_gcm_hkdf_streaming_pb2.AesGcmHkdfStreamingKey.FromString(keyset.key[0].key_data.value)
+    params = key.params
+    if (
+        len(key.key_value) != 32
+        or params.derived_key_size != 32
+        or params.hkdf_hash_type != common_pb2.SHA256
+        or params.ciphertext_segment_size != SEGMENT_SIZE
+    ):
+        raise _ParamsError("unexpected streaming key parameters")
+
+
+def _read_chunks(f: BinaryIO) -> Iterator[bytes]:
+    while chunk := f.read(SEGMENT_SIZE):
+        yield chunk
+
+
+class _Source(io.RawIOBase):
+    """Readable raw stream over an iterator of chunks, for Tink's file-object API.
+
+    Tink closes the stream it reads from; this adapter owns nothing, so closing it
+    leaves the caller's file open. An exception from the iterator is kept in `error`
+    because Tink's C++ layer turns it into a generic TinkError.
+    """
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        super().__init__()
+        self._chunks = chunks
+        self._chunk = b""
+        self._offset = 0
+        self.error: BaseException | None = None
+
+    def readable(self) -> bool:
+        """Return True: this is a source."""
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        """Return up to `size` bytes (b"" at the end), at most one input chunk at a time."""
+        if self._offset >= len(self._chunk) and not self._next_chunk():
+            return b""
+        start, total = self._offset, len(self._chunk)
+        end = total if size is None or size < 0 else min(total, start + size)
+        self._offset = end
+        if start == 0 and end == total:
+            return bytes(self._chunk)  # no copy when the chunk is already bytes
+        return bytes(self._chunk[start:end])
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        """Fill `buffer` from the next chunk; return the byte count (0 at the end)."""
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def _next_chunk(self) -> bool:
+        try:
+            # Skip empty chunks: b"" means end-of-file to Tink.
+            while not (chunk := next(self._chunks)):
+                pass
+        except StopIteration:
+            return False
+        except Exception as exc:
+            self.error = exc
+            raise
+        self._chunk, self._offset = chunk, 0
+        return True
+
+
+class _Sink(io.RawIOBase):
+    """Writable raw stream that forwards to `out`, counts bytes, and never closes `out`."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        super().__init__()
+        self._out = out
+        self._aborted = False
+        self.written = 0
+        self.error: BaseException | None = None
+
+    def writable(self) -> bool:
+        """Return True: this is a sink."""
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        """Write all of `data` to `out` (or drop it once aborted); return its length."""
+        if self._aborted:
+            return len(data)
+        try:
+            self._out.write(data)
+        except Exception as exc:
+            self.error = exc
+            raise
+        self.written += len(data)
+        return len(data)
+
+    def abort(self) -> None:
+        """Drop every later write, including the final segment a stray close() would add."""
+        self._aborted = True
