@@ -1,0 +1,370 @@
+"""Child process that does every piece of MNN work for the control plane.
+
+Run as ``python -m control_plane.mnn_worker <op> --result-fd N ...`` by
+`control_plane.mnn_tools`, never imported by a long-lived process: ``import MNN`` prints to
+stdout and a malformed model can crash native code, so both must stay in a throwaway process.
+
+Protocol: models arrive and leave as inherited memfds addressed as ``/proc/self/fd/N``, and
+the converter's own scratch file is redirected to a memfd too, so no plaintext weights ever
+touch a filesystem. The parent starts us in a private, empty working directory. The single
+JSON result is written to the memfd ``--result-fd``; stdout and stderr (including MNN's
+native logging) go to the parent, which keeps them for diagnostics. The exit status is 0
+when the result says ``"ok": true``.
+
+MNN's Python wheel also ships ``MNN.tools`` whose converter wrappers upload usage data to a
+third-party service (``MNN.tools.utils.log``) and may pip-install packages. The worker calls
+the native converter (``_tools.mnnconvert``) directly and blocks those modules outright.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib.abc
+import json
+import os
+import re
+import resource
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from control_plane.mnn_tools import VARIANT_FLAGS
+
+FORBIDDEN_MODULES = ("MNN.tools", "aliyun")  # package prefixes; see the module docstring
+BIZ_CODE = "skiff"  # recorded in every model we write, visible in MNN's get_info()
+
+_NATIVE = ("MNN", "_mnncengine", "_tools")  # top-level names of MNN's Python and native parts
+_SPILL_NAME = ".__convert_external_data.bin"  # hard-coded in MNN's converter; see _spill_to_memfd
+
+# MNN's log decorations: "[20:36:58] :220: " timestamps and "[ERROR] " tags.
+_LOG_PREFIX = re.compile(r"^(\[\d\d:\d\d:\d\d\]\s*)?(:\d+:\s*)?(\[ERROR\]\s*)?")
+_LOG_PATH = re.compile(r"\s*:?\s*/proc/self/fd/\d+")
+
+_DTYPE_NAMES = {
+    "float": "float32",
+    "double": "float64",
+    "int": "int32",
+    "int64": "int64",
+    "int8": "int8",
+    "uint8": "uint8",
+}
+
+
+class WorkerError(Exception):
+    """An expected failure (bad model, converter refusal), reported as one line."""
+
+
+class _ImportGuard(importlib.abc.MetaPathFinder):
+    """Refuse to import the phone-home modules, whatever tries to import them."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        """Raise for forbidden modules; defer to the normal finders for the rest."""
+        if _is_forbidden(fullname):
+            raise ImportError(f"{fullname} is blocked in the MNN worker")
+        return None
+
+
+def install_import_guard() -> None:
+    """Put the guard first on sys.meta_path so it sees every import."""
+    if not any(isinstance(finder, _ImportGuard) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ImportGuard())
+
+
+def forbidden_loaded() -> list[str]:
+    """Return the names of forbidden modules present in sys.modules."""
+    return sorted(name for name in sys.modules if _is_forbidden(name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one operation and write its JSON result; return the exit status."""
+    args = _parser().parse_args(argv)
+    install_import_guard()
+    _line_buffer_native_stdout()
+    payload = _run_op(args)
+    os.pwrite(args.result_fd, json.dumps(payload).encode(), 0)
+    return 0 if payload["ok"] else 1
+
+
+def _run_op(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the requested operation; any failure becomes an ``"ok": false`` result."""
+    try:
+        payload: dict[str, Any] = {"ok": True, **_OPS[args.op](args)}
+    except WorkerError as exc:
+        payload = {"ok": False, "error": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the parent as a result
+        payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    payload["forbidden_modules"] = forbidden_loaded()
+    if payload["forbidden_modules"]:
+        payload.update(ok=False, error=f"forbidden modules loaded: {payload['forbidden_modules']}")
+    # What ran, and how much memory it took: for tests, benchmarks and capacity planning.
+    payload["native_modules"] = sorted(m for m in sys.modules if m.split(".")[0] in _NATIVE)
+    payload["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return payload
+
+
+def _inspect(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the model, run it once on zeros if its shapes are static, report its signature."""
+    import MNN
+
+    path = _fd_path(args.model_fd)
+    start = _log_position()
+    try:
+        module = MNN.nn.load_module_from_file(path, [], [])
+    except Exception as exc:
+        reason = _log_reason(start) or str(exc)
+        raise WorkerError(f"MNN refused to load it ({reason})") from None
+    info = module.get_info()
+    # get_info() pairs input names with nameless Vars carrying the shapes and dtypes.
+    inputs = [
+        _spec(name, var) for name, var in zip(info["inputNames"], info["inputs"], strict=True)
+    ]
+    if all(dim >= 0 for spec in inputs for dim in spec["shape"]):
+        outputs = _run_on_zeros(module, info)
+    else:
+        del module  # a second copy of the weights is about to be loaded
+        outputs = _declared_outputs(path, info["outputNames"])
+    version = info.get("version") or MNN.version()
+    return {"signature": {"inputs": inputs, "outputs": outputs, "mnn_version": version}}
+
+
+def _run_on_zeros(module: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run one forward pass on all-zero inputs; return the output specs it produced."""
+    names = info["outputNames"]
+    start = _log_position()
+    try:
+        results = module.forward(_zero_feeds(info["inputs"]))
+        for out in results:
+            out.read()  # force the computation: shapes alone can be inferred without running
+        error = "" if len(results) == len(names) else f"{len(results)} of {len(names)} outputs"
+    except Exception as exc:  # noqa: BLE001 - MNN's Python binding raises assorted types
+        error = str(exc) or type(exc).__name__
+    if error:
+        raise WorkerError(f"forward pass on zeros failed: {_log_reason(start) or error}")
+    return [_spec(name, out) for name, out in zip(names, results, strict=True)]
+
+
+def _zero_feeds(inputs: list[Any]) -> list[Any]:
+    """Build all-zero input Vars matching the model's declared inputs."""
+    import MNN
+    import numpy as np
+
+    expr = MNN.expr
+    feeds = []
+    for var in inputs:
+        shape = list(var.shape)
+        feed = expr.placeholder(shape, expr.NCHW, var.dtype)
+        feed.write(np.zeros(shape, _dtype_name(var)))
+        # Models that take NC4HW4 input want MNN's packed layout, not plain NCHW.
+        feeds.append(feed if var.data_format == expr.NCHW else expr.convert(feed, var.data_format))
+    return feeds
+
+
+def _declared_outputs(path: str, names: list[str]) -> list[dict[str, Any]]:
+    """Report output specs from shape inference alone; unknowable ones get shape ()."""
+    import MNN
+
+    found = MNN.expr.load_as_dict(path)
+    specs = []
+    for name in names:
+        try:
+            specs.append(_spec(name, found[name]))
+        except Exception:  # noqa: BLE001 - MNN raises assorted errors for unknown shapes
+            specs.append({"name": name, "shape": [], "dtype": "unknown"})
+    return specs
+
+
+def _spec(name: str, var: Any) -> dict[str, Any]:
+    """Describe one MNN Var as a JSON-able tensor spec."""
+    shape = var.shape
+    if shape is None:
+        raise WorkerError(f"MNN cannot infer the shape of {name!r}")
+    return {"name": name, "shape": list(shape), "dtype": _dtype_name(var)}
+
+
+def _dtype_name(var: Any) -> str:
+    """Map an MNN Var's dtype (printed as "dtype.float") to a numpy-style name."""
+    return _DTYPE_NAMES.get(str(var.dtype).removeprefix("dtype."), "unknown")
+
+
+def _convert(args: argparse.Namespace) -> dict[str, Any]:
+    """Convert the ONNX model in --src-fd to MNN in --dst-fd."""
+    _reject_external_data(args.src_fd)
+    return _run_converter(["-f", "ONNX"], args.src_fd, args.dst_fd)
+
+
+def _variant(args: argparse.Namespace) -> dict[str, Any]:
+    """Rewrite the MNN model in --src-fd as the named variant in --dst-fd."""
+    _verify_mnn(args.src_fd)
+    return _run_converter(["-f", "MNN", *VARIANT_FLAGS[args.variant]], args.src_fd, args.dst_fd)
+
+
+def _verify_mnn(fd: int) -> None:
+    """Run MNN's flatbuffer verifier: the converter itself segfaults on malformed .mnn input."""
+    import MNN
+
+    start = _log_position()
+    try:
+        MNN.Interpreter(_fd_path(fd))  # verifies and parses; no session, so no weight setup
+    except Exception as exc:  # noqa: BLE001 - the binding raises a bare Exception
+        raise WorkerError(f"not a valid MNN model ({_log_reason(start) or exc})") from None
+
+
+def _run_converter(flags: list[str], src_fd: int, dst_fd: int) -> dict[str, Any]:
+    """Run MNN's native converter between two memfds; fail unless it wrote a model."""
+    import _tools  # the native converter, without the MNN.tools wrapper that phones home
+
+    start = _log_position()
+    argv = ["mnnconvert", *flags, "--modelFile", _fd_path(src_fd)]
+    argv += ["--MNNModel", _fd_path(dst_fd), "--bizCode", BIZ_CODE]
+    with _spill_to_memfd():
+        _tools.mnnconvert(argv)  # returns True even on failure: judge by the output and log
+    failed = any("Converted Failed" in line for line in _log_lines(start))
+    size = os.fstat(dst_fd).st_size
+    if failed or size == 0:
+        raise WorkerError(_log_reason(start) or "the converter wrote no model")
+    return {"bytes": size}
+
+
+@contextlib.contextmanager
+def _spill_to_memfd() -> Iterator[None]:
+    """Point the converter's weight spill file at a memfd, so weights never reach a disk.
+
+    MNN's graph optimiser writes every weight to ".__convert_external_data.bin" in the current
+    directory, reads it back by name and unlinks it; the name is hard-coded. A symlink of that
+    name to /proc/self/fd/N sends both opens to our memfd; MNN's unlink removes the symlink.
+    The parent runs us in a private, throwaway directory, so the name is ours alone.
+    """
+    spill = os.memfd_create("skiff-mnn-spill", os.MFD_CLOEXEC)
+    try:
+        os.symlink(_fd_path(spill), _SPILL_NAME)
+    except OSError as exc:
+        os.close(spill)
+        raise WorkerError(f"cannot keep the converter's scratch file in memory ({exc})") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_SPILL_NAME)
+        os.close(spill)
+
+
+def _reject_external_data(src_fd: int) -> None:
+    """Refuse ONNX models whose tensors point at external files.
+
+    MNN resolves external-data locations relative to the model's directory, which for us is
+    /proc/self/fd: "../../../etc/passwd" would copy a host file into the converted model.
+    """
+    import onnx
+
+    with open(_fd_path(src_fd), "rb") as src:
+        try:
+            model = onnx.ModelProto.FromString(src.read())
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise WorkerError(f"not a readable ONNX protobuf ({type(exc).__name__})") from None
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in _all_tensors(model)):
+        raise WorkerError("tensors stored as external data are not supported")
+
+
+def _all_tensors(model: Any) -> Any:
+    """Yield every TensorProto in the model, including attributes and subgraphs."""
+    graphs = [model.graph]
+    graphs += [g for info in model.training_info for g in (info.initialization, info.algorithm)]
+    nodes = [node for function in model.functions for node in function.node]
+    while graphs or nodes:
+        if graphs:
+            graph = graphs.pop()
+            yield from graph.initializer
+            for sparse in graph.sparse_initializer:
+                yield from (sparse.values, sparse.indices)
+            nodes.extend(graph.node)
+            continue
+        for attr in nodes.pop().attribute:
+            yield from (attr.t, *attr.tensors)
+            for sparse in (attr.sparse_tensor, *attr.sparse_tensors):
+                yield from (sparse.values, sparse.indices)
+            graphs.extend([attr.g, *attr.graphs])
+
+
+def _log_position() -> int:
+    """Return where the next native log line will land in our stderr file."""
+    _flush_all()
+    try:
+        return os.fstat(2).st_size
+    except OSError:
+        return 0
+
+
+def _log_lines(start: int) -> list[str]:
+    """Return what stdout/stderr received since `start` (empty if stderr is not a file)."""
+    _flush_all()
+    try:
+        end = os.fstat(2).st_size
+        return os.pread(2, max(0, end - start), start).decode(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _log_reason(start: int) -> str:
+    """Pick the most telling error line MNN printed since `start`, tidied up."""
+    lines = [line.strip() for line in _log_lines(start) if line.strip()]
+    for marker in ("Not Support", "[ERROR]", "Check failed", "Invalid", "Error", "error"):
+        for line in lines:
+            if marker in line:
+                # "/proc/self/fd/N" means nothing to whoever uploaded the model.
+                return _LOG_PATH.sub("", _LOG_PREFIX.sub("", line)).strip()
+    return ""
+
+
+def _flush_all() -> None:
+    """Flush Python's and C's stdio buffers so the log file is complete."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+def _line_buffer_native_stdout() -> None:
+    """Make C stdout line-buffered so a native crash loses no log lines."""
+    try:
+        libc = ctypes.CDLL(None)
+        stdout = ctypes.c_void_p.in_dll(libc, "stdout")
+        libc.setvbuf(stdout, None, 1, 0)  # 1 == _IOLBF on glibc and musl
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _fd_path(fd: int) -> str:
+    """Address an inherited descriptor as a path; opening it gets a fresh file offset."""
+    return f"/proc/self/fd/{fd}"
+
+
+def _is_forbidden(name: str) -> bool:
+    """Tell whether module `name` is, or lives under, a forbidden package."""
+    return any(name == p or name.startswith(p + ".") for p in FORBIDDEN_MODULES)
+
+
+_OPS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "inspect": _inspect,
+    "convert": _convert,
+    "variant": _variant,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Build the command-line parser for the worker's three operations."""
+    parser = argparse.ArgumentParser(prog="python -m control_plane.mnn_worker")
+    parser.add_argument("op", choices=sorted(_OPS))
+    parser.add_argument("--result-fd", type=int, required=True)
+    parser.add_argument("--model-fd", type=int)
+    parser.add_argument("--src-fd", type=int)
+    parser.add_argument("--dst-fd", type=int)
+    parser.add_argument("--variant", choices=sorted(VARIANT_FLAGS))
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
