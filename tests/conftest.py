@@ -28,15 +28,15 @@ def moto_endpoint() -> Iterator[str]:
         server.stop()
 
 
-PG_ADMIN_URL = os.environ.get(
-    "SKIFF_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
+PG_ADMIN_URL = os.environ.get("SKIFF_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
 def _pg_admin_engine():
     from sqlalchemy import create_engine
 
-    return create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5})
+    return create_engine(
+        PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
+    )
 
 
 @pytest.fixture

@@ -28,6 +28,8 @@ class Base(DeclarativeBase):
 
 
 class ModelRow(Base):
+    """A model name; its versions hang off it."""
+
     __tablename__ = "models"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -40,6 +42,8 @@ class ModelRow(Base):
 
 
 class VersionRow(Base):
+    """One immutable version, with its wrapped data key and signed manifest."""
+
     __tablename__ = "model_versions"
     # Serves "latest version of model X" and keeps numbers unique under concurrent pushes.
     __table_args__ = (UniqueConstraint("model_id", "number", name="uq_version_number"),)
@@ -66,6 +70,8 @@ class VersionRow(Base):
 
 
 class VariantRow(Base):
+    """One stored form of a version: where its ciphertext is and what it decrypts to."""
+
     __tablename__ = "model_variants"
     # Serves loading a version's variants, one name each.
     __table_args__ = (UniqueConstraint("version_id", "name", name="uq_variant_name"),)
@@ -84,6 +90,8 @@ class VariantRow(Base):
 
 
 class TokenRow(Base):
+    """An API token, stored only as its SHA-256."""
+
     __tablename__ = "api_tokens"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -1,0 +1,137 @@
+"""The `skiff` command: parses arguments and calls keyword-only start_* functions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from control_plane import errors
+from control_plane.settings import SETTINGS, default_home, load_config
+
+# Exit codes, one per kind of failure, so scripts can tell them apart.
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2  # argparse's own
+EXIT_INVALID = 3
+EXIT_NOT_FOUND = 4
+EXIT_AUTH = 5
+EXIT_UNAVAILABLE = 6
+EXIT_CONFLICT = 7
+EXIT_INTEGRITY = 8
+
+EXIT_BY_ERROR: tuple[tuple[type[errors.SkiffError], int], ...] = (
+    (errors.InvalidArgument, EXIT_INVALID),
+    (errors.TooLarge, EXIT_INVALID),
+    (errors.NotFound, EXIT_NOT_FOUND),
+    (errors.Unauthenticated, EXIT_AUTH),
+    (errors.PermissionDenied, EXIT_AUTH),
+    (errors.Unavailable, EXIT_UNAVAILABLE),
+    (errors.AlreadyExists, EXIT_CONFLICT),
+    (errors.IntegrityError, EXIT_INTEGRITY),
+)
+
+
+def _common(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    parser.add_argument(
+        "--home", type=Path, default=None, help=f"state folder (default {default_home()})"
+    )
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the full argument parser."""
+    parser = argparse.ArgumentParser(prog="skiff", description="Ship MNN models to fleets.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("init", help="create the embedded default in the home folder")
+    _common(p)
+    for s in SETTINGS:
+        if s.name in ("grpc", "db", "blobs", "kek"):
+            p.add_argument(f"--{s.name}", help=s.doc)
+
+    p = sub.add_parser("server", help="run the control plane")
+    _common(p, json_flag=False)
+    for s in SETTINGS:
+        if s.name in ("grpc", "db", "blobs"):
+            p.add_argument(f"--{s.name}", help=s.doc)
+
+    model = sub.add_parser("model", help="push, list, show and pull models")
+    msub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = msub.add_parser("push", help="upload a .mnn or .onnx file as a new version")
+    _common(p)
+    p.add_argument("file", type=Path)
+    p.add_argument("--name", required=True)
+    p.add_argument("--notes", default="")
+    p.add_argument(
+        "--variant", action="extend", nargs="+", default=[], choices=("fp16", "int8", "int4")
+    )
+    p = msub.add_parser("ls", help="list models")
+    _common(p)
+    p = msub.add_parser("show", help="show a model's versions, or one version")
+    _common(p)
+    p.add_argument("ref", metavar="NAME[:VERSION]")
+    p = msub.add_parser("pull", help="download a decrypted model (admin only)")
+    _common(p)
+    p.add_argument("ref", metavar="NAME:VERSION")
+    p.add_argument("--variant", default="")
+    p.add_argument("-o", "--output", type=Path, required=True)
+
+    key = sub.add_parser("key", help="manage the key-encryption key")
+    ksub = key.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = ksub.add_parser("rotate", help="re-wrap every data key under a new KEK")
+    _common(p)
+    p.add_argument("--to", default="", help="new KEK URL (aws-kms://...); default: new local key")
+
+    p = sub.add_parser("demo", help="run the end-to-end demo on a throwaway home")
+    _common(p, json_flag=False)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    return {s.name: getattr(args, s.name, None) for s in SETTINGS}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from control_plane import commands  # deferred: keeps `skiff --help` instant
+
+    config = load_config(args.home, _overrides(args))
+    handler = getattr(commands, f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_"))
+    result = handler(config=config, args=args)
+    if result is not None:
+        if getattr(args, "json", False):
+            print(json.dumps(result[0], indent=2, sort_keys=True))
+        else:
+            print(result[1])
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `skiff` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.command in ("server", "demo") else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return _run(args)
+    except errors.SkiffError as exc:
+        code = next((c for kind, c in EXIT_BY_ERROR if isinstance(exc, kind)), EXIT_ERROR)
+        print(f"skiff: error: {exc}", file=sys.stderr)
+        return code
+    except OSError as exc:
+        print(
+            f"skiff: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Admin client: the one module that owns the CLI's networking.
+
+Unary reads retry only on UNAVAILABLE, with exponential backoff and full jitter; auth
+errors fail fast. Every call carries a deadline. Pushes are not retried automatically:
+a retried push would append a second version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+
+from control_plane import errors
+from control_plane.grpc_errors import error_for
+from protos import admin_pb2, admin_pb2_grpc, common_pb2
+
+CHUNK = 1 << 20
+UNARY_DEADLINE_S = 30.0
+# Streams move up to gigabytes; the deadline guards against a stalled peer, not a slow one.
+STREAM_DEADLINE_S = 6 * 3600.0
+RETRIES = 4
+BACKOFF_BASE_S = 0.2
+BACKOFF_CAP_S = 5.0
+
+CHANNEL_OPTIONS = [
+    # Matches the server's limit; chunks are 1 MiB.
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", 8 << 20),
+    # Long uploads sit idle on the response side; keepalive pings stop NATs and proxies
+    # from dropping the connection under them.
+    ("grpc.keepalive_time_ms", 30_000),
+    # A peer that misses a ping for this long is gone; fail the call instead of hanging.
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+# Called with (bytes done, bytes in all).
+Progress = Callable[[int, int], None]
+
+
+def rpc_error(exc: grpc.RpcError) -> errors.SkiffError:
+    """Turn a gRPC error into the matching domain error, keeping the server's message."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else "") or code.name.lower()
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+        details = "control plane unreachable: " + details.splitlines()[0]
+    return error_for(code)(details)
+
+
+class AdminClient:
+    """Typed wrapper over AdminService."""
+
+    def __init__(self, address: str, token: str) -> None:
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _unary(self, method, request):
+        for attempt in range(RETRIES + 1):
+            try:
+                return method(request, timeout=UNARY_DEADLINE_S, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == RETRIES:
+                    raise rpc_error(exc) from None
+                time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)))
+        raise AssertionError("unreachable")
+
+    def list_models(self) -> list[common_pb2.Model]:
+        """Return every model."""
+        return list(self._unary(self._stub.ListModels, admin_pb2.ListModelsRequest()).models)
+
+    def get_model(self, name: str, version: int | None = None) -> admin_pb2.GetModelResponse:
+        """Return a model with one version (or all of them)."""
+        request = admin_pb2.GetModelRequest(name=name, version=version or 0)
+        return self._unary(self._stub.GetModel, request)
+
+    def rotate_kek(self, new_kek: str = "") -> admin_pb2.RotateKekResponse:
+        """Re-wrap every data key under a new KEK."""
+        return self._unary(self._stub.RotateKek, admin_pb2.RotateKekRequest(new_kek=new_kek))
+
+    def push(
+        self,
+        path: str | os.PathLike,
+        *,
+        name: str,
+        notes: str = "",
+        variants: tuple[str, ...] = (),
+        progress: Progress | None = None,
+    ) -> common_pb2.ModelVersion:
+        """Stream a model file to the registry; returns the new version."""
+        path = Path(path)
+        size, digest = _size_and_digest(path)
+        header = admin_pb2.PushHeader(
+            name=name,
+            notes=notes,
+            variants=list(variants),
+            filename=path.name,
+            size=size,
+            sha256=digest,
+        )
+        try:
+            return self._stub.PushModel(
+                _push_requests(path, header, progress),
+                timeout=STREAM_DEADLINE_S,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+    def pull(
+        self,
+        name: str,
+        version: int | None,
+        out: str | os.PathLike,
+        *,
+        variant: str = "",
+        progress: Progress | None = None,
+    ) -> admin_pb2.PullHeader:
+        """Download a decrypted variant to `out`: verified, then renamed into place."""
+        request = admin_pb2.PullModelRequest(name=name, version=version or 0, variant=variant)
+        try:
+            responses = self._stub.PullModel(
+                request, timeout=STREAM_DEADLINE_S, metadata=self._metadata
+            )
+            first = next(responses)
+            return _write_verified(first.header, responses, Path(out), progress)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+
+def _size_and_digest(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+        return path.stat().st_size, digest.hexdigest()
+    except OSError as exc:
+        raise errors.InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _push_requests(
+    path: Path, header: admin_pb2.PushHeader, progress: Progress | None
+) -> Iterator[admin_pb2.PushModelRequest]:
+    yield admin_pb2.PushModelRequest(header=header)
+    sent = 0
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            sent += len(chunk)
+            if progress:
+                progress(sent, header.size)
+            yield admin_pb2.PushModelRequest(chunk=chunk)
+
+
+def _write_verified(
+    header: admin_pb2.PullHeader, chunks, out: Path, progress: Progress | None
+) -> admin_pb2.PullHeader:
+    out = out.resolve()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with tmp.open("wb") as f:
+            for response in chunks:
+                digest.update(response.chunk)
+                size += len(response.chunk)
+                f.write(response.chunk)
+                if progress:
+                    progress(size, header.variant.plaintext_size)
+            f.flush()
+            os.fsync(f.fileno())
+        variant = header.variant
+        if size != variant.plaintext_size or digest.hexdigest() != variant.plaintext_sha256:
+            raise errors.IntegrityError(
+                f"downloaded model does not match its recorded SHA-256 ({size} bytes)"
+            )
+        os.replace(tmp, out)
+        return header
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,110 @@
+"""What each CLI command does; `cli.py` only parses arguments and dispatches here.
+
+Each start_* function returns (json_value, text) for the CLI to print, or None.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from control_plane import views
+from control_plane.client import AdminClient
+from control_plane.home import init_home, read_token
+from control_plane.progress import ProgressBar
+from control_plane.registry import parse_ref
+from control_plane.settings import Config
+
+Output = tuple[object, str] | None
+
+
+def _client(config: Config) -> AdminClient:
+    return AdminClient(config.dial_address, read_token(config.home))
+
+
+def start_init(*, config: Config, args: argparse.Namespace) -> Output:
+    """Create the embedded default."""
+    made = init_home(config)
+    body = {k: str(v) for k, v in made.__dict__.items()}
+    text = (
+        f"initialised {made.home}\n"
+        f"  database  {made.db}\n  blobs     {made.blobs}\n  kek       {made.kek}\n"
+        f"  admin token written to {made.token_file} (mode 0600)\n"
+        f"next: skiff server --home {made.home}"
+    )
+    return body, text
+
+
+def start_server(*, config: Config, args: argparse.Namespace) -> Output:
+    """Run the control plane until interrupted."""
+    from control_plane.server import serve
+
+    serve(config=config)
+    return None
+
+
+def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
+    """Upload a model file as the next version."""
+    bar = ProgressBar(f"push {args.file.name}")
+    with _client(config) as client:
+        version = client.push(
+            args.file, name=args.name, notes=args.notes, variants=tuple(args.variant), progress=bar
+        )
+    bar.finish()
+    return views.version_dict(version), f"{version.model}:{version.version}"
+
+
+def start_model_ls(*, config: Config, args: argparse.Namespace) -> Output:
+    """List models."""
+    with _client(config) as client:
+        models = client.list_models()
+    return [views.model_dict(m) for m in models], views.models_table(models)
+
+
+def start_model_show(*, config: Config, args: argparse.Namespace) -> Output:
+    """Show one model's versions, or one version."""
+    name, number = parse_ref(args.ref)
+    with _client(config) as client:
+        found = client.get_model(name, number)
+    body = {
+        "model": views.model_dict(found.model),
+        "versions": [views.version_dict(v) for v in found.versions],
+    }
+    return body, "\n".join(views.version_text(v) for v in found.versions)
+
+
+def start_model_pull(*, config: Config, args: argparse.Namespace) -> Output:
+    """Download and verify a decrypted model."""
+    name, number = parse_ref(args.ref)
+    with _client(config) as client:
+        bar = ProgressBar(f"pull {args.ref}")
+        header = client.pull(name, number, args.output, variant=args.variant, progress=bar)
+    bar.finish()
+    v, var = header.version, header.variant
+    body = {
+        "model": v.model,
+        "version": v.version,
+        "variant": var.name,
+        "path": str(args.output.resolve()),
+        "size": var.plaintext_size,
+        "sha256": var.plaintext_sha256,
+    }
+    return (
+        body,
+        f"wrote {v.model}:{v.version} ({var.name}, {var.plaintext_size:,} bytes) to {args.output}",
+    )
+
+
+def start_key_rotate(*, config: Config, args: argparse.Namespace) -> Output:
+    """Re-wrap every data key under a new key-encryption key."""
+    with _client(config) as client:
+        r = client.rotate_kek(args.to)
+    body = {"old_kek_id": r.old_kek_id, "new_kek_id": r.new_kek_id, "rewrapped": r.rewrapped}
+    return body, f"re-wrapped {r.rewrapped} data keys: {r.old_kek_id} -> {r.new_kek_id}"
+
+
+def start_demo(*, config: Config, args: argparse.Namespace) -> Output:
+    """Run the end-to-end demo."""
+    from control_plane.demo import run_demo
+
+    run_demo(home=args.home)
+    return None

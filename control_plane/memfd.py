@@ -1,0 +1,78 @@
+"""Anonymous in-memory files: where plaintext models live on the server.
+
+A memfd is RAM-backed and never touches a filesystem, yet MNN (which only loads from a
+path) can open it as /proc/<pid>/fd/N. Its pages are not part of the process's RSS unless
+mapped, so spooling a large upload here does not inflate the server's resident set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from control_plane import errors
+
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Spooled:
+    """A memfd holding a stream's bytes, with their size and SHA-256."""
+
+    fd: int
+    size: int
+    sha256: str
+
+
+def spool(chunks: Iterable[bytes], *, limit: int, name: str = "skiff-model") -> Spooled:
+    """Copy a stream into a new memfd while hashing; TooLarge as soon as it passes `limit`.
+
+    The caller owns the returned fd. On any error the memfd is closed and the error
+    propagates, so a cut-off or oversized upload leaves nothing behind.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        digest, size = hashlib.sha256(), 0
+        for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise errors.TooLarge(f"model is larger than the {_human(limit)} limit")
+            digest.update(chunk)
+            _write_all(fd, chunk)
+        return Spooled(fd=fd, size=size, sha256=digest.hexdigest())
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def stat_fd(fd: int) -> Spooled:
+    """Describe an fd that already holds a whole file (size and SHA-256)."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in read_chunks(fd):
+        digest.update(chunk)
+        size += len(chunk)
+    return Spooled(fd=fd, size=size, sha256=digest.hexdigest())
+
+
+def read_chunks(fd: int, *, chunk: int = CHUNK) -> Iterator[bytes]:
+    """Yield the fd's bytes from the start, without moving its offset."""
+    offset = 0
+    while data := os.pread(fd, chunk, offset):
+        offset += len(data)
+        yield data
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

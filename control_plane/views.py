@@ -1,0 +1,83 @@
+"""Human and JSON renderings of registry messages for the CLI."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from google.protobuf.json_format import MessageToDict
+
+from protos import common_pb2
+
+
+def _ts(ts) -> str:
+    return ts.ToDatetime().replace(microsecond=0).isoformat() + "Z"
+
+
+def model_dict(m: common_pb2.Model) -> dict:
+    """JSON-ready form of a model."""
+    return {
+        "name": m.name,
+        "latest_version": m.latest_version,
+        "version_count": m.version_count,
+        "created_at": _ts(m.created_at),
+    }
+
+
+def version_dict(v: common_pb2.ModelVersion) -> dict:
+    """JSON-ready form of a version: the manifest parsed, its signature base64."""
+    body = MessageToDict(
+        v, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    body["version"] = v.version
+    body["created_at"] = _ts(v.created_at)
+    for variant, msg in zip(body["variants"], v.variants, strict=True):
+        variant["plaintext_size"] = msg.plaintext_size
+        variant["ciphertext_size"] = msg.ciphertext_size
+        variant["segment_size"] = msg.segment_size
+    body["manifest"] = json.loads(v.manifest) if v.manifest else None
+    body["manifest_signature"] = base64.b64encode(v.manifest_signature).decode()
+    return body
+
+
+def _dims(shape) -> str:
+    return "x".join("?" if d < 0 else str(d) for d in shape) or "scalar"
+
+
+def _tensors(specs) -> str:
+    return ", ".join(f"{t.name}[{_dims(t.shape)}] {t.dtype}" for t in specs)
+
+
+def models_table(models: list[common_pb2.Model]) -> str:
+    """Render models as a plain table."""
+    if not models:
+        return "no models yet: push one with `skiff model push FILE --name NAME`"
+    rows = [("NAME", "LATEST", "VERSIONS", "CREATED")]
+    rows += [
+        (m.name, str(m.latest_version), str(m.version_count), _ts(m.created_at)) for m in models
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def version_text(v: common_pb2.ModelVersion) -> str:
+    """Describe one version for people."""
+    lines = [
+        f"{v.model}:{v.version}",
+        f"  created   {_ts(v.created_at)} by {v.created_by}",
+        f"  source    {v.source_format}, MNN {v.signature.mnn_version}",
+        f"  inputs    {_tensors(v.signature.inputs)}",
+        f"  outputs   {_tensors(v.signature.outputs)}",
+        f"  manifest  signed by key {v.signing_key_id}",
+    ]
+    if v.notes:
+        lines.insert(2, f"  notes     {v.notes}")
+    lines.append("  variants")
+    for var in v.variants:
+        lines.append(
+            f"    {var.name:<5} {var.plaintext_size:>12,} B  sha256 {var.plaintext_sha256[:16]}…"
+            f"  encrypted {var.ciphertext_size:,} B"
+        )
+    return "\n".join(lines)

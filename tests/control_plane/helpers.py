@@ -1,0 +1,45 @@
+"""A real control plane on port 0 for tests: init a home, build, serve, tear down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from control_plane.client import AdminClient
+from control_plane.home import init_home, read_token
+from control_plane.registry import Registry
+from control_plane.server import build_registry, create_server
+from control_plane.settings import Config, load_config
+
+
+@dataclass
+class ControlPlane:
+    """A running server with handles on its parts, for assertions."""
+
+    config: Config
+    registry: Registry
+    server: grpc.Server
+    port: int
+    token: str
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self, token: str | None = None) -> AdminClient:
+        return AdminClient(self.address, self.token if token is None else token)
+
+    def stop(self) -> None:
+        self.server.stop(grace=None).wait()
+        self.registry.store.close()
+
+
+def start_control_plane(home: Path, **settings) -> ControlPlane:
+    config = load_config(home, {"grpc": "127.0.0.1:0", **settings}, environ={})
+    init_home(config)
+    registry = build_registry(config)
+    server, port = create_server(config, registry, "127.0.0.1:0")
+    server.start()
+    return ControlPlane(config, registry, server, port, read_token(config.home))

@@ -1,0 +1,201 @@
+"""Uploads that go wrong on the wire or below: limits, disconnects, dead backends."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import boto3
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sqlalchemy import create_engine, text
+
+from control_plane import errors, sample_models
+from protos import admin_pb2, admin_pb2_grpc
+from tests.conftest import PG_ADMIN_URL
+from tests.control_plane.helpers import start_control_plane
+
+CHUNK = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def mnn_bytes() -> bytes:
+    return sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=3))
+
+
+@pytest.fixture
+def cp(tmp_path):
+    plane = start_control_plane(tmp_path / "home", max_model_bytes=256 * 1024)
+    yield plane
+    plane.stop()
+
+
+def _stub(cp):
+    channel = grpc.insecure_channel(cp.address)
+    return (
+        channel,
+        admin_pb2_grpc.AdminServiceStub(channel),
+        (("authorization", f"Bearer {cp.token}"),),
+    )
+
+
+def _assert_nothing_stored(cp):
+    assert cp.registry.store.list_models() == []
+    assert list(cp.registry.blobs.keys()) == []
+    assert list((cp.config.home / "tmp").iterdir()) == []
+
+
+def test_declared_oversize_upload_is_refused_before_reading(cp, tmp_path):
+    big = tmp_path / "big.mnn"
+    big.write_bytes(b"\0" * (300 * 1024))
+    with cp.client() as client, pytest.raises(errors.TooLarge, match="limit"):
+        client.push(big, name="det")
+    _assert_nothing_stored(cp)
+
+
+def test_undeclared_oversize_stream_is_cut_off_early(cp):
+    sent = []
+
+    def endless():
+        yield admin_pb2.PushModelRequest(header=admin_pb2.PushHeader(name="det"))
+        for _ in range(100_000):  # 6.4 GB if the server kept reading
+            sent.append(CHUNK)
+            yield admin_pb2.PushModelRequest(chunk=b"\0" * CHUNK)
+
+    channel, stub, metadata = _stub(cp)
+    with channel, pytest.raises(grpc.RpcError) as caught:
+        stub.PushModel(endless(), metadata=metadata, timeout=60)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than the 256.0 KiB limit" in caught.value.details()
+    # Flow control lets the client run a little ahead, never through the whole stream.
+    assert sum(sent) < 64 * 1024 * 1024
+    _assert_nothing_stored(cp)
+
+
+def test_client_disconnect_mid_upload_stores_nothing(cp, mnn_bytes):
+    all_sent, release = threading.Event(), threading.Event()
+
+    def stalled():
+        yield admin_pb2.PushModelRequest(header=admin_pb2.PushHeader(name="det"))
+        # The whole (valid) model arrives, but the stream never ends: only the cancel
+        # below ends it, and the server must not take that for a complete upload.
+        yield admin_pb2.PushModelRequest(chunk=mnn_bytes)
+        all_sent.set()
+        release.wait(30)
+
+    channel, stub, metadata = _stub(cp)
+    with channel:
+        future = stub.PushModel.future(stalled(), metadata=metadata, timeout=60)
+        assert all_sent.wait(10)
+        future.cancel()
+        release.set()
+        with pytest.raises(grpc.FutureCancelledError):
+            future.result()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # give a wrongly-completing handler time to store
+        assert cp.registry.store.list_models() == []
+        time.sleep(0.2)
+    _assert_nothing_stored(cp)
+    with cp.client() as client:
+        path = cp.config.home / "ok.mnn"
+        path.write_bytes(mnn_bytes)
+        assert client.push(path, name="det").version == 1
+
+
+def test_header_must_come_first(cp):
+    channel, stub, metadata = _stub(cp)
+    with channel, pytest.raises(grpc.RpcError) as caught:
+        stub.PushModel(iter([admin_pb2.PushModelRequest(chunk=b"x")]), metadata=metadata)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "first message must be a header" in caught.value.details()
+
+
+def test_altered_upload_is_rejected(cp, mnn_bytes):
+    header = admin_pb2.PushHeader(name="det", size=len(mnn_bytes), sha256="0" * 64)
+    requests = [
+        admin_pb2.PushModelRequest(header=header),
+        admin_pb2.PushModelRequest(chunk=mnn_bytes),
+    ]
+    channel, stub, metadata = _stub(cp)
+    with channel, pytest.raises(grpc.RpcError) as caught:
+        stub.PushModel(iter(requests), metadata=metadata)
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+    _assert_nothing_stored(cp)
+
+
+def _serving(cp) -> bool:
+    with grpc.insecure_channel(cp.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_unreachable_blob_store_is_unavailable_and_server_survives(
+    tmp_path, mnn_bytes, moto_endpoint
+):
+    plane = start_control_plane(
+        tmp_path / "home", blobs="s3://nowhere/m?endpoint_url=http://127.0.0.1:1"
+    )
+    try:
+        path = tmp_path / "m.mnn"
+        path.write_bytes(mnn_bytes)
+        with plane.client() as client:
+            with pytest.raises(errors.Unavailable):
+                client.push(path, name="det")
+            assert client.list_models() == []
+        assert _serving(plane)
+        assert list((plane.config.home / "tmp").iterdir()) == []
+    finally:
+        plane.stop()
+
+
+@pytest.mark.postgres
+def test_unreachable_database_is_unavailable_and_server_recovers(tmp_path, mnn_bytes, pg_url):
+    plane = start_control_plane(tmp_path / "home", db=pg_url)
+    name = pg_url.rsplit("/", 1)[1]
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    path = tmp_path / "m.mnn"
+    path.write_bytes(mnn_bytes)
+    try:
+        with plane.client() as client:
+            client.push(path, name="det")
+            with admin.connect() as conn:
+                conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+                conn.execute(
+                    text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname=:n"),
+                    {"n": name},
+                )
+            with pytest.raises(errors.Unavailable, match="database unavailable"):
+                client.list_models()
+            assert _serving(plane)
+            with admin.connect() as conn:
+                conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+            assert [m.latest_version for m in client.list_models()] == [1]
+            assert client.push(path, name="det").version == 2
+    finally:
+        plane.stop()
+        admin.dispose()
+
+
+def test_rotate_to_kms_and_back_keeps_models_readable(tmp_path, mnn_bytes, moto_endpoint):
+    key_id = boto3.client("kms", endpoint_url=moto_endpoint).create_key()["KeyMetadata"]["KeyId"]
+    plane = start_control_plane(tmp_path / "home")
+    path = tmp_path / "m.mnn"
+    path.write_bytes(mnn_bytes)
+    try:
+        with plane.client() as client:
+            client.push(path, name="det")
+            result = client.rotate_kek(f"aws-kms://{key_id}?endpoint_url={moto_endpoint}")
+            assert result.rewrapped == 1 and result.new_kek_id.startswith("aws-kms:")
+            assert plane.registry.store.get_version("det").data_key.kek_id == result.new_kek_id
+            client.push(path, name="det")
+            client.pull("det", 1, tmp_path / "v1.mnn")
+            client.pull("det", 2, tmp_path / "v2.mnn")
+            with pytest.raises(errors.InvalidArgument, match="name the new KEK"):
+                client.rotate_kek()
+        assert (tmp_path / "v1.mnn").read_bytes() == mnn_bytes
+        assert "aws-kms://" in (plane.config.home / "skiff.json").read_text()
+    finally:
+        plane.stop()
