@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_HOME ?= .skiff-demo
 
-.PHONY: demo test install lint check-protos protos bench clean
+.PHONY: demo test install system-deps lint check-protos protos bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,12 @@ demo: install
 	rm -rf $(DEMO_HOME)
 	$(BIN)/skiff demo --home $(DEMO_HOME)
 
-test: install lint check-protos
+test: install system-deps lint check-protos
 	$(BIN)/python -m pytest
+
+# Tools the tests drive from outside Python (Debian packages).
+system-deps:
+	@command -v strace >/dev/null || { apt-get update -qq && apt-get install -y -qq strace; }
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import grpc
@@ -74,30 +73,21 @@ def model_pb(m: ModelRecord) -> common_pb2.Model:
 
 
 class _Upload:
-    """The chunk stream of a PushModel call, checked against what the header declared."""
+    """The chunk stream of a PushModel call; only a stream that really ended is complete."""
 
     def __init__(self, requests: Iterator, header: admin_pb2.PushHeader, context, limit: int):
         if header.size > limit:
             raise errors.TooLarge(f"model is {header.size} bytes, over the {limit}-byte limit")
-        self._requests, self._header, self._context = requests, header, context
-        self._digest, self.size = hashlib.sha256(), 0
+        self._requests, self._context = requests, context
 
     def __iter__(self) -> Iterator[bytes]:
         for request in self._requests:
             if request.WhichOneof("item") != "chunk":
                 raise errors.InvalidArgument("PushModel: only the first message is a header")
-            self._digest.update(request.chunk)
-            self.size += len(request.chunk)
             yield request.chunk
         # A cancelled call can end the iterator early; never store a cut-off upload.
         if not self._context.is_active():
             raise errors.Unavailable("client disconnected mid-upload")
-        if self._header.size and self.size != self._header.size:
-            raise errors.InvalidArgument(
-                f"upload truncated: got {self.size} of {self._header.size} bytes"
-            )
-        if self._header.sha256 and self._digest.hexdigest() != self._header.sha256.lower():
-            raise errors.IntegrityError("upload does not match the SHA-256 the client declared")
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -127,6 +117,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 notes=header.notes,
                 variants=tuple(header.variants),
                 filename=header.filename,
+                size=header.size,
+                sha256=header.sha256,
             ),
             upload,
         )

@@ -26,7 +26,7 @@ def _say(text: str) -> None:
 def run_demo(*, home: Path | None = None) -> None:
     """Run the demo; leaves its home folder behind for inspection."""
     home = Path(home) if home else Path(tempfile.mkdtemp(prefix="skiff-demo-"))
-    config = load_config(home, {"grpc": "127.0.0.1:0"}, environ={})
+    config = load_config(home, environ={})
     if not (config.home / CONFIG_FILE).exists():
         init_home(config)
         _say(f"== initialised embedded control plane in {config.home}")

@@ -47,15 +47,6 @@ def spool(chunks: Iterable[bytes], *, limit: int, name: str = "skiff-model") -> 
         raise
 
 
-def stat_fd(fd: int) -> Spooled:
-    """Describe an fd that already holds a whole file (size and SHA-256)."""
-    digest, size = hashlib.sha256(), 0
-    for chunk in read_chunks(fd):
-        digest.update(chunk)
-        size += len(chunk)
-    return Spooled(fd=fd, size=size, sha256=digest.hexdigest())
-
-
 def read_chunks(fd: int, *, chunk: int = CHUNK) -> Iterator[bytes]:
     """Yield the fd's bytes from the start, without moving its offset."""
     offset = 0

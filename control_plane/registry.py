@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import logging
 import os
 import re
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from control_plane import errors, memfd, mnn_tools
 from control_plane.blobs import BlobStore
@@ -29,7 +29,7 @@ from control_plane.crypto import (
     LocalKek,
     ManifestSigner,
     decrypt_stream,
-    encrypt_stream,
+    encrypt_chunks,
     new_data_key,
     rewrap,
 )
@@ -47,6 +47,8 @@ MODEL_NAME = re.compile(r"[a-z0-9_-]{1,64}")
 BASE_VARIANT = "fp32"
 AEAD_NAME = "AES256_GCM_HKDF_1MB"
 MANIFEST_SCHEMA = "skiff.manifest/v1"
+# Concurrent MNN children per push; each holds a copy of a variant's weights.
+INSPECT_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,18 @@ class PushRequest:
     notes: str = ""
     variants: tuple[str, ...] = ()
     filename: str = ""
+    # What the client says it sent (0 / "" = not declared); checked after the upload.
+    size: int = 0
+    sha256: str = ""
+
+
+def _check_upload(request: PushRequest, upload: memfd.Spooled) -> None:
+    if upload.size == 0:
+        raise errors.InvalidArgument("model file is empty")
+    if request.size and upload.size != request.size:
+        raise errors.InvalidArgument(f"upload truncated: got {upload.size} of {request.size} bytes")
+    if request.sha256 and upload.sha256 != request.sha256.lower():
+        raise errors.IntegrityError("upload does not match the SHA-256 the client declared")
 
 
 def validate_name(name: str) -> str:
@@ -104,13 +118,10 @@ class Registry:
         blobs: BlobStore,
         kek: KeyEncryptionKey,
         signer: ManifestSigner,
-        staging_dir: Path,
         max_model_bytes: int,
         mnn_timeout_s: float,
     ) -> None:
         self.store, self.blobs, self.kek, self.signer = store, blobs, kek, signer
-        self._staging = Path(staging_dir)
-        self._staging.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.max_model_bytes = max_model_bytes
         self._mnn_timeout = mnn_timeout_s
         # Held from wrapping a data key until its row commits, and for a whole rotation,
@@ -125,44 +136,53 @@ class Registry:
         validate_name(request.name)
         extra = _validate_variants(request.variants)
         stored: list[str] = []
-        with contextlib.ExitStack() as fds:
+        with contextlib.ExitStack() as stack:
             upload = memfd.spool(chunks, limit=self.max_model_bytes)
-            fds.callback(os.close, upload.fd)
-            if upload.size == 0:
-                raise errors.InvalidArgument("model file is empty")
+            stack.callback(os.close, upload.fd)
+            _check_upload(request, upload)
             try:
-                plain = self._plaintext_variants(upload.fd, extra, fds)
-                return self._store_version(request, plain, stored)
+                fmt, fds = self._plaintext_variants(upload.fd, extra, stack)
+                return self._store_version(request, fmt, fds, stored)
             except BaseException:
                 self._delete_blobs(stored)
                 raise
 
     def _plaintext_variants(
-        self, upload_fd: int, extra: tuple[str, ...], fds: contextlib.ExitStack
-    ) -> dict[str, tuple[int, str, mnn_tools.ModelSignature]]:
-        """Return {variant: (memfd, source format, signature)}, each loaded by MNN."""
+        self, upload_fd: int, extra: tuple[str, ...], stack: contextlib.ExitStack
+    ) -> tuple[str, dict[str, int]]:
+        """Return the source format and a memfd per variant (fp32 first)."""
         fmt = mnn_tools.sniff_format(upload_fd)
         base = upload_fd
         if fmt == "onnx":
             base = mnn_tools.convert_onnx(upload_fd, timeout=self._mnn_timeout)
-            fds.callback(os.close, base)
-        plain = {BASE_VARIANT: (base, fmt)}
+            stack.callback(os.close, base)
+        fds = {BASE_VARIANT: base}
         for name in extra:
-            fd = mnn_tools.make_variant(base, name, timeout=self._mnn_timeout)
-            fds.callback(os.close, fd)
-            plain[name] = (fd, fmt)
-        return {
-            name: (fd, fmt, mnn_tools.inspect_model(fd, timeout=self._mnn_timeout))
-            for name, (fd, fmt) in plain.items()
-        }
+            fds[name] = mnn_tools.make_variant(base, name, timeout=self._mnn_timeout)
+            stack.callback(os.close, fds[name])
+        return fmt, fds
 
-    def _store_version(self, request: PushRequest, plain: dict, stored: list[str]):
-        uid = uuid.uuid4().hex
-        data_key = new_data_key()
-        variants = []
-        for name, (fd, _fmt, signature) in plain.items():
-            variants.append(self._encrypt_variant(uid, name, fd, signature, data_key, stored))
-        base_signature = plain[BASE_VARIANT][2].to_dict()
+    def _store_version(
+        self, request: PushRequest, fmt: str, fds: dict[str, int], stored: list[str]
+    ) -> VersionRecord:
+        uid, data_key = uuid.uuid4().hex, new_data_key()
+        # MNN loads each variant in a child process while this thread encrypts and stores:
+        # the two dominate a push, and neither needs the other's result until the end.
+        with ThreadPoolExecutor(INSPECT_WORKERS, thread_name_prefix="skiff-inspect") as pool:
+            pending = {
+                name: pool.submit(mnn_tools.inspect_model, fd, timeout=self._mnn_timeout)
+                for name, fd in fds.items()
+            }
+            try:
+                sealed = [
+                    self._encrypt_variant(uid, n, fd, data_key, stored) for n, fd in fds.items()
+                ]
+                signatures = {name: future.result().to_dict() for name, future in pending.items()}
+            except BaseException:
+                for future in pending.values():
+                    future.cancel()
+                raise
+        variants = tuple(replace(v, signature=signatures[v.name]) for v in sealed)
         created_at = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
         def build(number: int) -> NewVersion:
@@ -172,8 +192,8 @@ class Registry:
                 "version": number,
                 "uid": uid,
                 "created_at": created_at.isoformat(),
-                "source_format": plain[BASE_VARIANT][1],
-                "signature": base_signature,
+                "source_format": fmt,
+                "signature": signatures[BASE_VARIANT],
                 "variants": {v.name: _manifest_variant(uid, v) for v in variants},
             }
             signed = self.signer.sign(manifest)
@@ -182,9 +202,9 @@ class Registry:
                 created_at=created_at,
                 created_by=request.actor,
                 notes=request.notes,
-                source_format=plain[BASE_VARIANT][1],
-                signature=base_signature,
-                variants=tuple(variants),
+                source_format=fmt,
+                signature=signatures[BASE_VARIANT],
+                variants=variants,
                 data_key=self.kek.wrap(data_key, context=uid),
                 manifest=signed.body,
                 manifest_signature=signed.signature,
@@ -193,27 +213,36 @@ class Registry:
 
         with self._kek_lock:
             record = self.store.create_version(request.name, build)
-        log.info("pushed %s:%d (%s)", record.model, record.number, ", ".join(plain))
+        log.info("pushed %s:%d (%s)", record.model, record.number, ", ".join(fds))
         return record
 
-    def _encrypt_variant(self, uid, name, fd, signature, data_key, stored) -> VariantRecord:
-        plain = memfd.stat_fd(fd)
-        # Only ciphertext is ever written to disk.
-        with tempfile.NamedTemporaryFile(dir=self._staging, prefix="enc-") as tmp:
-            encrypt_stream(
-                data_key, memfd.read_chunks(fd), tmp, associated_data=associated_data(uid, name)
-            )
-            tmp.flush()
-            info = self.blobs.put_file(tmp.name)
+    def _encrypt_variant(
+        self, uid: str, name: str, fd: int, data_key: bytes, stored: list[str]
+    ) -> VariantRecord:
+        """Encrypt one plaintext memfd into the blob store, hashing it on the way."""
+        digest, size = hashlib.sha256(), 0
+
+        def plaintext() -> Iterator[bytes]:
+            nonlocal size
+            for chunk in memfd.read_chunks(fd):
+                digest.update(chunk)
+                size += len(chunk)
+                yield chunk
+
+        # Straight from memory into the blob store: only ciphertext is ever written.
+        ciphertext = encrypt_chunks(
+            data_key, plaintext(), associated_data=associated_data(uid, name)
+        )
+        info = self.blobs.put_stream(ciphertext)
         stored.append(info.key)
         return VariantRecord(
             name=name,
-            plaintext_size=plain.size,
-            plaintext_sha256=plain.sha256,
+            plaintext_size=size,
+            plaintext_sha256=digest.hexdigest(),
             ciphertext_size=info.size,
             ciphertext_sha256=info.key,
             segment_size=SEGMENT_SIZE,
-            signature=signature.to_dict(),
+            signature={},
         )
 
     def _delete_blobs(self, keys: list[str]) -> None:

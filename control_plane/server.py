@@ -36,7 +36,6 @@ def build_registry(config: Config) -> Registry:
         blobs=open_blob_store(config.blobs),
         kek=open_kek(config.kek),
         signer=ManifestSigner.load(config.signing_key),
-        staging_dir=config.home / "tmp",
         max_model_bytes=config.max_model_bytes,
         mnn_timeout_s=config.mnn_timeout_s,
     )

@@ -4,6 +4,7 @@ from control_plane.crypto.envelope import (
     SEGMENT_SIZE,
     ciphertext_size,
     decrypt_stream,
+    encrypt_chunks,
     encrypt_stream,
     new_data_key,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "canonical_json",
     "ciphertext_size",
     "decrypt_stream",
+    "encrypt_chunks",
     "encrypt_stream",
     "new_data_key",
     "open_kek",

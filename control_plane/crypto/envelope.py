@@ -20,6 +20,7 @@ ciphertext a pure function of the plaintext size (`ciphertext_size`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
@@ -74,21 +75,54 @@ def encrypt_stream(
     If reading `chunks` or writing `out` fails, the error propagates and the final
     segment is *not* written, so a partial output never authenticates as complete.
     """
+    written = 0
+    ciphertext = encrypt_chunks(data_key, chunks, associated_data=associated_data)
+    with contextlib.closing(ciphertext):  # closing aborts a half-written stream
+        for piece in ciphertext:
+            out.write(piece)
+            written += len(piece)
+    return written
+
+
+def encrypt_chunks(
+    data_key: bytes, chunks: Iterable[bytes], *, associated_data: bytes
+) -> Iterator[bytes]:
+    """Yield the ciphertext of `chunks` as it is produced, e.g. into a blob store.
+
+    Memory use is bounded by one segment plus one input chunk. If `chunks` raises or
+    the consumer stops early, the final segment is never produced, so a partial
+    ciphertext never authenticates as complete.
+    """
     primitive = _primitive(data_key)
-    sink = _Sink(out)
+    pending: list[bytes] = []
+    sink = _Sink(_Collector(pending))
     try:
         stream = primitive.new_encrypting_stream(sink, associated_data)
         for chunk in chunks:
             stream.write(chunk)
+            if pending:
+                yield b"".join(pending)
+                pending.clear()
         stream.close()  # encrypts and writes the final, "last"-flagged segment
-    except BaseException as exc:
+    except BaseException:
         # The abandoned stream would finalize itself when garbage-collected;
         # aborting the sink drops that write instead of completing a truncated file.
         sink.abort()
-        if isinstance(exc, tink.TinkError) and sink.error is not None:
-            raise sink.error from None
         raise
-    return sink.written
+    if pending:
+        yield b"".join(pending)
+
+
+class _Collector:
+    """Write target that keeps what Tink writes until the generator hands it on."""
+
+    def __init__(self, pending: list[bytes]) -> None:
+        self._pending = pending
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Keep a copy of `data` (Tink may reuse its buffer)."""
+        self._pending.append(bytes(data))
+        return len(data)
 
 
 def decrypt_stream(

@@ -63,7 +63,8 @@ def test_round_trip_and_exact_size(key: bytes, size: int) -> None:
     ciphertext = out.getvalue()
     assert written == len(ciphertext) == ciphertext_size(size)
     assert not out.closed  # the caller's file stays theirs
-    assert plaintext not in ciphertext or size == 0
+    # A short plaintext can turn up in random bytes by chance; a 16-byte one cannot.
+    assert size < 16 or plaintext not in ciphertext
     chunks = split_randomly(ciphertext, size + 1)
     assert b"".join(decrypt_stream(key, iter(chunks), associated_data=AD)) == plaintext
     assert decrypt(key, ciphertext) == plaintext

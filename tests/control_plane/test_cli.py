@@ -1,0 +1,143 @@
+"""The `skiff` command as users and scripts run it: real processes, real server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from control_plane import sample_models
+
+SKIFF = [sys.executable, "-m", "control_plane.cli"]
+
+
+def skiff(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [*SKIFF, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"skiff {args} failed ({result.returncode}): {result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("cli") / "home"
+    init = skiff("init", "--home", str(home), "--json")
+    made = json.loads(init.stdout)
+    proc = subprocess.Popen(
+        [*SKIFF, "server", "--home", str(home), "--grpc", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    address = line.split("listening on ")[1].split()[0]
+    env = {"SKIFF_HOME": str(home), "SKIFF_SERVER": address, "SKIFF_TOKEN": ""}
+    yield {"home": home, "env": env, "init": made, "proc": proc}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "det.onnx"
+    path.write_bytes(sample_models.tiny_mlp_onnx(seed=5))
+    return path
+
+
+def _error_line(result: subprocess.CompletedProcess) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("skiff: error: ")
+    return lines[0]
+
+
+def test_init_writes_private_token_and_never_prints_it(server):
+    token_file = Path(server["init"]["token_file"])
+    token = token_file.read_text().strip()
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert token.startswith("skf_")
+    assert token not in json.dumps(server["init"])
+    again = skiff("init", "--home", str(server["home"]), check=False)
+    assert again.returncode == 7
+    assert "already initialised" in _error_line(again)
+
+
+def test_push_ls_show_pull(server, model_file, tmp_path):
+    env = server["env"]
+    pushed = skiff(
+        "model", "push", str(model_file), "--name", "clidet", "--variant", "int8", env=env
+    )
+    assert pushed.stdout.strip() == "clidet:1"
+    listed = json.loads(skiff("model", "ls", "--json", env=env).stdout)
+    assert {"name": "clidet", "latest_version": 1, "version_count": 1}.items() <= listed[0].items()
+    shown = json.loads(skiff("model", "show", "clidet:1", "--json", env=env).stdout)
+    version = shown["versions"][0]
+    assert version["manifest"]["model"] == "clidet"
+    assert [v["name"] for v in version["variants"]] == ["fp32", "int8"]
+    assert "clidet:1" in skiff("model", "show", "clidet", env=env).stdout
+    out = tmp_path / "pulled.mnn"
+    pulled = json.loads(
+        skiff(
+            "model", "pull", "clidet:1", "--variant", "int8", "-o", str(out), "--json", env=env
+        ).stdout
+    )
+    assert pulled["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert pulled["variant"] == "int8"
+
+
+def test_push_json_is_clean_for_scripts(server, model_file):
+    result = skiff(
+        "model", "push", str(model_file), "--name", "jsondet", "--json", env=server["env"]
+    )
+    body = json.loads(result.stdout)  # nothing but the JSON document on stdout
+    assert body["model"] == "jsondet" and body["version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "code", "words"),
+    [
+        (("model", "show", "ghost"), {}, 4, "'ghost' not found"),
+        (("model", "show", "Bad Name"), {}, 3, "invalid model name"),
+        (("model", "pull", "ghost:1", "-o", "/tmp/x"), {}, 4, "not found"),
+        (("model", "push", "/nonexistent.onnx", "--name", "det"), {}, 3, "cannot read"),
+        (("model", "ls"), {"SKIFF_TOKEN": "skf_wrong"}, 5, "invalid token"),
+        (("model", "ls"), {"SKIFF_SERVER": "127.0.0.1:1"}, 6, "unreachable"),
+    ],
+)
+def test_errors_exit_non_zero_with_one_line(server, args, env, code, words):
+    result = skiff(*args, env={**server["env"], **env}, check=False)
+    assert result.returncode == code, result.stderr
+    assert words in _error_line(result)
+    assert result.stdout == ""
+
+
+def test_bad_model_is_rejected(server, tmp_path):
+    junk = tmp_path / "junk.mnn"
+    junk.write_bytes(os.urandom(10_000))
+    result = skiff("model", "push", str(junk), "--name", "junk", env=server["env"], check=False)
+    assert result.returncode == 3
+    assert "model" in _error_line(result)
+    assert "junk" not in skiff("model", "ls", env=server["env"]).stdout
+
+
+def test_key_rotate(server, model_file, tmp_path):
+    env = server["env"]
+    skiff("model", "push", str(model_file), "--name", "rotdet", env=env)
+    rotated = json.loads(skiff("key", "rotate", "--json", env=env).stdout)
+    assert rotated["rewrapped"] >= 1 and rotated["old_kek_id"] != rotated["new_kek_id"]
+    skiff("model", "pull", "rotdet:1", "-o", str(tmp_path / "r.mnn"), env=env)
+    assert (tmp_path / "r.mnn").stat().st_size > 0
