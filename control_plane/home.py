@@ -10,6 +10,7 @@ from control_plane import errors
 from control_plane.auth import ADMIN, hash_token, new_token
 from control_plane.blobs.local_blob_store import LocalBlobStore
 from control_plane.crypto import LocalKek, ManifestSigner
+from control_plane.files import write_private_file
 from control_plane.settings import CONFIG_FILE, TOKEN_FILE, Config, write_config_file
 from control_plane.store.sql_store import SqlStore
 
@@ -25,13 +26,6 @@ class InitResult:
     signing_key: str
     db: str
     blobs: str
-
-
-def _write_secret(path: Path, text: str) -> None:
-    # O_EXCL: never overwrite a secret; 0600 from the first byte, not chmod-ed later.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
 
 
 def init_home(config: Config) -> InitResult:
@@ -55,7 +49,7 @@ def init_home(config: Config) -> InitResult:
     finally:
         store.close()
     token_file = home / TOKEN_FILE
-    _write_secret(token_file, token)
+    write_private_file(token_file, (token + "\n").encode(), replace=False)
     config_file = write_config_file(config)
     return InitResult(
         home=home,

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from control_plane import errors
+from control_plane.files import write_all
 
 CHUNK = 1 << 20
 
@@ -40,7 +41,7 @@ def spool(chunks: Iterable[bytes], *, limit: int, name: str = "skiff-model") -> 
             if size > limit:
                 raise errors.TooLarge(f"model is larger than the {_human(limit)} limit")
             digest.update(chunk)
-            _write_all(fd, chunk)
+            write_all(fd, chunk)
         return Spooled(fd=fd, size=size, sha256=digest.hexdigest())
     except BaseException:
         os.close(fd)
@@ -53,12 +54,6 @@ def read_chunks(fd: int, *, chunk: int = CHUNK) -> Iterator[bytes]:
     while data := os.pread(fd, chunk, offset):
         offset += len(data)
         yield data
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _human(n: int) -> str:

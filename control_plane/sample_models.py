@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import numpy as np
 from onnx import TensorProto, helper
 
+from control_plane.files import write_all
+
 __all__ = [
     "tiny_mlp_onnx",
     "sized_mlp_onnx",
@@ -84,7 +86,7 @@ def onnx_to_mnn_bytes(onnx_bytes: bytes) -> bytes:
 
     src = os.memfd_create("skiff-sample-onnx", os.MFD_CLOEXEC)
     try:
-        _write_all(src, onnx_bytes)
+        write_all(src, onnx_bytes)
         dst = mnn_tools.convert_onnx(src)
     finally:
         os.close(src)
@@ -183,13 +185,6 @@ def _varint(value: int) -> bytes:
         out.append(byte | (0x80 if value else 0))
         if not value:
             return bytes(out)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write all of `data` to `fd`."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _read_all(fd: int) -> bytes:

@@ -27,6 +27,7 @@ from control_plane.blobs.base import (
     verify_digest,
 )
 from control_plane.errors import InvalidArgument, NotFound, Unavailable
+from control_plane.files import fsync_directory
 
 _TMP_DIR = ".tmp"
 _DIR_MODE = 0o700
@@ -162,7 +163,7 @@ class LocalBlobStore(BlobStore):
             _mkdir(dest.parent)
             # Same content under the same name, so replacing an existing blob is harmless.
             os.replace(tmp, dest)
-            _fsync_dir(dest.parent)
+            fsync_directory(dest.parent)
 
     def _walk(self) -> Iterator[str]:
         for d1 in _fanout_dirs(self.root):
@@ -205,15 +206,7 @@ def _mkdir(path: Path) -> None:
         os.mkdir(path, _DIR_MODE)
     except FileExistsError:
         return
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(path.parent)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -17,10 +17,7 @@ import abc
 import io
 import logging
 import os
-import stat
-import tempfile
 from collections.abc import Mapping
-from contextlib import suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +31,7 @@ from tink import aead, cleartext_keyset_handle
 from tink.proto import tink_pb2
 
 from control_plane import errors
+from control_plane.files import read_private_file, write_private_file
 
 aead.register()
 
@@ -318,52 +316,3 @@ def _to_json(keyset: tink_pb2.Keyset) -> bytes:
         tink.JsonKeysetWriter(buffer), cleartext_keyset_handle.from_keyset(keyset)
     )
     return buffer.getvalue().encode("utf-8")
-
-
-def write_private_file(path: Path, data: bytes, *, replace: bool) -> None:
-    """Write `data` to `path` atomically with mode 0600 (temp file, fsync, rename).
-
-    With ``replace=False`` the rename is a hard link, which fails if `path` exists,
-    so two racing creators cannot overwrite each other's key.
-    """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:  # mkstemp creates it 0600 whatever the umask
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if replace:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise errors.AlreadyExists(f"{path} already exists") from None
-    finally:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-    _fsync_directory(path.parent)  # make the rename itself durable
-
-
-def read_private_file(path: Path) -> bytes:
-    """Read a key file, refusing one that group or others can access (like ssh does)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise errors.NotFound(f"key file {path} does not exist") from None
-    with os.fdopen(fd, "rb") as f:
-        mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # fstat: the file we read
-        if mode & 0o077:
-            raise errors.InvalidArgument(
-                f"key file {path} has mode {mode:04o}; it must not be accessible by group "
-                "or others (chmod 600)"
-            )
-        return f.read()
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

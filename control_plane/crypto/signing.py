@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from control_plane import errors
-from control_plane.crypto.kek import read_private_file, write_private_file
+from control_plane.files import read_private_file, write_private_file
 
 _BAD_SIGNATURE = "manifest signature does not verify"
 
