@@ -44,7 +44,7 @@ def start_server(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
     """Upload a model file as the next version."""
-    bar = ProgressBar(f"push {args.file.name}")
+    bar = ProgressBar(f"push {args.file.name}", after="  - server validating with MNN")
     with _client(config) as client:
         version = client.push(
             args.file, name=args.name, notes=args.notes, variants=tuple(args.variant), progress=bar

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 import boto3
 import grpc
@@ -11,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane import errors, sample_models
+from control_plane import registry as registry_module
 from control_plane.crypto import verify_manifest
 from tests.control_plane.helpers import start_control_plane
 
@@ -202,3 +204,26 @@ def test_rotate_local_kek_rewraps_without_touching_blobs(cp, tmp_path, mnn_bytes
     assert (tmp_path / "back.mnn").read_bytes() == mnn_bytes
     keyset = json.loads((cp.config.home / "keys" / "kek.json").read_text())
     assert len(keyset["key"]) == 1  # the old key was retired once nothing used it
+
+
+def test_secrets_and_plaintext_never_reach_the_logs(cp, tmp_path, mnn_bytes, caplog, monkeypatch):
+    caplog.set_level(logging.DEBUG)
+    captured = []
+    real_new_data_key = registry_module.new_data_key
+
+    def spy() -> bytes:
+        captured.append(real_new_data_key())
+        return captured[-1]
+
+    monkeypatch.setattr(registry_module, "new_data_key", spy)
+    with cp.client() as client:
+        client.push(_write(tmp_path, "m.mnn", mnn_bytes), name="det")
+        client.pull("det", 1, tmp_path / "back.mnn")
+        client.rotate_kek()
+        with cp.client("skf_" + "x" * 43) as bad, pytest.raises(errors.Unauthenticated):
+            bad.list_models()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "pushed det:1" in text  # the logs are captured at all
+    assert cp.token not in text and "x" * 43 not in text
+    assert captured and captured[0].hex() not in text and repr(captured[0]) not in text
+    assert mnn_bytes[100:164].hex() not in text
