@@ -52,7 +52,9 @@ def kek_factory(config: Config, registry: Registry):
                     raise errors.InvalidArgument(
                         "the active KEK is not a local key file: name the new KEK"
                     )
-                return registry.kek.rotate()
+                # Rotate what is on disk, not the in-memory copy: an earlier attempt that
+                # failed after adding its key must not block this one.
+                return LocalKek.load(registry.kek.path).rotate()
             new = open_kek(url)
             write_config_file(replace(config, kek=url))
             return new

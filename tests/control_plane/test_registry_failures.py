@@ -197,3 +197,41 @@ def test_rotate_to_kms_and_back_keeps_models_readable(tmp_path, mnn_bytes, moto_
         assert "aws-kms://" in (plane.config.home / "skiff.json").read_text()
     finally:
         plane.stop()
+
+
+def test_kms_as_the_kek_from_init(tmp_path, mnn_bytes, moto_endpoint):
+    key_id = boto3.client("kms", endpoint_url=moto_endpoint).create_key()["KeyMetadata"]["KeyId"]
+    plane = start_control_plane(
+        tmp_path / "home", kek=f"aws-kms://{key_id}?endpoint_url={moto_endpoint}"
+    )
+    path = tmp_path / "m.mnn"
+    path.write_bytes(mnn_bytes)
+    try:
+        assert not (plane.config.home / "keys" / "kek.json").exists()
+        with plane.client() as client:
+            client.push(path, name="det")
+            client.pull("det", 1, tmp_path / "back.mnn")
+        assert plane.registry.store.get_version("det").data_key.kek_id == f"aws-kms:{key_id}"
+        assert (tmp_path / "back.mnn").read_bytes() == mnn_bytes
+    finally:
+        plane.stop()
+
+
+def test_failed_rotation_can_be_retried(cp, mnn_bytes, monkeypatch):
+    path = cp.config.home / "m.mnn"
+    path.write_bytes(mnn_bytes)
+    with cp.client() as client:
+        client.push(path, name="det")
+        store = cp.registry.store
+        real = store.rewrap_data_keys
+
+        def down(rewrap):
+            raise errors.Unavailable("database unavailable: test")
+
+        monkeypatch.setattr(store, "rewrap_data_keys", down)
+        with pytest.raises(errors.Unavailable):
+            client.rotate_kek()
+        monkeypatch.setattr(store, "rewrap_data_keys", real)
+        assert client.rotate_kek().rewrapped == 1
+        client.pull("det", 1, cp.config.home / "back.mnn")
+    assert (cp.config.home / "back.mnn").read_bytes() == mnn_bytes
