@@ -5,13 +5,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_HOME ?= .skiff-demo
 
-.PHONY: demo test install system-deps lint check-protos protos bench clean
+.PHONY: demo test install system-deps lint check-protos protos bench clean sanitize
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# The editable install also builds the native extension (runtime/_native, via CMake):
+# rerun it whenever the C++ sources change.
+NATIVE_SOURCES := CMakeLists.txt $(wildcard runtime/_native/src/*)
+
+$(STAMP): pyproject.toml $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
@@ -21,12 +25,14 @@ demo: install
 	rm -rf $(DEMO_HOME)
 	$(BIN)/skiff demo --home $(DEMO_HOME)
 
-test: install system-deps lint check-protos
+test: install system-deps lint check-protos sanitize
 	$(BIN)/python -m pytest
 
 # Tools the tests drive from outside Python (Debian packages).
 system-deps:
-	@command -v strace >/dev/null || { apt-get update -qq && apt-get install -y -qq strace; }
+	@missing=""; for tool in strace:strace cmake:cmake ninja:ninja-build g++:g++; do \
+	  command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; done; \
+	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing; fi
 
 lint: install
 	$(BIN)/ruff check .
@@ -44,3 +50,14 @@ bench: install
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME) .pytest_cache .ruff_cache
+
+# ASan + UBSan build of the stream engine's C++ tests (runtime/_native/tests), then run
+# them: any memory error or undefined behaviour fails the target. Needs cmake, ninja and
+# a C++17 compiler with the sanitizer runtimes (Debian's g++ has them). No Python here.
+SANITIZE_DIR := build/sanitize
+sanitize: system-deps
+	cmake -S . -B $(SANITIZE_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSKIFF_PYTHON=OFF \
+	  -DSKIFF_NATIVE_TESTS=ON -DSKIFF_SANITIZE=ON
+	cmake --build $(SANITIZE_DIR)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --test-dir $(SANITIZE_DIR) --output-on-failure
