@@ -1,0 +1,184 @@
+"""The one module that touches MNN: a quiet import, captured native logs, backend detection.
+
+``import MNN`` prints a CPU-feature line to stdout, and MNN's native logging (load errors,
+"Can't Find type=3 backend, use 0 instead") is plain printf on fd 1, invisible to Python's
+``sys.stdout``. Apps' stdout must stay clean, so every native call that may log runs
+inside `native_output()`, which points fd 1 at a memfd for the duration and forwards what
+MNN said to the ``runtime.mnn`` logger at DEBUG. The redirect is process-wide, so it is
+taken under a lock and kept off the inference fast path; output other threads write to
+fd 1 meanwhile lands in the same log record instead of on the terminal.
+
+``MNN.tools`` (the converter wrappers) pip-installs packages and uploads usage data when
+imported; an import guard refuses it, and the aliyun SDK it pulls in, in any process
+that reaches MNN through this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.abc
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from runtime._memfd import memfd
+from runtime.backends import Backend, BackendConfig
+from runtime.errors import ModelLoadError
+
+__all__ = ["Captured", "detect_backend", "load_mnn", "log_reason", "native_output"]
+
+logger = logging.getLogger("runtime.mnn")
+
+FORBIDDEN_MODULES = ("MNN.tools", "aliyun")
+SESSION_INFO_BACKENDS = 2  # MNN::Interpreter::SessionInfoCode::BACKENDS
+# MNN's own words when it swaps an unavailable backend for another one.
+_FALLBACK_LINE = re.compile(r"Can't Find type=(\d+) backend, use (\d+) instead")
+_REASON_MARKERS = ("Error", "error", "Invalid", "Not Support", "Can't", "failed")
+
+_lock = threading.RLock()  # guards fd 1 and the lazy import
+_mnn: ModuleType | None = None
+_detected: dict[BackendConfig, tuple[Backend, str]] = {}
+
+
+class _ImportGuard(importlib.abc.MetaPathFinder):
+    """Refuse the phone-home modules whatever tries to import them."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        """Raise for forbidden modules; defer to the normal finders for the rest."""
+        if any(fullname == p or fullname.startswith(p + ".") for p in FORBIDDEN_MODULES):
+            raise ImportError(f"{fullname} is blocked by the Skiff runtime (it phones home)")
+        return None
+
+
+def load_mnn() -> ModuleType:
+    """Import MNN once, quietly and with the import guard in place; return the module."""
+    global _mnn
+    if _mnn is None:
+        with _lock:
+            if _mnn is None:
+                if not any(isinstance(f, _ImportGuard) for f in sys.meta_path):
+                    sys.meta_path.insert(0, _ImportGuard())
+                with native_output():
+                    import MNN
+                _mnn = MNN
+    return _mnn
+
+
+@dataclass
+class Captured:
+    """What MNN printed inside one `native_output()` block (filled in when it exits)."""
+
+    text: str = ""
+
+
+@contextlib.contextmanager
+def native_output() -> Iterator[Captured]:
+    """Capture fd 1 (MNN's printf logging) into memory for the duration of the block."""
+    captured = Captured()
+    with _lock:
+        _flush()
+        sink = memfd("skiff-mnn-log")
+        try:
+            saved: int | None = os.dup(1)
+        except OSError:  # a daemon without stdout: restore that state afterwards
+            saved = None
+        os.dup2(sink, 1)
+        try:
+            yield captured
+        finally:
+            _flush()  # C stdio buffers what MNN printed: push it into the memfd first
+            if saved is None:
+                os.close(1)
+            else:
+                os.dup2(saved, 1)
+                os.close(saved)
+            captured.text = os.pread(sink, os.fstat(sink).st_size, 0).decode(errors="replace")
+            os.close(sink)
+    if captured.text.strip():
+        logger.debug("MNN: %s", " | ".join(captured.text.strip().splitlines()))
+
+
+def log_reason(text: str, *, limit: int = 2) -> str:
+    """Pick the first lines of MNN's log that say what went wrong, joined into one line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    telling = [line for line in lines if any(m in line for m in _REASON_MARKERS)]
+    return "; ".join(telling[:limit] or lines[-1:])
+
+
+def detect_backend(path: str, config: BackendConfig, load_log: str = "") -> tuple[Backend, str]:
+    """Return the backend MNN actually runs `config` on, and the evidence for it.
+
+    MNN never fails a request for an unavailable backend: it logs a line and uses the
+    CPU. Two independent signals are read, and the CPU wins if either says so:
+
+    1. MNN's own fallback line ("Can't Find type=N backend, use 0 instead") in
+       `load_log` (the output captured while the model was loaded with this config);
+    2. the backend MNN reports for a session built with the same schedule config
+       (``Interpreter.getSessionInfo(session, BACKENDS)``: the main forward type of its
+       pipeline), which also works where MNN logs elsewhere (logcat on Android).
+
+    Availability is a property of the device and the MNN build, not of the model, so the
+    session check runs once per config per process.
+    """
+    if config.backend is Backend.CPU:
+        return Backend.CPU, "CPU requested; MNN has nothing to fall back from"
+    logged = _logged_fallback(load_log, config)
+    if logged is not None:
+        return logged
+    if config not in _detected:
+        _detected[config] = _session_backend(path, config)
+    return _detected[config]
+
+
+def _logged_fallback(text: str, config: BackendConfig) -> tuple[Backend, str] | None:
+    """Return the backend MNN's fallback line names for `config`, if it printed one."""
+    for match in _FALLBACK_LINE.finditer(text):
+        if int(match.group(1)) == int(config.backend):
+            return Backend.from_forward_type(int(match.group(2))), f"MNN log: {match.group(0)}"
+    return None
+
+
+def _session_backend(path: str, config: BackendConfig) -> tuple[Backend, str]:
+    """Build a throwaway MNN session with `config`; return the backend it reports."""
+    mnn = load_mnn()
+    with native_output() as log:
+        interpreter = mnn.Interpreter(path)
+        session = interpreter.createSession(config.mnn_session_config())
+        forward_type = int(interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS))
+        del session, interpreter  # the interpreter owns the session and its buffers
+    try:
+        reported = Backend.from_forward_type(forward_type)
+    except ValueError:
+        raise ModelLoadError(f"MNN reports an unknown backend type {forward_type}") from None
+    evidence = f"MNN session reports forward type {forward_type} ({reported.name})"
+    logged = _logged_fallback(log.text, config)
+    if logged is None:
+        return reported, evidence
+    # Both signals present: only name the requested backend if both say so.
+    actual = reported if reported is not config.backend else logged[0]
+    return actual, f"{logged[1]}; {evidence}"
+
+
+_libc: Any = None
+
+
+def _flush() -> None:
+    """Flush Python's and C's stdio buffers so fd swaps split output at the right place."""
+    global _libc
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.flush()
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,279 @@
+"""Crash isolation: run a model in a worker process the runtime can kill and restart.
+
+A `WorkerExecutor` is a drop-in for `InProcessExecutor` whose MNN lives in a child
+process (`runtime._worker_main`). The model reaches the child as an inherited sealed
+memfd (no plaintext on disk); requests and replies are `runtime._wire` frames over a
+Unix socketpair. Every request has a deadline. When the child dies (SIGSEGV, SIGABRT, the
+OOM killer's SIGKILL, any exit) or misses the deadline (then it is SIGKILLed), the
+request fails with `WorkerCrashed` carrying a `CrashEvent` (signal name, reason, last
+log line). `restart()` starts a fresh worker with the same model and config (the next
+request also does, if nobody did); counting crashes toward fallback, and restarting
+unless the config is retired, is the model's job (`runtime.model`).
+
+Detection never depends on timing: a dead child closes its end of the socket, so the
+blocked read returns EOF at once, and ``wait()`` reports the signal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime import _wire
+from runtime._memfd import memfd
+from runtime.backends import Backend, BackendConfig
+from runtime.errors import (
+    BackendUnavailable,
+    ExecutorClosed,
+    InferenceError,
+    InvalidInput,
+    ModelLoadError,
+    WorkerCrashed,
+)
+from runtime.events import CrashEvent
+from runtime.signature import Signature
+
+__all__ = ["DEFAULT_DEADLINE_S", "Fault", "WorkerExecutor"]
+
+DEFAULT_DEADLINE_S = 10.0
+LOAD_DEADLINE_S = 300.0  # loading (and GPU kernel tuning) of a big model is slow
+_EXIT_GRACE_S = 5.0
+_LOG_TAIL = 4096
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Test-only: make the worker die on purpose, to prove crashes are contained.
+
+    The worker dies the `kind` way ("segv", "abort", "kill", "hang", "exit") on its
+    `on_request`-th run request (counted per worker process, so a restarted worker
+    faults again), and only while running `config` if that is set. Nothing but an
+    explicit `Fault` object passed to the executor arms it.
+    """
+
+    kind: str
+    on_request: int = 1
+    config: BackendConfig | None = None
+
+    def arg(self) -> str:
+        """Return the worker's --fault argument."""
+        key = f"@{self.config.key}" if self.config else ""
+        return f"{self.kind}@{self.on_request}{key}"
+
+
+class WorkerExecutor:
+    """One model with one config, run by a child process that may crash."""
+
+    def __init__(
+        self,
+        model_fd: int,
+        config: BackendConfig,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        fault: Fault | None = None,
+    ) -> None:
+        """Start a worker and load the model in it with `config`.
+
+        Raises BackendUnavailable or ModelLoadError like `InProcessExecutor`, and
+        WorkerCrashed if the worker dies while loading.
+        """
+        self.config = config
+        self.deadline_s = deadline_s
+        self._model_fd, self._fault = model_fd, fault
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._channel: _wire.Channel | None = None
+        self._log_fd = -1
+        self._closed = False
+        self.restarts = 0
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        """Return the worker's process id (None while it is down)."""
+        return self._proc.pid if self._proc else None
+
+    def run(self, arrays: Sequence[np.ndarray], exact: bool) -> dict[str, np.ndarray]:
+        """Run validated inputs in the worker; see `InProcessExecutor.run`."""
+        with self._lock:
+            if self._closed:
+                raise ExecutorClosed(f"executor for {self.config.key} is closed")
+            if self._channel is None:  # nobody restarted it yet, or that failed: now
+                self.restarts += 1
+                self._start()
+            names = self.signature.input_names
+            request = {"op": "run", "exact": exact}
+            reply, outputs = self._call(request, dict(zip(names, arrays, strict=True)))
+        if not reply.get("ok"):
+            kind, error = reply.get("kind"), str(reply.get("error", "worker error"))
+            raise InvalidInput(error) if kind == "invalid_input" else InferenceError(error)
+        if list(outputs) != list(self.signature.outputs):
+            expected = list(self.signature.outputs)
+            raise InferenceError(f"worker returned outputs {list(outputs)}, not {expected}")
+        return outputs
+
+    def close(self) -> None:
+        """Stop the worker: ask it to exit, then kill it if it does not."""
+        with self._lock:
+            self._closed = True
+            self._stop(graceful=True)
+
+    def _start(self) -> None:
+        """Spawn a worker and load the model; leaves it down if loading fails."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        log_fd = memfd("skiff-worker-log")
+        argv = [sys.executable, "-m", "runtime._worker_main"]
+        argv += ["--sock-fd", str(child.fileno()), "--model-fd", str(self._model_fd)]
+        if self._fault is not None:
+            argv += ["--fault", self._fault.arg()]
+        try:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                pass_fds=(child.fileno(), self._model_fd),
+                env=_child_env(),
+                start_new_session=True,  # Ctrl-C in the app's terminal is not for us
+            )
+        except BaseException:
+            parent.close()
+            os.close(log_fd)
+            raise
+        finally:
+            child.close()
+        self._channel, self._log_fd = _wire.Channel(parent), log_fd
+        load = {"op": "load", "config": self.config.to_dict()}
+        reply, _ = self._call(load, None, deadline_s=LOAD_DEADLINE_S)
+        if not reply.get("ok"):
+            self._stop(graceful=True)
+            error = str(reply.get("error", "worker could not load the model"))
+            if reply.get("kind") == "unavailable":
+                actual = Backend.__members__.get(str(reply.get("actual")), Backend.CPU)
+                raise BackendUnavailable(error, actual)
+            raise ModelLoadError(error)
+        try:
+            self.signature = Signature.from_dict(reply["signature"])
+            self.actual_backend = Backend[reply["actual_backend"]]
+            self.evidence = str(reply["evidence"])
+            self.load_ms = float(reply["load_ms"])
+        except (KeyError, TypeError, ValueError) as exc:  # a worker gone wrong: stop it
+            self._stop(graceful=False)
+            raise ModelLoadError(f"worker sent a malformed load reply ({exc!r})") from None
+        if self.actual_backend is not self.config.backend:  # never trust a lying worker
+            self._stop(graceful=True)
+            message = f"worker ran {self.config.key} on {self.actual_backend.name}"
+            raise BackendUnavailable(message, self.actual_backend)
+
+    def _call(
+        self,
+        header: dict,
+        arrays: dict | None,
+        *,
+        deadline_s: float | None = None,
+    ) -> tuple[dict, dict[str, np.ndarray]]:
+        """Send one request and wait for its reply; on death or timeout, reap and raise."""
+        assert self._channel is not None
+        deadline = time.monotonic() + (deadline_s or self.deadline_s)
+        try:
+            self._channel.send(header, arrays)
+            return self._channel.recv(deadline=deadline)
+        except TimeoutError:
+            event = self._reap("deadline")
+        except _wire.ProtocolError as exc:  # the child is not to be trusted any more
+            event = self._reap("protocol", str(exc))
+        except (EOFError, OSError):  # ConnectionError, BrokenPipeError: the child is gone
+            event = self._reap("died")
+        raise WorkerCrashed(event)
+
+    def _reap(self, how: str, detail: str = "") -> CrashEvent:
+        """Make sure the worker is dead, collect how it died, and tidy up."""
+        proc = self._proc
+        assert proc is not None
+        if how != "died":  # still alive: hung, or talking nonsense
+            proc.kill()
+        try:
+            code = proc.wait(timeout=_EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:  # closed the socket yet lives on: end it
+            proc.kill()
+            code = proc.wait()
+        detail = detail or self._log_tail()
+        self._teardown()
+        if how != "died":
+            return CrashEvent(self.config, how, "SIGKILL", None, detail)
+        if code < 0:
+            return CrashEvent(self.config, "signal", _signal_name(-code), None, detail)
+        return CrashEvent(self.config, "exit", None, code, detail)
+
+    def restart(self) -> None:
+        """Start a replacement for a crashed worker now, off the next request's path.
+
+        If that fails too, the next request tries again (and reports how it failed).
+        """
+        with self._lock:
+            if self._closed or self._channel is not None:
+                return
+            self.restarts += 1
+            try:
+                self._start()
+            except (WorkerCrashed, ModelLoadError):
+                self._teardown()
+
+    def _stop(self, *, graceful: bool) -> None:
+        """End the worker (exit request, then SIGKILL after a grace period)."""
+        proc, channel = self._proc, self._channel
+        if proc is None:
+            return
+        if graceful and channel is not None:
+            try:
+                channel.send({"op": "exit"})
+                proc.wait(timeout=_EXIT_GRACE_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Close the socket and log of the current worker."""
+        if self._channel is not None:
+            self._channel.close()
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+        self._channel, self._proc, self._log_fd = None, None, -1
+
+    def _log_tail(self) -> str:
+        """Return the last non-empty line the worker printed (for the crash report)."""
+        if self._log_fd < 0:
+            return ""
+        size = os.fstat(self._log_fd).st_size
+        text = os.pread(self._log_fd, _LOG_TAIL, max(0, size - _LOG_TAIL))
+        lines = [line.strip() for line in text.decode(errors="replace").splitlines()]
+        return next((line for line in reversed(lines) if line), "")[:300]
+
+
+def _signal_name(number: int) -> str:
+    """Return e.g. "SIGSEGV" for 11, or "signal N" for numbers Python does not know."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _child_env() -> dict[str, str]:
+    """Return the worker's environment: ours, plus the path that makes -m find us."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    return env
