@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import importlib.abc
 import json
 import os
 import re
@@ -31,8 +30,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from control_plane.mnn_tools import VARIANT_FLAGS
+from runtime._mnn import dtype_name, forbidden_loaded, install_import_guard
 
-FORBIDDEN_MODULES = ("MNN.tools", "aliyun")  # package prefixes; see the module docstring
 BIZ_CODE = "skiff"  # recorded in every model we write, visible in MNN's get_info()
 
 _NATIVE = ("MNN", "_mnncengine", "_tools")  # top-level names of MNN's Python and native parts
@@ -42,39 +41,9 @@ _SPILL_NAME = ".__convert_external_data.bin"  # hard-coded in MNN's converter; s
 _LOG_PREFIX = re.compile(r"^(\[\d\d:\d\d:\d\d\]\s*)?(:\d+:\s*)?(\[ERROR\]\s*)?")
 _LOG_PATH = re.compile(r"\s*:?\s*/proc/self/fd/\d+")
 
-_DTYPE_NAMES = {
-    "float": "float32",
-    "double": "float64",
-    "int": "int32",
-    "int64": "int64",
-    "int8": "int8",
-    "uint8": "uint8",
-}
-
 
 class WorkerError(Exception):
     """An expected failure (bad model, converter refusal), reported as one line."""
-
-
-class _ImportGuard(importlib.abc.MetaPathFinder):
-    """Refuse to import the phone-home modules, whatever tries to import them."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
-        """Raise for forbidden modules; defer to the normal finders for the rest."""
-        if _is_forbidden(fullname):
-            raise ImportError(f"{fullname} is blocked in the MNN worker")
-        return None
-
-
-def install_import_guard() -> None:
-    """Put the guard first on sys.meta_path so it sees every import."""
-    if not any(isinstance(finder, _ImportGuard) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _ImportGuard())
-
-
-def forbidden_loaded() -> list[str]:
-    """Return the names of forbidden modules present in sys.modules."""
-    return sorted(name for name in sys.modules if _is_forbidden(name))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +124,7 @@ def _zero_feeds(inputs: list[Any]) -> list[Any]:
     for var in inputs:
         shape = list(var.shape)
         feed = expr.placeholder(shape, expr.NCHW, var.dtype)
-        feed.write(np.zeros(shape, _dtype_name(var)))
+        feed.write(np.zeros(shape, dtype_name(var)))
         # Models that take NC4HW4 input want MNN's packed layout, not plain NCHW.
         feeds.append(feed if var.data_format == expr.NCHW else expr.convert(feed, var.data_format))
     return feeds
@@ -180,12 +149,7 @@ def _spec(name: str, var: Any) -> dict[str, Any]:
     shape = var.shape
     if shape is None:
         raise WorkerError(f"MNN cannot infer the shape of {name!r}")
-    return {"name": name, "shape": list(shape), "dtype": _dtype_name(var)}
-
-
-def _dtype_name(var: Any) -> str:
-    """Map an MNN Var's dtype (printed as "dtype.float") to a numpy-style name."""
-    return _DTYPE_NAMES.get(str(var.dtype).removeprefix("dtype."), "unknown")
+    return {"name": name, "shape": list(shape), "dtype": dtype_name(var)}
 
 
 def _convert(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,11 +304,6 @@ def _line_buffer_native_stdout() -> None:
 def _fd_path(fd: int) -> str:
     """Address an inherited descriptor as a path; opening it gets a fresh file offset."""
     return f"/proc/self/fd/{fd}"
-
-
-def _is_forbidden(name: str) -> bool:
-    """Tell whether module `name` is, or lives under, a forbidden package."""
-    return any(name == p or name.startswith(p + ".") for p in FORBIDDEN_MODULES)
 
 
 _OPS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

@@ -32,7 +32,17 @@ from runtime._memfd import memfd
 from runtime.backends import Backend, BackendConfig
 from runtime.errors import ModelLoadError
 
-__all__ = ["Captured", "detect_backend", "load_mnn", "log_reason", "native_output"]
+__all__ = [
+    "MNN_DTYPES",
+    "Captured",
+    "detect_backend",
+    "dtype_name",
+    "forbidden_loaded",
+    "install_import_guard",
+    "load_mnn",
+    "log_reason",
+    "native_output",
+]
 
 logger = logging.getLogger("runtime.mnn")
 
@@ -47,14 +57,46 @@ _mnn: ModuleType | None = None
 _detected: dict[BackendConfig, tuple[Backend, str]] = {}
 
 
+# MNN's Var dtypes (printed as "dtype.float") by numpy name.
+MNN_DTYPES = {
+    "float": "float32",
+    "double": "float64",
+    "int": "int32",
+    "int64": "int64",
+    "int8": "int8",
+    "uint8": "uint8",
+}
+
+
+def dtype_name(var: Any, default: str = "unknown") -> str:
+    """Map an MNN Var's dtype to a numpy-style name."""
+    return MNN_DTYPES.get(str(var.dtype).removeprefix("dtype."), default)
+
+
+def is_forbidden(name: str) -> bool:
+    """Tell whether module `name` is, or lives under, a phone-home package."""
+    return any(name == p or name.startswith(p + ".") for p in FORBIDDEN_MODULES)
+
+
 class _ImportGuard(importlib.abc.MetaPathFinder):
     """Refuse the phone-home modules whatever tries to import them."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
         """Raise for forbidden modules; defer to the normal finders for the rest."""
-        if any(fullname == p or fullname.startswith(p + ".") for p in FORBIDDEN_MODULES):
-            raise ImportError(f"{fullname} is blocked by the Skiff runtime (it phones home)")
+        if is_forbidden(fullname):
+            raise ImportError(f"{fullname} is blocked by Skiff (it phones home)")
         return None
+
+
+def install_import_guard() -> None:
+    """Put the guard first on sys.meta_path so it sees every later import."""
+    if not any(isinstance(finder, _ImportGuard) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ImportGuard())
+
+
+def forbidden_loaded() -> list[str]:
+    """Return the names of phone-home modules present in sys.modules."""
+    return sorted(name for name in sys.modules if is_forbidden(name))
 
 
 def load_mnn() -> ModuleType:
@@ -63,8 +105,7 @@ def load_mnn() -> ModuleType:
     if _mnn is None:
         with _lock:
             if _mnn is None:
-                if not any(isinstance(f, _ImportGuard) for f in sys.meta_path):
-                    sys.meta_path.insert(0, _ImportGuard())
+                install_import_guard()
                 with native_output():
                     import MNN
                 _mnn = MNN

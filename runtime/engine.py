@@ -31,16 +31,6 @@ __all__ = ["InProcessExecutor"]
 
 _SHAPE_MEMORY = 64  # input shapes MNN accepted, remembered so they skip the log capture
 
-# MNN's Var dtypes (printed as "dtype.float") by numpy name.
-_DTYPES = {
-    "float": "float32",
-    "double": "float64",
-    "int": "int32",
-    "int64": "int64",
-    "int8": "int8",
-    "uint8": "uint8",
-}
-
 
 class InProcessExecutor:
     """One loaded MNN module, its config, the backend it really runs on, and its signature.
@@ -210,7 +200,7 @@ def _signature(info: dict[str, Any]) -> Signature:
     """Build the signature from ``Module.get_info()``; ModelLoadError if it is unusable."""
     specs = []
     for name, var in zip(info["inputNames"], info["inputs"], strict=True):
-        dtype = _DTYPES.get(str(var.dtype).removeprefix("dtype."), str(var.dtype))
+        dtype = _mnn.dtype_name(var, default=str(var.dtype))
         layout = str(var.data_format).removeprefix("data_format.")
         specs.append(TensorSpec(name, tuple(var.shape), dtype, layout))
     try:

@@ -302,7 +302,7 @@ def test_import_guard_blocks_the_phone_home_modules():
     script = textwrap.dedent(
         """
         import sys
-        from control_plane.mnn_worker import forbidden_loaded, install_import_guard
+        from runtime._mnn import forbidden_loaded, install_import_guard
         install_import_guard()
         import MNN
         for name in ("MNN.tools", "MNN.tools.utils.log", "aliyun.log"):

@@ -22,19 +22,9 @@ struct Partition {
   std::vector<EventLog> logs;
 };
 
-bool compare(Cmp cmp, double a, double b) {
-  switch (cmp) {
-    case Cmp::Eq: return a == b;
-    case Cmp::Ne: return a != b;
-    case Cmp::Lt: return a < b;
-    case Cmp::Le: return a <= b;
-    case Cmp::Gt: return a > b;
-    case Cmp::Ge: return a >= b;
-  }
-  return false;
-}
-
-bool compare(Cmp cmp, int64_t a, int64_t b) {
+// Key fields compare as int64, value fields as double.
+template <typename T>
+bool compare(Cmp cmp, T a, T b) {
   switch (cmp) {
     case Cmp::Eq: return a == b;
     case Cmp::Ne: return a != b;
