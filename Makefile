@@ -47,6 +47,8 @@ protos: install
 
 bench: install
 	$(BIN)/python bench/registry.py --quick
+	$(BIN)/python bench/stream.py --quick
+	$(BIN)/python bench/infer.py --quick
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME) .pytest_cache .ruff_cache
