@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from control_plane.mnn_tools import VARIANT_FLAGS
+from runtime._memfd import forbid_core_dumps
 from runtime._mnn import dtype_name, forbidden_loaded, install_import_guard
 
 BIZ_CODE = "skiff"  # recorded in every model we write, visible in MNN's get_info()
@@ -49,6 +50,7 @@ class WorkerError(Exception):
 def main(argv: list[str] | None = None) -> int:
     """Run one operation and write its JSON result; return the exit status."""
     args = _parser().parse_args(argv)
+    forbid_core_dumps()  # a converter crash must not write the plaintext model to disk
     install_import_guard()
     _line_buffer_native_stdout()
     payload = _run_op(args)

@@ -190,10 +190,18 @@ def _session_backend(path: str, config: BackendConfig) -> tuple[Backend, str]:
     """Build a throwaway MNN session with `config`; return the backend it reports."""
     mnn = load_mnn()
     with native_output() as log:
-        interpreter = mnn.Interpreter(path)
-        session = interpreter.createSession(config.mnn_session_config())
-        forward_type = int(interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS))
-        del session, interpreter  # the interpreter owns the session and its buffers
+        try:
+            interpreter = mnn.Interpreter(path)
+            session = interpreter.createSession(config.mnn_session_config())
+            forward_type = int(interpreter.getSessionInfo(session, SESSION_INFO_BACKENDS))
+            del session, interpreter  # the interpreter owns the session and its buffers
+        except Exception as exc:  # noqa: BLE001 - the binding raises bare Exception
+            error: Exception | None = exc
+        else:
+            error = None
+    if error is not None:
+        reason = log_reason(log.text) or str(error)
+        raise ModelLoadError(f"MNN cannot load the model with {config.key}: {reason}")
     try:
         reported = Backend.from_forward_type(forward_type)
     except ValueError:

@@ -1,10 +1,15 @@
 """The worker process: runs one model with one config for `runtime.worker`, nothing else.
 
-Started as ``python -m runtime._worker_main --sock-fd N --model-fd M`` with the model in
-an inherited sealed memfd and a Unix socket to the parent. It serves frames from
-`runtime._wire` until the socket closes: ``load`` (a config), ``run`` (arrays) and
-``exit``. Expected failures go back as ``{"ok": false, "kind": ...}`` replies; a native
-crash simply kills this process, which is the point of having it.
+Started as ``python -m runtime._worker_main --sock-fd N --model-fd M --parent-pid P``
+with the model in an inherited sealed memfd and a Unix socket to the parent. It serves
+frames from `runtime._wire` until the socket closes: ``load`` (a config), ``run``
+(arrays) and ``exit``; every reply carries its request's sequence number. Expected
+failures go back as ``{"ok": false, "kind": ...}`` replies; a native crash simply kills
+this process, which is the point of having it.
+
+This process holds decrypted weights, so before anything else it makes itself
+undumpable (no core file, no ptrace by other users' processes) and asks the kernel to
+SIGKILL it when the parent dies, even if it is hung in native code then.
 
 ``--fault`` exists for tests only (see `runtime.worker.Fault`): the parent passes it
 only when a `Fault` object was given to it explicitly.
@@ -22,7 +27,7 @@ import threading
 from typing import Any
 
 from runtime import _wire
-from runtime._memfd import fd_path
+from runtime._memfd import fd_path, forbid_core_dumps
 from runtime.backends import BackendConfig
 from runtime.engine import InProcessExecutor
 from runtime.errors import (
@@ -35,11 +40,14 @@ from runtime.errors import (
 __all__ = ["main"]
 
 FAULTS = ("segv", "abort", "kill", "hang", "exit")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the parent until it closes the socket or says exit; return the exit status."""
     args = _parser().parse_args(argv)
+    if not _harden(args.parent_pid):
+        return 1
     # Terminal signals are for the app; the parent alone decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = _wire.Channel(socket.socket(fileno=args.sock_fd))
@@ -48,25 +56,38 @@ def main(argv: list[str] | None = None) -> int:
     runs = 0
     while True:
         try:
-            header, arrays = channel.recv()
-        except (EOFError, ConnectionError):
-            return 0
+            seq, header, arrays = channel.recv()
+        except (EOFError, ConnectionError, _wire.ProtocolError):
+            return 0  # the parent is gone or talking nonsense: nothing left to serve
         op = header.get("op")
         if op == "load":
             if executor is not None:
                 executor.close()
             executor, reply = _load(fd_path(args.model_fd), header)
-            channel.send(reply)
+            channel.send(reply, seq=seq)
         elif op == "run" and executor is not None:
             runs += 1
             if fault and runs == fault[1] and fault[2] in ("", executor.config.key):
                 _trigger(fault[0])
             reply, outputs = _run(executor, header, arrays)
-            channel.send(reply, outputs)
+            channel.send(reply, outputs, seq=seq)
         elif op == "exit":
             return 0
         else:
-            channel.send({"ok": False, "kind": "protocol", "error": f"bad op {op!r}"})
+            channel.send({"ok": False, "kind": "protocol", "error": f"bad op {op!r}"}, seq=seq)
+
+
+def _harden(parent_pid: int) -> bool:
+    """Keep decrypted weights out of core dumps and die with the parent; False if it is gone.
+
+    The death signal is armed first, then the parent checked: had it died before, we
+    would already be some other process's child and the signal would never come.
+    """
+    forbid_core_dumps()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return os.getppid() == parent_pid
 
 
 def _load(path: str, header: dict[str, Any]) -> tuple[InProcessExecutor | None, dict]:
@@ -78,6 +99,8 @@ def _load(path: str, header: dict[str, Any]) -> tuple[InProcessExecutor | None, 
         return None, {**reply, "actual": exc.actual.name}
     except (ModelLoadError, ValueError, KeyError) as exc:
         return None, {"ok": False, "kind": "load", "error": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - the MNN binding raises bare Exception
+        return None, {"ok": False, "kind": "load", "error": f"{type(exc).__name__}: {exc}"}
     reply = {
         "ok": True,
         "signature": executor.signature.to_dict(),
@@ -131,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m runtime._worker_main")
     parser.add_argument("--sock-fd", type=int, required=True)
     parser.add_argument("--model-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--fault", help=argparse.SUPPRESS)
     return parser
 

@@ -37,6 +37,9 @@ class UnsupportedPlatform(RuntimeFailure):
 class InvalidInput(RuntimeFailure, ValueError):
     """The caller's inputs do not fit the model: wrong names, dtypes, ranks or shapes.
 
+    Also non-finite float inputs, and inputs that make a sound config's outputs
+    non-finite (outside the model's domain, e.g. log of a negative number).
+
     Never counts against a backend config: the same inputs would fail on every one.
     """
 
@@ -69,7 +72,8 @@ class WorkerCrashed(InferenceError):
     """The worker process died (signal, exit) or missed its deadline and was killed.
 
     The request that was running is lost: it is not retried, because the input itself may
-    be what crashes the engine. The worker is restarted before this is raised.
+    be what crashes the engine. The worker is restarted in the background (or by the next
+    request), unless the crash retired its config.
     """
 
     def __init__(self, event: CrashEvent) -> None:

@@ -7,6 +7,9 @@ bad config is never retried in this model) and the next one is loaded and, when 
 data exists, checked against it before it serves. When none is left the chain is
 failed: the caller should go back to the previous model version. Every step is a
 `FallbackEvent` with its reason.
+
+While a fallback loads the next config (seconds, under the lock) `active` is None;
+readers that must not mistake that for failure use `wait_active()` or `failed`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from runtime.backends import BackendConfig
-from runtime.errors import InferenceError, ModelLoadError
+from runtime.backends import BackendConfig, Precision
+from runtime.errors import InferenceError, InvalidInput, ModelLoadError
 from runtime.events import CrashEvent, FallbackEvent
 from runtime.golden import Golden
 from runtime.probe import Executor, ProbeResult, probe_config, rank
@@ -27,6 +30,8 @@ __all__ = ["ConfigChain"]
 logger = logging.getLogger("runtime")
 
 VALIDATION_RUNS = 3  # checking a fallback config against golden data, on the request path
+# Only golden data can tell whether reduced precision is accurate enough for a model.
+_JUDGED_WITHOUT_GOLDEN = (Precision.NORMAL, Precision.HIGH)
 
 
 class ConfigChain:
@@ -53,18 +58,17 @@ class ConfigChain:
         """Probe every candidate, then serve with the fastest accepted one.
 
         Only the best executor so far stays loaded, so probing needs memory for two
-        copies of the model, not one per candidate.
+        copies of the model, not one per candidate. Without golden data, low-precision
+        candidates are skipped (recorded as refused): nothing could check their accuracy.
         """
         kept: Executor | None = None
-        for config in _unique(candidates):
-            result, executor = probe_config(self._make, config, self._golden, runs=runs)
-            self.probe_results.append(result)
-            if executor is None:
-                continue
-            if rank(self.probe_results)[0] is result:  # the best so far: keep it loaded
-                kept, executor = executor, kept
-            if executor is not None:
-                executor.close()
+        try:
+            for config in _unique(candidates):
+                kept = self._probe_one(config, kept, runs)
+        except BaseException:
+            if kept is not None:
+                kept.close()  # e.g. interrupted mid-probe: no executor may outlive this
+            raise
         ranked = [r.config for r in rank(self.probe_results)]
         if kept is not None and kept.config != ranked[0]:
             kept.close()  # a later result moved the bar: load the winner again
@@ -78,16 +82,53 @@ class ConfigChain:
             else:
                 self.failure = "no candidate config passed the probe"
 
+    def _probe_one(
+        self, config: BackendConfig, kept: Executor | None, runs: int
+    ) -> Executor | None:
+        """Probe `config`; return whichever of it and `kept` is the best so far (loaded)."""
+        if self._golden is None and config.precision not in _JUDGED_WITHOUT_GOLDEN:
+            reason = f"{config.precision.name} precision needs golden data to be judged"
+            self.probe_results.append(ProbeResult(config, None, False, error=reason))
+            return kept
+        result, executor = probe_config(self._make, config, self._golden, runs=runs)
+        self.probe_results.append(result)
+        if executor is None:
+            return kept
+        if rank(self.probe_results)[0] is result:  # the best so far: keep it loaded
+            kept, executor = executor, kept
+        if executor is not None:
+            executor.close()
+        return kept
+
     def start_forced(self, configs: Sequence[BackendConfig]) -> None:
         """Serve with the first of `configs` that loads (and matches the golden data)."""
         with self._lock:
             self._pending = list(_unique(configs))
             self._activate_next()
 
+    @property
+    def failed(self) -> bool:
+        """Tell whether no config is left; False while a fallback is still loading one."""
+        return self.failure is not None  # set only where the chain runs out, or closes
+
     def wait_active(self) -> Executor | None:
         """Return the active executor, waiting for a fallback in progress to finish."""
         with self._lock:
             return self.active
+
+    def vouches_for(self, executor: Executor) -> bool:
+        """Tell whether `executor` still matches the golden data (False without any).
+
+        Used when a request gives non-finite outputs: a config that still gets the
+        golden inputs right is not what is wrong, the request's inputs are.
+        """
+        if self._golden is None:
+            return False
+        try:
+            arrays, exact = executor.signature.check(self._golden.inputs)
+            return self._golden.compare(executor.run(arrays, exact)).accepted
+        except (InferenceError, InvalidInput):
+            return False
 
     def fall_back(self, failed: Executor, reason: str) -> None:
         """Mark `failed`'s config bad and activate the next one (no-op if already done)."""

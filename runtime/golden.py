@@ -127,14 +127,12 @@ class Golden:
                 raise ValueError("golden data is larger than its limit")
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:  # Value: pickles
             raise ValueError(f"golden data is not a valid .npz: {exc}") from None
-        meta = json.loads(arrays.pop(_META, np.zeros(0, np.uint8)).tobytes().decode() or "{}")
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"golden data format is {meta.get('format')!r}, not {FORMAT!r}")
+        tolerance = _tolerance(arrays.pop(_META, np.zeros(0, np.uint8)))
         inputs = {k[len(_INPUT) :]: v for k, v in arrays.items() if k.startswith(_INPUT)}
         outputs = {k[len(_OUTPUT) :]: v for k, v in arrays.items() if k.startswith(_OUTPUT)}
-        return cls(inputs, outputs, Tolerance.from_dict(meta.get("tolerance", {})))
+        return cls(inputs, outputs, tolerance)
 
     @classmethod
     def make(
@@ -161,6 +159,18 @@ class Golden:
                 raise ValueError(f"the reference config {REFERENCE_CONFIG.key} cannot run it")
             outputs = m.run(dict(inputs))
         return cls(dict(inputs), outputs, tolerance or Tolerance())
+
+
+def _tolerance(meta: np.ndarray) -> Tolerance:
+    """Read the tolerance from the ``meta`` entry; ValueError for anything malformed."""
+    try:
+        parsed = json.loads(meta.tobytes().decode() or "{}")
+        found = parsed.get("format")
+        if found != FORMAT:
+            raise ValueError(f"golden data format is {found!r}, not {FORMAT!r}")
+        return Tolerance.from_dict(parsed.get("tolerance", {}))
+    except (AttributeError, TypeError) as exc:  # JSON of the wrong shape
+        raise ValueError(f"golden data has malformed meta: {exc}") from None
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

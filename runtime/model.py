@@ -9,9 +9,14 @@ The public entry point for inference on the device::
 config (probing the candidates against the golden data, or taking one forced from
 outside, e.g. the fleet's recommendation) and loads the model with it, in this process
 or in a crash-isolated worker. `run` validates the inputs, runs them, checks the
-outputs are finite, records the latency, and walks the fallback chain when the config
-fails. Everything that happened (probe results, fallbacks, crashes, latency histogram)
-is data in `telemetry()`.
+outputs are finite, records the latency, and moves along the fallback chain when the
+config fails. Everything that happened (probe results, fallbacks, crashes, latency
+histogram) is data in `telemetry()`.
+
+One request never walks the whole chain: a bad config costs at most one fallback per
+request, and non-finite outputs from a config that still matches the golden data (or
+from the replacement as well) are blamed on the inputs. Otherwise one odd input could
+mark every config bad and roll the fleet back.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import enum
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +37,7 @@ from runtime.backends import DEFAULT_CONFIG, Backend, BackendConfig, candidate_c
 from runtime.errors import (
     ExecutorClosed,
     InferenceError,
+    InvalidInput,
     ModelFailed,
     ModelLoadError,
     WorkerCrashed,
@@ -106,6 +113,7 @@ class Model:
         timed runs are made per candidate; `deadline_s` bounds each request in a worker;
         `crash_limit` worker crashes make a config bad; `check_finite=False` lets
         non-finite outputs through instead of treating them as a config failure.
+        Non-finite float inputs are refused as InvalidInput unless `check_finite=False`.
         `_fault` is a test-only hook (see `runtime.worker.Fault`).
 
         Raises ModelFailed (with probe results and fallbacks) if no config can serve.
@@ -135,19 +143,19 @@ class Model:
     @property
     def config(self) -> BackendConfig | None:
         """Return the config serving now (None once the model failed)."""
-        active = self._chain.active
+        active = self._chain.wait_active()
         return active.config if active else None
 
     @property
     def actual_backend(self) -> Backend | None:
         """Return the backend the serving config really runs on (as MNN reports it)."""
-        active = self._chain.active
+        active = self._chain.wait_active()
         return active.actual_backend if active else None
 
     @property
     def failed(self) -> bool:
         """Tell whether no config is left (go back to the previous version)."""
-        return self._chain.active is None
+        return self._chain.failed
 
     @property
     def probe_results(self) -> tuple[ProbeResult, ...]:
@@ -167,50 +175,82 @@ class Model:
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run named inputs; return named outputs (fresh arrays the caller owns).
 
-        Raises InvalidInput for inputs that do not fit the model, WorkerCrashed if the
-        worker died on this request (it is restarted; the request is not retried), and
-        ModelFailed when no config is left. Other config failures are retried on the
-        next config of the chain, so they never reach the caller.
+        Raises InvalidInput for inputs that do not fit the model (including non-finite
+        floats, and inputs that make a sound config's outputs non-finite), WorkerCrashed
+        if the worker died on this request (it is restarted in the background; the
+        request is not retried), and ModelFailed when no config is left. A config that
+        fails is replaced and the request retried once on the next one; a second
+        failure of the same request reaches the caller as it is.
         """
         start = _now()
         arrays, exact = self.signature.check(inputs)
-        chain = self._chain
-        executor = chain.active
+        if self._check_finite:
+            _refuse_non_finite(self.signature, arrays)
+        chain, failed_on = self._chain, None
+        executor = chain.wait_active()  # not .active: None there may be a fallback loading
         while True:
             if executor is None:
                 name = self.version or "(unversioned)"
                 raise ModelFailed(f"model {name} failed: {chain.failure}", self.fallbacks)
             try:
-                outputs = executor.run(arrays, exact)
-            except ExecutorClosed:
+                outputs, problem = self._attempt(executor, arrays, exact, failed_on)
+            except ExecutorClosed:  # another request's fallback closed it: use the new one
                 executor = chain.wait_active()
                 continue
-            except WorkerCrashed as exc:
-                event = chain.record_crash(executor, exc.event)
-                if chain.active is executor:
-                    executor.restart()
-                raise WorkerCrashed(event) from None
-            except (InferenceError, ModelLoadError) as exc:  # load: a worker restart failed
-                chain.fall_back(executor, f"inference error: {exc}")
-                executor = chain.wait_active()
-                continue
-            if self._check_finite and not _all_finite(outputs):
-                bad = [name for name, a in outputs.items() if not np.isfinite(a).all()]
-                chain.fall_back(executor, f"non-finite outputs: {', '.join(bad)}")
-                executor = chain.wait_active()
-                continue
-            self.histogram.record_ns(_now() - start)
-            return outputs
+            if not problem:
+                self.histogram.record_ns(_now() - start)
+                return outputs
+            if failed_on is not None:  # the replacement fails it too: not the configs' fault
+                raise InferenceError(f"{problem} (this request failed on {failed_on.key} too)")
+            failed_on = executor.config
+            chain.fall_back(executor, problem)
+            executor = chain.wait_active()
+
+    def _attempt(
+        self,
+        executor: Executor,
+        arrays: list[np.ndarray],
+        exact: bool,
+        failed_on: BackendConfig | None,
+    ) -> tuple[dict[str, np.ndarray], str]:
+        """Run once; return the outputs and "", or {} and how the config failed.
+
+        Raises what is not the config's fault: InvalidInput, WorkerCrashed (the crash
+        is counted instead), and non-finite outputs the inputs are to blame for.
+        """
+        try:
+            outputs = executor.run(arrays, exact)
+        except WorkerCrashed as exc:
+            raise self._crashed(executor, exc) from None
+        except ExecutorClosed:
+            raise
+        except ModelLoadError as exc:  # restarting a crashed worker failed
+            return {}, f"load failed: {exc}"
+        except InferenceError as exc:
+            return {}, f"inference error: {exc}"
+        bad = _non_finite(outputs) if self._check_finite else ""
+        if bad and (failed_on is not None or self._chain.vouches_for(executor)):
+            raise InvalidInput(_blame_inputs(bad, failed_on, executor.config))
+        return (outputs, "") if not bad else ({}, f"non-finite outputs: {bad}")
+
+    def _crashed(self, executor: Executor, exc: WorkerCrashed) -> WorkerCrashed:
+        """Count a crash and restart the worker off this request's path; return the error."""
+        event = self._chain.record_crash(executor, exc.event)
+        if self._chain.wait_active() is executor:  # not retired by this crash
+            # Loading may take long (GPU tuning); this request's caller should not wait.
+            name = "skiff-worker-restart"
+            threading.Thread(target=executor.restart, name=name, daemon=True).start()
+        return WorkerCrashed(event)
 
     def telemetry(self) -> dict[str, Any]:
         """Return everything worth reporting about this model, as JSON-able data."""
-        active = self._chain.active
+        active = self._chain.wait_active()
         return {
             "version": self.version,
             "isolation": self.isolation.value,
             "config": active.config.key if active else None,
             "actual_backend": active.actual_backend.name if active else None,
-            "failed": active is None,
+            "failed": self._chain.failed,
             "failure": self._chain.failure,
             "latency": self.histogram.to_dict(),
             "probe_results": [r.to_dict() for r in self.probe_results],
@@ -255,17 +295,41 @@ def _factory(fd: int, isolation: Isolation, deadline_s: float, fault: Fault | No
     return make_local
 
 
-def _all_finite(outputs: Mapping[str, np.ndarray]) -> bool:
-    """Tell whether every float output is finite, cheaply in the common case.
+def _all_finite(arrays: Sequence[np.ndarray]) -> bool:
+    """Tell whether every float array is finite, cheaply in the common case.
 
     A dot product of an array with itself is finite exactly when no element is inf or
     NaN, unless it overflows; only then (or on a non-finite result) is every element
-    checked. It is a few times cheaper than np.isfinite(...).all() on small outputs.
+    checked. It is a few times cheaper than np.isfinite(...).all() on small arrays.
     """
-    for array in outputs.values():
+    for array in arrays:
         if array.dtype.kind != "f" or not array.size:
             continue
         flat = array.reshape(-1)
         if not math.isfinite(flat.dot(flat)) and not np.isfinite(flat).all():
             return False
     return True
+
+
+def _non_finite(outputs: Mapping[str, np.ndarray]) -> str:
+    """Name the outputs holding NaN or inf ("" when all are finite)."""
+    if _all_finite(list(outputs.values())):
+        return ""
+    return ", ".join(name for name, a in outputs.items() if not _all_finite([a]))
+
+
+def _refuse_non_finite(signature: Signature, arrays: Sequence[np.ndarray]) -> None:
+    """Raise InvalidInput naming the first input (in model order) holding NaN or inf."""
+    if not _all_finite(arrays):
+        specs = signature.inputs
+        name = next(s.name for s, a in zip(specs, arrays, strict=True) if not _all_finite([a]))
+        raise InvalidInput(f"input {name!r} holds NaN or infinity")
+
+
+def _blame_inputs(bad: str, first: BackendConfig | None, second: BackendConfig) -> str:
+    """Explain why non-finite outputs are the inputs' fault, not the config's."""
+    if first is None:
+        why = f"{second.key} still matches the golden data"
+    else:
+        why = f"{first.key} and {second.key} both give them"
+    return f"these inputs make outputs {bad} non-finite ({why}): outside the model's domain"

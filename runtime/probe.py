@@ -5,7 +5,8 @@ would silently run on another backend), runs the golden inputs a few times, comp
 the outputs with the golden references, and times the runs. The result of each probe
 is a `ProbeResult`, plain data ready for telemetry; `rank` orders the accepted ones,
 fastest first. Without golden data the probe runs zeros of the exported input shapes
-and can only check that outputs are finite.
+and only times them: zeros may rightly give non-finite outputs (log, division), so
+nothing about the outputs is judged, and the caller probes no low-precision configs.
 """
 
 from __future__ import annotations
@@ -105,7 +106,11 @@ def probe_config(
         return ProbeResult(config, actual, False, error=str(exc)), None
     except (ModelLoadError, InferenceError) as exc:  # InferenceError: worker died loading
         return ProbeResult(config, None, False, error=f"load failed: {exc}"), None
-    result = _measure(executor, golden, runs=max(1, runs), warmup=max(0, warmup))
+    try:
+        result = _measure(executor, golden, runs=max(1, runs), warmup=max(0, warmup))
+    except BaseException:
+        executor.close()  # e.g. interrupted: a worker must not outlive the probe
+        raise
     if not result.accepted:
         executor.close()
         return result, None
@@ -148,9 +153,7 @@ def _measure(executor: Executor, golden: Golden | None, *, runs: int, warmup: in
         return ProbeResult(config, actual, False, error=f"inference failed: {exc}", **base)
     timing = _percentiles(samples)
     if golden is None:
-        finite = all(np.isfinite(a).all() for out in (first, last) for a in out.values())
-        error = None if finite else "non-finite outputs on zero inputs"
-        return ProbeResult(config, actual, finite, **timing, error=error, **base)
+        return ProbeResult(config, actual, True, **timing, **base)
     # Cold (first) and warm (last) outputs must both match: some backends tune on run 1.
     checks = [golden.compare(first), golden.compare(last)]
     worst = min(checks, key=lambda acc: (acc.accepted, acc.cosine))

@@ -11,11 +11,18 @@ request also does, if nobody did); counting crashes toward fallback, and restart
 unless the config is retired, is the model's job (`runtime.model`).
 
 Detection never depends on timing: a dead child closes its end of the socket, so the
-blocked read returns EOF at once, and ``wait()`` reports the signal.
+blocked read returns EOF at once, and ``wait()`` reports the signal. A request that is
+interrupted midway (KeyboardInterrupt, a signal handler's exception) kills the worker
+too: its reply would otherwise be read as the answer to the next request.
+
+Workers get a minimal environment and die with this process (``PR_SET_PDEATHSIG``).
+The kernel sends that signal when the *thread* that forked the child exits, so every
+worker is spawned from one long-lived thread, never from a short-lived caller thread.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -24,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +46,7 @@ from runtime.errors import (
     InferenceError,
     InvalidInput,
     ModelLoadError,
+    RuntimeFailure,
     WorkerCrashed,
 )
 from runtime.events import CrashEvent
@@ -45,11 +54,18 @@ from runtime.signature import Signature
 
 __all__ = ["DEFAULT_DEADLINE_S", "Fault", "WorkerExecutor"]
 
+logger = logging.getLogger("runtime")
+
 DEFAULT_DEADLINE_S = 10.0
 LOAD_DEADLINE_S = 300.0  # loading (and GPU kernel tuning) of a big model is slow
 _EXIT_GRACE_S = 5.0
 _LOG_TAIL = 4096
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+# What a worker inherits: enough to start Python and MNN, nothing of the app's secrets.
+# LD_LIBRARY_PATH: embedded interpreters (e.g. on Android) may need it to start at all.
+_ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONHOME", "LD_LIBRARY_PATH")
+# Never shut down: its thread must outlive every worker (see the module docstring).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skiff-worker-spawner")
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,7 @@ class WorkerExecutor:
         self._proc: subprocess.Popen | None = None
         self._channel: _wire.Channel | None = None
         self._log_fd = -1
+        self._seq = 0
         self._closed = False
         self.restarts = 0
         self._start()
@@ -130,23 +147,32 @@ class WorkerExecutor:
             self._stop(graceful=True)
 
     def _start(self) -> None:
-        """Spawn a worker and load the model; leaves it down if loading fails."""
+        """Spawn a worker and load the model; leaves it down if anything fails."""
+        self._spawn()
+        try:
+            self._load()
+        except BaseException as exc:
+            self._stop(graceful=isinstance(exc, RuntimeFailure))  # no-op if reaped already
+            raise
+
+    def _spawn(self) -> None:
+        """Start the worker process, connected by a fresh socketpair and log memfd."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log_fd = memfd("skiff-worker-log")
-        argv = [sys.executable, "-m", "runtime._worker_main"]
+        argv = [sys.executable, "-m", "runtime._worker_main", "--parent-pid", str(os.getpid())]
         argv += ["--sock-fd", str(child.fileno()), "--model-fd", str(self._model_fd)]
         if self._fault is not None:
             argv += ["--fault", self._fault.arg()]
+        options = {
+            "stdin": subprocess.DEVNULL,
+            "stdout": log_fd,
+            "stderr": log_fd,
+            "pass_fds": (child.fileno(), self._model_fd),
+            "env": _child_env(),
+            "start_new_session": True,  # Ctrl-C in the app's terminal is not for us
+        }
         try:
-            self._proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log_fd,
-                stderr=log_fd,
-                pass_fds=(child.fileno(), self._model_fd),
-                env=_child_env(),
-                start_new_session=True,  # Ctrl-C in the app's terminal is not for us
-            )
+            self._proc = _spawn(argv, options)
         except BaseException:
             parent.close()
             os.close(log_fd)
@@ -154,14 +180,16 @@ class WorkerExecutor:
         finally:
             child.close()
         self._channel, self._log_fd = _wire.Channel(parent), log_fd
+
+    def _load(self) -> None:
+        """Have the freshly spawned worker load the model; raise as InProcessExecutor does."""
         load = {"op": "load", "config": self.config.to_dict()}
         reply, _ = self._call(load, None, deadline_s=LOAD_DEADLINE_S)
         if not reply.get("ok"):
-            self._stop(graceful=True)
             error = str(reply.get("error", "worker could not load the model"))
             if reply.get("kind") == "unavailable":
-                actual = Backend.__members__.get(str(reply.get("actual")), Backend.CPU)
-                raise BackendUnavailable(error, actual)
+                # Never name a backend nothing ran on: unknown stays unknown.
+                raise BackendUnavailable(error, Backend.__members__.get(str(reply.get("actual"))))
             raise ModelLoadError(error)
         try:
             self.signature = Signature.from_dict(reply["signature"])
@@ -172,7 +200,6 @@ class WorkerExecutor:
             self._stop(graceful=False)
             raise ModelLoadError(f"worker sent a malformed load reply ({exc!r})") from None
         if self.actual_backend is not self.config.backend:  # never trust a lying worker
-            self._stop(graceful=True)
             message = f"worker ran {self.config.key} on {self.actual_backend.name}"
             raise BackendUnavailable(message, self.actual_backend)
 
@@ -186,34 +213,47 @@ class WorkerExecutor:
         """Send one request and wait for its reply; on death or timeout, reap and raise."""
         assert self._channel is not None
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
+        self._seq = seq = (self._seq + 1) & 0xFFFF_FFFF
         try:
-            self._channel.send(header, arrays)
-            return self._channel.recv(deadline=deadline)
+            self._channel.send(header, arrays, seq=seq)
+            reply = self._channel.recv(deadline=deadline)
+            if reply.seq != seq:  # cannot happen unless the worker is confused or hostile
+                raise _wire.ProtocolError(f"reply to request {reply.seq}, not {seq}")
+            return reply.header, reply.arrays
+        except _wire.FrameTooLarge as exc:  # refused before sending: the worker is fine
+            raise InvalidInput(f"inputs too large for a worker: {exc}") from None
         except TimeoutError:
             event = self._reap("deadline")
         except _wire.ProtocolError as exc:  # the child is not to be trusted any more
             event = self._reap("protocol", str(exc))
         except (EOFError, OSError):  # ConnectionError, BrokenPipeError: the child is gone
             event = self._reap("died")
+        except BaseException:
+            # Interrupted mid-request: its reply may still come and be taken for the
+            # next request's, so this worker must go.
+            self._reap("interrupted")
+            raise
         raise WorkerCrashed(event)
 
     def _reap(self, how: str, detail: str = "") -> CrashEvent:
         """Make sure the worker is dead, collect how it died, and tidy up."""
         proc = self._proc
         assert proc is not None
-        if how != "died":  # still alive: hung, or talking nonsense
-            proc.kill()
-        try:
-            code = proc.wait(timeout=_EXIT_GRACE_S)
-        except subprocess.TimeoutExpired:  # closed the socket yet lives on: end it
-            proc.kill()
-            code = proc.wait()
+        code = None
+        if how == "died":
+            try:
+                code = proc.wait(timeout=_EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:  # closed the socket yet lives on: end it
+                pass
+        if code is None:  # still alive: hung, talking nonsense, or interrupted
+            code = _kill(proc)
         detail = detail or self._log_tail()
         self._teardown()
         if how != "died":
             return CrashEvent(self.config, how, "SIGKILL", None, detail)
-        if code < 0:
-            return CrashEvent(self.config, "signal", _signal_name(-code), None, detail)
+        if code is None or code < 0:
+            name = "SIGKILL" if code is None else _signal_name(-code)
+            return CrashEvent(self.config, "signal", name, None, detail)
         return CrashEvent(self.config, "exit", None, code, detail)
 
     def restart(self) -> None:
@@ -227,8 +267,8 @@ class WorkerExecutor:
             self.restarts += 1
             try:
                 self._start()
-            except (WorkerCrashed, ModelLoadError):
-                self._teardown()
+            except Exception as exc:  # noqa: BLE001 - the next request retries and reports
+                logger.warning("restarting the worker for %s failed: %s", self.config.key, exc)
 
     def _stop(self, *, graceful: bool) -> None:
         """End the worker (exit request, then SIGKILL after a grace period)."""
@@ -242,8 +282,7 @@ class WorkerExecutor:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            _kill(proc)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -272,8 +311,30 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _spawn(argv: list[str], options: dict) -> subprocess.Popen:
+    """Start a worker from the spawner thread, so its death signal follows this process."""
+    future = _SPAWNER.submit(subprocess.Popen, argv, **options)
+    try:
+        return future.result()
+    except BaseException:
+        # Interrupted while waiting: the worker may still start; make sure it ends.
+        future.add_done_callback(lambda f: f.exception() is None and _kill(f.result()))
+        raise
+
+
+def _kill(proc: subprocess.Popen) -> int | None:
+    """SIGKILL a worker and reap it; return its status (None if it will not die)."""
+    proc.kill()
+    try:
+        return proc.wait(timeout=_EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:  # stuck in the kernel (D state): nothing more to do
+        logger.warning("worker %d survived SIGKILL for %.0f s", proc.pid, _EXIT_GRACE_S)
+        return None
+
+
 def _child_env() -> dict[str, str]:
-    """Return the worker's environment: ours, plus the path that makes -m find us."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    """Return the worker's environment: the few variables it needs, plus MNN's own."""
+    env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith("MNN_")}
+    path = os.environ.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, path]))
     return env

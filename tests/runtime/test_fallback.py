@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
 
 from runtime._memfd import fd_path, sealed_memfd
-from runtime.backends import BackendConfig
 from runtime.engine import InProcessExecutor
-from runtime.errors import InferenceError, ModelFailed, ModelLoadError
+from runtime.errors import InferenceError, InvalidInput, ModelFailed, ModelLoadError
 from runtime.fallback import ConfigChain
 from runtime.golden import Golden
 from runtime.model import Isolation, Model
+from runtime.signature import Signature, TensorSpec
 from tests.runtime._model_helpers import (
     CPU_1,
     CPU_1_HIGH,
@@ -34,24 +35,138 @@ def log_golden() -> Golden:
     return Golden.make(log_mnn(), POSITIVE, isolated=False)
 
 
-def test_non_finite_outputs_walk_the_chain_to_the_end(log_golden):
-    model = Model.from_bytes(log_mnn(), golden=log_golden, candidates=[CPU_1, CPU_1_LOW])
+def test_an_odd_input_does_not_fail_a_config_that_still_matches_the_golden_data(log_golden):
+    # log of a negative number is NaN on every config: the input is at fault, not the
+    # config, and one such request must not roll the fleet back.
+    model = Model.from_bytes(log_mnn(), golden=log_golden, candidates=[CPU_1, CPU_1_HIGH])
     try:
         first = model.config
-        assert np.isfinite(model.run(POSITIVE)["y"]).all()
-        with pytest.raises(ModelFailed, match="no backend config left") as info:
+        with pytest.raises(InvalidInput, match="y non-finite .* still matches the golden data"):
             model.run(NEGATIVE)
-        assert model.failed and model.config is None
-        assert [e.from_config for e in model.fallbacks][0] == first
-        assert len(model.fallbacks) == 2 and model.fallbacks[-1].to_config is None
-        assert all(e.reason == "non-finite outputs: y" for e in model.fallbacks)
-        assert info.value.fallbacks == model.fallbacks
-        with pytest.raises(ModelFailed):  # stays failed: the caller goes back a version
-            model.run(POSITIVE)
+        assert model.fallbacks == () and model.config == first and not model.failed
+        assert np.isfinite(model.run(POSITIVE)["y"]).all()
         report = json.loads(json.dumps(model.telemetry()))
-        assert report["failed"] and len(report["fallbacks"]) == 2
+        assert not report["failed"] and report["fallbacks"] == []
     finally:
         model.close()
+
+
+def test_without_golden_data_an_odd_input_costs_at_most_one_fallback():
+    with _model_with_chain([CPU_1, CPU_1_LOW, CPU_1_HIGH], data=log_mnn()) as model:
+        with pytest.raises(InvalidInput, match="CPU/normal/t1.* and CPU/low/t1.* both give"):
+            model.run(NEGATIVE)
+        (event,) = model.fallbacks
+        assert (event.from_config, event.to_config) == (CPU_1, CPU_1_LOW)
+        assert event.reason == "non-finite outputs: y"
+        assert model.config == CPU_1_LOW and not model.failed
+        assert np.isfinite(model.run(POSITIVE)["y"]).all()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_inputs_are_refused_before_they_run(log_golden, bad):
+    x = POSITIVE["x"].copy()
+    x[1, 3] = bad
+    with Model.from_bytes(log_mnn(), golden=log_golden, candidates=[CPU_1]) as model:
+        with pytest.raises(InvalidInput, match="input 'x' holds NaN or infinity"):
+            model.run({"x": x})
+        assert model.fallbacks == () and not model.failed
+
+
+def test_a_config_that_turns_bad_is_still_replaced(log_golden):
+    faults = {}
+    configs = [CPU_1, CPU_1_HIGH]
+    with _model_with_chain(configs, data=log_mnn(), golden=log_golden, faults=faults) as model:
+        faults[CPU_1] = "nan"  # e.g. a GPU driver gone wrong: NaN even on golden inputs
+        assert np.isfinite(model.run(POSITIVE)["y"]).all()
+        (event,) = model.fallbacks
+        assert (event.from_config, event.to_config, event.reason) == (
+            CPU_1,
+            CPU_1_HIGH,
+            "non-finite outputs: y",
+        )
+
+
+def test_a_request_that_fails_twice_reaches_the_caller_after_one_fallback():
+    faults = {CPU_1: "raise", CPU_1_LOW: "raise"}
+    with _model_with_chain([CPU_1, CPU_1_LOW, CPU_1_HIGH], faults=faults) as model:
+        with pytest.raises(InferenceError, match="failed on CPU/normal/t1/mem-normal too"):
+            model.run(x16())
+        assert len(model.fallbacks) == 1 and model.config == CPU_1_LOW
+        model.run(x16())  # CPU_1_LOW really is broken: this request moves on from it
+        assert model.config == CPU_1_HIGH and len(model.fallbacks) == 2
+
+
+class _ContendedLock:
+    """A lock that tells when some thread has to wait for it."""
+
+    def __init__(self) -> None:
+        self._lock, self.contended = threading.Lock(), threading.Event()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.contended.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_request_during_a_slow_fallback_waits_for_it_instead_of_failing():
+    lock, loading = _ContendedLock(), threading.Event()
+
+    def slow_load(config):
+        if config == CPU_1_LOW:  # the fallback's load: finishes once a request waits on it
+            loading.set()
+            lock.contended.wait(timeout=60)
+
+    faults = {CPU_1: "raise"}
+    model = _model_with_chain([CPU_1, CPU_1_LOW], faults=faults, on_load=slow_load)
+    model._chain._lock = lock
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(model.run(x16())))
+    first.start()
+    try:
+        assert loading.wait(timeout=60)
+        assert not model.failed  # mid-fallback: nothing is active, yet nothing failed
+        assert model.run(x16())["y"].shape == (1, 4)  # waits for CPU_1_LOW, then runs
+    finally:
+        lock.contended.set()  # never leave the first request hanging
+        first.join()
+        model.close()
+    assert len(answers) == 1 and model.fallbacks[0].to_config == CPU_1_LOW
+
+
+def test_probing_closes_the_kept_executor_when_interrupted():
+    made = []
+
+    def make(config):
+        if config == CPU_1_HIGH:
+            raise KeyboardInterrupt
+        made.append(_Recorder(config))
+        return made[-1]
+
+    chain = ConfigChain(make, None, crash_limit=3)
+    with pytest.raises(KeyboardInterrupt):
+        chain.start_probed([CPU_1, CPU_1_HIGH], runs=1)
+    assert [e.closed for e in made] == [True]
+
+
+class _Recorder:
+    """An executor that answers zeros and remembers being closed."""
+
+    def __init__(self, config):
+        self.config, self.actual_backend, self.evidence, self.load_ms = config, None, "", 0.0
+        self.signature = Signature((TensorSpec("x", (1, 16), "float32"),), ("y",))
+        self.closed = False
+
+    def run(self, arrays, exact):
+        return {"y": np.zeros((1, 4), np.float32)}
+
+    def restart(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def test_golden_data_must_be_finite():
@@ -65,18 +180,24 @@ def test_finite_check_can_be_turned_off(log_golden):
         assert not model.failed and model.fallbacks == ()
 
 
-class _FailsOn:
-    """The real executor, except that one config fails every inference (an edge fault)."""
+class _Faulty:
+    """The real executor, except where `faults` says its config fails (an edge fault).
 
-    def __init__(self, inner: InProcessExecutor, bad: BackendConfig) -> None:
-        self._inner, self._bad = inner, bad
+    `faults` maps a config to "raise" (every inference fails) or "nan" (every output is
+    NaN); the test may change it after the model started.
+    """
+
+    def __init__(self, inner: InProcessExecutor, faults: dict) -> None:
+        self._inner, self._faults = inner, faults
         self.config, self.signature = inner.config, inner.signature
         self.actual_backend, self.evidence, self.load_ms = inner.actual_backend, "", 0.0
 
     def run(self, arrays, exact):
-        if self.config == self._bad:
+        fault = self._faults.get(self.config)
+        if fault == "raise":
             raise InferenceError(f"injected failure on {self.config.key}")
-        return self._inner.run(arrays, exact)
+        outputs = self._inner.run(arrays, exact)
+        return {k: np.full_like(v, np.nan) for k, v in outputs.items()} if fault else outputs
 
     def restart(self) -> None:
         pass
@@ -85,21 +206,24 @@ class _FailsOn:
         self._inner.close()
 
 
-def _model_with_chain(configs, *, fails_on=None, unloadable=()):
-    fd = sealed_memfd(tiny_mnn())
+def _model_with_chain(configs, *, data=None, golden=None, faults=None, unloadable=(), on_load=None):
+    fd = sealed_memfd(data or tiny_mnn())
+    faults = {} if faults is None else faults
 
     def make(config):
+        if on_load is not None:
+            on_load(config)
         if config in unloadable:
             raise ModelLoadError(f"injected load failure on {config.key}")
-        return _FailsOn(InProcessExecutor(fd_path(fd), config), fails_on)
+        return _Faulty(InProcessExecutor(fd_path(fd), config), faults)
 
-    chain = ConfigChain(make, None, crash_limit=3)
+    chain = ConfigChain(make, golden, crash_limit=3)
     chain.start_forced(configs)
     return Model(fd, chain, version="v", isolation=Isolation.IN_PROCESS, check_finite=True)
 
 
 def test_a_config_that_raises_is_replaced_and_the_request_still_succeeds():
-    with _model_with_chain([CPU_1, CPU_1_LOW], fails_on=CPU_1) as model:
+    with _model_with_chain([CPU_1, CPU_1_LOW], faults={CPU_1: "raise"}) as model:
         assert model.config == CPU_1
         out = model.run(x16())  # fails on CPU_1, retried on CPU_1_LOW
         assert out["y"].shape == (1, 4) and model.config == CPU_1_LOW
@@ -112,7 +236,7 @@ def test_a_config_that_raises_is_replaced_and_the_request_still_succeeds():
 
 def test_every_step_is_recorded_including_load_failures():
     configs = [CPU_1, CPU_1_LOW, CPU_1_HIGH]
-    with _model_with_chain(configs, fails_on=CPU_1, unloadable=(CPU_1_LOW,)) as model:
+    with _model_with_chain(configs, faults={CPU_1: "raise"}, unloadable=(CPU_1_LOW,)) as model:
         model.run(x16())
         assert model.config == CPU_1_HIGH
         steps = [(e.from_config, e.to_config) for e in model.fallbacks]

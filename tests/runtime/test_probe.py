@@ -17,12 +17,14 @@ from runtime.engine import InProcessExecutor
 from runtime.errors import BackendUnavailable, ModelFailed
 from runtime.golden import Golden, Tolerance
 from runtime.model import Model
-from runtime.probe import ProbeResult, rank
+from runtime.probe import ProbeResult, probe_config, rank
+from runtime.signature import Signature, TensorSpec
 from tests.runtime._model_helpers import (
     CPU_1,
     CPU_1_HIGH,
     CPU_1_LOW,
     OPENCL,
+    log_mnn,
     reference,
     tiny_mnn,
     tiny_onnx,
@@ -54,11 +56,23 @@ def test_golden_npz_round_trip(golden):
     np.testing.assert_array_equal(again.outputs["y"], golden.outputs["y"])
 
 
-def test_golden_npz_refuses_pickles_and_foreign_files(golden):
+def _npz(meta: bytes | None = None, **arrays) -> bytes:
+    """An .npz with `arrays` (named with "/" as "__") and, if given, a raw meta entry."""
+    named = {k.replace("__", "/"): v for k, v in arrays.items()}
+    if meta is not None:
+        named["meta"] = np.frombuffer(meta, np.uint8)
     buffer = io.BytesIO()
-    np.savez(buffer, **{"input/x": np.array([object()], dtype=object), "output/y": np.ones(2)})
-    with pytest.raises(ValueError):
-        Golden.from_npz(buffer.getvalue())
+    np.savez(buffer, **named)
+    return buffer.getvalue()
+
+
+VALID_META = json.dumps({"format": "skiff-golden/1", "tolerance": {}}).encode()
+
+
+def test_golden_npz_refuses_pickles_and_foreign_files(golden):
+    pickled = _npz(VALID_META, input__x=np.array([object()], dtype=object), output__y=np.ones(2))
+    with pytest.raises(ValueError, match="Object arrays cannot be loaded"):
+        Golden.from_npz(pickled)
     with pytest.raises(ValueError, match="not a valid .npz"):
         Golden.from_npz(b"not a zip")
     buffer = io.BytesIO()
@@ -66,6 +80,20 @@ def test_golden_npz_refuses_pickles_and_foreign_files(golden):
     with pytest.raises(ValueError, match="format"):
         Golden.from_npz(buffer.getvalue())
     assert zipfile.is_zipfile(io.BytesIO(golden.to_npz()))
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        b"[1]",
+        b'{"format": "skiff-golden/1", "tolerance": [1]}',
+        b'{"format": "skiff-golden/1", "tolerance": {"min_cosine": [1]}}',
+        b"\xff",
+    ],
+)
+def test_malformed_golden_meta_is_a_value_error(meta):
+    with pytest.raises(ValueError):
+        Golden.from_npz(_npz(meta, input__x=np.ones(2), output__y=np.ones(2)))
 
 
 def test_golden_needs_finite_references():
@@ -139,6 +167,35 @@ def test_forced_config_is_checked_against_the_golden_data(golden):
         assert model.config == CPU_1_HIGH
         (result,) = model.probe_results
         assert result.accepted and result.config == CPU_1_HIGH and model.fallbacks == ()
+
+
+def test_without_golden_data_non_finite_outputs_on_zeros_do_not_reject():
+    # log(0) is -inf: zeros say nothing about whether a config works.
+    with Model.from_bytes(log_mnn(), candidates=[CPU_1, CPU_1_LOW]) as model:
+        assert model.config == CPU_1
+        results = {r.config: r for r in model.probe_results}
+        assert results[CPU_1].accepted and results[CPU_1].error is None
+        low = results[CPU_1_LOW]
+        assert not low.accepted and "needs golden data" in low.error
+        x = np.abs(np.random.default_rng(0).standard_normal((2, 8))).astype(np.float32)
+        assert np.isfinite(model.run({"x": x + 0.1})["y"]).all()
+
+
+def test_probe_closes_the_executor_when_interrupted():
+    class Interrupted:
+        config, actual_backend, load_ms, closed = CPU_1, Backend.CPU, 0.0, False
+        signature = Signature((TensorSpec("x", (1, 16), "float32"),), ("y",))
+
+        def run(self, arrays, exact):
+            raise KeyboardInterrupt
+
+        def close(self):
+            self.closed = True
+
+    executor = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        probe_config(lambda config: executor, CPU_1, None)
+    assert executor.closed
 
 
 def test_rank_prefers_the_fastest_beyond_timing_noise():

@@ -26,22 +26,26 @@ def expected() -> dict[str, np.ndarray]:
     return answers
 
 
-def _hammer(slot, stop, results, errors):
+def _hammer(slot, stop, results, errors, progress):
     while not stop.is_set():
         try:
-            results.append(slot.run_versioned(INPUTS))
+            answer = slot.run_versioned(INPUTS)
         except Exception as exc:  # noqa: BLE001 - any failure is what the test counts
             errors.append(exc)
+            answer = None
+        with progress:
+            if answer is not None:
+                results.append(answer)
+            progress.notify_all()
 
 
 @pytest.mark.parametrize(("isolation", "swaps"), [(Isolation.IN_PROCESS, 6), ("worker", 2)])
 def test_swaps_under_load_drop_nothing(expected, isolation, swaps):
     first = Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v1", isolation=isolation)
     slot = ModelSlot(first)
-    stop, results, errors = threading.Event(), [], []
-    threads = [
-        threading.Thread(target=_hammer, args=(slot, stop, results, errors)) for _ in range(4)
-    ]
+    stop, results, errors, progress = threading.Event(), [], [], threading.Condition()
+    args = (slot, stop, results, errors, progress)
+    threads = [threading.Thread(target=_hammer, args=args) for _ in range(4)]
     for thread in threads:
         thread.start()
     retired = [first]
@@ -49,17 +53,21 @@ def test_swaps_under_load_drop_nothing(expected, isolation, swaps):
         for i in range(swaps):
             version = "v2" if i % 2 == 0 else "v1"
             seed = 1 if version == "v2" else 0
-            count = len(results)
+            with progress:
+                target = len(results) + 20
             # Loading happens here, in this thread, while the hammer threads keep serving.
             retired.append(
                 slot.load(tiny_mnn(seed), version=version, config=CPU_1, isolation=isolation)
             )
-            # Wait (bounded) until 20 more answers came in: with 4 threads at most 4 of them
-            # were already in flight on the old version, so the new one has served.
-            for _ in range(10_000):
-                if len(results) >= count + 20 or errors:
-                    break
-                threading.Event().wait(0.001)
+
+            # Wait until 20 more answers came in: with 4 threads at most 4 of them were
+            # already in flight on the old version, so the new one has served.
+            def reached(n=target):
+                return len(results) >= n or errors
+
+            with progress:
+                served = progress.wait_for(reached, timeout=60)
+            assert served and errors == []
     finally:
         stop.set()
         for thread in threads:

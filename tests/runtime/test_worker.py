@@ -9,21 +9,41 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from runtime import _wire
+from runtime import _mnn, _wire
+from runtime import worker as worker_module
 from runtime._memfd import sealed_memfd
-from runtime.errors import InvalidInput, WorkerCrashed
+from runtime.errors import (
+    BackendUnavailable,
+    InvalidInput,
+    ModelFailed,
+    ModelLoadError,
+    WorkerCrashed,
+)
 from runtime.model import Isolation, Model
-from runtime.worker import Fault, WorkerExecutor
-from tests.runtime._model_helpers import CPU_1, CPU_1_LOW, reference, tiny_mnn, tiny_onnx, x16
+from runtime.worker import Fault, WorkerExecutor, _child_env
+from tests.runtime._model_helpers import (
+    CPU_1,
+    CPU_1_LOW,
+    OPENCL,
+    reference,
+    tiny_mnn,
+    tiny_onnx,
+    x16,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,7 +141,8 @@ def test_repeated_crashes_move_the_model_to_the_next_config():
         with pytest.raises(WorkerCrashed, match="SIGSEGV") as first:
             model.run(x16())
         assert first.value.event.count == 1 and model.config == CPU_1_LOW
-        assert model._chain.active.pid not in (None, pid)  # restarted right away
+        model._chain.active.restart()  # joins the restart already under way
+        assert model._chain.active.pid not in (None, pid) and model._chain.active.restarts == 1
         with pytest.raises(WorkerCrashed) as second:
             model.run(x16())
         assert second.value.event.count == 2
@@ -132,6 +153,82 @@ def test_repeated_crashes_move_the_model_to_the_next_config():
         assert model.run(x16())["y"].shape == (1, 4)
         report = json.loads(json.dumps(model.telemetry()))
         assert [c["signal"] for c in report["crashes"]] == ["SIGSEGV", "SIGSEGV"]
+    finally:
+        model.close()
+
+
+def test_a_crashed_request_does_not_wait_for_the_restart(monkeypatch):
+    release, waited = threading.Event(), []
+    real_start = WorkerExecutor._start
+
+    def slow_start(self):
+        if self.restarts:  # restarts only: loading a big model may take minutes
+            waited.append(release.wait(timeout=10))
+        real_start(self)
+
+    monkeypatch.setattr(WorkerExecutor, "_start", slow_start)
+    fault = Fault("segv", on_request=1)
+    with Model.from_bytes(tiny_mnn(), config=CPU_1, isolation="worker", _fault=fault) as model:
+        with pytest.raises(WorkerCrashed):
+            model.run(x16())
+        release.set()  # only now may the restart finish
+        model._chain.active.restart()  # joins it
+        assert waited == [True] and model._chain.active.pid is not None
+
+
+@pytest.fixture
+def spawned(monkeypatch):
+    """Every worker process started during the test."""
+    procs = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            procs.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    return procs
+
+
+def test_an_unexpected_failure_while_starting_leaves_no_worker(model_fd, spawned, monkeypatch):
+    def broken(d):
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(worker_module.Signature, "from_dict", broken)
+    with pytest.raises(RuntimeError, match="unexpected"):
+        WorkerExecutor(model_fd, CPU_1)
+    (proc,) = spawned
+    assert proc.returncode is not None  # stopped and reaped, not left running
+
+
+def test_an_unknown_fallback_backend_is_never_reported_as_the_cpu(model_fd, spawned, monkeypatch):
+    reply = {"ok": False, "kind": "unavailable", "actual": "QUANTUM", "error": "no"}
+    monkeypatch.setattr(WorkerExecutor, "_call", lambda self, *a, **k: (reply, {}))
+    with pytest.raises(BackendUnavailable) as info:
+        WorkerExecutor(model_fd, OPENCL)
+    assert info.value.actual is None
+    assert all(proc.returncode is not None for proc in spawned)
+
+
+def test_a_failed_restart_is_reported_as_a_load_failure(monkeypatch):
+    fault = Fault("segv", on_request=1, config=CPU_1_LOW)
+    model = Model.from_bytes(
+        tiny_mnn(), config=CPU_1_LOW, isolation="worker", crash_limit=5, _fault=fault
+    )
+    try:
+        real_load = WorkerExecutor._load
+
+        def load(self):
+            if self.restarts and self.config == CPU_1_LOW:
+                raise ModelLoadError("out of GPU memory")
+            real_load(self)
+
+        monkeypatch.setattr(WorkerExecutor, "_load", load)
+        with pytest.raises(WorkerCrashed):
+            model.run(x16())
+        assert model.run(x16())["y"].shape == (1, 4)  # the restart fails: falls back
+        (event,) = model.fallbacks
+        assert event.reason.startswith("load failed: out of GPU memory")
     finally:
         model.close()
 
@@ -149,8 +246,11 @@ def channels():
     b.close()
 
 
-def _frame(header: bytes, payload: bytes = b"") -> bytes:
-    return len(header).to_bytes(4, "little") + len(payload).to_bytes(4, "little") + header + payload
+def _frame(header: bytes, payload: bytes = b"", *, claim: int | None = None) -> bytes:
+    """A raw frame; `claim` overrides the payload length the prefix announces."""
+    size = len(payload) if claim is None else claim
+    prefix = len(header).to_bytes(4, "little") + size.to_bytes(4, "little") + bytes(4)
+    return prefix + header + payload
 
 
 @pytest.mark.parametrize(
@@ -162,7 +262,7 @@ def _frame(header: bytes, payload: bytes = b"") -> bytes:
         (_frame(b'{"arrays":[["x","float32",[4]]]}', b"1234"), "runs past"),
         (_frame(b'{"arrays":[["x","float32",[1]]]}', b"12345678"), "does not match"),
         (_frame(b'{"arrays":[["x","float32",[-1]]]}'), "bad shape"),
-        (b"\xff\xff\xff\xff\x00\x00\x00\x00", "too large"),
+        (b"\xff\xff\xff\xff" + bytes(8), "too large"),
     ],
 )
 def test_the_parent_never_trusts_a_malformed_frame(channels, frame, message):
@@ -177,12 +277,173 @@ def test_frames_round_trip_small_and_large(channels):
     other = _wire.Channel(peer)
     small = {"x": np.arange(6, dtype=np.int64).reshape(2, 3)}
     other.send({"op": "run"}, small)
-    header, arrays = channel.recv()
+    _, header, arrays = channel.recv()
     assert header["op"] == "run" and np.array_equal(arrays["x"], small["x"])
     big = np.random.default_rng(0).standard_normal((200, 100)).astype(np.float32)  # > scratch
     other.send({"ok": True}, {"y": big, "z": np.zeros(0, np.uint8)})
-    _, arrays = channel.recv()
+    _, _, arrays = channel.recv()
     assert np.array_equal(arrays["y"], big) and arrays["z"].shape == (0,)
     peer.close()
     with pytest.raises(EOFError):
         channel.recv()
+
+
+def test_an_interrupted_request_never_hands_its_answer_to_the_next(model_fd):
+    worker = WorkerExecutor(model_fd, CPU_1)
+    try:
+        first, second = x16(seed=1)["x"], x16(seed=2)["x"]
+        expected = worker.run([second], True)["y"]
+        channel, pid = worker._channel, worker.pid
+
+        def interrupted(**kwargs):  # e.g. Ctrl-C while the reply is on its way
+            del channel.recv
+            raise KeyboardInterrupt
+
+        channel.recv = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            worker.run([first], True)  # the worker answers this one regardless
+        np.testing.assert_array_equal(worker.run([second], True)["y"], expected)
+        assert worker.pid not in (None, pid)  # the interrupted worker was replaced
+    finally:
+        worker.close()
+
+
+def test_a_reply_to_another_request_is_a_protocol_breach(model_fd):
+    worker = WorkerExecutor(model_fd, CPU_1)
+    try:
+        channel = worker._channel
+        real_send = channel.send
+        channel.send = lambda header, arrays=None, *, seq: real_send(header, arrays, seq=seq + 1)
+        with pytest.raises(WorkerCrashed, match="broke the protocol") as info:
+            worker.run([x16()["x"]], True)
+        assert "reply to request" in info.value.event.detail
+        assert worker.run([x16()["x"]], True)["y"].shape == (1, 4)  # a fresh worker
+    finally:
+        worker.close()
+
+
+def test_a_huge_claimed_payload_costs_only_what_arrives(channels):
+    channel, peer = channels
+    size = (1 << 30) - 1  # within the limit, so only the allocation strategy protects
+    peer.sendall(_frame(f'{{"arrays":[["x","uint8",[{size}]]]}}'.encode(), b"x" * 100, claim=size))
+    peer.close()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConnectionError, match="mid-frame"):
+            channel.recv()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+
+
+def test_payloads_beyond_the_limit_are_refused_both_ways(channels):
+    a, peer = channels
+    small = _wire.Channel(a.sock, max_payload=1024)
+    with pytest.raises(_wire.FrameTooLarge):
+        small.send({"op": "run"}, {"x": np.zeros(1025, np.uint8)})
+    peer.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        peer.recv(1)  # nothing of the refused frame was sent
+    peer.sendall(_frame(b"{}", claim=1025))
+    with pytest.raises(_wire.ProtocolError, match="too large"):
+        small.recv()
+    assert a.sock.fileno() == -1  # the connection is dropped, not read on
+
+
+@pytest.mark.parametrize("depth", [5_000, 100_000])  # within one read, and beyond it
+def test_a_deeply_nested_header_is_a_protocol_error_and_drops_the_connection(channels, depth):
+    channel, peer = channels
+    peer.sendall(_frame(b"[" * depth + b"]" * depth))
+    with pytest.raises(_wire.ProtocolError, match="not JSON"):
+        channel.recv()
+    assert channel.sock.fileno() == -1
+
+
+def test_only_small_headers_are_cached(channels):
+    channel, peer = channels
+    other = _wire.Channel(peer)
+    for i in range(3):
+        other.send({"op": "run", "pad": "x" * 8192, "i": i})
+        channel.recv()
+    assert channel._parsed == {} and other._encoded == {}
+    other.send({"op": "run"})
+    channel.recv()
+    assert len(channel._parsed) == 1
+
+
+@pytest.mark.parametrize("isolation", ["in_process", "worker"])
+def test_corrupt_model_bytes_fail_cleanly_on_every_candidate(isolation, monkeypatch):
+    monkeypatch.setattr(_mnn, "_detected", {})  # availability must be checked on these bytes
+    with pytest.raises(ModelFailed, match="no candidate config passed") as info:
+        Model.from_bytes(os.urandom(4096), isolation=isolation)
+    results = info.value.probe_results
+    tried = [r for r in results if r.config.precision.name in ("NORMAL", "HIGH")]
+    assert any(r.config.backend.name != "CPU" for r in tried)  # the session-check path
+    for result in tried:
+        assert not result.accepted and "MNN cannot load the model" in result.error
+
+
+def test_the_worker_holds_no_secrets_of_the_app(monkeypatch):
+    monkeypatch.setenv("SKIFF_APP_SECRET", "hunter2")
+    monkeypatch.setenv("MNN_TEST_KNOB", "1")
+    env = _child_env()
+    assert "SKIFF_APP_SECRET" not in env and env["MNN_TEST_KNOB"] == "1"
+    assert env["PATH"] == os.environ["PATH"] and str(REPO_ROOT) in env["PYTHONPATH"]
+
+
+def test_a_worker_whose_parent_is_already_gone_exits_at_once():
+    argv = [sys.executable, "-m", "runtime._worker_main", "--sock-fd", "0", "--model-fd", "0"]
+    argv += ["--parent-pid", "1"]  # not our parent: as if the real one died before
+    result = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+
+
+def test_a_hung_worker_dies_with_its_parent_and_never_dumps_core(tmp_path):
+    model = tmp_path / "model.bin"
+    model.write_bytes(tiny_mnn())
+    script = textwrap.dedent(
+        f"""
+        import threading, time, numpy as np
+        from runtime.model import Model
+        from runtime.worker import Fault
+        data = open({str(model)!r}, "rb").read()
+        m = Model.from_bytes(data, config={CPU_1.key!r}, isolation="worker",
+                             deadline_s=3600, _fault=Fault("hang"))
+        w = m._chain.active
+        x = {{"x": np.zeros((1, 16), np.float32)}}
+        threading.Thread(target=m.run, args=(x,), daemon=True).start()
+        while "injected fault hang" not in w._log_tail():  # hung, never reading again
+            time.sleep(0.01)
+        print(w.pid, flush=True)
+        threading.Event().wait()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE)
+    pid = None
+    try:
+        pid = int(parent.stdout.readline())
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        assert re.search(r"Max core file size\s+0\s+0\s", limits)
+        parent.kill()
+        parent.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:  # waiting for the kernel's kill
+            time.sleep(0.01)
+        assert not _alive(pid)
+        pid = None
+    finally:
+        parent.kill()
+        parent.wait(timeout=60)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Tell whether `pid` runs (a zombie has exited: only its parent's wait is missing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
