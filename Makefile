@@ -36,6 +36,7 @@ system-deps:
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Regenerating the committed protos must change nothing.
 check-protos: install
