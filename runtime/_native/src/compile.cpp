@@ -75,30 +75,52 @@ std::vector<Node> build_trie(const std::vector<TriggerDef>& defs, int32_t by) {
   return nodes;
 }
 
+// Sorts edges by (type, sort key, trie order) into `edges`, with begin[t] the first edge
+// of type t (begin has n_types + 1 entries).
+void flatten(std::vector<std::tuple<int32_t, int32_t, size_t, Edge>> sorted, int32_t n_types,
+             std::vector<Edge>& edges, std::vector<int32_t>& begin) {
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+    return std::tie(std::get<0>(a), std::get<1>(a), std::get<2>(a)) <
+           std::tie(std::get<0>(b), std::get<1>(b), std::get<2>(b));
+  });
+  begin.assign(static_cast<size_t>(n_types) + 1, 0);
+  for (const auto& entry : sorted) {
+    ++begin[static_cast<size_t>(std::get<0>(entry)) + 1];
+    edges.push_back(std::get<3>(entry));
+  }
+  for (int32_t t = 0; t < n_types; ++t) begin[t + 1] += begin[t];
+}
+
 void add_edges(Group& group, const std::vector<Node>& nodes, int32_t n_types) {
   std::vector<int32_t> slot(nodes.size(), -1);
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (nodes[i].gap_children) slot[i] = group.n_any++;
   }
   group.n_nodes = static_cast<int32_t>(nodes.size());
-  group.edges_by_type.assign(n_types, {});
+  // (type, sort key, edge): the sort key is -depth for free edges, the parent's type for
+  // `->` ones; ties keep trie order.
+  std::vector<std::tuple<int32_t, int32_t, size_t, Edge>> free, contiguous;
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = nodes[i];
     const bool root = n.parent < 0;
-    Edge e{n.parent, root ? -1 : nodes[n.parent].type, root ? -1 : slot[n.parent],
-           static_cast<int32_t>(i), slot[i], n.contiguous_children, n.op, n.depth, 0, 0, 0, 0};
+    const bool gap = !root && n.op == Op::Gap;
+    const int32_t parent_type = root ? -1 : nodes[n.parent].type;
+    Edge e{root ? -1 : gap ? slot[n.parent] : n.parent, parent_type, slot[i],
+           n.contiguous_children ? static_cast<int32_t>(i) : -1, 0, 0, 0, 0};
     e.cond_begin = static_cast<int32_t>(group.conditions.size());
     group.conditions.insert(group.conditions.end(), n.conditions.begin(), n.conditions.end());
     e.cond_end = static_cast<int32_t>(group.conditions.size());
     e.term_begin = static_cast<int32_t>(group.terminals.size());
     group.terminals.insert(group.terminals.end(), n.terminals.begin(), n.terminals.end());
     e.term_end = static_cast<int32_t>(group.terminals.size());
-    group.edges_by_type[n.type].push_back(e);
+    if (root || gap) {
+      free.emplace_back(n.type, -n.depth, i, e);
+    } else {
+      contiguous.emplace_back(n.type, parent_type, i, e);
+    }
   }
-  for (auto& edges : group.edges_by_type) {
-    std::stable_sort(edges.begin(), edges.end(),
-                     [](const Edge& a, const Edge& b) { return a.depth > b.depth; });
-  }
+  flatten(std::move(free), n_types, group.free_edges, group.free_begin);
+  flatten(std::move(contiguous), n_types, group.contiguous_edges, group.contiguous_begin);
 }
 
 int32_t log_for(Group& group, int32_t of) {
@@ -119,7 +141,7 @@ int32_t column_for(LogSpec& log, int32_t field) {
 
 CompiledTrigger compile_features(const TriggerDef& def, int32_t group_index, Group& group,
                                  std::vector<double>& edges) {
-  CompiledTrigger out{group_index, def.within, 0, {}};
+  CompiledTrigger out{group_index, def.within, 0, -1, {}};
   for (const FeatureDef& f : def.features) {
     const int32_t log = log_for(group, f.of);
     LogSpec& spec = group.logs[log];
@@ -136,6 +158,20 @@ CompiledTrigger compile_features(const TriggerDef& def, int32_t group_index, Gro
     out.features.push_back(cf);
   }
   return out;
+}
+
+std::string features_key(const CompiledTrigger& trigger, const std::vector<double>& edges) {
+  std::string key;
+  for (const CompiledFeature& f : trigger.features) {
+    append_bytes(key, f.agg);
+    append_bytes(key, f.window);
+    append_bytes(key, f.size);
+    append_bytes(key, f.log);
+    append_bytes(key, f.column);
+    append_bytes(key, f.edges_end - f.edges_begin);
+    for (int32_t e = f.edges_begin; e < f.edges_end; ++e) append_bytes(key, edges[e]);
+  }
+  return key;
 }
 
 }  // namespace
@@ -156,6 +192,13 @@ Compiled compile(const Config& config, const std::vector<TriggerDef>& defs) {
     for (const int32_t t : group.terminals) group.terminal_within.push_back(defs[t].within);
     for (size_t t = 0; t < defs.size(); ++t) {
       if (defs[t].by == by) out.triggers[t] = compile_features(defs[t], g, group, out.edges);
+    }
+    std::map<std::string, int32_t> first_with;  // features (as bytes) -> first trigger
+    for (size_t t = 0; t < defs.size(); ++t) {
+      if (defs[t].by != by) continue;
+      CompiledTrigger& trigger = out.triggers[t];
+      trigger.same_features =
+          first_with.emplace(features_key(trigger, out.edges), static_cast<int32_t>(t)).first->second;
     }
     group.logs_by_type.assign(config.n_types, {});
     for (int32_t type = 0; type < config.n_types; ++type) {

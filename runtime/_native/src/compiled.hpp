@@ -2,9 +2,12 @@
 //
 // Trie nodes are shared by every trigger whose pattern starts with the same steps (an
 // edge is keyed by (op, event type, conditions)). Each edge is filed under its event
-// type, so an event only visits the edges it can possibly match. Edges of a type are
-// ordered deepest first: an event then reads every parent's state before any edge of
-// the same event overwrites it (one event is never used twice in one match).
+// type, so an event only visits the edges it can possibly match:
+// * root and `~>` edges, deepest first: an event then reads every parent's `any` slot
+//   before an edge of the same event overwrites it (one event is never used twice);
+// * `->` edges, after those (they read only the previous event's `last`, and no `->`
+//   edge reads `any`), sorted by the parent's event type: an event only visits the ones
+//   whose parent the key's previous event can have reached.
 #pragma once
 
 #include <cstdint>
@@ -18,14 +21,10 @@ namespace skiff::stream {
 // at any event so far) in a slot; a node with `->` children is recorded in the key's
 // short `last` list when the key's latest event reached it (with that match's start).
 struct Edge {
-  int32_t parent_node;  // -1 for the root
+  int32_t parent;       // root: -1; `~>`: the parent's `any` slot; `->`: the parent node
   int32_t parent_type;  // event type of the parent's step (-1 for the root)
-  int32_t parent_any;   // the parent's `any` slot (for a `~>` edge)
-  int32_t child_node;
   int32_t child_any;    // the child's `any` slot, -1 if it has no `~>` children
-  bool child_last;      // the child has `->` children: record it in `last`
-  Op op;
-  int32_t depth;
+  int32_t child_last;   // the child node if it has `->` children (goes in `last`), else -1
   int32_t cond_begin, cond_end;  // into Group::conditions
   int32_t term_begin, term_end;  // triggers ending at the child, into Group::terminals
 };
@@ -52,6 +51,9 @@ struct CompiledTrigger {
   int32_t group;
   int64_t within;
   int32_t width;
+  // The first trigger of the group with the same features: triggers firing at the same
+  // event with the same features get the same row, computed once.
+  int32_t same_features;
   std::vector<CompiledFeature> features;
 };
 
@@ -59,7 +61,10 @@ struct Group {
   int32_t by = 0;
   int32_t n_any = 0;  // nodes with `~>` children (per-key `any` slots)
   int32_t n_nodes = 0;
-  std::vector<std::vector<Edge>> edges_by_type;
+  // Edges of type t: root and `~>` ones in [free_begin[t], free_begin[t + 1]) of
+  // `free_edges`, `->` ones in [contiguous_begin[t], contiguous_begin[t + 1]).
+  std::vector<Edge> free_edges, contiguous_edges;
+  std::vector<int32_t> free_begin, contiguous_begin;
   std::vector<Condition> conditions;
   std::vector<int32_t> terminals;
   std::vector<int64_t> terminal_within;  // each terminal's span limit, next to it

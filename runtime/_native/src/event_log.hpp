@@ -5,6 +5,7 @@
 // one cache line or two.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -36,12 +37,27 @@ class EventLog {
   size_t size() const { return size_; }
   size_t bytes() const { return words_.capacity() * sizeof(int64_t); }
 
-  // Row i counted from the newest (0 = last pushed); i < size().
-  size_t pos(size_t i) const { return (head_ + size_ - 1 - i) & (capacity_ - 1); }
-  int64_t ts_at(size_t pos) const { return words_[pos * stride_]; }
-  double value_at(size_t pos, size_t column) const {
+  // Calls visit(row) on at most `limit` rows, newest first, while it returns true. A row
+  // is `ts` then the stored values (read them with `value`); the ring is walked as at
+  // most two contiguous runs, so the loop is a pointer decrement per row.
+  template <class Visit>
+  void visit_newest(size_t limit, Visit&& visit) const {
+    size_t left = std::min(limit, size_);
+    size_t at = (head_ + size_ - 1) & (capacity_ - 1);
+    while (left) {
+      const size_t run = std::min(left, at + 1);
+      const int64_t* first = words_.data() + at * stride_;
+      for (size_t k = 0; k < run; ++k) {
+        if (!visit(first - k * stride_)) return;
+      }
+      left -= run;
+      at = capacity_ - 1;
+    }
+  }
+
+  static double value(const int64_t* row, size_t column) {
     double v;
-    std::memcpy(&v, &words_[pos * stride_ + 1 + column], sizeof v);
+    std::memcpy(&v, row + 1 + column, sizeof v);
     return v;
   }
 

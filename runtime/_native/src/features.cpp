@@ -9,18 +9,21 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Calls visit(pos) for every row of `log` in the feature's window, newest first.
+// Calls visit(row) for every row of `log` in the feature's window, newest first.
 template <class Visit>
 void scan(const EventLog& log, const CompiledFeature& f, int64_t ts, int64_t lateness,
           int64_t& lo, int64_t& hi, Visit&& visit) {
-  const size_t n = log.size();
   if (f.window == WindowKind::Count) {
-    const size_t m = std::min(n, static_cast<size_t>(f.size));
-    for (size_t i = 0; i < m; ++i) {
-      const size_t pos = log.pos(i);
-      lo = std::min(lo, log.ts_at(pos));
-      hi = std::max(hi, log.ts_at(pos) + 1);
-      visit(pos);
+    int64_t first = std::numeric_limits<int64_t>::max(), last = std::numeric_limits<int64_t>::min();
+    log.visit_newest(static_cast<size_t>(f.size), [&](const int64_t* row) {
+      first = std::min(first, row[0]);
+      last = std::max(last, row[0]);
+      visit(row);
+      return true;
+    });
+    if (first <= last) {
+      lo = std::min(lo, first);
+      hi = std::max(hi, last + 1);
     }
     return;
   }
@@ -35,20 +38,20 @@ void scan(const EventLog& log, const CompiledFeature& f, int64_t ts, int64_t lat
   // the ts of everything that arrived before it. So once a row is older than
   // start - lateness, so is every row that arrived before it: stop there.
   const int64_t stop = start - lateness;
-  for (size_t i = 0; i < n; ++i) {
-    const size_t pos = log.pos(i);
-    const int64_t t = log.ts_at(pos);
-    if (t < stop) break;
-    if (t >= start && t < end) visit(pos);
-  }
+  log.visit_newest(log.size(), [&](const int64_t* row) {
+    const int64_t t = row[0];
+    if (t < stop) return false;
+    if (t >= start && t < end) visit(row);
+    return true;
+  });
 }
 
 void histogram(const EventLog& log, const CompiledFeature& f, const double* e, size_t n_edges,
                int64_t ts, int64_t lateness, int64_t& lo, int64_t& hi, double* out) {
   const size_t bins = n_edges - 1;
   std::fill(out, out + bins, 0.0);
-  scan(log, f, ts, lateness, lo, hi, [&](size_t pos) {
-    const double v = log.value_at(pos, f.column);
+  scan(log, f, ts, lateness, lo, hi, [&](const int64_t* row) {
+    const double v = EventLog::value(row, f.column);
     if (v < e[0] || v > e[bins]) return;
     // numpy's convention: bins are [e_i, e_i+1) except the last, which is closed.
     const size_t bin = v == e[bins] ? bins - 1 : std::upper_bound(e, e + n_edges, v) - e - 1;
@@ -58,18 +61,18 @@ void histogram(const EventLog& log, const CompiledFeature& f, const double* e, s
 
 double aggregate(const EventLog& log, const CompiledFeature& f, int64_t ts, int64_t lateness,
                  int64_t& lo, int64_t& hi, std::vector<double>& scratch) {
-  const int32_t col = f.column;
+  const size_t col = static_cast<size_t>(f.column);
   double sum = 0;
   int64_t n = 0;
   switch (f.agg) {
     case Agg::Count:
-      scan(log, f, ts, lateness, lo, hi, [&](size_t) { ++n; });
+      scan(log, f, ts, lateness, lo, hi, [&](const int64_t*) { ++n; });
       return static_cast<double>(n);
     case Agg::Sum:
     case Agg::Mean:
     case Agg::Std: {
-      scan(log, f, ts, lateness, lo, hi, [&](size_t pos) {
-        sum += log.value_at(pos, col);
+      scan(log, f, ts, lateness, lo, hi, [&](const int64_t* row) {
+        sum += EventLog::value(row, col);
         ++n;
       });
       if (f.agg == Agg::Sum) return sum;
@@ -77,19 +80,20 @@ double aggregate(const EventLog& log, const CompiledFeature& f, int64_t ts, int6
       const double mean = sum / static_cast<double>(n);
       if (f.agg == Agg::Mean) return mean;
       double dev = 0;  // two passes: stable for values far from zero
-      scan(log, f, ts, lateness, lo, hi, [&](size_t pos) {
-        const double d = log.value_at(pos, col) - mean;
+      scan(log, f, ts, lateness, lo, hi, [&](const int64_t* row) {
+        const double d = EventLog::value(row, col) - mean;
         dev += d * d;
       });
       return std::sqrt(dev / static_cast<double>(n));
     }
     case Agg::Min:
     case Agg::Max: {
+      // Values are finite: start from the first, then keep the extreme.
       double best = kNaN;
       const bool is_min = f.agg == Agg::Min;
-      scan(log, f, ts, lateness, lo, hi, [&](size_t pos) {
-        const double v = log.value_at(pos, col);
-        if (std::isnan(best) || (is_min ? v < best : v > best)) best = v;
+      scan(log, f, ts, lateness, lo, hi, [&](const int64_t* row) {
+        const double v = EventLog::value(row, col);
+        if (n++ == 0 || (is_min ? v < best : v > best)) best = v;
       });
       return best;
     }
@@ -97,18 +101,18 @@ double aggregate(const EventLog& log, const CompiledFeature& f, int64_t ts, int6
       double value = kNaN;
       int64_t best = kNone;
       // Newest first, so a strict comparison keeps the latest arrival among equal ts.
-      scan(log, f, ts, lateness, lo, hi, [&](size_t pos) {
-        if (log.ts_at(pos) > best) {
-          best = log.ts_at(pos);
-          value = log.value_at(pos, col);
+      scan(log, f, ts, lateness, lo, hi, [&](const int64_t* row) {
+        if (row[0] > best) {
+          best = row[0];
+          value = EventLog::value(row, col);
         }
       });
       return value;
     }
     case Agg::Distinct: {
       scratch.clear();
-      scan(log, f, ts, lateness, lo, hi, [&](size_t pos) {
-        const double v = log.value_at(pos, col);
+      scan(log, f, ts, lateness, lo, hi, [&](const int64_t* row) {
+        const double v = EventLog::value(row, col);
         scratch.push_back(v == 0.0 ? 0.0 : v);  // -0.0 and 0.0 are one value
       });
       std::sort(scratch.begin(), scratch.end());

@@ -88,6 +88,15 @@ struct Engine::Impl {
   int64_t watermark = kNone;
   Stats totals;
   std::vector<double> scratch;
+  // The latest computed feature row: (event index, CompiledTrigger::same_features) and
+  // where it is, so other triggers firing with the same features at that event copy it.
+  struct {
+    size_t event = SIZE_MAX;
+    int32_t features = -1, trigger = -1;
+    size_t offset = 0;
+    int64_t lo = 0, hi = 0;
+  } last_row;
+  std::vector<int64_t> fired;  // firings per trigger so far, to size the outputs
   std::vector<std::pair<int32_t, int64_t>> scratch_last;
 
   void validate(const Batch& b) const;
@@ -98,6 +107,7 @@ struct Engine::Impl {
   void link_tail(int32_t p);
   void evict(int32_t p);
   void process(const Batch& b, size_t i, int32_t g, Partition& p, Firings& out);
+  void reserve(size_t events, Firings& out);
   void fire(int32_t trigger, const Partition& p, int64_t ts, size_t index, Firings& out);
 };
 
@@ -246,38 +256,44 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   }
   std::vector<std::pair<int32_t, int64_t>>& reached = scratch_last;
   reached.clear();
-  for (const Edge& e : group.edges_by_type[type]) {
-    bool ok = true;
-    for (int32_t c = e.cond_begin; ok && c < e.cond_end; ++c) {
+  const auto holds = [&](const Edge& e) {
+    for (int32_t c = e.cond_begin; c < e.cond_end; ++c) {
       const Condition& cond = group.conditions[c];
-      ok = cond.on_value ? compare(cond.cmp, values[cond.field], cond.lit_value)
-                         : compare(cond.cmp, keys[cond.field], cond.lit_key);
+      const bool ok = cond.on_value ? compare(cond.cmp, values[cond.field], cond.lit_value)
+                                    : compare(cond.cmp, keys[cond.field], cond.lit_key);
+      if (!ok) return false;
     }
-    if (!ok) continue;
-    int64_t start = t;
-    if (e.parent_node >= 0) {
-      if (e.op == Op::Gap) {
-        start = p.any[e.parent_any];
-      } else {
-        // `->`: the parent must have been reached by the key's previous event, which
-        // only nodes of that event's type can have been.
-        start = kNone;
-        if (e.parent_type == p.last_type) {
-          for (const auto& [node, from] : p.last) {
-            if (node == e.parent_node) {
-              start = from;
-              break;
-            }
-          }
-        }
-      }
-      if (start == kNone) continue;
-    }
+    return true;
+  };
+  // A match of the edge's step ends at this event and started at `start`.
+  const auto advance = [&](const Edge& e, int64_t start) {
     if (e.child_any >= 0) p.any[e.child_any] = std::max(p.any[e.child_any], start);
-    if (e.child_last) reached.emplace_back(e.child_node, start);
+    if (e.child_last >= 0) reached.emplace_back(e.child_last, start);
     for (int32_t k = e.term_begin; k < e.term_end; ++k) {
       const int64_t within = group.terminal_within[k];
       if (within < 0 || start >= t - within) fire(group.terminals[k], p, t, i, out);
+    }
+  };
+  const Edge* edges = group.free_edges.data();
+  for (int32_t j = group.free_begin[type]; j < group.free_begin[type + 1]; ++j) {
+    const Edge& e = edges[j];
+    const int64_t start = e.parent < 0 ? t : p.any[e.parent];
+    if (start != kNone && holds(e)) advance(e, start);
+  }
+  // `->`: the parent must have been reached by the key's previous event, so it is a
+  // node of that event's type: only those edges are visited.
+  edges = group.contiguous_edges.data();
+  const Edge* end = edges + group.contiguous_begin[type + 1];
+  for (const Edge* e = edges + group.contiguous_begin[type]; e != end; ++e) {
+    if (e->parent_type != p.last_type) {
+      if (e->parent_type > p.last_type) break;
+      continue;
+    }
+    for (const auto& [node, from] : p.last) {
+      if (node == e->parent) {
+        if (holds(*e)) advance(*e, from);
+        break;
+      }
     }
   }
   p.last.swap(reached);
@@ -290,8 +306,17 @@ void Engine::Impl::fire(int32_t trigger, const Partition& p, int64_t ts, size_t 
   const size_t base = matrix.size();
   matrix.resize(base + trig.width);
   int64_t lo = 0, hi = 0;
-  compute_features(trig, p.logs, compiled.edges, ts, config.lateness, matrix.data() + base, lo, hi,
-                   scratch);
+  if (last_row.event == index && last_row.features == trig.same_features) {
+    const double* row = out.features[last_row.trigger].data() + last_row.offset;
+    std::copy(row, row + trig.width, matrix.data() + base);
+    lo = last_row.lo;
+    hi = last_row.hi;
+  } else {
+    compute_features(trig, p.logs, compiled.edges, ts, config.lateness, matrix.data() + base, lo,
+                     hi, scratch);
+    last_row = {index, trig.same_features, trigger, base, lo, hi};
+  }
+  ++fired[trigger];
   out.trigger_id.push_back(trigger);
   out.key.push_back(p.key);
   out.ts.push_back(ts);
@@ -300,6 +325,26 @@ void Engine::Impl::fire(int32_t trigger, const Partition& p, int64_t ts, size_t 
   out.window_end.push_back(hi);
   out.row.push_back(out.rows[trigger]++);
   ++totals.firings;
+}
+
+// Sizes the outputs for a batch of `events` from the firing rates so far (with some
+// slack), so appending a firing rarely reallocates and copies them.
+void Engine::Impl::reserve(size_t events, Firings& out) {
+  fired.resize(defs.size());
+  if (totals.events == 0) return;
+  const double per_event = static_cast<double>(events) / static_cast<double>(totals.events);
+  const auto expect = [&](int64_t so_far) {
+    return static_cast<size_t>(1.1 * per_event * static_cast<double>(so_far)) + 16;
+  };
+  const size_t n = expect(totals.firings);
+  for (auto* column : {&out.key, &out.ts, &out.event_index, &out.window_start, &out.window_end,
+                       &out.row}) {
+    column->reserve(n);
+  }
+  out.trigger_id.reserve(n);
+  for (size_t t = 0; t < defs.size(); ++t) {
+    if (fired[t] > 0) out.features[t].reserve(expect(fired[t]) * compiled.triggers[t].width);
+  }
 }
 
 Engine::Engine(Config config) : impl_(std::make_unique<Impl>()) {
@@ -343,6 +388,8 @@ void Engine::push(const Batch& batch, Firings& out) {
   s.validate(batch);  // throws before anything is applied
   out.features.assign(s.defs.size(), {});
   out.rows.assign(s.defs.size(), 0);
+  s.last_row.event = SIZE_MAX;
+  s.reserve(batch.size(), out);
   for (size_t i = 0; i < batch.size(); ++i) s.apply(batch, i, out);
 }
 
