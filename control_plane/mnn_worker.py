@@ -31,7 +31,12 @@ from typing import Any
 
 from control_plane.mnn_tools import VARIANT_FLAGS
 from runtime._memfd import forbid_core_dumps
-from runtime._mnn import dtype_name, forbidden_loaded, install_import_guard
+from runtime._mnn import (
+    dtype_name,
+    forbidden_loaded,
+    install_import_guard,
+    line_buffer_native_stdout,
+)
 
 BIZ_CODE = "skiff"  # recorded in every model we write, visible in MNN's get_info()
 
@@ -52,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     forbid_core_dumps()  # a converter crash must not write the plaintext model to disk
     install_import_guard()
-    _line_buffer_native_stdout()
+    line_buffer_native_stdout()
     payload = _run_op(args)
     os.pwrite(args.result_fd, json.dumps(payload).encode(), 0)
     return 0 if payload["ok"] else 1
@@ -290,16 +295,6 @@ def _flush_all() -> None:
     try:
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):
-        pass
-
-
-def _line_buffer_native_stdout() -> None:
-    """Make C stdout line-buffered so a native crash loses no log lines."""
-    try:
-        libc = ctypes.CDLL(None)
-        stdout = ctypes.c_void_p.in_dll(libc, "stdout")
-        libc.setvbuf(stdout, None, 1, 0)  # 1 == _IOLBF on glibc and musl
-    except (OSError, ValueError, AttributeError):
         pass
 
 

@@ -41,7 +41,9 @@ __all__ = [
     "install_import_guard",
     "load_mnn",
     "log_reason",
+    "line_buffer_native_stdout",
     "native_output",
+    "shape_error",
 ]
 
 logger = logging.getLogger("runtime.mnn")
@@ -51,6 +53,10 @@ SESSION_INFO_BACKENDS = 2  # MNN::Interpreter::SessionInfoCode::BACKENDS
 # MNN's own words when it swaps an unavailable backend for another one.
 _FALLBACK_LINE = re.compile(r"Can't Find type=(\d+) backend, use (\d+) instead")
 _REASON_MARKERS = ("Error", "error", "Invalid", "Not Support", "Can't", "failed")
+# What MNN prints when it cannot resize a graph to the inputs' shapes (seen with MNN 3.x:
+# "Reshape error: 17 -> 16", "Broad cast error, dim1 = 3, dim2 = 2", then "Compute Shape
+# Error for <op>" and "code=3 in onForward"; 3 is COMPUTE_SIZE_ERROR in MNN's ErrorCode).
+_SHAPE_ERROR = re.compile(r"Compute Shape Error|Reshape error|Broad cast error|code=3 in on")
 
 _lock = threading.RLock()  # guards fd 1 and the lazy import
 _mnn: ModuleType | None = None
@@ -153,6 +159,11 @@ def log_reason(text: str, *, limit: int = 2) -> str:
     return "; ".join(telling[:limit] or lines[-1:])
 
 
+def shape_error(text: str) -> bool:
+    """Tell whether MNN's log says it could not fit the graph to the inputs' shapes."""
+    return _SHAPE_ERROR.search(text) is not None
+
+
 def detect_backend(path: str, config: BackendConfig, load_log: str = "") -> tuple[Backend, str]:
     """Return the backend MNN actually runs `config` on, and the evidence for it.
 
@@ -216,6 +227,22 @@ def _session_backend(path: str, config: BackendConfig) -> tuple[Backend, str]:
 
 
 _libc: Any = None
+_IOLBF = 1  # setvbuf's line-buffered mode, on glibc, musl and bionic
+
+
+def line_buffer_native_stdout() -> None:
+    """Make C stdout line-buffered, so a native crash loses none of MNN's log lines.
+
+    C stdio fully buffers stdout when it is a file or pipe, as in worker processes: the
+    last lines MNN printed before a SIGSEGV, the ones that say what went wrong, would die
+    in the buffer. Call it before anything writes to C stdout.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        stdout = ctypes.c_void_p.in_dll(libc, "stdout")
+        libc.setvbuf(stdout, None, _IOLBF, 0)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _flush() -> None:

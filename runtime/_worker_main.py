@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any
 
-from runtime import _wire
+from runtime import _mnn, _wire
 from runtime._memfd import fd_path, forbid_core_dumps
 from runtime.backends import BackendConfig
 from runtime.engine import InProcessExecutor
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not _harden(args.parent_pid):
         return 1
+    _mnn.line_buffer_native_stdout()  # MNN's last words before a crash reach the log
     # Terminal signals are for the app; the parent alone decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = _wire.Channel(socket.socket(fileno=args.sock_fd))
@@ -127,9 +128,13 @@ def _run(executor: InProcessExecutor, header: dict, arrays: dict) -> tuple[dict,
 
 
 def _trigger(kind: str) -> None:
-    """Die the requested way: a real native fault, not a Python exception."""
+    """Die the requested way: a real native fault, not a Python exception.
+
+    It is announced through C stdio, as MNN logs, so the crash report shows whether
+    native log lines survive a crash.
+    """
     sys.stdout.flush()
-    print(f"skiff worker: injected fault {kind}", file=sys.stderr, flush=True)
+    ctypes.CDLL(None).printf(b"skiff worker: injected fault %s\n", kind.encode())
     if kind == "segv":
         ctypes.string_at(0)  # read address 0: SIGSEGV from the kernel, like a bad kernel
     elif kind == "abort":

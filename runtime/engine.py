@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,9 @@ from runtime.signature import Signature, TensorSpec
 
 __all__ = ["InProcessExecutor"]
 
-_SHAPE_MEMORY = 64  # input shapes MNN accepted, remembered so they skip the log capture
+# Input shapes MNN accepted, remembered (least recently used forgotten first) so that
+# requests with them skip the process-wide log capture.
+_SHAPE_MEMORY = 64
 
 
 class InProcessExecutor:
@@ -47,8 +50,6 @@ class InProcessExecutor:
         """
         start = time.perf_counter()
         self.config = config
-        self.actual_backend, self.evidence = _mnn.detect_backend(path, config)
-        _refuse_fallback(config, self.actual_backend, self.evidence)
         mnn = _mnn.load_mnn()
         expr = mnn.expr
         with _mnn.native_output() as log:
@@ -67,7 +68,8 @@ class InProcessExecutor:
         if module is None:
             reason = _mnn.log_reason(log.text) or str(error)
             raise ModelLoadError(f"MNN cannot load the model with {config.key}: {reason}")
-        # The load's own log is the most direct evidence of what this module runs on.
+        # The load's own log is the most direct evidence of what this module runs on; a
+        # throwaway session is built only when the log is silent (see detect_backend).
         self.actual_backend, self.evidence = _mnn.detect_backend(path, config, log.text)
         _refuse_fallback(config, self.actual_backend, self.evidence)
         self.signature = _signature(module.get_info())
@@ -79,15 +81,15 @@ class InProcessExecutor:
         self._packed = [spec.layout == "NC4HW4" for spec in self.signature.inputs]
         self._any_packed = any(self._packed)
         self._packed_out: list[bool] | None = None  # learnt on the first run
-        self._accepted_shapes: set[tuple[tuple[int, ...], ...]] = set()
+        self._accepted_shapes: OrderedDict[tuple[tuple[int, ...], ...], None] = OrderedDict()
         self._lock = threading.Lock()
 
     def run(self, arrays: Sequence[np.ndarray], exact: bool) -> dict[str, np.ndarray]:
         """Run validated inputs (in signature order); return fresh output arrays by name.
 
-        `exact` says every input has its exported shape. When one does not and MNN cannot
-        resize the graph to it, that is the caller's mistake: InvalidInput. Any other
-        failure is the config's: InferenceError.
+        `exact` says every input has its exported shape. When one does not and MNN says
+        it cannot resize the graph to it, that is the caller's mistake: InvalidInput. Any
+        other failure, at any shape, is the config's: InferenceError.
         """
         with self._lock:
             if self._module is None:
@@ -97,6 +99,7 @@ class InProcessExecutor:
                 return self._forward(feeds)
             shapes = tuple(a.shape for a in arrays)
             if shapes in self._accepted_shapes:
+                self._accepted_shapes.move_to_end(shapes)
                 return self._forward(feeds)
             # New shapes: MNN may refuse them, and says why on stdout only.
             with _mnn.native_output() as log:
@@ -105,10 +108,18 @@ class InProcessExecutor:
                 except InferenceError as exc:
                     error = exc
                 else:
-                    if len(self._accepted_shapes) < _SHAPE_MEMORY:
-                        self._accepted_shapes.add(shapes)
+                    self._remember(shapes)
                     return outputs
-            raise InvalidInput(self._shape_problem(arrays, _mnn.log_reason(log.text) or error))
+        reason = _mnn.log_reason(log.text)
+        if _mnn.shape_error(f"{log.text}\n{error}"):
+            raise InvalidInput(self._shape_problem(arrays, reason or error))
+        raise InferenceError(f"{error}: {reason}" if reason else str(error))
+
+    def _remember(self, shapes: tuple[tuple[int, ...], ...]) -> None:
+        """Remember shapes MNN accepted, forgetting the least recently used beyond the cap."""
+        self._accepted_shapes[shapes] = None
+        if len(self._accepted_shapes) > _SHAPE_MEMORY:
+            self._accepted_shapes.popitem(last=False)
 
     def _shape_problem(self, arrays: Sequence[np.ndarray], reason: object) -> str:
         """Describe why MNN refused the given shapes, next to the exported ones."""

@@ -45,8 +45,9 @@ class CrashEvent:
     `reason` is "signal" (killed by `signal`, e.g. SIGSEGV, SIGABRT, SIGKILL from the OOM
     killer), "exit" (exited on its own with `exit_code`), "deadline" (no answer within
     the deadline) or "protocol" (sent a malformed reply); for the last two the runtime
-    killed it with SIGKILL. `count` is how many times this config has
-    crashed in this model so far; `detail` is the worker's last log line, if any.
+    killed it with SIGKILL. `count` is how many times in a row this config has crashed
+    in this model (a request it serves resets it); `detail` is the worker's last log
+    line, if any.
     """
 
     config: BackendConfig

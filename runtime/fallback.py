@@ -2,7 +2,8 @@
 
 A `ConfigChain` holds the configs a model may use, best first. Exactly one is active.
 When the active config fails to load, raises during inference, returns non-finite
-outputs, or has crashed its worker `crash_limit` times, it is marked bad (for good: a
+outputs, or has crashed its worker `crash_limit` times in a row (a request it serves
+resets the count, so rare crashes spread over weeks never add up), it is marked bad (for good: a
 bad config is never retried in this model) and the next one is loaded and, when golden
 data exists, checked against it before it serves. When none is left the chain is
 failed: the caller should go back to the previous model version. Every step is a
@@ -139,8 +140,17 @@ class ConfigChain:
             self._activate_next(failed.config, reason)
         failed.close()  # after the lock: it waits for requests still running on it
 
+    def record_success(self, config: BackendConfig) -> None:
+        """Reset `config`'s crash count: it served a request since it last crashed."""
+        if self._crash_counts.get(config):  # a dict read on the hot path, nothing more
+            with self._lock:
+                self._crash_counts.pop(config, None)
+
     def record_crash(self, executor: Executor, event: CrashEvent) -> CrashEvent:
-        """Count a worker crash; fall back once the config reached the crash limit."""
+        """Count a worker crash; fall back once the config crashed `crash_limit` times in a row.
+
+        The event's ``count`` is the number of consecutive crashes, this one included.
+        """
         config = executor.config
         with self._lock:
             count = self._crash_counts[config] = self._crash_counts.get(config, 0) + 1

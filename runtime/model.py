@@ -111,7 +111,8 @@ class Model:
         `isolation` says where MNN runs (`Isolation.WORKER` contains native crashes);
         `version` names the model in events, telemetry and `ModelSlot`; `probe_runs`
         timed runs are made per candidate; `deadline_s` bounds each request in a worker;
-        `crash_limit` worker crashes make a config bad; `check_finite=False` lets
+        `crash_limit` worker crashes in a row (no request served between them) make a
+        config bad; `check_finite=False` lets
         non-finite outputs through instead of treating them as a config failure.
         Non-finite float inputs are refused as InvalidInput unless `check_finite=False`.
         `_fault` is a test-only hook (see `runtime.worker.Fault`).
@@ -198,6 +199,7 @@ class Model:
                 executor = chain.wait_active()
                 continue
             if not problem:
+                chain.record_success(executor.config)
                 self.histogram.record_ns(_now() - start)
                 return outputs
             if failed_on is not None:  # the replacement fails it too: not the configs' fault

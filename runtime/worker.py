@@ -22,6 +22,7 @@ worker is spawned from one long-lived thread, never from a short-lived caller th
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -60,6 +61,7 @@ DEFAULT_DEADLINE_S = 10.0
 LOAD_DEADLINE_S = 300.0  # loading (and GPU kernel tuning) of a big model is slow
 _EXIT_GRACE_S = 5.0
 _LOG_TAIL = 4096
+_LOG_LIMIT, _LOG_KEEP = 64 * 1024, 32 * 1024  # past the limit, only the last part is kept
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 # What a worker inherits: enough to start Python and MNN, nothing of the app's secrets.
 # LD_LIBRARY_PATH: embedded interpreters (e.g. on Android) may need it to start at all.
@@ -132,6 +134,7 @@ class WorkerExecutor:
             names = self.signature.input_names
             request = {"op": "run", "exact": exact}
             reply, outputs = self._call(request, dict(zip(names, arrays, strict=True)))
+            self._trim_log()
         if not reply.get("ok"):
             kind, error = reply.get("kind"), str(reply.get("error", "worker error"))
             raise InvalidInput(error) if kind == "invalid_input" else InferenceError(error)
@@ -159,6 +162,9 @@ class WorkerExecutor:
         """Start the worker process, connected by a fresh socketpair and log memfd."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log_fd = memfd("skiff-worker-log")
+        # Shared with the worker's stdout and stderr: appending, they keep writing at the
+        # end after `_trim_log` shortens the file, instead of past a hole.
+        fcntl.fcntl(log_fd, fcntl.F_SETFL, fcntl.fcntl(log_fd, fcntl.F_GETFL) | os.O_APPEND)
         argv = [sys.executable, "-m", "runtime._worker_main", "--parent-pid", str(os.getpid())]
         argv += ["--sock-fd", str(child.fileno()), "--model-fd", str(self._model_fd)]
         if self._fault is not None:
@@ -292,6 +298,17 @@ class WorkerExecutor:
         if self._log_fd >= 0:
             os.close(self._log_fd)
         self._channel, self._proc, self._log_fd = None, None, -1
+
+    def _trim_log(self) -> None:
+        """Keep the worker's log small: past `_LOG_LIMIT`, only its last `_LOG_KEEP` bytes.
+
+        Called between requests, while the worker waits for the next one and writes nothing.
+        """
+        size = os.fstat(self._log_fd).st_size
+        if size > _LOG_LIMIT:
+            tail = os.pread(self._log_fd, _LOG_KEEP, size - _LOG_KEEP)
+            os.ftruncate(self._log_fd, 0)
+            os.write(self._log_fd, tail)
 
     def _log_tail(self) -> str:
         """Return the last non-empty line the worker printed (for the crash report)."""

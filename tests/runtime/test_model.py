@@ -12,11 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runtime import _mnn, engine
+from runtime._memfd import fd_path, sealed_memfd
 from runtime.backends import DEFAULT_CONFIG, Backend
+from runtime.engine import InProcessExecutor
 from runtime.errors import InvalidInput, ModelFailed
 from runtime.model import Isolation, Model
 from tests.runtime._model_helpers import (
     CPU_1,
+    CPU_1_HIGH,
     OPENCL,
     log_mnn,
     log_onnx,
@@ -105,6 +109,42 @@ def test_invalid_inputs_are_named(tiny, inputs, message):
     with pytest.raises(InvalidInput, match=message):
         tiny.run(inputs)
     assert not tiny.failed and tiny.fallbacks == ()  # never the config's fault
+
+
+class _FailingModule:
+    """An MNN module whose backend fails every request, as one out of memory would."""
+
+    def forward(self, feeds):
+        raise RuntimeError("backend ran out of memory")
+
+
+def test_a_backend_failure_at_a_new_shape_is_the_configs_not_the_callers():
+    with Model.from_bytes(tiny_mnn(), config=CPU_1_HIGH) as model:
+        model._chain.active._module = _FailingModule()
+        outputs = model.run(x16(batch=3))  # a batch size never seen before
+        assert outputs["y"].shape == (3, 4) and model.config == DEFAULT_CONFIG
+        (event,) = model.fallbacks
+        assert event.from_config == CPU_1_HIGH and "out of memory" in event.reason
+
+
+def test_remembered_shapes_are_the_most_recently_used(monkeypatch):
+    fd = sealed_memfd(tiny_mnn())
+    executor = InProcessExecutor(fd_path(fd), CPU_1)
+    try:
+        limit = engine._SHAPE_MEMORY
+        for batch in range(1, limit + 7):
+            executor.run([np.zeros((batch, 16), np.float32)], False)
+        captures = []
+        real = _mnn.native_output
+        monkeypatch.setattr(_mnn, "native_output", lambda: captures.append(1) or real())
+        executor.run([np.zeros((limit + 6, 16), np.float32)], False)  # the newest shape
+        executor.run([np.zeros((7, 16), np.float32)], False)  # the oldest one remembered
+        assert captures == []
+        executor.run([np.zeros((6, 16), np.float32)], False)  # forgotten
+        assert captures == [1]
+    finally:
+        executor.close()
+        os.close(fd)
 
 
 def test_non_contiguous_inputs_are_fine(tiny):

@@ -208,6 +208,19 @@ def test_rank_prefers_the_fastest_beyond_timing_noise():
     assert rank([ProbeResult(CPU_1, None, False, error="x")]) == []
 
 
+def test_a_fallback_the_load_logs_needs_no_extra_session(monkeypatch):
+    fd = sealed_memfd(tiny_mnn())
+    sessions = []
+    monkeypatch.setattr(_mnn, "_detected", {})
+    monkeypatch.setattr(_mnn, "_session_backend", lambda *args: sessions.append(args))
+    try:
+        with pytest.raises(BackendUnavailable, match="Can't Find type=3 backend") as info:
+            InProcessExecutor(fd_path(fd), OPENCL)
+        assert info.value.actual is Backend.CPU and sessions == []
+    finally:
+        os.close(fd)
+
+
 def test_detection_reads_both_the_log_and_the_session():
     fd = sealed_memfd(tiny_mnn())
     try:

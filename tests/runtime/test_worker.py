@@ -120,6 +120,22 @@ def test_a_dying_worker_is_reported_and_replaced(model_fd, kind, reason, sig, co
         worker.close()
 
 
+def test_the_worker_log_stays_small_and_keeps_its_end(model_fd):
+    worker = WorkerExecutor(model_fd, CPU_1, fault=Fault("segv", on_request=2))
+    try:
+        chatter = b"".join(b"MNN says %d\n" % i for i in range(20_000))  # ~250 KiB
+        os.write(worker._log_fd, chatter)  # as a chatty worker's stdout would
+        worker.run([x16()["x"]], True)
+        size = os.fstat(worker._log_fd).st_size
+        assert size <= worker_module._LOG_KEEP
+        assert os.pread(worker._log_fd, size, 0).endswith(b"MNN says 19999\n")
+        with pytest.raises(WorkerCrashed) as info:
+            worker.run([x16()["x"]], True)
+        assert info.value.event.detail == "skiff worker: injected fault segv"
+    finally:
+        worker.close()
+
+
 def test_a_hung_worker_is_killed_at_its_deadline(model_fd):
     # The fault waits forever, so the deadline always fires: no timing luck involved.
     worker = WorkerExecutor(model_fd, CPU_1, deadline_s=0.5, fault=Fault("hang"))
@@ -155,6 +171,20 @@ def test_repeated_crashes_move_the_model_to_the_next_config():
         assert [c["signal"] for c in report["crashes"]] == ["SIGSEGV", "SIGSEGV"]
     finally:
         model.close()
+
+
+def test_only_crashes_in_a_row_retire_a_config():
+    fault = Fault("segv", on_request=2)  # every worker serves one request, then crashes
+    with Model.from_bytes(
+        tiny_mnn(), config=CPU_1_LOW, isolation="worker", crash_limit=2, _fault=fault
+    ) as model:
+        for _ in range(3):
+            assert model.run(x16())["y"].shape == (1, 4)  # resets the count
+            with pytest.raises(WorkerCrashed) as info:
+                model.run(x16())
+            assert info.value.event.count == 1
+        assert model.config == CPU_1_LOW and model.fallbacks == ()
+        assert [c.count for c in model.crashes] == [1, 1, 1]
 
 
 def test_a_crashed_request_does_not_wait_for_the_restart(monkeypatch):
