@@ -31,7 +31,9 @@ _VERSION_RETRIES = 5
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
     # WAL lets readers proceed during a push; busy_timeout makes writers queue instead of
-    # failing at once; SQLite leaves foreign keys off unless asked.
+    # failing at once; SQLite leaves foreign keys off unless asked. pysqlite's own BEGIN
+    # is switched off so that _sqlite_begin decides how transactions start.
+    dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA busy_timeout=10000")
@@ -39,11 +41,20 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
+def _sqlite_begin(conn) -> None:
+    # A deferred transaction that reads (the next version number) and then writes loses
+    # to any writer that committed in between, however long it waits. Taking the write
+    # lock up front makes concurrent pushes queue on busy_timeout instead. Transactions
+    # here are short (never held across an upload), so readers barely notice.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def make_engine(url: str) -> Engine:
     """Create an engine for a SQLAlchemy URL, with the settings each backend needs."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 10})
         event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
         return engine
     if url.startswith("postgresql"):
         # pool_pre_ping turns a server restart into one reconnect instead of an error;
@@ -136,8 +147,8 @@ class SqlStore(RegistryStore):
     def _insert_version(self, model: str, build: VersionBuilder) -> VersionRecord:
         with self._scope() as session:
             model_row = self._model_row(session, model)
-            # Serialises pushes of one model on PostgreSQL; a no-op on SQLite, where the
-            # unique constraint plus retry does the same job.
+            # Serialises pushes of one model on PostgreSQL; SQLite transactions already
+            # hold the write lock (BEGIN IMMEDIATE).
             session.execute(
                 select(orm.ModelRow.id).where(orm.ModelRow.id == model_row.id).with_for_update()
             )

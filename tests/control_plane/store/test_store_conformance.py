@@ -101,13 +101,13 @@ def test_concurrent_pushes_get_distinct_gapless_numbers(store):
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             failures.append(exc)
 
-    threads = [threading.Thread(target=push, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert failures == []
-    assert sorted(numbers) == [1, 2, 3, 4, 5, 6]
+    assert sorted(numbers) == list(range(1, 17))
 
 
 def test_rewrap_is_all_or_nothing(store):
