@@ -120,6 +120,7 @@ class Registry:
         signer: ManifestSigner,
         max_model_bytes: int,
         mnn_timeout_s: float,
+        max_concurrent_pushes: int = 2,
     ) -> None:
         self.store, self.blobs, self.kek, self.signer = store, blobs, kek, signer
         self.max_model_bytes = max_model_bytes
@@ -128,6 +129,9 @@ class Registry:
         # so a rotation never misses a key wrapped under the KEK it is retiring. (One
         # process; replicas rotating concurrently would need a database lock.)
         self._kek_lock = threading.Lock()
+        # A push holds its model (and each variant) in RAM and runs MNN children; on a
+        # small box, unbounded concurrent pushes of large models would exhaust memory.
+        self._push_slots = threading.BoundedSemaphore(max(1, max_concurrent_pushes))
 
     # -- push -------------------------------------------------------------------------
 
@@ -136,7 +140,7 @@ class Registry:
         validate_name(request.name)
         extra = _validate_variants(request.variants)
         stored: list[str] = []
-        with contextlib.ExitStack() as stack:
+        with self._push_slots, contextlib.ExitStack() as stack:
             upload = memfd.spool(chunks, limit=self.max_model_bytes)
             stack.callback(os.close, upload.fd)
             _check_upload(request, upload)

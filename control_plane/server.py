@@ -38,6 +38,7 @@ def build_registry(config: Config) -> Registry:
         signer=ManifestSigner.load(config.signing_key),
         max_model_bytes=config.max_model_bytes,
         mnn_timeout_s=config.mnn_timeout_s,
+        max_concurrent_pushes=config.max_concurrent_pushes,
     )
 
 

@@ -45,6 +45,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("signing_key", str, "", "SKIFF_SIGNING_KEY", "Ed25519 manifest signing key (PEM)."),
     Setting("max_model_bytes", int, 2 << 30, "SKIFF_MAX_MODEL_BYTES", "Largest accepted upload."),
     Setting("mnn_timeout_s", float, 600.0, "SKIFF_MNN_TIMEOUT_S", "Limit for one MNN job."),
+    Setting(
+        "max_concurrent_pushes",
+        int,
+        2,
+        "SKIFF_MAX_CONCURRENT_PUSHES",
+        "Pushes processed at once; more wait (each holds its model in RAM and runs MNN).",
+    ),
 )
 
 
@@ -61,6 +68,7 @@ class Config:
     signing_key: str
     max_model_bytes: int
     mnn_timeout_s: float
+    max_concurrent_pushes: int
 
     @property
     def dial_address(self) -> str:

@@ -235,3 +235,42 @@ def test_failed_rotation_can_be_retried(cp, mnn_bytes, monkeypatch):
         assert client.rotate_kek().rewrapped == 1
         client.pull("det", 1, cp.config.home / "back.mnn")
     assert (cp.config.home / "back.mnn").read_bytes() == mnn_bytes
+
+
+def test_concurrent_pushes_are_bounded(tmp_path, mnn_bytes, monkeypatch):
+    from control_plane import mnn_tools
+
+    plane = start_control_plane(tmp_path / "home", max_concurrent_pushes=1)
+    running, peak, lock = [0], [0], threading.Lock()
+    real_sniff = mnn_tools.sniff_format
+
+    def counting_sniff(fd):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        try:
+            time.sleep(0.2)  # widens the window in which a second push could overlap
+            return real_sniff(fd)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(mnn_tools, "sniff_format", counting_sniff)
+    path = tmp_path / "m.mnn"
+    path.write_bytes(mnn_bytes)
+    try:
+        results = []
+
+        def push():
+            with plane.client() as client:
+                results.append(client.push(path, name="det").version)
+
+        threads = [threading.Thread(target=push) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == [1, 2, 3]
+        assert peak[0] == 1
+    finally:
+        plane.stop()
