@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from control_plane.mnn_tools import VARIANT_FLAGS
-from runtime._memfd import forbid_core_dumps
+from runtime._memfd import fd_path, forbid_core_dumps
 from runtime._mnn import (
     dtype_name,
     forbidden_loaded,
@@ -84,7 +84,7 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model, run it once on zeros if its shapes are static, report its signature."""
     import MNN
 
-    path = _fd_path(args.model_fd)
+    path = fd_path(args.model_fd)
     start = _log_position()
     try:
         module = MNN.nn.load_module_from_file(path, [], [])
@@ -177,7 +177,7 @@ def _verify_mnn(fd: int) -> None:
 
     start = _log_position()
     try:
-        MNN.Interpreter(_fd_path(fd))  # verifies and parses; no session, so no weight setup
+        MNN.Interpreter(fd_path(fd))  # verifies and parses; no session, so no weight setup
     except Exception as exc:  # noqa: BLE001 - the binding raises a bare Exception
         raise WorkerError(f"not a valid MNN model ({_log_reason(start) or exc})") from None
 
@@ -187,8 +187,8 @@ def _run_converter(flags: list[str], src_fd: int, dst_fd: int) -> dict[str, Any]
     import _tools  # the native converter, without the MNN.tools wrapper that phones home
 
     start = _log_position()
-    argv = ["mnnconvert", *flags, "--modelFile", _fd_path(src_fd)]
-    argv += ["--MNNModel", _fd_path(dst_fd), "--bizCode", BIZ_CODE]
+    argv = ["mnnconvert", *flags, "--modelFile", fd_path(src_fd)]
+    argv += ["--MNNModel", fd_path(dst_fd), "--bizCode", BIZ_CODE]
     with _spill_to_memfd():
         _tools.mnnconvert(argv)  # returns True even on failure: judge by the output and log
     failed = any("Converted Failed" in line for line in _log_lines(start))
@@ -209,7 +209,7 @@ def _spill_to_memfd() -> Iterator[None]:
     """
     spill = os.memfd_create("skiff-mnn-spill", os.MFD_CLOEXEC)
     try:
-        os.symlink(_fd_path(spill), _SPILL_NAME)
+        os.symlink(fd_path(spill), _SPILL_NAME)
     except OSError as exc:
         os.close(spill)
         raise WorkerError(f"cannot keep the converter's scratch file in memory ({exc})") from None
@@ -229,7 +229,7 @@ def _reject_external_data(src_fd: int) -> None:
     """
     import onnx
 
-    with open(_fd_path(src_fd), "rb") as src:
+    with open(fd_path(src_fd), "rb") as src:
         try:
             model = onnx.ModelProto.FromString(src.read())
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
@@ -296,11 +296,6 @@ def _flush_all() -> None:
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):
         pass
-
-
-def _fd_path(fd: int) -> str:
-    """Address an inherited descriptor as a path; opening it gets a fresh file offset."""
-    return f"/proc/self/fd/{fd}"
 
 
 _OPS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
