@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from control_plane import sample_models  # noqa: E402
+from control_plane.demo import sample_models  # noqa: E402
 from runtime import _mnn  # noqa: E402
 from runtime.backends import BackendConfig  # noqa: E402
 from runtime.model import Isolation, Model  # noqa: E402

@@ -30,9 +30,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from control_plane import mnn_tools, sample_models  # noqa: E402
-from control_plane.client import AdminClient  # noqa: E402
+from control_plane.api.client import AdminClient  # noqa: E402
+from control_plane.demo import sample_models  # noqa: E402
 from control_plane.home import read_token  # noqa: E402
+from control_plane.registry import mnn_tools  # noqa: E402
 
 MB = 1_000_000
 CHUNK = 1 << 20

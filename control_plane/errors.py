@@ -1,7 +1,7 @@
 """Typed domain errors.
 
 Handlers raise these; the gRPC layer maps them to status codes through one table
-(`control_plane.grpc_errors`). Messages are one line, name the problem, and never carry
+(`control_plane.api.grpc_errors`). Messages are one line, name the problem, and never carry
 secrets or plaintext.
 """
 
@@ -46,3 +46,4 @@ class IntegrityError(SkiffError):
 
 class PermissionDenied(SkiffError):
     """Authenticated, but not allowed to do this."""
+

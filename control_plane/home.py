@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane import errors
-from control_plane.auth import ADMIN, hash_token, new_token
+from control_plane.api.auth import ADMIN, hash_token, new_token
 from control_plane.blobs.local_blob_store import LocalBlobStore
 from control_plane.crypto import LocalKek, ManifestSigner
 from control_plane.files import write_private_file

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import grpc
 
-from control_plane.client import AdminClient
+from control_plane.api.client import AdminClient
+from control_plane.api.server import build_registry, create_server
 from control_plane.home import init_home, read_token
-from control_plane.registry import Registry
-from control_plane.server import build_registry, create_server
+from control_plane.registry.registry import Registry
 from control_plane.settings import Config, load_config
 
 

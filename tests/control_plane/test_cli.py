@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane import sample_models
+from control_plane.demo import sample_models
 
 SKIFF = [sys.executable, "-m", "control_plane.cli"]
 

@@ -18,8 +18,10 @@ import onnx.reference
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from control_plane import errors, mnn_tools, sample_models
-from control_plane.mnn_tools import ModelSignature, TensorSpec
+from control_plane import errors
+from control_plane.demo import sample_models
+from control_plane.registry import mnn_tools
+from control_plane.registry.mnn_tools import ModelSignature, TensorSpec
 
 MNN_VERSION = importlib.metadata.version("MNN")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -324,7 +326,8 @@ def test_import_guard_blocks_the_phone_home_modules():
 _PIPELINE = """
 import json, os, sys, tempfile
 tempfile.tempdir = os.environ["TMPDIR"]  # skip tempfile's probe file: it would muddy strace
-from control_plane import mnn_tools, sample_models
+from control_plane.registry import mnn_tools
+from control_plane.demo import sample_models
 src = os.memfd_create("src")
 sample_models.write_sized_mlp_onnx(src, 2_000_000)
 dst = mnn_tools.convert_onnx(src)

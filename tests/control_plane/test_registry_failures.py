@@ -11,7 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import create_engine, text
 
-from control_plane import errors, sample_models
+from control_plane import errors
+from control_plane.demo import sample_models
 from protos import admin_pb2, admin_pb2_grpc
 from tests.conftest import PG_ADMIN_URL
 from tests.control_plane.helpers import start_control_plane
@@ -238,7 +239,7 @@ def test_failed_rotation_can_be_retried(cp, mnn_bytes, monkeypatch):
 
 
 def test_concurrent_pushes_are_bounded(tmp_path, mnn_bytes, monkeypatch):
-    from control_plane import mnn_tools
+    from control_plane.registry import mnn_tools
 
     plane = start_control_plane(tmp_path / "home", max_concurrent_pushes=1)
     running, peak, lock = [0], [0], threading.Lock()

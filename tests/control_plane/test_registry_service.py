@@ -11,9 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane import errors, sample_models
-from control_plane import registry as registry_module
+from control_plane import errors
 from control_plane.crypto import verify_manifest
+from control_plane.demo import sample_models
+from control_plane.registry import registry as registry_module
 from tests.control_plane.helpers import start_control_plane
 
 

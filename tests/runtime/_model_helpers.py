@@ -11,7 +11,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from control_plane.sample_models import onnx_to_mnn_bytes, tiny_mlp_onnx
+from control_plane.demo.sample_models import onnx_to_mnn_bytes, tiny_mlp_onnx
 from runtime.backends import Backend, BackendConfig, Precision
 
 CPU_1 = BackendConfig(Backend.CPU, Precision.NORMAL, 1)

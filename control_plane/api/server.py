@@ -13,11 +13,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control_plane import errors
-from control_plane.admin_service import AdminServicer
-from control_plane.auth import Authenticator
+from control_plane.api.admin_service import AdminServicer
+from control_plane.api.auth import Authenticator
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
-from control_plane.registry import Registry
+from control_plane.registry.registry import Registry
 from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
 from protos import admin_pb2, admin_pb2_grpc

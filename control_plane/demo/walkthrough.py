@@ -12,10 +12,12 @@ import os
 import tempfile
 from pathlib import Path
 
-from control_plane import errors, sample_models, views
-from control_plane.client import AdminClient
+from control_plane import errors
+from control_plane.api.client import AdminClient
+from control_plane.api.server import start_server
+from control_plane.cli import views
+from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token
-from control_plane.server import start_server
 from control_plane.settings import CONFIG_FILE, load_config
 
 

@@ -96,7 +96,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from control_plane import commands  # deferred: keeps `skiff --help` instant
+    from control_plane.cli import commands  # deferred: keeps `skiff --help` instant
 
     config = load_config(args.home, _overrides(args))
     handler = getattr(commands, f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_"))

@@ -1,7 +1,7 @@
 """Child process that does every piece of MNN work for the control plane.
 
-Run as ``python -m control_plane.mnn_worker <op> --result-fd N ...`` by
-`control_plane.mnn_tools`, never imported by a long-lived process: ``import MNN`` prints to
+Run as ``python -m control_plane.registry.mnn_worker <op> --result-fd N ...`` by
+`control_plane.registry.mnn_tools`, never imported by a long-lived process: ``import MNN`` prints to
 stdout and a malformed model can crash native code, so both must stay in a throwaway process.
 
 Protocol: models arrive and leave as inherited memfds addressed as ``/proc/self/fd/N``, and
@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from control_plane.mnn_tools import VARIANT_FLAGS
+from control_plane.registry.mnn_tools import VARIANT_FLAGS
 from runtime._memfd import fd_path, forbid_core_dumps
 from runtime._mnn import (
     dtype_name,
@@ -307,7 +307,7 @@ _OPS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 def _parser() -> argparse.ArgumentParser:
     """Build the command-line parser for the worker's three operations."""
-    parser = argparse.ArgumentParser(prog="python -m control_plane.mnn_worker")
+    parser = argparse.ArgumentParser(prog="python -m control_plane.registry.mnn_worker")
     parser.add_argument("op", choices=sorted(_OPS))
     parser.add_argument("--result-fd", type=int, required=True)
     parser.add_argument("--model-fd", type=int)

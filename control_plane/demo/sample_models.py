@@ -82,7 +82,7 @@ def unconvertible_onnx() -> bytes:
 
 def onnx_to_mnn_bytes(onnx_bytes: bytes) -> bytes:
     """Convert ONNX bytes to .mnn bytes with the real converter, via memfds only."""
-    from control_plane import mnn_tools  # late: keeps this module usable without MNN work
+    from control_plane.registry import mnn_tools  # late: keeps this module usable without MNN work
 
     src = os.memfd_create("skiff-sample-onnx", os.MFD_CLOEXEC)
     try:

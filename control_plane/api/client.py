@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from control_plane import errors
-from control_plane.grpc_errors import error_for
+from control_plane.api.grpc_errors import error_for
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 
 CHUNK = 1 << 20

@@ -8,9 +8,9 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from control_plane import errors
-from control_plane.auth import Authenticator
-from control_plane.grpc_errors import mapped, mapped_stream
-from control_plane.registry import PushRequest, Registry
+from control_plane.api.auth import Authenticator
+from control_plane.api.grpc_errors import mapped, mapped_stream
+from control_plane.registry.registry import PushRequest, Registry
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 

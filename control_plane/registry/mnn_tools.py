@@ -1,10 +1,10 @@
 """Validate, convert and compress uploaded models with the real MNN engine, out of process.
 
-The parent side of `control_plane.mnn_worker`. This module never imports MNN: each call
-runs one short-lived ``python -m control_plane.mnn_worker`` child with a timeout, handing it
-models as memfds so plaintext never reaches a filesystem (the worker even redirects the
-converter's own scratch file into memory). Whatever the child does (refuses, crashes,
-hangs), the caller gets a typed `errors.InvalidModel` with a one-line message.
+The parent side of `control_plane.registry.mnn_worker`. This module never imports MNN:
+each call runs one short-lived ``python -m control_plane.registry.mnn_worker`` child with a
+timeout, handing it models as memfds so plaintext never reaches a filesystem (the worker
+even redirects the converter's own scratch file into memory). Whatever the child does
+(refuses, crashes, hangs), the caller gets a typed `errors.InvalidModel` with a one-line message.
 
 Callers' descriptors are only read through ``os.pread`` or fresh opens of
 ``/proc/self/fd/N`` in the child, so their offsets are never moved and they stay open.
@@ -60,6 +60,9 @@ INSPECT_TIMEOUT_S = 120.0
 CONVERT_TIMEOUT_S = 300.0
 _MESSAGE_LIMIT = 300  # characters; messages travel to clients in gRPC status details
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+WORKER_MODULE = "control_plane.registry.mnn_worker"
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,14 @@ def _run_worker(
     """Run one worker op in a child process and return its result, or raise InvalidModel."""
     result = os.memfd_create("skiff-mnn-result", os.MFD_CLOEXEC)
     log = os.memfd_create("skiff-mnn-log", os.MFD_CLOEXEC)  # memfd: no pipe to drain
-    argv = [sys.executable, "-m", "control_plane.mnn_worker", op, "--result-fd", str(result)]
+    argv = [
+        sys.executable,
+        "-m",
+        "control_plane.registry.mnn_worker",
+        op,
+        "--result-fd",
+        str(result),
+    ]
     try:
         # A private, throwaway working directory: MNN's converter insists on a scratch file
         # in the cwd (the worker points it at a memfd), and nothing may land in ours.

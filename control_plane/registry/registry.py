@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from control_plane import errors, memfd, mnn_tools
+from control_plane import errors
 from control_plane.blobs import BlobStore
 from control_plane.crypto import (
     SEGMENT_SIZE,
@@ -33,6 +33,7 @@ from control_plane.crypto import (
     new_data_key,
     rewrap,
 )
+from control_plane.registry import memfd, mnn_tools
 from control_plane.store.base import (
     ModelRecord,
     NewVersion,

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 
-from control_plane import views
-from control_plane.client import AdminClient
+from control_plane.api.client import AdminClient
+from control_plane.cli import views
+from control_plane.cli.progress import ProgressBar
 from control_plane.home import init_home, read_token
-from control_plane.progress import ProgressBar
-from control_plane.registry import parse_ref
+from control_plane.registry.registry import parse_ref
 from control_plane.settings import Config
 
 Output = tuple[object, str] | None
@@ -36,7 +36,7 @@ def start_init(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_server(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the control plane until interrupted."""
-    from control_plane.server import serve
+    from control_plane.api.server import serve
 
     serve(config=config)
     return None
@@ -104,7 +104,7 @@ def start_key_rotate(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_demo(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the end-to-end demo."""
-    from control_plane.demo import run_demo
+    from control_plane.demo.walkthrough import run_demo
 
     run_demo(home=args.home)
     return None

@@ -1,0 +1,1 @@
+"""The control plane's gRPC surface: servicers, auth, error mapping, server, clients."""
