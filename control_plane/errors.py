@@ -47,3 +47,10 @@ class IntegrityError(SkiffError):
 class PermissionDenied(SkiffError):
     """Authenticated, but not allowed to do this."""
 
+
+class FailedPrecondition(SkiffError):
+    """The target is not in a state that allows this (an illegal rollout transition...)."""
+
+
+class OutOfRange(SkiffError):
+    """A position past the end (a download offset beyond the artifact)."""

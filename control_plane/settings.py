@@ -52,6 +52,48 @@ SETTINGS: tuple[Setting, ...] = (
         "SKIFF_MAX_CONCURRENT_PUSHES",
         "Pushes processed at once; more wait (each holds its model in RAM and runs MNN).",
     ),
+    Setting(
+        "poll_interval_s",
+        int,
+        300,
+        "SKIFF_POLL_INTERVAL_S",
+        "How often devices Sync when their Watch stream is down (they add jitter).",
+    ),
+    Setting(
+        "assignment_ttl_s",
+        int,
+        86_400,
+        "SKIFF_ASSIGNMENT_TTL_S",
+        "Lifetime of a signed assignment; devices refuse an expired one.",
+    ),
+    Setting(
+        "presign_ttl_s",
+        int,
+        900,
+        "SKIFF_PRESIGN_TTL_S",
+        "Lifetime of presigned artifact URLs (S3 blob stores).",
+    ),
+    Setting(
+        "enroll_ttl_s",
+        int,
+        7 * 86_400,
+        "SKIFF_ENROLL_TTL_S",
+        "Default lifetime of an enrollment token.",
+    ),
+    Setting(
+        "scheduler_interval_s",
+        float,
+        1.0,
+        "SKIFF_SCHEDULER_INTERVAL_S",
+        "How often rollouts whose stage has baked are advanced.",
+    ),
+    Setting(
+        "device_flush_s",
+        float,
+        0.5,
+        "SKIFF_DEVICE_FLUSH_S",
+        "How often device reports (last_seen, installed) are written, in one batch.",
+    ),
 )
 
 
@@ -69,6 +111,12 @@ class Config:
     max_model_bytes: int
     mnn_timeout_s: float
     max_concurrent_pushes: int
+    poll_interval_s: int
+    assignment_ttl_s: int
+    presign_ttl_s: int
+    enroll_ttl_s: int
+    scheduler_interval_s: float
+    device_flush_s: float
 
     @property
     def dial_address(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -78,7 +79,11 @@ class _Upload:
     def __init__(self, requests: Iterator, header: admin_pb2.PushHeader, context, limit: int):
         if header.size > limit:
             raise errors.TooLarge(f"model is {header.size} bytes, over the {limit}-byte limit")
-        self._requests, self._context = requests, context
+        self._requests = requests
+        # The call's done-callbacks run only when it ends; before we answer, that means
+        # the client went away (cancelled, or the connection dropped).
+        self._ended = threading.Event()
+        context.add_callback(self._ended.set)
 
     def __iter__(self) -> Iterator[bytes]:
         for request in self._requests:
@@ -86,7 +91,7 @@ class _Upload:
                 raise errors.InvalidArgument("PushModel: only the first message is a header")
             yield request.chunk
         # A cancelled call can end the iterator early; never store a cut-off upload.
-        if not self._context.is_active():
+        if self._ended.is_set():
             raise errors.Unavailable("client disconnected mid-upload")
 
 

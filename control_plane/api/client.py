@@ -17,8 +17,9 @@ from pathlib import Path
 import grpc
 
 from control_plane import errors
+from control_plane.api.fleet_convert import attributes_pb
 from control_plane.api.grpc_errors import error_for
-from protos import admin_pb2, admin_pb2_grpc, common_pb2
+from protos import admin_pb2, admin_pb2_grpc, common_pb2, fleet_pb2, fleet_pb2_grpc
 
 CHUNK = 1 << 20
 UNARY_DEADLINE_S = 30.0
@@ -58,6 +59,8 @@ class AdminClient:
     def __init__(self, address: str, token: str) -> None:
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
+        self._fleet = fleet_pb2_grpc.FleetServiceStub(self._channel)
+        self._rollouts = fleet_pb2_grpc.RolloutServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),)
 
     def close(self) -> None:
@@ -92,6 +95,65 @@ class AdminClient:
     def rotate_kek(self, new_kek: str = "") -> admin_pb2.RotateKekResponse:
         """Re-wrap every data key under a new KEK."""
         return self._unary(self._stub.RotateKek, admin_pb2.RotateKekRequest(new_kek=new_kek))
+
+    # -- fleet ------------------------------------------------------------------------------
+
+    def create_enrollment_token(
+        self, *, ttl_s: int = 0, uses: int = 0, attributes: dict | None = None, name: str = ""
+    ) -> fleet_pb2.CreateEnrollmentTokenResponse:
+        """Make an enrollment token (the secret is in the response, shown once)."""
+        request = fleet_pb2.CreateEnrollmentTokenRequest(
+            ttl_s=ttl_s, uses=uses, attributes=attributes_pb(attributes or {}), name=name
+        )
+        return self._unary(self._fleet.CreateEnrollmentToken, request)
+
+    def list_devices(self, selector: str = "") -> list[fleet_pb2.Device]:
+        """Return the devices a selector picks (all of them by default)."""
+        request = fleet_pb2.ListDevicesRequest(selector=selector)
+        return list(self._unary(self._fleet.ListDevices, request).devices)
+
+    def get_device(self, device_id: str) -> fleet_pb2.Device:
+        """Return one device."""
+        return self._unary(self._fleet.GetDevice, fleet_pb2.GetDeviceRequest(id=device_id))
+
+    def revoke_device(self, device_id: str, reason: str = "") -> fleet_pb2.Device:
+        """Refuse a device from now on."""
+        request = fleet_pb2.RevokeDeviceRequest(id=device_id, reason=reason)
+        return self._unary(self._fleet.RevokeDevice, request)
+
+    # -- rollouts ---------------------------------------------------------------------------
+
+    def create_rollout(self, request: fleet_pb2.CreateRolloutRequest) -> fleet_pb2.Rollout:
+        """Create a rollout (not retried: a retry could create a second one)."""
+        try:
+            return self._rollouts.CreateRollout(
+                request, timeout=UNARY_DEADLINE_S, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+    def list_rollouts(self, model: str = "") -> list[fleet_pb2.Rollout]:
+        """Return rollouts, oldest first."""
+        request = fleet_pb2.ListRolloutsRequest(model=model)
+        return list(self._unary(self._rollouts.ListRollouts, request).rollouts)
+
+    def get_rollout(self, rollout_id: str) -> fleet_pb2.Rollout:
+        """Return one rollout with its audit log and counts."""
+        return self._unary(self._rollouts.GetRollout, fleet_pb2.GetRolloutRequest(id=rollout_id))
+
+    def transition_rollout(
+        self, rollout_id: str, action: str, reason: str = ""
+    ) -> fleet_pb2.Rollout:
+        """Pause, resume, promote or roll back (not retried: the state may have moved)."""
+        request = fleet_pb2.TransitionRolloutRequest(id=rollout_id, action=action, reason=reason)
+        try:
+            return self._rollouts.TransitionRollout(
+                request, timeout=UNARY_DEADLINE_S, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+    # -- models -----------------------------------------------------------------------------
 
     def push(
         self,

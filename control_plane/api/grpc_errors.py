@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable
@@ -23,6 +24,8 @@ STATUS_BY_ERROR: tuple[tuple[type[errors.SkiffError], grpc.StatusCode], ...] = (
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.IntegrityError, grpc.StatusCode.DATA_LOSS),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
 )
 
 
@@ -71,5 +74,44 @@ def mapped_stream(method: Callable[..., Any]) -> Callable[..., Any]:
             yield from method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc)
+
+    return wrapper
+
+
+async def _abort_async(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, errors.SkiffError):
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        await context.abort(status_for(exc), message)
+    log.error("unexpected error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def mapped_async(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Like `mapped`, for `async def` unary handlers of the asyncio server."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort_async(context, exc)
+
+    return wrapper
+
+
+def mapped_async_stream(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Like `mapped_stream`, for async generator handlers of the asyncio server."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort_async(context, exc)
 
     return wrapper

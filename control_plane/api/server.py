@@ -1,12 +1,21 @@
-"""Assembles the control plane from a Config and serves it over gRPC."""
+"""Assembles the control plane from a Config and serves it over gRPC.
+
+One asyncio gRPC server carries every service: the device API's coroutines (thousands of
+idle Watch streams cost no threads) and the admin API's plain handlers, which grpc.aio
+runs in a thread pool. The loop runs in a thread of its own, so callers (the CLI, tests,
+the demo) drive the server with ordinary blocking calls.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,18 +24,43 @@ from grpc_reflection.v1alpha import reflection
 from control_plane import errors
 from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import Authenticator
+from control_plane.api.device_service import DeviceServicer
+from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
+from control_plane.fleet.devices import Fleet
+from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import Registry
+from control_plane.rollouts.changes import ChangeFeed
+from control_plane.rollouts.delivery import Delivery
+from control_plane.rollouts.resolver import Resolver
+from control_plane.rollouts.service import Rollouts
+from control_plane.rollouts.watchers import Watchers
 from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
-from protos import admin_pb2, admin_pb2_grpc
+from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 # Uploads arrive in 1 MiB chunks; leave headroom for the envelope.
 MAX_MESSAGE_BYTES = 8 << 20
+# Threads for the admin API's blocking handlers (pushes, pulls, listings).
 WORKERS = 16
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Server pings on idle streams: a Watch stream through a NAT stays mapped, and a
+    # device that vanished without a FIN is noticed (and marked offline) within a minute.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # Devices ping too (every 30 s); without this the server would answer with GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # A fleet reconnecting after a restart opens thousands of calls at once; the default
+    # limit on calls waiting for the server drops a third of such a burst (FACTS.md).
+    ("grpc.server.max_pending_requests", 50_000),
+    ("grpc.server.max_pending_requests_hard_limit", 100_000),
+]
 
 
 def build_registry(config: Config) -> Registry:
@@ -63,39 +97,190 @@ def kek_factory(config: Config, registry: Registry):
     return next_kek
 
 
-def create_server(config: Config, registry: Registry, address: str) -> tuple[grpc.Server, int]:
-    """Build (not start) a gRPC server on `address`; returns it with the bound port."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="skiff-rpc"),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
+@dataclass
+class App:
+    """Every part of a control plane, assembled once per process."""
+
+    config: Config
+    registry: Registry
+    fleet: Fleet
+    resolver: Resolver
+    rollouts: Rollouts
+    delivery: Delivery
+    feed: ChangeFeed
+    writer: DeviceWriter
+    watchers: Watchers
+
+    @property
+    def store(self) -> SqlStore:
+        """Return the one SQL store every part shares."""
+        return self.registry.store
+
+
+def build_app(config: Config, registry: Registry | None = None) -> App:
+    """Assemble the domain (no network yet)."""
+    registry = registry or build_registry(config)
+    store = registry.store
+    resolver = Resolver(store)
+    fleet = Fleet(store, default_enroll_ttl_s=config.enroll_ttl_s)
+    feed = ChangeFeed(store)
+    watchers = Watchers(resolver=resolver, store=store)
+    # Order matters: the resolver must see a change before watchers recompute with it.
+    for subscriber in (resolver.invalidate, fleet.on_change, watchers.on_change):
+        feed.subscribe(subscriber)
+    delivery = Delivery(
+        store=store,
+        blobs=registry.blobs,
+        kek=lambda: registry.kek,
+        signer=registry.signer,
+        resolver=resolver,
+        assignment_ttl_s=config.assignment_ttl_s,
+        presign_ttl_s=config.presign_ttl_s,
+        clock=lambda: dt.datetime.now(dt.UTC),
+        monotonic=time.monotonic,
     )
-    servicer = AdminServicer(
-        registry, Authenticator(registry.store), kek_factory=kek_factory(config, registry)
+    return App(
+        config=config,
+        registry=registry,
+        fleet=fleet,
+        resolver=resolver,
+        rollouts=Rollouts(store, resolver),
+        delivery=delivery,
+        feed=feed,
+        writer=DeviceWriter(store, interval_s=config.device_flush_s),
+        watchers=watchers,
     )
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+
+
+class _Scheduler:
+    """Advances rollouts whose stage has baked, every `interval_s` (safe on every replica)."""
+
+    def __init__(self, rollouts: Rollouts, interval_s: float) -> None:
+        self._rollouts, self._interval = rollouts, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="skiff-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._rollouts.advance_due()
+            except errors.SkiffError as exc:
+                log.warning("rollout scheduler: %s", exc)
+
+
+class ServerHandle:
+    """A started-on-demand asyncio gRPC server running on its own event-loop thread."""
+
+    def __init__(self, app: App, address: str) -> None:
+        self.app = app
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="skiff-loop", daemon=True
+        )
+        self._thread.start()
+        self._pool = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="skiff-rpc")
+        self._scheduler = _Scheduler(app.rollouts, app.config.scheduler_interval_s)
+        self._stopped = threading.Event()
+        self._server, self.port = self._call(self._build(address))
+
+    def _call(self, coro, timeout: float | None = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _build(self, address: str) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(migration_thread_pool=self._pool, options=SERVER_OPTIONS)
+        await _add_services(server, self.app)
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise errors.Unavailable(f"cannot listen on {address}")
+        return server, port
+
+    def start(self) -> ServerHandle:
+        """Start serving (and the feed, writer, watchers and scheduler behind it)."""
+        self.app.feed.start()
+        self.app.writer.start()
+        self._call(self.app.watchers.start())
+        self._call(self._server.start())
+        self._scheduler.start()
+        return self
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop serving, let in-flight calls finish for `grace` seconds, release everything.
+
+        Returns an event that is already set (kept for `server.stop(...).wait()` callers).
+        """
+        if not self._stopped.is_set():
+            self._scheduler.stop()
+            self._call(self._server.stop(grace), timeout=None)
+            self._call(self.app.watchers.stop())
+            self.app.writer.close()
+            self.app.feed.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._stopped.set()
+        return self._stopped
+
+
+async def _add_services(server: grpc.aio.Server, app: App) -> None:
+    auth = Authenticator(app.store)
+    view = FleetView(app.fleet, app.resolver, app.watchers, app.writer)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(
+        AdminServicer(app.registry, auth, kek_factory=kek_factory(app.config, app.registry)),
+        server,
+    )
+    fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(view, auth), server)
+    fleet_pb2_grpc.add_RolloutServiceServicer_to_server(
+        RolloutServicer(app.rollouts, view, auth), server
+    )
+    device_pb2_grpc.add_DeviceServiceServicer_to_server(
+        DeviceServicer(
+            fleet=app.fleet,
+            store=app.store,
+            delivery=app.delivery,
+            watchers=app.watchers,
+            writer=app.writer,
+            signing_keys=[app.registry.signer.public_key_pem()],
+            poll_interval_s=app.config.poll_interval_s,
+        ),
+        server,
+    )
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service_names = (
+    names = [
         admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
+        fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name,
+        fleet_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name,
+        device_pb2.DESCRIPTOR.services_by_name["DeviceService"].full_name,
+    ]
+    reflection.enable_server_reflection(
+        (
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
     )
-    reflection.enable_server_reflection(service_names, server)
-    for name in ("", service_names[0]):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise errors.Unavailable(f"cannot listen on {address}")
-    return server, port
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def start_server(*, config: Config, address: str | None = None) -> tuple[grpc.Server, int]:
-    """Build the registry and a started server; the caller stops it."""
-    registry = build_registry(config)
-    server, port = create_server(config, registry, address or config.grpc)
+def create_server(config: Config, app: App, address: str) -> tuple[ServerHandle, int]:
+    """Build (not start) a server for `app` on `address`; returns it with the bound port."""
+    handle = ServerHandle(app, address)
+    return handle, handle.port
+
+
+def start_server(*, config: Config, address: str | None = None) -> tuple[ServerHandle, int]:
+    """Build the app and a started server; the caller stops it."""
+    app = build_app(config)
+    server, port = create_server(config, app, address or config.grpc)
     server.start()
     log.info("skiff control plane listening on port %d", port)
     return server, port
@@ -110,4 +295,5 @@ def serve(*, config: Config) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=10).wait()
+    server.stop(grace=10)
+    server.app.store.close()

@@ -132,6 +132,14 @@ class BlobStore(abc.ABC):
     def keys(self) -> Iterator[str]:
         """Yield every published key (temp files excluded), in no particular order."""
 
+    def presigned_url(self, key: str, *, expires_s: int) -> str | None:
+        """Return a short-lived URL that serves the blob's bytes, or None if unsupported.
+
+        Devices then fetch artifacts straight from the store (or a CDN in front of it)
+        instead of through the control plane; the bytes are ciphertext either way.
+        """
+        return None
+
     def check(self) -> None:
         """Probe reachability cheaply; raise Unavailable if the store cannot be used.
 

@@ -164,6 +164,15 @@ class S3BlobStore(BlobStore):
                     if is_key(name) and fanout == name[:2]:
                         yield name
 
+    def presigned_url(self, key: str, *, expires_s: int) -> str | None:
+        """Return a presigned GET URL for the blob (computed locally, no request)."""
+        with self._errors(f"presign blob {key}", check_key(key)):
+            return self._client.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": self.bucket, "Key": self._name(key)},
+                ExpiresIn=expires_s,
+            )
+
     def check(self) -> None:
         """Probe the bucket with HeadBucket; raise Unavailable if unreachable or missing."""
         with self._errors("probe bucket"):

@@ -8,7 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
 from control_plane import errors
+from control_plane.cli import fleet_commands, sim_commands
 from control_plane.settings import SETTINGS, default_home, load_config
 
 # Exit codes, one per kind of failure, so scripts can tell them apart.
@@ -31,6 +34,8 @@ EXIT_BY_ERROR: tuple[tuple[type[errors.SkiffError], int], ...] = (
     (errors.Unavailable, EXIT_UNAVAILABLE),
     (errors.AlreadyExists, EXIT_CONFLICT),
     (errors.IntegrityError, EXIT_INTEGRITY),
+    (errors.FailedPrecondition, EXIT_CONFLICT),
+    (errors.OutOfRange, EXIT_INVALID),
 )
 
 
@@ -86,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--to", default="", help="new KEK URL (aws-kms://...); default: new local key")
 
+    fleet_commands.add_parsers(sub, _common)
+    sim_commands.add_parsers(sub, _common)
+
     p = sub.add_parser("demo", help="run the end-to-end demo on a throwaway home")
     _common(p, json_flag=False)
     return parser
@@ -99,13 +107,16 @@ def _run(args: argparse.Namespace) -> int:
     from control_plane.cli import commands  # deferred: keeps `skiff --help` instant
 
     config = load_config(args.home, _overrides(args))
-    handler = getattr(commands, f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_"))
-    result = handler(config=config, args=args)
+    name = f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_")
+    module = next(m for m in (commands, fleet_commands, sim_commands) if hasattr(m, name))
+    result = getattr(module, name)(config=config, args=args)
     if result is not None:
         if getattr(args, "json", False):
             print(json.dumps(result[0], indent=2, sort_keys=True))
-        else:
+        elif isinstance(result[1], str):
             print(result[1])
+        else:
+            Console(highlight=False).print(result[1])
     return EXIT_OK
 
 

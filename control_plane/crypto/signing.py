@@ -20,15 +20,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from control_plane import errors
 from control_plane.files import read_private_file, write_private_file
+from device_agent.assignment import canonical_json  # one definition, used by both sides
 
 _BAD_SIGNATURE = "manifest signature does not verify"
-
-
-def canonical_json(manifest: dict[str, Any]) -> bytes:
-    """Return the one byte form of `manifest` that is signed and verified."""
-    return json.dumps(
-        manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    ).encode("ascii")
 
 
 def key_id_of(public_key: Ed25519PublicKey) -> str:

@@ -37,7 +37,8 @@ def run_demo(*, home: Path | None = None) -> None:
         with AdminClient(f"127.0.0.1:{port}", read_token(config.home)) as client:
             _walkthrough(client, config.home / "work")
     finally:
-        server.stop(grace=2).wait()
+        server.stop(grace=2)
+        server.app.store.close()
     _say(f"== done; state is in {config.home}")
 
 

@@ -8,6 +8,7 @@ from sqlalchemy import (
     BigInteger,
     DateTime,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
@@ -100,3 +101,119 @@ class TokenRow(Base):
     # Serves authentication: every authenticated call looks its token up by hash.
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class FleetStateRow(Base):
+    """One row: the fleet revision, bumped by every change to any device's desired state."""
+
+    __tablename__ = "fleet_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    revision: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class EnrollmentTokenRow(Base):
+    """An enrollment token, stored only as its SHA-256, with its stamped attributes."""
+
+    __tablename__ = "enrollment_tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), default="")
+    # Serves Enroll: the presented token is looked up by hash.
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    attributes: Mapped[dict] = mapped_column(JSON)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    # NULL = unlimited.
+    uses_left: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    uses: Mapped[int] = mapped_column(Integer, default=0)
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class DeviceRow(Base):
+    """An enrolled device: its credential hash, HPKE public key and latest attributes."""
+
+    __tablename__ = "devices"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    # Serves authentication of every device call (lookup by credential hash).
+    credential_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    public_keyset: Mapped[bytes] = mapped_column(LargeBinary)
+    attributes: Mapped[dict] = mapped_column(JSON)
+    # Attributes stamped by the enrollment token: they win over what the device reports.
+    stamped_attributes: Mapped[dict] = mapped_column(JSON)
+    enrollment_token_id: Mapped[str] = mapped_column(String(32))
+    enrolled_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Refreshed by the replica holding the device's Watch stream while it stays open.
+    online_until: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_reason: Mapped[str] = mapped_column(String(256), default="")
+
+
+class DeviceModelRow(Base):
+    """Per device and model: what it last fetched through Sync and what it reports installed."""
+
+    __tablename__ = "device_models"
+    __table_args__ = (
+        # Serve a rollout's `synced` and `installed` counts (devices on model X version N).
+        Index("ix_device_models_synced", "model", "synced_version"),
+        Index("ix_device_models_installed", "model", "installed_version"),
+    )
+
+    device_id: Mapped[str] = mapped_column(
+        ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True
+    )
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    synced_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    synced_variant: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    synced_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    installed_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    installed_variant: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    reported_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class RolloutRow(Base):
+    """A rollout of one model version to the devices its selector picks, in stages."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    # Serves `rollout ls --model` and loading a model's rollouts.
+    model: Mapped[str] = mapped_column(String(64), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    variant: Mapped[str] = mapped_column(String(16))
+    selector: Mapped[str] = mapped_column(Text)
+    stages: Mapped[list] = mapped_column(JSON)
+    stage: Mapped[int] = mapped_column(Integer, default=0)
+    # Serves the resolver's load of every rollout that can still assign a version.
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    bake_s: Mapped[int] = mapped_column(Integer)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    created_by: Mapped[str] = mapped_column(String(128))
+    stage_started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    events: Mapped[list[RolloutEventRow]] = relationship(
+        back_populates="rollout", order_by="RolloutEventRow.id", cascade="all, delete-orphan"
+    )
+
+
+class RolloutEventRow(Base):
+    """The audit log of a rollout: who changed what, when, and why."""
+
+    __tablename__ = "rollout_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Serves loading one rollout's audit log.
+    rollout_id: Mapped[str] = mapped_column(
+        ForeignKey("rollouts.id", ondelete="CASCADE"), index=True
+    )
+    at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(32))
+    from_state: Mapped[str] = mapped_column(String(16), default="")
+    to_state: Mapped[str] = mapped_column(String(16))
+    stage: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+    rollout: Mapped[RolloutRow] = relationship(back_populates="events")

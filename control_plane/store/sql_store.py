@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy import exc as sa_exc
@@ -23,7 +23,10 @@ from control_plane.store.base import (
     VersionBuilder,
     VersionRecord,
 )
+from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade
+from control_plane.store.sql_fleet import SqlFleetStore
+from control_plane.store.sql_rollouts import SqlRolloutStore
 
 # A concurrent push that takes the same number loses on the unique constraint and retries.
 _VERSION_RETRIES = 5
@@ -107,15 +110,26 @@ def _version(row: orm.VersionRow, model: str) -> VersionRecord:
     )
 
 
-class SqlStore(RegistryStore):
-    """Registry store over any SQLAlchemy URL Skiff supports."""
+class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
+    """Registry, fleet and rollout store over any SQLAlchemy URL Skiff supports."""
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
+        self.url = url
         self._engine = make_engine(url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._listeners: list[Callable[[Change], None]] = []
         if migrate:
             self.check()  # sorts "cannot connect" into Unavailable before Alembic runs
             upgrade(self._engine)
+
+    @property
+    def dialect(self) -> str:
+        """Return the database's dialect name ("sqlite" or "postgresql")."""
+        return self._engine.dialect.name
+
+    def add_change_listener(self, listener: Callable[[Change], None]) -> None:
+        """Call `listener` after every commit that bumped the fleet revision (this process)."""
+        self._listeners.append(listener)
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[Session]:
@@ -125,6 +139,10 @@ class SqlStore(RegistryStore):
                 yield session
         except sa_exc.SQLAlchemyError as exc:
             raise _sorted_db_error(exc) from exc
+        # Committed: tell this process's listeners (other replicas hear PostgreSQL NOTIFY).
+        for revision, kind, subject in session.info.pop("changes", ()):
+            for listener in self._listeners:
+                listener(Change(revision, kind, subject))
 
     def create_version(self, model: str, build: VersionBuilder) -> VersionRecord:
         """Append the next version; retries when a concurrent push took the number."""

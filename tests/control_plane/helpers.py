@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from control_plane.api.client import AdminClient
-from control_plane.api.server import build_registry, create_server
+from control_plane.api.server import App, ServerHandle, build_app, create_server
 from control_plane.home import init_home, read_token
 from control_plane.registry.registry import Registry
 from control_plane.settings import Config, load_config
@@ -19,10 +17,14 @@ class ControlPlane:
     """A running server with handles on its parts, for assertions."""
 
     config: Config
-    registry: Registry
-    server: grpc.Server
+    app: App
+    server: ServerHandle
     port: int
     token: str
+
+    @property
+    def registry(self) -> Registry:
+        return self.app.registry
 
     @property
     def address(self) -> str:
@@ -32,14 +34,14 @@ class ControlPlane:
         return AdminClient(self.address, self.token if token is None else token)
 
     def stop(self) -> None:
-        self.server.stop(grace=None).wait()
-        self.registry.store.close()
+        self.server.stop(grace=None)
+        self.app.store.close()
 
 
 def start_control_plane(home: Path, **settings) -> ControlPlane:
     config = load_config(home, {"grpc": "127.0.0.1:0", **settings}, environ={})
     init_home(config)
-    registry = build_registry(config)
-    server, port = create_server(config, registry, "127.0.0.1:0")
+    app = build_app(config)
+    server, port = create_server(config, app, "127.0.0.1:0")
     server.start()
-    return ControlPlane(config, registry, server, port, read_token(config.home))
+    return ControlPlane(config, app, server, port, read_token(config.home))

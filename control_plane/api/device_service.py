@@ -1,0 +1,131 @@
+"""DeviceService: what agents call. Thin: authenticate, convert, call the domain.
+
+Runs on the asyncio server. Sync, Watch and Download are coroutines so thousands of idle
+Watch streams cost no threads; Enroll writes to the database and runs in the thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+from control_plane import errors
+from control_plane.api.fleet_convert import attributes_dict, states, timestamp
+from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
+from control_plane.fleet.devices import Fleet
+from control_plane.fleet.writer import DeviceWriter
+from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
+from control_plane.rollouts.watchers import Watchers, fingerprint
+from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
+from protos import device_pb2, device_pb2_grpc
+
+MAX_INSTALLED = 256
+
+
+def _authorization(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
+
+
+def _assignment_pb(a: Assignment) -> device_pb2.ModelAssignment:
+    v = a.variant
+    return device_pb2.ModelAssignment(
+        model=a.model,
+        version=a.desired.version,
+        variant=a.desired.variant,
+        rollout=a.desired.rollout,
+        artifact=device_pb2.ArtifactDescriptor(
+            ciphertext_sha256=v.ciphertext_sha256,
+            ciphertext_size=v.ciphertext_size,
+            segment_size=v.segment_size,
+            plaintext_sha256=v.plaintext_sha256,
+            plaintext_size=v.plaintext_size,
+            associated_data=f"skiff:{a.version.uid}:{v.name}",
+            url=a.url,
+            url_expires_at=timestamp(a.url_expires_at),
+        ),
+        wrapped_data_key=a.wrapped_data_key,
+        manifest=a.version.manifest,
+        manifest_signature=a.version.manifest_signature,
+    )
+
+
+class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
+    """The device API."""
+
+    def __init__(
+        self,
+        *,
+        fleet: Fleet,
+        store: FleetStore,
+        delivery: Delivery,
+        watchers: Watchers,
+        writer: DeviceWriter,
+        signing_keys: list[bytes],
+        poll_interval_s: int,
+    ) -> None:
+        self._fleet, self._store, self._delivery = fleet, store, delivery
+        self._watchers, self._writer = watchers, writer
+        self._signing_keys, self._poll = signing_keys, poll_interval_s
+
+    @mapped
+    def Enroll(self, request, context):  # noqa: D102, N802
+        device, credential = self._fleet.enroll(
+            token=request.enrollment_token,
+            attributes=attributes_dict(request.attributes),
+            public_keyset=request.public_keyset,
+        )
+        return device_pb2.EnrollResponse(
+            device_id=device.id,
+            credential=credential,
+            signing_public_keys=self._signing_keys,
+            poll_interval_s=self._poll,
+        )
+
+    @mapped_async
+    async def Sync(self, request, context):  # noqa: D102, N802
+        device = self._fleet.authenticate(_authorization(context))
+        if len(request.installed) > MAX_INSTALLED:
+            raise errors.InvalidArgument(f"at most {MAX_INSTALLED} installed models")
+        attrs = self._fleet.device_attributes(device, attributes_dict(request.attributes))
+        installed = states(request.installed)
+        result: SyncResult = self._delivery.sync(device, attrs, installed)
+        desired = {a.model: a.desired for a in result.assignments}
+        self._watchers.note_sync(device.id, attrs, desired)
+        synced = tuple(ModelState(m, d.version, d.variant) for m, d in desired.items())
+        now = dt.datetime.now(dt.UTC)
+        self._writer.add(DeviceUpdate(device.id, now, attrs, installed, synced))
+        return device_pb2.SyncResponse(
+            revision=result.revision,
+            models=[_assignment_pb(a) for a in result.assignments],
+            document=result.document,
+            document_signature=result.signature,
+            signing_key_id=result.key_id,
+            poll_interval_s=self._poll,
+        )
+
+    @mapped_async_stream
+    async def Watch(self, request, context):  # noqa: D102, N802
+        device = self._fleet.authenticate(_authorization(context))
+        record = await asyncio.to_thread(self._store.get_device, device.id)
+        synced = fingerprint({s.model: s for s in record.synced})
+        async for revision in self._watchers.stream(
+            device.id, record.attributes, synced, request.revision
+        ):
+            yield device_pb2.WatchEvent(revision=revision)
+
+    @mapped_async_stream
+    async def Download(self, request, context):  # noqa: D102, N802
+        device = self._fleet.authenticate(_authorization(context))
+        attrs = (await asyncio.to_thread(self._store.device_attributes, [device.id])).get(device.id)
+        if attrs is None:
+            raise errors.PermissionDenied(f"device {device.id} is revoked")
+        _, chunks = await asyncio.to_thread(
+            self._delivery.open_artifact, device.id, attrs, request.artifact, request.offset
+        )
+        offset = request.offset
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield device_pb2.DownloadChunk(offset=offset, data=chunk)
+            offset += len(chunk)

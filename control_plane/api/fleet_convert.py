@@ -1,0 +1,111 @@
+"""Conversions between fleet/rollout messages and domain records."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from control_plane.rollouts.resolver import Desired
+from control_plane.rollouts.service import Counts
+from control_plane.store.fleet import DeviceRecord, ModelState
+from control_plane.store.rollouts import RolloutRecord
+from protos import device_pb2, fleet_pb2
+
+_STRING_KEYS = ("platform", "os_version", "app_version", "device_model", "soc", "region")
+
+
+def timestamp(value: dt.datetime | None) -> Timestamp | None:
+    """Return a Timestamp, or None for a missing time."""
+    if value is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def attributes_dict(msg: device_pb2.DeviceAttributes) -> dict:
+    """Return the raw attribute dict (validated later by `normalize_attributes`)."""
+    out: dict = {k: getattr(msg, k) for k in _STRING_KEYS if getattr(msg, k)}
+    if msg.ram_mb:
+        out["ram_mb"] = msg.ram_mb
+    if msg.tags:
+        out["tags"] = list(msg.tags)
+    if msg.custom:
+        out["custom"] = dict(msg.custom)
+    return out
+
+
+def attributes_pb(attrs: dict) -> device_pb2.DeviceAttributes:
+    """Return the message for a canonical attribute dict."""
+    return device_pb2.DeviceAttributes(
+        **{k: attrs[k] for k in _STRING_KEYS if k in attrs},
+        ram_mb=int(attrs.get("ram_mb", 0)),
+        tags=list(attrs.get("tags", ())),
+        custom=dict(attrs.get("custom", {})),
+    )
+
+
+def states(msgs) -> tuple[ModelState, ...]:
+    """Return model states from InstalledModel messages."""
+    return tuple(ModelState(m.model, m.version, m.variant) for m in msgs)
+
+
+def states_pb(items: tuple[ModelState, ...]) -> list[device_pb2.InstalledModel]:
+    """Return InstalledModel messages for model states."""
+    return [
+        device_pb2.InstalledModel(model=s.model, version=s.version, variant=s.variant)
+        for s in items
+    ]
+
+
+def device_pb(d: DeviceRecord, *, online: bool, desired: dict[str, Desired]) -> fleet_pb2.Device:
+    """Return the message for a device with its derived desired state."""
+    return fleet_pb2.Device(
+        id=d.id,
+        attributes=attributes_pb(d.attributes),
+        enrolled_at=timestamp(d.enrolled_at),
+        last_seen=timestamp(d.last_seen),
+        online=online,
+        revoked=d.revoked_at is not None,
+        installed=states_pb(d.installed),
+        synced=states_pb(d.synced),
+        desired={
+            m: fleet_pb2.DesiredModel(version=x.version, variant=x.variant, rollout=x.rollout)
+            for m, x in desired.items()
+        },
+    )
+
+
+def rollout_pb(r: RolloutRecord, counts: Counts | None = None) -> fleet_pb2.Rollout:
+    """Return the message for a rollout (with its audit log and counts when given)."""
+    msg = fleet_pb2.Rollout(
+        id=r.id,
+        model=r.model,
+        version=r.version,
+        variant=r.variant,
+        selector=r.selector,
+        stages=list(r.stages),
+        stage=r.stage,
+        state=r.state,
+        bake_s=r.bake_s,
+        priority=r.priority,
+        created_at=timestamp(r.created_at),
+        created_by=r.created_by,
+        stage_started_at=timestamp(r.stage_started_at),
+        audit=[
+            fleet_pb2.RolloutEvent(
+                at=timestamp(e.at),
+                actor=e.actor,
+                action=e.action,
+                from_state=e.from_state,
+                to_state=e.to_state,
+                stage=e.stage,
+                reason=e.reason,
+            )
+            for e in r.audit
+        ],
+    )
+    if counts is not None:
+        msg.counts.CopyFrom(fleet_pb2.RolloutCounts(**counts.__dict__))
+    return msg

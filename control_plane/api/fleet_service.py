@@ -1,0 +1,142 @@
+"""FleetService and RolloutService: what operators call (admin token). Thin adapters."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from control_plane.api.auth import Authenticator
+from control_plane.api.fleet_convert import attributes_dict, device_pb, rollout_pb, timestamp
+from control_plane.api.grpc_errors import mapped
+from control_plane.fleet.devices import Fleet
+from control_plane.fleet.writer import DeviceWriter
+from control_plane.rollouts.resolver import Resolver
+from control_plane.rollouts.service import Rollouts, RolloutSpec
+from control_plane.rollouts.watchers import Watchers
+from control_plane.store.fleet import DeviceRecord
+from protos import fleet_pb2, fleet_pb2_grpc
+
+
+def _actor(auth: Authenticator, context) -> str:
+    metadata = dict(context.invocation_metadata())
+    return auth.authenticate(metadata.get("authorization")).name
+
+
+class FleetView:
+    """Devices as operators see them: stored state plus derived desired state and online."""
+
+    def __init__(
+        self, fleet: Fleet, resolver: Resolver, watchers: Watchers, writer: DeviceWriter
+    ) -> None:
+        self.fleet, self._resolver, self._watchers, self._writer = (
+            fleet,
+            resolver,
+            watchers,
+            writer,
+        )
+
+    def device_pb(self, d: DeviceRecord, snap=None) -> fleet_pb2.Device:
+        """Return one device's message."""
+        snap = snap or self._resolver.snapshot()
+        now = dt.datetime.now(dt.UTC)
+        online = d.revoked_at is None and (
+            self._watchers.is_online(d.id) or (d.online_until is not None and d.online_until > now)
+        )
+        desired = {} if d.revoked_at else snap.desired(d.id, d.attributes)
+        return device_pb(d, online=online, desired=desired)
+
+    def list(self, selector: str) -> list[DeviceRecord]:
+        """Return devices (after writing what this replica still holds back)."""
+        self._writer.flush()
+        return self.fleet.list(selector)
+
+    def get(self, device_id: str) -> DeviceRecord:
+        """Return one device (after writing what this replica still holds back)."""
+        self._writer.flush()
+        return self.fleet.get(device_id)
+
+
+class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
+    """Enrollment tokens and devices."""
+
+    def __init__(self, view: FleetView, auth: Authenticator) -> None:
+        self._view, self._auth = view, auth
+
+    @mapped
+    def CreateEnrollmentToken(self, request, context):  # noqa: D102, N802
+        actor = _actor(self._auth, context)
+        made = self._view.fleet.create_enrollment_token(
+            actor=actor,
+            ttl_s=request.ttl_s,
+            uses=request.uses,
+            attributes=attributes_dict(request.attributes),
+            name=request.name,
+        )
+        return fleet_pb2.CreateEnrollmentTokenResponse(
+            token=made.token,
+            id=made.record.id,
+            expires_at=timestamp(made.record.expires_at),
+            uses=made.record.uses_left or 0,
+        )
+
+    @mapped
+    def ListDevices(self, request, context):  # noqa: D102, N802
+        _actor(self._auth, context)
+        devices = self._view.list(request.selector)
+        return fleet_pb2.ListDevicesResponse(devices=[self._view.device_pb(d) for d in devices])
+
+    @mapped
+    def GetDevice(self, request, context):  # noqa: D102, N802
+        _actor(self._auth, context)
+        return self._view.device_pb(self._view.get(request.id))
+
+    @mapped
+    def RevokeDevice(self, request, context):  # noqa: D102, N802
+        _actor(self._auth, context)
+        self._view.fleet.revoke(request.id, reason=request.reason)
+        return self._view.device_pb(self._view.get(request.id))
+
+
+class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
+    """Rollouts."""
+
+    def __init__(self, rollouts: Rollouts, view: FleetView, auth: Authenticator) -> None:
+        self._rollouts, self._view, self._auth = rollouts, view, auth
+
+    def _with_counts(self, record) -> fleet_pb2.Rollout:
+        counts = self._rollouts.counts(record, self._view.list(""))
+        return rollout_pb(record, counts)
+
+    @mapped
+    def CreateRollout(self, request, context):  # noqa: D102, N802
+        actor = _actor(self._auth, context)
+        spec = RolloutSpec(
+            model=request.model,
+            version=request.version,
+            variant=request.variant,
+            selector=request.selector,
+            stages=tuple(request.stages),
+            bake_s=request.bake_s,
+            priority=request.priority,
+            reason=request.reason,
+        )
+        return rollout_pb(self._rollouts.create(spec, actor=actor))
+
+    @mapped
+    def ListRollouts(self, request, context):  # noqa: D102, N802
+        _actor(self._auth, context)
+        return fleet_pb2.ListRolloutsResponse(
+            rollouts=[rollout_pb(r) for r in self._rollouts.list(request.model)]
+        )
+
+    @mapped
+    def GetRollout(self, request, context):  # noqa: D102, N802
+        _actor(self._auth, context)
+        return self._with_counts(self._rollouts.get(request.id))
+
+    @mapped
+    def TransitionRollout(self, request, context):  # noqa: D102, N802
+        actor = _actor(self._auth, context)
+        record = self._rollouts.transition(
+            request.id, request.action, actor=actor, reason=request.reason
+        )
+        return self._with_counts(record)

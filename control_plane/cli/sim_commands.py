@@ -1,0 +1,33 @@
+"""`skiff sim`: a fleet of simulated devices, real gRPC clients of a real control plane."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from control_plane.settings import Config
+
+Output = tuple[object, object] | None
+
+
+def add_parsers(sub, common: Callable[..., None]) -> None:
+    """Add `skiff sim` to the `skiff` parser."""
+    p = sub.add_parser("sim", help="simulate a fleet of devices against a control plane")
+    common(p)
+    p.add_argument("--server", default="", metavar="ADDR", help="control plane HOST:PORT")
+    p.add_argument("--devices", type=int, required=True, metavar="N")
+    p.add_argument("--profile", type=Path, default=None, help="JSON device mix or list")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enroll-token", default="", metavar="T")
+    p.add_argument("--state", type=Path, default=None, metavar="FILE", help="keep identities")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--duration", default="", metavar="D", help="run for D (e.g. 60s, 10m)")
+    group.add_argument("--once", action="store_true", help="enroll, sync once, exit")
+
+
+def start_sim(*, config: Config, args: argparse.Namespace) -> Output:
+    """Run the simulator."""
+    from control_plane.sim.runner import run_sim  # deferred: keeps `skiff --help` instant
+
+    return run_sim(config=config, args=args)

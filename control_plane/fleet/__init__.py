@@ -1,0 +1,1 @@
+"""Device fleet: attributes devices report and the selectors rollouts target them with."""

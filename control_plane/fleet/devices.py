@@ -1,0 +1,183 @@
+"""Enrollment, device credentials, and the fleet as operators see it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from control_plane import errors
+from control_plane.crypto.device_keys import check_public_keyset
+from control_plane.fleet.attributes import merge_attributes, normalize_attributes
+from control_plane.fleet.selector import parse_selector
+from control_plane.store.fleet import (
+    Change,
+    DeviceAuth,
+    DeviceRecord,
+    EnrollmentTokenRecord,
+    FleetStore,
+)
+
+ENROLL_PREFIX = "ske_"
+CREDENTIAL_PREFIX = "skd_"
+DEVICE_PREFIX = "dev_"
+MAX_ENROLL_TTL_S = 365 * 86_400
+# How long a device's credential lookup is trusted without asking the database again.
+# Revocation does not wait for it: the change feed evicts the device at once.
+AUTH_CACHE_TTL_S = 30.0
+
+
+def _sha256(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def utcnow() -> dt.datetime:
+    """Return the current time, aware UTC."""
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """A freshly made enrollment token: the secret (shown once) and its stored terms."""
+
+    token: str
+    record: EnrollmentTokenRecord
+
+
+class Fleet:
+    """Devices: enrollment, authentication, listing and revocation."""
+
+    def __init__(
+        self, store: FleetStore, *, default_enroll_ttl_s: int, clock: Callable = utcnow
+    ) -> None:
+        self._store = store
+        self._default_ttl = default_enroll_ttl_s
+        self._clock = clock
+        self._auth_cache: dict[str, tuple[float, DeviceAuth]] = {}
+        self._lock = threading.Lock()
+
+    # -- enrollment ----------------------------------------------------------------------
+
+    def create_enrollment_token(
+        self, *, actor: str, ttl_s: int = 0, uses: int = 0, attributes: dict, name: str = ""
+    ) -> NewToken:
+        """Make an enrollment token; `attributes` are stamped on every device using it."""
+        ttl_s = ttl_s or self._default_ttl
+        if not 0 < ttl_s <= MAX_ENROLL_TTL_S:
+            raise errors.InvalidArgument(f"ttl must be between 1s and {MAX_ENROLL_TTL_S}s")
+        if uses < 0:
+            raise errors.InvalidArgument("uses must not be negative (0 = unlimited)")
+        if len(name) > 64:
+            raise errors.InvalidArgument("token name is longer than 64 characters")
+        now = self._clock()
+        record = EnrollmentTokenRecord(
+            id="enr_" + secrets.token_hex(6),
+            name=name,
+            attributes=normalize_attributes(attributes),
+            expires_at=now + dt.timedelta(seconds=ttl_s),
+            uses_left=uses or None,
+            created_by=actor,
+            created_at=now,
+        )
+        token = ENROLL_PREFIX + secrets.token_urlsafe(32)
+        self._store.add_enrollment_token(record, _sha256(token))
+        return NewToken(token, record)
+
+    def enroll(
+        self, *, token: str, attributes: dict, public_keyset: bytes
+    ) -> tuple[DeviceRecord, str]:
+        """Enroll a device; returns it with its credential (shown once, stored hashed)."""
+        if not token.startswith(ENROLL_PREFIX) or len(token) > 128:
+            raise errors.Unauthenticated("invalid enrollment token")
+        reported = normalize_attributes(attributes)
+        check_public_keyset(public_keyset)
+        credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+        now = self._clock()
+
+        def make(record: EnrollmentTokenRecord):
+            device = DeviceRecord(
+                id=DEVICE_PREFIX + secrets.token_hex(8),
+                attributes=merge_attributes(reported, record.attributes),
+                enrolled_at=now,
+                last_seen=now,
+                online_until=None,
+                revoked_at=None,
+                revoked_reason="",
+                installed=(),
+                synced=(),
+            )
+            return device, _sha256(credential), public_keyset
+
+        device = self._store.enroll_device(token_sha256=_sha256(token), now=now, make_device=make)
+        return device, credential
+
+    # -- authentication -------------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> DeviceAuth:
+        """Return the device a `Bearer skd_...` credential belongs to.
+
+        Unauthenticated for a missing or unknown credential, PermissionDenied for a
+        revoked device. The lookup is by hash (its timing says nothing about the secret).
+        """
+        scheme, _, credential = (authorization or "").partition(" ")
+        credential = credential.strip()
+        if scheme.lower() != "bearer" or not credential.startswith(CREDENTIAL_PREFIX):
+            raise errors.Unauthenticated("missing device credential")
+        digest = _sha256(credential)
+        now = time.monotonic()
+        cached = self._auth_cache.get(digest)
+        if cached is None or cached[0] < now:
+            device = self._store.find_device(digest)
+            if device is None:
+                raise errors.Unauthenticated("invalid device credential")
+            cached = (now + AUTH_CACHE_TTL_S, device)
+            with self._lock:
+                self._auth_cache[digest] = cached
+        device = cached[1]
+        if device.revoked:
+            raise errors.PermissionDenied(f"device {device.id} is revoked")
+        return device
+
+    def on_change(self, change: Change) -> None:
+        """Drop cached credentials a change may have invalidated (change-feed subscriber)."""
+        if change.kind not in ("device", "resync"):
+            return
+        with self._lock:
+            if change.kind == "resync":
+                self._auth_cache.clear()
+                return
+            for digest, (_, device) in list(self._auth_cache.items()):
+                if device.id == change.subject:
+                    del self._auth_cache[digest]
+
+    def device_attributes(self, device: DeviceAuth, reported: dict) -> dict:
+        """Return a Sync's effective attributes: what it reports, under what is stamped."""
+        return merge_attributes(normalize_attributes(reported), device.stamped_attributes)
+
+    # -- operators ------------------------------------------------------------------------
+
+    def list(self, selector: str = "") -> list[DeviceRecord]:
+        """Return every device the selector picks (the same evaluator rollouts use)."""
+        compiled = parse_selector(selector)
+        return [d for d in self._store.list_devices() if compiled.matches(d.attributes)]
+
+    def get(self, device_id: str) -> DeviceRecord:
+        """Return one device."""
+        _check_device_id(device_id)
+        return self._store.get_device(device_id)
+
+    def revoke(self, device_id: str, *, reason: str = "") -> DeviceRecord:
+        """Refuse the device from now on (its open streams are closed by the change feed)."""
+        _check_device_id(device_id)
+        if len(reason) > 256:
+            raise errors.InvalidArgument("reason is longer than 256 characters")
+        return self._store.revoke_device(device_id, at=self._clock(), reason=reason)
+
+
+def _check_device_id(device_id: str) -> None:
+    if not (device_id.startswith(DEVICE_PREFIX) and len(device_id) <= 32):
+        raise errors.InvalidArgument(f"invalid device id {device_id!r}: expected dev_...")

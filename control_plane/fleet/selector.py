@@ -1,0 +1,502 @@
+"""Rollout selectors: a small typed language over canonical device attributes.
+
+    platform=android, app_version>=5.2, soc in (sm8650, sm8550), device_model~"Pixel 8*"
+
+Clauses are ANDed. A selector is parsed and type-checked once, when an operator creates
+or previews a rollout, and evaluated on every device Sync for every rollout, so parsing
+compiles each clause into a closure over precomputed constants: `matches` runs no parser
+and compiles no pattern, and device-side version and number strings go through bounded
+caches (a fleet reports few distinct ones). A clause on a key the device does not report
+never matches, `!=` and `not in` included: "unknown" is not "different".
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import math
+import operator
+import re
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NoReturn
+
+from control_plane import errors
+from control_plane.fleet.attributes import CUSTOM, STANDARD_KEYS
+
+MAX_TEXT = 4096
+MAX_CLAUSES = 64
+MAX_VALUES = 256
+LIST_OPERATORS = ("in", "not in")
+SYMBOL_OPERATORS = ("=", "!=", "<", "<=", ">", ">=", "~")
+
+_ORDERING = frozenset({"<", "<=", ">", ">="})
+# functools.partial binds the constant as the LEFT operand, hence the mirrored operators.
+_MIRRORED = {
+    "=": operator.eq,
+    "!=": operator.ne,
+    "<": operator.gt,
+    "<=": operator.ge,
+    ">": operator.lt,
+    ">=": operator.le,
+}
+_SPACE = frozenset(" \t\r\n")
+_OP_CHARS = frozenset("=!<>~")
+_KEY_START = frozenset(string.ascii_letters + "_")
+_KEY_CHARS = _KEY_START | frozenset(string.digits + ".-")
+_BARE_CHARS = frozenset(string.ascii_letters + string.digits + "._-*?:/+[]")
+_GLOB_CHARS = frozenset("*?[")
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_KINDS = {key: "text" for key in STANDARD_KEYS} | {
+    "os_version": "version",
+    "app_version": "version",
+    "ram_mb": "number",
+    "tags": "tags",
+}
+# Operators each kind refuses, and the phrase that says why.
+_REFUSED = {
+    "text": (_ORDERING, "compares as text"),
+    "tags": (_ORDERING, "is a set of tags"),
+    "number": (frozenset({"~"}), "compares as a number"),
+}
+_NO_CUSTOM: Mapping[str, str] = MappingProxyType({})
+
+Test = Callable[[Mapping], object]
+Fail = Callable[[str, int], NoReturn]
+
+
+def parse_version(text: object) -> tuple[int, ...] | None:
+    """Return dot-separated non-negative integers without trailing zeros, or None.
+
+    Dropping trailing zeros makes 5.2 equal 5.2.0 and lets tuple order be version order.
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    parts = text.split(".")
+    if not all(part.isascii() and part.isdecimal() for part in parts):
+        return None
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:  # more digits than int() agrees to convert
+        return None
+    while numbers and numbers[-1] == 0:
+        numbers.pop()
+    return tuple(numbers)
+
+
+def compare_versions(a: str, b: str) -> int:
+    """Return -1, 0 or 1 as version `a` is below, equal to or above `b`."""
+    left, right = parse_version(a), parse_version(b)
+    if left is None or right is None:
+        bad = a if left is None else b
+        raise errors.InvalidArgument(f"{bad!r:.80} is not a version (like 5.2.1)")
+    return (left > right) - (left < right)
+
+
+def _parse_number(text: object) -> int | float | None:
+    if not isinstance(text, str) or not _NUMBER.fullmatch(text):
+        return None
+    try:
+        number = int(text) if text.lstrip("+-").isdecimal() else float(text)
+    except ValueError:  # more digits than int() agrees to convert
+        return None
+    if isinstance(number, float) and not math.isfinite(number):
+        return None
+    return number
+
+
+# Only device-side strings go through these; the selector's constants are converted once.
+_device_version = functools.lru_cache(maxsize=4096)(parse_version)
+_device_number = functools.lru_cache(maxsize=4096)(_parse_number)
+
+
+class SelectorError(errors.InvalidArgument):
+    """A selector that does not parse or does not type-check, with where and why."""
+
+    def __init__(self, text: str, position: int, reason: str) -> None:
+        snippet = text[max(0, position - 10) : position + 10]
+        super().__init__(f"invalid selector at position {position}: {reason} (near {snippet!r})")
+        self.position = position
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Clause:
+    """One condition: `values` has one entry except for `in` and `not in`."""
+
+    key: str
+    op: str
+    values: tuple[str, ...]
+
+    def __str__(self) -> str:
+        if self.op in LIST_OPERATORS:
+            return f"{self.key} {self.op} ({', '.join(map(_quote, self.values))})"
+        return f"{self.key}{self.op}{_quote(self.values[0])}"
+
+
+def _quote(value: str) -> str:
+    if value and _BARE_CHARS.issuperset(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Selector:
+    """A parsed, type-checked selector; build it with `parse_selector`."""
+
+    text: str
+    clauses: tuple[Clause, ...]
+    _canonical: str
+    _tests: tuple[Test, ...]
+
+    def matches(self, attrs: Mapping) -> bool:
+        """Return whether canonical device attributes satisfy every clause."""
+        for test in self._tests:
+            if not test(attrs):
+                return False
+        return True
+
+    def keys(self) -> frozenset[str]:
+        """Return the attribute keys the clauses look at."""
+        return frozenset(clause.key for clause in self.clauses)
+
+    def __str__(self) -> str:
+        return self._canonical
+
+    def __repr__(self) -> str:
+        return f"Selector({self._canonical!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Selector):
+            return NotImplemented
+        return self._canonical == other._canonical
+
+    def __hash__(self) -> int:
+        return hash(self._canonical)
+
+    def __reduce__(self) -> tuple:
+        # The compiled closures do not pickle; the text rebuilds them.
+        return parse_selector, (self.text,)
+
+
+def parse_selector(text: str) -> Selector:
+    """Parse and type-check `text`; an empty selector matches the whole fleet.
+
+    Raises SelectorError (an InvalidArgument) at the first problem in text order.
+    """
+    if len(text) > MAX_TEXT:
+        raise SelectorError(text, MAX_TEXT, f"selector is longer than {MAX_TEXT} characters")
+    compiled = _Parser(text).selector()
+    clauses = tuple(clause for clause, _ in compiled)
+    canonical = ", ".join(map(str, clauses))
+    return Selector(text, clauses, canonical, tuple(test for _, test in compiled))
+
+
+class _Parser:
+    """Recursive descent with one cursor; each clause is compiled as soon as it parses."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    def fail(self, reason: str, position: int | None = None) -> NoReturn:
+        raise SelectorError(self.text, self.pos if position is None else position, reason)
+
+    def peek(self) -> str:
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def skip(self, chars: frozenset[str]) -> str:
+        start = self.pos
+        while self.peek() in chars:
+            self.pos += 1
+        return self.text[start : self.pos]
+
+    def selector(self) -> list[tuple[Clause, Test]]:
+        compiled: list[tuple[Clause, Test]] = []
+        canonical_length = -2
+        self.skip(_SPACE)
+        while self.peek():
+            if len(compiled) == MAX_CLAUSES:
+                self.fail(f"more than {MAX_CLAUSES} clauses")
+            start = self.pos
+            compiled.append(self.clause())
+            # str() adds spaces a dense text left out; it must still parse back.
+            canonical_length += 2 + len(str(compiled[-1][0]))
+            if canonical_length > MAX_TEXT:
+                self.fail(f"selector is longer than {MAX_TEXT} characters once normalized", start)
+            self.separator()
+        return compiled
+
+    def separator(self) -> None:
+        self.skip(_SPACE)
+        if not self.peek():
+            return
+        if self.peek() != ",":
+            self.fail(f"expected ',' between clauses, found {self.peek()!r}")
+        comma = self.pos
+        self.pos += 1
+        self.skip(_SPACE)
+        if not self.peek():
+            self.fail("trailing ','", comma)
+
+    def clause(self) -> tuple[Clause, Test]:
+        key = self.key()
+        self.skip(_SPACE)
+        op_pos = self.pos
+        op = self.operator(key)
+        if op in LIST_OPERATORS:
+            values, positions = self.value_list(op)
+        else:
+            self.skip(_SPACE)
+            positions = (self.pos,)
+            values = (self.value(f"after {op!r}"),)
+        clause = Clause(key, op, values)
+        return clause, _compile(clause, op_pos, positions, self.fail)
+
+    def key(self) -> str:
+        char = self.peek()
+        if char == ",":
+            self.fail("empty clause (nothing before ',')")
+        if char == '"':
+            start = self.pos
+            self.quoted()
+            self.fail("keys are not quoted", start)
+        if char not in _KEY_START:
+            if char in _KEY_CHARS:
+                self.fail(f"a key must start with a letter or '_', found {char!r}")
+            self.fail(f"expected a key, found {char!r}")
+        key = self.skip(_KEY_CHARS)
+        char = self.peek()
+        if char not in _SPACE and char not in _OP_CHARS and char not in ("", ","):
+            self.fail(f"{char!r} is not allowed in a key (letters, digits, _ . -)")
+        return key
+
+    def operator(self, key: str) -> str:
+        start, char = self.pos, self.peek()
+        if char in _OP_CHARS:
+            return self.symbol_operator()
+        word = self.skip(_KEY_CHARS)
+        if word == "not":
+            self.skip(_SPACE)
+            after = self.pos
+            if self.skip(_KEY_CHARS) != "in":
+                self.fail("expected 'in' after 'not'", after)
+            return "not in"
+        if word == "in":
+            return word
+        if not word and char in ("", ","):
+            self.fail(f"missing operator after key {key!r}")
+        expected = ", ".join((*SYMBOL_OPERATORS, *LIST_OPERATORS))
+        self.fail(f"expected an operator ({expected}), found {(word or char)!r}", start)
+
+    def symbol_operator(self) -> str:
+        start = self.pos
+        run = self.skip(_OP_CHARS)
+        if run in SYMBOL_OPERATORS:
+            return run
+        known = run[:2] if run[:2] in SYMBOL_OPERATORS else run[:1]
+        if known in SYMBOL_OPERATORS and run[len(known)] == "=":
+            hint = " (equality is a single '=')" if known == "=" else ""
+            self.fail(f"unexpected '='{hint}", start + len(known))
+        self.fail(f"unknown operator {run!r}", start)
+
+    def value_list(self, op: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        self.skip(_SPACE)
+        opened = self.pos
+        if self.peek() != "(":
+            self.fail(f"expected '(' after {op!r}")
+        self.pos += 1
+        values: list[str] = []
+        positions: list[int] = []
+        while True:
+            self.skip(_SPACE)
+            if len(values) == MAX_VALUES:
+                self.fail(f"more than {MAX_VALUES} values in a list")
+            positions.append(self.pos)
+            values.append(self.value("in the list"))
+            self.skip(_SPACE)
+            char = self.peek()
+            self.pos += 1
+            if char == ")":
+                return tuple(values), tuple(positions)
+            if char != ",":
+                self.list_error(char, opened)
+
+    def list_error(self, char: str, opened: int) -> NoReturn:
+        self.pos -= 1
+        if not char:
+            self.fail(f"missing ')' to close the list opened at position {opened}")
+        self.fail(f"expected ',' or ')' in the list, found {char!r}")
+
+    def value(self, where: str) -> str:
+        char = self.peek()
+        if char == '"':
+            return self.quoted()
+        if char in _BARE_CHARS:
+            value = self.skip(_BARE_CHARS)
+            after = self.peek()
+            if after not in _SPACE and after not in ("", ",", ")"):
+                self.fail(f"{after!r} is not allowed in an unquoted value; double-quote the value")
+            return value
+        if char in ("", ",", ")"):
+            self.fail(f"missing value {where}")
+        self.fail(f"unexpected {char!r} where a value should be")
+
+    def quoted(self) -> str:
+        start = self.pos
+        self.pos += 1
+        out: list[str] = []
+        while (char := self.peek()) != '"':
+            if not char:
+                self.fail("unterminated string (no closing '\"')", start)
+            if _CONTROL.match(char):
+                self.fail("control character in a quoted value")
+            if char == "\\":
+                self.pos += 1
+                char = self.peek()
+                if char and char not in ('"', "\\"):
+                    escape = "\\" + char
+                    self.fail(f'unknown escape {escape!r} (only \\" and \\\\)', self.pos - 1)
+                if not char:
+                    continue  # a backslash ending the text: reported as unterminated
+            out.append(char)
+            self.pos += 1
+        self.pos += 1
+        return "".join(out)
+
+
+def _compile(clause: Clause, op_pos: int, positions: tuple[int, ...], fail: Fail) -> Test:
+    key, op = clause.key, clause.op
+    kind = _KINDS.get(key, "custom")
+    refused, because = _REFUSED.get(kind, ((), ""))
+    if op in refused:
+        fail(f"operator {op!r} cannot be used on {key!r}, which {because}", op_pos)
+    if kind == "tags":
+        return _standard(key, _tags_predicate(op, clause.values))
+    if kind == "custom":
+        return _custom(key, _custom_predicate(op, clause.values, positions, fail))
+    if op == "~":
+        return _standard(key, _glob(clause.values[0]))
+    if kind == "text":
+        return _standard(key, _predicate(op, clause.values))
+    if kind == "number":
+        numbers = _constants(clause.values, positions, _parse_number, "a number", fail)
+        return _standard(key, _predicate(op, numbers))
+    what = "a version (dot-separated non-negative integers like 5.2.1)"
+    versions = _constants(clause.values, positions, parse_version, what, fail)
+    return _standard_version(key, _predicate(op, versions))
+
+
+def _constants(
+    values: tuple[str, ...],
+    positions: tuple[int, ...],
+    convert: Callable[[str], object],
+    what: str,
+    fail: Fail,
+) -> tuple:
+    converted = []
+    for value, position in zip(values, positions, strict=True):
+        if (result := convert(value)) is None:
+            fail(f"{value!r:.80} is not {what}", position)
+        converted.append(result)
+    return tuple(converted)
+
+
+def _predicate(op: str, wants: tuple) -> Callable[[object], object]:
+    if op == "in":
+        return frozenset(wants).__contains__
+    if op == "not in":
+        members = frozenset(wants)
+        return lambda value: value not in members
+    return functools.partial(_MIRRORED[op], wants[0])
+
+
+def _glob(pattern: str) -> Callable[[str], object]:
+    if _GLOB_CHARS.isdisjoint(pattern):
+        return functools.partial(operator.eq, pattern)
+    # What fnmatch.fnmatchcase does, minus its per-call cache lookup.
+    return re.compile(fnmatch.translate(pattern)).match
+
+
+def _converted(convert: Callable, predicate: Callable) -> Callable[[object], bool]:
+    def test(raw: object) -> bool:
+        value = convert(raw)
+        return value is not None and predicate(value)
+
+    return test
+
+
+def _tags_predicate(op: str, values: tuple[str, ...]) -> Callable[[list], object]:
+    if op == "~":
+        glob = _glob(values[0])
+        return lambda tags: any(map(glob, tags))
+    members = frozenset(values)
+    if op == "not in":
+        return members.isdisjoint
+    if op == "in":
+        return lambda tags: not members.isdisjoint(tags)
+    want = values[0]
+    if op == "=":
+        return lambda tags: want in tags
+    return lambda tags: want not in tags
+
+
+def _custom_predicate(
+    op: str, values: tuple[str, ...], positions: tuple[int, ...], fail: Fail
+) -> Callable[[object], object]:
+    if op == "~":
+        return _glob(values[0])
+    if op in _ORDERING:
+        what = "a number (ordering operators on a custom key need one)"
+        numbers = _constants(values, positions, _parse_number, what, fail)
+        return _converted(_device_number, _predicate(op, numbers))
+    equal = _text_or_number_equal(values)
+    return equal if op in ("=", "in") else (lambda raw: not equal(raw))
+
+
+def _text_or_number_equal(values: tuple[str, ...]) -> Callable[[object], bool]:
+    """Compare as numbers when both sides read as numbers (8 = "8.0"), else as text."""
+    numbers = [_parse_number(value) for value in values]
+    texts = frozenset(v for v, n in zip(values, numbers, strict=True) if n is None)
+    wanted = frozenset(n for n in numbers if n is not None)
+    if not wanted:
+        return texts.__contains__
+
+    def equal(raw: object) -> bool:
+        if raw in texts:
+            return True
+        number = _device_number(raw)
+        return number is not None and number in wanted
+
+    return equal
+
+
+def _standard(key: str, predicate: Callable[[object], object]) -> Test:
+    def test(attrs: Mapping) -> object:
+        value = attrs.get(key)
+        return value is not None and predicate(value)
+
+    return test
+
+
+def _standard_version(key: str, predicate: Callable[[object], object]) -> Test:
+    # _standard over _converted, fused: version clauses are the commonest, one call less.
+    def test(attrs: Mapping) -> object:
+        raw = attrs.get(key)
+        if raw is None:
+            return False
+        value = _device_version(raw)
+        return value is not None and predicate(value)
+
+    return test
+
+
+def _custom(key: str, predicate: Callable[[object], object]) -> Test:
+    def test(attrs: Mapping) -> object:
+        value = attrs.get(CUSTOM, _NO_CUSTOM).get(key)
+        return value is not None and predicate(value)
+
+    return test

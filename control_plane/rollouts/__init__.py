@@ -1,0 +1,1 @@
+"""Rollouts: the state machine, staged membership, desired-state resolution, change feed."""

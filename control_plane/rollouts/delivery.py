@@ -1,0 +1,195 @@
+"""What a device gets from Sync and Download: signed assignments, wrapped keys, bytes.
+
+An assignment is a document signed with the control plane's Ed25519 key (device id, a
+revision that only grows, an expiry, and per model the version, variant, version uid and
+digests), in the spirit of Uptane's director repository: the device rejects a replayed,
+older, expired or mixed-and-matched answer. Only a device assigned a version ever gets
+its data key (HPKE-wrapped to that device) or its bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import hashlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from control_plane import errors
+from control_plane.blobs import BlobStore
+from control_plane.crypto import KeyEncryptionKey, ManifestSigner
+from control_plane.crypto.device_keys import wrap_context, wrap_for_device
+from control_plane.registry.registry import associated_data
+from control_plane.rollouts.resolver import Desired, Resolver
+from control_plane.store.base import RegistryStore, VariantRecord, VersionRecord
+from control_plane.store.fleet import DeviceAuth, ModelState
+
+ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
+_VERSION_CACHE = 1024
+_KEY_CACHE = 256
+_KEY_CACHE_TTL_S = 600.0
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One model a device should run, with everything it needs to fetch and open it."""
+
+    model: str
+    desired: Desired
+    version: VersionRecord
+    variant: VariantRecord
+    wrapped_data_key: bytes
+    url: str
+    url_expires_at: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """A device's whole answer: its assignments and the signed document covering them."""
+
+    revision: int
+    assignments: tuple[Assignment, ...]
+    document: bytes
+    signature: bytes
+    key_id: str
+
+
+class _LruCache:
+    """A small thread-safe LRU with an optional time-to-live per entry."""
+
+    def __init__(self, size: int, ttl_s: float | None = None) -> None:
+        self._size, self._ttl = size, ttl_s
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, make: Callable[[], object], now: float = 0.0):
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None and (self._ttl is None or hit[0] > now):
+                self._items.move_to_end(key)
+                return hit[1]
+        value = make()
+        with self._lock:
+            self._items[key] = ((now + self._ttl) if self._ttl else 0.0, value)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+
+class Delivery:
+    """Builds Sync answers and guards Download; transport-free."""
+
+    def __init__(
+        self,
+        *,
+        store: RegistryStore,
+        blobs: BlobStore,
+        kek: Callable[[], KeyEncryptionKey],
+        signer: ManifestSigner,
+        resolver: Resolver,
+        assignment_ttl_s: int,
+        presign_ttl_s: int,
+        clock: Callable[[], dt.datetime],
+        monotonic: Callable[[], float],
+    ) -> None:
+        self._store, self._blobs, self._kek, self._signer = store, blobs, kek, signer
+        self._resolver = resolver
+        self._ttl = dt.timedelta(seconds=assignment_ttl_s)
+        self._presign_ttl = presign_ttl_s
+        self._clock, self._monotonic = clock, monotonic
+        self._versions = _LruCache(_VERSION_CACHE)
+        # Unwrapping goes to the KEK (maybe a KMS round trip); a Sync storm must not.
+        self._data_keys = _LruCache(_KEY_CACHE, _KEY_CACHE_TTL_S)
+
+    def desired(self, device_id: str, attrs: Mapping) -> tuple[int, dict[str, Desired]]:
+        """Return the current revision and this device's desired models."""
+        snap = self._resolver.snapshot()
+        return snap.revision, snap.desired(device_id, attrs)
+
+    def sync(
+        self, device: DeviceAuth, attrs: Mapping, installed: tuple[ModelState, ...]
+    ) -> SyncResult:
+        """Answer one device's Sync."""
+        revision, desired = self.desired(device.id, attrs)
+        have = {(s.model, s.version, s.variant) for s in installed}
+        assignments = tuple(
+            self._assign(device, model, d, (model, d.version, d.variant) in have)
+            for model, d in sorted(desired.items())
+        )
+        now = self._clock().replace(microsecond=0)
+        signed = self._signer.sign(
+            {
+                "schema": ASSIGNMENT_SCHEMA,
+                "device": device.id,
+                "revision": revision,
+                "issued_at": now.isoformat(),
+                "expires_at": (now + self._ttl).isoformat(),
+                "models": {a.model: _document_entry(a) for a in assignments},
+            }
+        )
+        return SyncResult(revision, assignments, signed.body, signed.signature, signed.key_id)
+
+    def _assign(self, device: DeviceAuth, model: str, d: Desired, installed: bool) -> Assignment:
+        version = self.version(model, d.version)
+        variant = version.variant(d.variant)
+        if variant is None:  # rollouts are checked at creation; versions are immutable
+            raise errors.NotFound(f"{model}:{d.version} has no variant {d.variant!r}")
+        wrapped = b""
+        if not installed:
+            data_key = self._data_key(version)
+            wrapped = wrap_for_device(
+                data_key, device.public_keyset, context=wrap_context(device.id, version.uid)
+            )
+        url = self._blobs.presigned_url(variant.ciphertext_sha256, expires_s=self._presign_ttl)
+        expires = self._clock() + dt.timedelta(seconds=self._presign_ttl) if url else None
+        return Assignment(model, d, version, variant, wrapped, url or "", expires)
+
+    def version(self, model: str, number: int) -> VersionRecord:
+        """Return a version (cached: versions are immutable)."""
+        return self._versions.get((model, number), lambda: self._store.get_version(model, number))
+
+    def _data_key(self, version: VersionRecord) -> bytes:
+        def unwrap() -> bytes:
+            return self._kek().unwrap(version.data_key, context=version.uid)
+
+        return self._data_keys.get(version.uid, unwrap, self._monotonic())
+
+    def open_artifact(
+        self, device_id: str, attrs: Mapping, artifact: str, offset: int
+    ) -> tuple[int, Iterator[bytes]]:
+        """Return (size, ciphertext from `offset`) of an artifact assigned to this device.
+
+        PermissionDenied (naming nothing about the artifact) when it is not assigned.
+        """
+        if isinstance(offset, bool) or offset < 0:
+            raise errors.InvalidArgument(f"offset must not be negative, got {offset}")
+        _, desired = self.desired(device_id, attrs)
+        for model, d in desired.items():
+            variant = self.version(model, d.version).variant(d.variant)
+            if variant is not None and variant.ciphertext_sha256 == artifact:
+                if offset > variant.ciphertext_size:
+                    raise errors.OutOfRange(
+                        f"offset {offset} is past the end of the artifact "
+                        f"({variant.ciphertext_size} bytes)"
+                    )
+                return variant.ciphertext_size, self._blobs.open_read(artifact, offset=offset)
+        raise errors.PermissionDenied("artifact is not assigned to this device")
+
+
+def _document_entry(a: Assignment) -> dict:
+    return {
+        "version": a.desired.version,
+        "variant": a.desired.variant,
+        "rollout": a.desired.rollout,
+        "uid": a.version.uid,
+        "ciphertext_sha256": a.variant.ciphertext_sha256,
+        "ciphertext_size": a.variant.ciphertext_size,
+        "plaintext_sha256": a.variant.plaintext_sha256,
+        "plaintext_size": a.variant.plaintext_size,
+        "associated_data": associated_data(a.version.uid, a.variant.name).decode(),
+        "manifest_sha256": hashlib.sha256(a.version.manifest).hexdigest(),
+        "wrapped_key_sha256": hashlib.sha256(a.wrapped_data_key).hexdigest()
+        if a.wrapped_data_key
+        else "",
+    }

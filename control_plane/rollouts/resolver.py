@@ -1,0 +1,144 @@
+"""Desired state, derived on demand: which version of each model a device should run.
+
+Never stored per device. A `Snapshot` holds every rollout that can still assign a version,
+with its selector compiled once, grouped by model and sorted in precedence order, so
+resolving one device is a few selector checks and hashes. The `Resolver` swaps in a new
+snapshot when the fleet revision moves (told by the change feed), so a Sync never reads
+rollouts from the database.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from control_plane.fleet.selector import Selector, parse_selector
+from control_plane.rollouts.lifecycle import (
+    BUCKETS,
+    LIVE_STATES,
+    RolloutState,
+    bucket,
+    stage_limit,
+)
+from control_plane.store.rollouts import RolloutRecord, RolloutStore
+
+
+@dataclass(frozen=True)
+class Desired:
+    """The version of one model a device should run, and the rollout that says so."""
+
+    version: int
+    variant: str
+    rollout: str
+
+    def to_dict(self) -> dict:
+        """Return the JSON shape `fleet ls` and `sim --json` print."""
+        return {"version": self.version, "variant": self.variant, "rollout": self.rollout}
+
+
+@dataclass(frozen=True)
+class LiveRollout:
+    """A rollout with its selector compiled and its current stage's bucket limit."""
+
+    record: RolloutRecord
+    selector: Selector = field(compare=False)
+    limit: int
+    desired: Desired
+
+    def selects(self, attrs: Mapping) -> bool:
+        """Return whether the selector picks a device with these attributes."""
+        return self.selector.matches(attrs)
+
+    def includes(self, device_id: str) -> bool:
+        """Return whether the current stage includes this (selected) device."""
+        return self.limit >= BUCKETS or bucket(self.record.id, device_id) < self.limit
+
+
+class Snapshot:
+    """Every live rollout at one fleet revision, ready to resolve devices against."""
+
+    def __init__(self, revision: int, rollouts: Iterable[LiveRollout]) -> None:
+        self.revision = revision
+        staged: dict[str, list[LiveRollout]] = {}
+        done: dict[str, list[LiveRollout]] = {}
+        for r in rollouts:
+            if r.record.state not in LIVE_STATES:
+                continue  # rolled back: its devices go back to what they had without it
+            target = done if r.record.state == RolloutState.COMPLETED else staged
+            target.setdefault(r.record.model, []).append(r)
+        # Precedence: highest priority, then newest; completed ones newest first.
+        for group in staged.values():
+            group.sort(key=lambda r: (r.record.priority, r.record.created_at, r.record.id))
+            group.reverse()
+        for group in done.values():
+            group.sort(key=lambda r: (r.record.created_at, r.record.id), reverse=True)
+        self._staged, self._done = staged, done
+        self.models = tuple(sorted(set(staged) | set(done)))
+        self.by_id = {r.record.id: r for r in (*_flat(staged), *_flat(done))}
+
+    def desired_model(self, model: str, device_id: str, attrs: Mapping) -> Desired | None:
+        """Return what `model` should be on this device, or None."""
+        for r in self._staged.get(model, ()):
+            if r.selects(attrs) and r.includes(device_id):
+                return r.desired
+        for r in self._done.get(model, ()):
+            if r.selects(attrs):
+                return r.desired
+        return None
+
+    def desired(self, device_id: str, attrs: Mapping) -> dict[str, Desired]:
+        """Return the desired version of every model that has one for this device."""
+        out = {}
+        for model in self.models:
+            d = self.desired_model(model, device_id, attrs)
+            if d is not None:
+                out[model] = d
+        return out
+
+
+def _flat(groups: dict[str, list[LiveRollout]]) -> list[LiveRollout]:
+    return [r for group in groups.values() for r in group]
+
+
+class Resolver:
+    """Keeps the current snapshot; reloads it lazily after the change feed says so."""
+
+    def __init__(self, store: RolloutStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._compiled: dict[str, Selector] = {}
+        self._snapshot: Snapshot | None = None
+        self._stale = True
+
+    def invalidate(self, *_args) -> None:
+        """Mark the snapshot stale (called by the change feed for every new revision)."""
+        self._stale = True
+
+    def snapshot(self) -> Snapshot:
+        """Return an up-to-date snapshot, reloading it when stale."""
+        snap = self._snapshot
+        if snap is not None and not self._stale:
+            return snap
+        with self._lock:
+            if self._snapshot is None or self._stale:
+                self._stale = False  # a change arriving during the load marks it again
+                self._snapshot = self._load()
+            return self._snapshot
+
+    def _load(self) -> Snapshot:
+        # Revision first: data newer than its revision is harmless, the reverse is not.
+        revision = self._store.revision()
+        records = self._store.list_rollouts(states=tuple(s.value for s in LIVE_STATES))
+        return Snapshot(revision, (self.live(r) for r in records))
+
+    def live(self, record: RolloutRecord) -> LiveRollout:
+        """Compile one rollout (selectors cached by text across reloads)."""
+        selector = self._compiled.get(record.selector)
+        if selector is None:
+            selector = self._compiled[record.selector] = parse_selector(record.selector)
+        completed = record.state == RolloutState.COMPLETED
+        limit = BUCKETS if completed else stage_limit(record.stages, record.stage)
+        return LiveRollout(
+            record, selector, limit, Desired(record.version, record.variant, record.id)
+        )

@@ -1,0 +1,185 @@
+"""Watch streams: tell a device to Sync only when its own desired state changed.
+
+Each replica keeps its open streams in memory, on the server's event loop. When the
+change feed reports a new revision, the replica recomputes every watcher's desired state
+from the new snapshot (all in memory) and sends the revision only to the devices whose
+state differs from what they were last told. Revocation closes the device's stream at
+once. While a stream is open the replica marks the device online in the database, so
+every replica's `fleet ls` can say which devices are online.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from control_plane import errors
+from control_plane.rollouts.resolver import Desired, Resolver, Snapshot
+from control_plane.store.fleet import Change, FleetStore
+
+log = logging.getLogger(__name__)
+
+Fingerprint = frozenset[tuple[str, int, str]]
+_REVOKED, _REPLACED = -1, -2
+
+
+def fingerprint(desired: Mapping[str, Desired]) -> Fingerprint:
+    """Return what matters to a device about its desired state (not which rollout)."""
+    return frozenset((m, d.version, d.variant) for m, d in desired.items())
+
+
+@dataclass(eq=False)
+class _Watcher:
+    device_id: str
+    attrs: Mapping
+    fingerprint: Fingerprint
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=1))
+
+    def push(self, item: int) -> None:
+        # Only the newest revision matters; a device that has not read the last one yet
+        # gets this one instead.
+        if self.queue.full():
+            self.queue.get_nowait()
+        self.queue.put_nowait(item)
+
+
+class Watchers:
+    """The open Watch streams of this replica."""
+
+    def __init__(
+        self,
+        *,
+        resolver: Resolver,
+        store: FleetStore,
+        online_ttl_s: float = 30.0,
+        heartbeat_s: float = 10.0,
+    ) -> None:
+        self._resolver, self._store = resolver, store
+        self._online_ttl, self._heartbeat = online_ttl_s, heartbeat_s
+        self._by_device: dict[str, _Watcher] = {}
+        self._closed: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[Change] = []
+        self._tasks: list[asyncio.Task] = []
+
+    def __len__(self) -> int:
+        return len(self._by_device)
+
+    def is_online(self, device_id: str) -> bool:
+        """Return whether the device has a Watch stream open on this replica."""
+        return device_id in self._by_device
+
+    async def start(self) -> None:
+        """Bind to the running loop and start the online heartbeat."""
+        self._loop = asyncio.get_running_loop()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+
+    async def stop(self) -> None:
+        """Stop the heartbeat and mark this replica's devices offline."""
+        for task in self._tasks:
+            task.cancel()
+        ids = list(self._by_device) + list(self._closed)
+        if ids:
+            await asyncio.to_thread(self._store.set_online, ids, None)
+
+    # -- change feed (any thread) -------------------------------------------------------
+
+    def on_change(self, change: Change) -> None:
+        """Queue a recheck on the loop (change-feed subscriber; called from any thread)."""
+        if self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._enqueue, change)
+
+    def _enqueue(self, change: Change) -> None:
+        self._pending.append(change)
+        if len(self._pending) == 1:  # one recheck covers every change queued before it
+            self._loop.call_soon(self._recheck)
+
+    def _recheck(self) -> None:
+        changes, self._pending = self._pending, []
+        for c in changes:
+            if c.kind == "device" and c.subject in self._by_device:
+                self._by_device.pop(c.subject).push(_REVOKED)
+        if any(c.kind == "resync" for c in changes):
+            asyncio.ensure_future(self._resync())
+        self.notify_changed(self._resolver.snapshot())
+
+    def notify_changed(self, snap: Snapshot) -> int:
+        """Send `snap.revision` to every watcher whose desired state changed; return count."""
+        sent = 0
+        for w in list(self._by_device.values()):
+            now = fingerprint(snap.desired(w.device_id, w.attrs))
+            if now != w.fingerprint:
+                w.fingerprint = now
+                w.push(snap.revision)
+                sent += 1
+        return sent
+
+    async def _resync(self) -> None:
+        # Changes may have been missed (listener reconnected): re-read who is still
+        # allowed and what their attributes are, then recheck everyone.
+        ids = list(self._by_device)
+        current = await asyncio.to_thread(self._store.device_attributes, ids)
+        for device_id in ids:
+            w = self._by_device.get(device_id)
+            if w is None:
+                continue
+            if device_id not in current:
+                self._by_device.pop(device_id).push(_REVOKED)
+            else:
+                w.attrs = current[device_id]
+        self.notify_changed(self._resolver.snapshot())
+
+    # -- streams (on the loop) ------------------------------------------------------------
+
+    def note_sync(self, device_id: str, attrs: Mapping, desired: Mapping[str, Desired]) -> None:
+        """Record what a device was just told by Sync (its stream, if here, is current)."""
+        w = self._by_device.get(device_id)
+        if w is not None:
+            w.attrs, w.fingerprint = attrs, fingerprint(desired)
+
+    async def stream(
+        self, device_id: str, attrs: Mapping, synced: Fingerprint, revision: int
+    ) -> AsyncIterator[int]:
+        """Yield revisions for one device until it disconnects, is revoked or reconnects."""
+        snap = self._resolver.snapshot()
+        w = _Watcher(device_id, attrs, fingerprint(snap.desired(device_id, attrs)))
+        old = self._by_device.get(device_id)
+        if old is not None:
+            old.push(_REPLACED)  # one stream per device: the newer connection wins
+        self._by_device[device_id] = w
+        self._closed.discard(device_id)
+        if w.fingerprint != synced and revision < snap.revision:
+            w.push(snap.revision)  # it missed a change while it was away
+        try:
+            while True:
+                item = await w.queue.get()
+                if item == _REVOKED:
+                    raise errors.PermissionDenied(f"device {device_id} is revoked")
+                if item == _REPLACED:
+                    return
+                yield item
+        finally:
+            if self._by_device.get(device_id) is w:
+                del self._by_device[device_id]
+                self._closed.add(device_id)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._beat()
+            except errors.SkiffError as exc:
+                log.warning("could not record online devices: %s", exc)
+            await asyncio.sleep(self._heartbeat)
+
+    async def _beat(self) -> None:
+        closed, self._closed = list(self._closed), set()
+        if closed:
+            await asyncio.to_thread(self._store.set_online, closed, None)
+        ids = list(self._by_device)
+        if ids:
+            until = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self._online_ttl)
+            await asyncio.to_thread(self._store.set_online, ids, until)

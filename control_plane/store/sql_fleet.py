@@ -1,0 +1,273 @@
+"""SQL implementation of the fleet store, mixed into `SqlStore` (one engine, one scope)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+
+from sqlalchemy import func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from control_plane import errors
+from control_plane.store import orm
+from control_plane.store.fleet import (
+    DeviceAuth,
+    DeviceRecord,
+    DeviceUpdate,
+    EnrollFunc,
+    EnrollmentTokenRecord,
+    FleetStore,
+    ModelState,
+)
+
+NOTIFY_CHANNEL = "skiff_fleet"
+
+
+def aware(value: dt.datetime | None) -> dt.datetime | None:
+    """Return `value` as aware UTC (SQLite hands back naive datetimes)."""
+    if value is None:
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+def bump_revision(session: Session, kind: str, subject: str = "") -> int:
+    """Advance the fleet revision inside the caller's transaction and announce it.
+
+    On PostgreSQL the NOTIFY is delivered to every replica's listener when (and only if)
+    the transaction commits; SQLite runs one replica, which hears it from `SqlStore`.
+    """
+    session.execute(update(orm.FleetStateRow).values(revision=orm.FleetStateRow.revision + 1))
+    revision = session.scalar(select(orm.FleetStateRow.revision))
+    if session.get_bind().dialect.name == "postgresql":
+        payload = f"{revision}:{kind}:{subject}"
+        session.execute(
+            text("SELECT pg_notify(:channel, :payload)"),
+            {
+                "channel": NOTIFY_CHANNEL,
+                "payload": payload,
+            },
+        )
+    session.info.setdefault("changes", []).append((revision, kind, subject))
+    return revision
+
+
+def _states(rows: Sequence[orm.DeviceModelRow], kind: str) -> tuple[ModelState, ...]:
+    out = []
+    for r in rows:
+        version, variant = getattr(r, f"{kind}_version"), getattr(r, f"{kind}_variant")
+        if version is not None:
+            out.append(ModelState(r.model, version, variant or ""))
+    return tuple(sorted(out, key=lambda s: s.model))
+
+
+def _device(row: orm.DeviceRow, models: Sequence[orm.DeviceModelRow]) -> DeviceRecord:
+    return DeviceRecord(
+        id=row.id,
+        attributes=dict(row.attributes),
+        enrolled_at=aware(row.enrolled_at),
+        last_seen=aware(row.last_seen),
+        online_until=aware(row.online_until),
+        revoked_at=aware(row.revoked_at),
+        revoked_reason=row.revoked_reason,
+        installed=_states(models, "installed"),
+        synced=_states(models, "synced"),
+    )
+
+
+def _token(row: orm.EnrollmentTokenRow) -> EnrollmentTokenRecord:
+    return EnrollmentTokenRecord(
+        id=row.id,
+        name=row.name,
+        attributes=dict(row.attributes),
+        expires_at=aware(row.expires_at),
+        uses_left=row.uses_left,
+        created_by=row.created_by,
+        created_at=aware(row.created_at),
+    )
+
+
+class SqlFleetStore(FleetStore):
+    """The fleet half of `SqlStore`; needs `_scope()` from it."""
+
+    def add_enrollment_token(self, record: EnrollmentTokenRecord, token_sha256: str) -> None:
+        """Store an enrollment token's hash and terms."""
+        with self._scope() as session:
+            session.add(
+                orm.EnrollmentTokenRow(
+                    id=record.id,
+                    name=record.name,
+                    token_sha256=token_sha256,
+                    attributes=record.attributes,
+                    expires_at=record.expires_at,
+                    uses_left=record.uses_left,
+                    created_by=record.created_by,
+                    created_at=record.created_at,
+                )
+            )
+
+    def enroll_device(
+        self, *, token_sha256: str, now: dt.datetime, make_device: EnrollFunc
+    ) -> DeviceRecord:
+        """Spend one use of the token and insert the device, in one transaction."""
+        with self._scope() as session:
+            row = session.scalar(
+                select(orm.EnrollmentTokenRow)
+                .where(orm.EnrollmentTokenRow.token_sha256 == token_sha256)
+                .with_for_update()
+            )
+            if row is None:
+                raise errors.Unauthenticated("invalid enrollment token")
+            if aware(row.expires_at) <= now:
+                raise errors.Unauthenticated(f"enrollment token {row.id} has expired")
+            if row.uses_left is not None and row.uses_left <= 0:
+                raise errors.Unauthenticated(f"enrollment token {row.id} is used up")
+            if row.uses_left is not None:
+                row.uses_left -= 1
+            row.uses += 1
+            device, credential_sha256, keyset = make_device(_token(row))
+            session.add(
+                orm.DeviceRow(
+                    id=device.id,
+                    credential_sha256=credential_sha256,
+                    public_keyset=keyset,
+                    attributes=device.attributes,
+                    stamped_attributes=dict(row.attributes),
+                    enrollment_token_id=row.id,
+                    enrolled_at=device.enrolled_at,
+                    last_seen=device.enrolled_at,
+                    revoked_reason="",
+                )
+            )
+            return device
+
+    def find_device(self, credential_sha256: str) -> DeviceAuth | None:
+        """Look a device up by the hash of its credential."""
+        d = orm.DeviceRow
+        stmt = select(d.id, d.public_keyset, d.revoked_at, d.stamped_attributes).where(
+            d.credential_sha256 == credential_sha256
+        )
+        with self._scope() as session:
+            found = session.execute(stmt).first()
+        if found is None:
+            return None
+        device_id, keyset, revoked_at, stamped = found
+        return DeviceAuth(device_id, keyset, revoked_at is not None, dict(stamped))
+
+    def get_device(self, device_id: str) -> DeviceRecord:
+        """Return one device."""
+        with self._scope() as session:
+            row = session.get(orm.DeviceRow, device_id)
+            if row is None:
+                raise errors.NotFound(f"device {device_id!r} not found")
+            models = session.scalars(
+                select(orm.DeviceModelRow).where(orm.DeviceModelRow.device_id == device_id)
+            ).all()
+            return _device(row, models)
+
+    def list_devices(self) -> list[DeviceRecord]:
+        """Return every device, by id."""
+        with self._scope() as session:
+            by_device: dict[str, list[orm.DeviceModelRow]] = {}
+            for m in session.scalars(select(orm.DeviceModelRow)):
+                by_device.setdefault(m.device_id, []).append(m)
+            rows = session.scalars(select(orm.DeviceRow).order_by(orm.DeviceRow.id))
+            return [_device(r, by_device.get(r.id, ())) for r in rows]
+
+    def device_attributes(self, device_ids: Sequence[str]) -> dict[str, dict]:
+        """Return the stored attributes of the given non-revoked devices."""
+        out: dict[str, dict] = {}
+        with self._scope() as session:
+            for start in range(0, len(device_ids), 500):
+                stmt = select(orm.DeviceRow.id, orm.DeviceRow.attributes).where(
+                    orm.DeviceRow.id.in_(device_ids[start : start + 500]),
+                    orm.DeviceRow.revoked_at.is_(None),
+                )
+                out.update({i: dict(a) for i, a in session.execute(stmt)})
+        return out
+
+    def revoke_device(self, device_id: str, *, at: dt.datetime, reason: str) -> DeviceRecord:
+        """Mark a device revoked and bump the revision."""
+        with self._scope() as session:
+            row = session.get(orm.DeviceRow, device_id, with_for_update=True)
+            if row is None:
+                raise errors.NotFound(f"device {device_id!r} not found")
+            if row.revoked_at is None:
+                row.revoked_at, row.revoked_reason, row.online_until = at, reason, None
+                bump_revision(session, "device", device_id)
+            session.flush()
+            return _device(row, ())
+
+    def apply_device_updates(self, updates: Sequence[DeviceUpdate]) -> None:
+        """Write a batch of device updates in one transaction."""
+        if not updates:
+            return
+        with self._scope() as session:
+            for u in updates:
+                values: dict = {"last_seen": u.last_seen}
+                if u.attributes is not None:
+                    values["attributes"] = u.attributes
+                session.execute(
+                    update(orm.DeviceRow).where(orm.DeviceRow.id == u.device_id).values(**values)
+                )
+                if u.installed is not None:
+                    self._set_states(session, u.device_id, "installed", u.installed, u.last_seen)
+                if u.synced is not None:
+                    self._set_states(session, u.device_id, "synced", u.synced, u.last_seen)
+
+    def _set_states(
+        self,
+        session: Session,
+        device_id: str,
+        kind: str,
+        states: tuple[ModelState, ...],
+        at: dt.datetime,
+    ) -> None:
+        stamp = "reported_at" if kind == "installed" else "synced_at"
+        named = {s.model for s in states}
+        clear = update(orm.DeviceModelRow).where(orm.DeviceModelRow.device_id == device_id)
+        if named:
+            clear = clear.where(orm.DeviceModelRow.model.not_in(named))
+        session.execute(clear.values({f"{kind}_version": None, f"{kind}_variant": None}))
+        dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+        for s in states:
+            values = {f"{kind}_version": s.version, f"{kind}_variant": s.variant, stamp: at}
+            stmt = dialect.insert(orm.DeviceModelRow).values(
+                device_id=device_id, model=s.model, **values
+            )
+            session.execute(
+                stmt.on_conflict_do_update(index_elements=["device_id", "model"], set_=values)
+            )
+
+    def set_online(self, device_ids: Sequence[str], until: dt.datetime | None) -> None:
+        """Mark devices' Watch streams open until `until` (None: closed)."""
+        with self._scope() as session:
+            for start in range(0, len(device_ids), 500):
+                session.execute(
+                    update(orm.DeviceRow)
+                    .where(orm.DeviceRow.id.in_(device_ids[start : start + 500]))
+                    .values(online_until=until)
+                )
+
+    def count_model_states(self, model: str, version: int, variant: str) -> tuple[int, int]:
+        """Return (synced, installed) device counts for one model version and variant."""
+        m = orm.DeviceModelRow
+        with self._scope() as session:
+            synced = session.scalar(
+                select(func.count()).where(
+                    m.model == model, m.synced_version == version, m.synced_variant == variant
+                )
+            )
+            installed = session.scalar(
+                select(func.count()).where(
+                    m.model == model,
+                    m.installed_version == version,
+                    m.installed_variant == variant,
+                )
+            )
+        return synced or 0, installed or 0
+
+    def revision(self) -> int:
+        """Return the current fleet revision."""
+        with self._scope() as session:
+            return session.scalar(select(orm.FleetStateRow.revision)) or 0

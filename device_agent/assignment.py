@@ -1,0 +1,169 @@
+"""Checks a Sync answer before a device acts on it (the device side of delivery).
+
+The control plane signs one document per answer: the device id, a revision that only
+grows, an expiry, and per model the version, variant, version uid and digests. A device
+accepts an answer only if that document verifies under a pinned key, names this device,
+is not older than the last answer it accepted, has not expired, and agrees with every
+assignment it carries, down to the manifest (itself signed) and the wrapped key. So a
+replayed, older, expired, re-targeted or mixed-and-matched answer is refused.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
+
+
+class AssignmentRejected(Exception):
+    """The answer must not be acted on; the message says why."""
+
+
+def canonical_json(body: dict[str, Any]) -> bytes:
+    """Return the one byte form of a document that is signed and verified (both sides)."""
+    return json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def load_public_keys(pems: Sequence[bytes]) -> list[Ed25519PublicKey]:
+    """Parse pinned Ed25519 public keys (PEM)."""
+    keys = []
+    for pem in pems:
+        key = serialization.load_pem_public_key(pem)
+        if not isinstance(key, Ed25519PublicKey):
+            raise AssignmentRejected("a pinned key is not an Ed25519 key")
+        keys.append(key)
+    return keys
+
+
+def verify_signed(body: bytes, signature: bytes, keys: Sequence[Ed25519PublicKey]) -> dict:
+    """Return the parsed document if one pinned key signed exactly these canonical bytes."""
+    for key in keys:
+        try:
+            key.verify(signature, body)
+            break
+        except InvalidSignature:
+            continue
+    else:
+        raise AssignmentRejected("signature does not verify under any pinned key")
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise AssignmentRejected("signed document is not JSON") from None
+    if not isinstance(doc, dict) or canonical_json(doc) != body:
+        raise AssignmentRejected("signed document is not canonical JSON")
+    return doc
+
+
+@dataclass(frozen=True)
+class VerifiedModel:
+    """One model of an accepted answer: what to fetch, how to check it, its wrapped key."""
+
+    model: str
+    version: int
+    variant: str
+    rollout: str
+    uid: str
+    ciphertext_sha256: str
+    ciphertext_size: int
+    plaintext_sha256: str
+    plaintext_size: int
+    associated_data: bytes
+    segment_size: int
+    url: str
+    wrapped_data_key: bytes
+
+
+@dataclass(frozen=True)
+class VerifiedAssignment:
+    """An accepted Sync answer."""
+
+    device_id: str
+    revision: int
+    expires_at: dt.datetime
+    models: dict[str, VerifiedModel]
+
+
+def verify_sync(
+    response,
+    *,
+    device_id: str,
+    keys: Sequence[Ed25519PublicKey],
+    last_revision: int,
+    now: dt.datetime,
+) -> VerifiedAssignment:
+    """Check a SyncResponse end to end; AssignmentRejected names the first problem."""
+    doc = verify_signed(response.document, response.document_signature, keys)
+    if doc.get("schema") != ASSIGNMENT_SCHEMA:
+        raise AssignmentRejected(f"unknown assignment schema {doc.get('schema')!r}")
+    if doc.get("device") != device_id:
+        raise AssignmentRejected("assignment is for another device")
+    revision = doc.get("revision")
+    if not isinstance(revision, int) or revision < last_revision:
+        raise AssignmentRejected(f"assignment revision {revision} is older than {last_revision}")
+    if revision != response.revision:
+        raise AssignmentRejected("response revision differs from the signed one")
+    expires = dt.datetime.fromisoformat(doc["expires_at"])
+    if expires <= now:
+        raise AssignmentRejected(f"assignment expired at {doc['expires_at']}")
+    entries = doc.get("models", {})
+    if sorted(entries) != sorted(m.model for m in response.models):
+        raise AssignmentRejected("assignments differ from the signed list of models")
+    models = {m.model: _verified_model(m, entries[m.model], keys) for m in response.models}
+    return VerifiedAssignment(device_id, revision, expires, models)
+
+
+def _verified_model(m, entry: dict, keys: Sequence[Ed25519PublicKey]) -> VerifiedModel:
+    a = m.artifact
+    carried = {
+        "version": m.version,
+        "variant": m.variant,
+        "rollout": m.rollout,
+        "ciphertext_sha256": a.ciphertext_sha256,
+        "ciphertext_size": a.ciphertext_size,
+        "plaintext_sha256": a.plaintext_sha256,
+        "plaintext_size": a.plaintext_size,
+        "associated_data": a.associated_data,
+        "manifest_sha256": hashlib.sha256(m.manifest).hexdigest(),
+        "wrapped_key_sha256": hashlib.sha256(m.wrapped_data_key).hexdigest()
+        if m.wrapped_data_key
+        else "",
+    }
+    for key, value in carried.items():
+        if entry.get(key) != value:
+            raise AssignmentRejected(f"{m.model}: {key} differs from the signed assignment")
+    manifest = verify_signed(m.manifest, m.manifest_signature, keys)
+    variant = manifest.get("variants", {}).get(m.variant, {})
+    if (
+        manifest.get("model") != m.model
+        or manifest.get("version") != m.version
+        or manifest.get("uid") != entry.get("uid")
+        or variant.get("ciphertext_sha256") != a.ciphertext_sha256
+        or variant.get("plaintext_sha256") != a.plaintext_sha256
+    ):
+        raise AssignmentRejected(f"{m.model}: manifest does not match the assignment")
+    return VerifiedModel(
+        model=m.model,
+        version=m.version,
+        variant=m.variant,
+        rollout=m.rollout,
+        uid=entry["uid"],
+        ciphertext_sha256=a.ciphertext_sha256,
+        ciphertext_size=a.ciphertext_size,
+        plaintext_sha256=a.plaintext_sha256,
+        plaintext_size=a.plaintext_size,
+        associated_data=a.associated_data.encode(),
+        segment_size=a.segment_size,
+        url=a.url,
+        wrapped_data_key=m.wrapped_data_key,
+    )

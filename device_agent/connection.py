@@ -1,0 +1,139 @@
+"""The device's networking, in one place: calls to DeviceService over grpc.aio.
+
+Retries only on UNAVAILABLE, with exponential backoff and full jitter; an auth error
+(UNAUTHENTICATED, PERMISSION_DENIED) fails at once, since retrying cannot fix it. Every
+unary call has a deadline. Downloads resume from the last byte received after a cut.
+Many devices may share one channel (the simulator multiplexes thousands over a few):
+the credential travels with each call, not with the channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from protos import device_pb2, device_pb2_grpc
+
+UNARY_DEADLINE_S = 30.0
+RETRIES = 5
+BACKOFF_BASE_S = 0.25
+BACKOFF_CAP_S = 30.0
+
+CHANNEL_OPTIONS = [
+    # Artifacts arrive in 1 MiB chunks; leave headroom for the envelope.
+    ("grpc.max_receive_message_length", 8 << 20),
+    # Ping an idle Watch stream every 30 s so NATs keep it mapped and a dead server is
+    # noticed; the server allows pings this often (min_ping_interval 20 s).
+    ("grpc.keepalive_time_ms", 30_000),
+    # A server that misses a ping for 10 s is gone: end the stream and reconnect.
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class DeviceCallError(Exception):
+    """A device call failed for good (after retries, or at once for auth errors)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+def backoff_s(attempt: int) -> float:
+    """Return a full-jitter delay for retry number `attempt` (0-based)."""
+    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    """Open an asyncio channel to a control plane (TLS arrives with the security issue)."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def _error(exc: grpc.aio.AioRpcError) -> DeviceCallError:
+    return DeviceCallError(exc.code(), exc.details() or exc.code().name.lower())
+
+
+class DeviceConnection:
+    """One device's calls over a (possibly shared) channel."""
+
+    def __init__(self, channel: grpc.aio.Channel, credential: str = "") -> None:
+        self._stub = device_pb2_grpc.DeviceServiceStub(channel)
+        self.credential = credential
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.credential}"),) if self.credential else ()
+
+    async def _unary(self, method, request, retries: int = RETRIES):
+        for attempt in range(retries + 1):
+            try:
+                return await method(request, timeout=UNARY_DEADLINE_S, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+                    raise _error(exc) from None
+                await asyncio.sleep(backoff_s(attempt))
+        raise AssertionError("unreachable")
+
+    async def enroll(
+        self, token: str, attributes: device_pb2.DeviceAttributes, public_keyset: bytes
+    ) -> device_pb2.EnrollResponse:
+        """Enroll; the caller keeps the credential (and the key pair) from now on."""
+        request = device_pb2.EnrollRequest(
+            enrollment_token=token, attributes=attributes, public_keyset=public_keyset
+        )
+        response = await self._unary(self._stub.Enroll, request)
+        self.credential = response.credential
+        return response
+
+    async def sync(
+        self,
+        attributes: device_pb2.DeviceAttributes,
+        installed: Sequence[device_pb2.InstalledModel],
+        revision: int,
+    ) -> device_pb2.SyncResponse:
+        """Ask for the desired state."""
+        request = device_pb2.SyncRequest(
+            attributes=attributes, installed=list(installed), revision=revision
+        )
+        return await self._unary(self._stub.Sync, request)
+
+    async def watch(self, revision: int) -> AsyncIterator[int]:
+        """Yield revisions the server pushes; ends (or raises) when the stream does."""
+        call = self._stub.Watch(device_pb2.WatchRequest(revision=revision), metadata=self._metadata)
+        try:
+            async for event in call:
+                yield event.revision
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def download(
+        self, artifact: str, *, size: int, offset: int = 0
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """Yield (offset, bytes) of an artifact from `offset`, resuming after a cut."""
+        attempt = 0
+        while offset < size:
+            call = self._stub.Download(
+                device_pb2.DownloadRequest(artifact=artifact, offset=offset),
+                metadata=self._metadata,
+            )
+            try:
+                async for chunk in call:
+                    if chunk.offset != offset:
+                        raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "chunk out of order")
+                    yield chunk.offset, chunk.data
+                    offset += len(chunk.data)
+                    attempt = 0
+                if offset < size:
+                    raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "download ended short")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == RETRIES:
+                    raise _error(exc) from None
+                await asyncio.sleep(backoff_s(attempt))
+                attempt += 1
+            finally:
+                call.cancel()
