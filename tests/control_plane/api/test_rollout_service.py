@@ -192,3 +192,36 @@ def test_fleet_ls_selects_with_the_rollout_evaluator(published, enroll_token):
             client.get_device("nope")
         with pytest.raises(errors.NotFound):
             client.get_device("dev_0000000000000000")
+
+
+def test_state_survives_a_restart_mid_rollout(published, enroll_token):
+    from control_plane.api.server import build_app, create_server
+
+    cp = published
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    with cp.client() as client:
+        r = create(client, 2, stages=[50, 100])
+        client.transition_rollout(r.id, "promote", "halfway")
+    before = device.sync()
+    cp.stop()
+    app = build_app(cp.config)
+    server, port = create_server(cp.config, app, "127.0.0.1:0")
+    server.start()
+    try:
+        device.address = f"127.0.0.1:{port}"
+        after = device.sync()  # same identity, same credential, same answer
+        assert after.models["det"].version == before.models["det"].version == 2
+        assert after.revision >= before.revision
+        # Nothing changed while it was away: its stream stays quiet.
+        assert device.next_watch_event(timeout=0.5) is None
+        from control_plane.api.client import AdminClient
+
+        with AdminClient(device.address, cp.token) as client:
+            shown = client.get_rollout(r.id)
+            assert (shown.state, shown.stage) == ("active", 1)
+            assert [e.action for e in shown.audit] == ["create", "promote"]
+            client.transition_rollout(r.id, "rollback")
+        assert device.next_watch_event(timeout=5) is not None
+    finally:
+        server.stop()
+        cp.server, cp.app = server, app  # the fixture stops and closes these

@@ -1,0 +1,113 @@
+"""The simulator's Python API against a real control plane: pushes, promotes, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from control_plane import errors
+from control_plane.fleet.selector import parse_selector
+from control_plane.rollouts.lifecycle import bucket, stage_limit
+from control_plane.sim import FleetSimulator, SimOptions
+from tests.control_plane.sim.conftest import MODEL, restart
+from tests.control_plane.sim.test_sim_cli import rollout
+
+FAST = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
+
+
+async def enrolled(sim: FleetSimulator, cp, n: int) -> None:
+    with cp.client() as client:
+        token = client.create_enrollment_token(uses=n).token
+    await sim.enroll(n, token)
+    assert await sim.sync_all() == 0
+    sim.watch_all()
+    await online(cp, n)
+
+
+async def online(cp, n: int, timeout: float = 15.0) -> None:
+    def count() -> int:
+        with cp.client() as client:
+            return sum(d.online for d in client.list_devices())
+
+    for _ in range(int(timeout / 0.1)):
+        if await asyncio.to_thread(count) == n:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{n} devices never all watched")
+
+
+def in_stage(sim: FleetSimulator, created, stage: int) -> set[str]:
+    selector = parse_selector(created.selector)
+    limit = stage_limit(list(created.stages), stage)
+    return {
+        d.id
+        for d in sim.devices
+        if selector.matches(d.identity.attributes) and bucket(created.id, d.id) < limit
+    }
+
+
+def test_promote_reaches_exactly_the_devices_it_adds(cp):
+    cp = cp["cp"]
+
+    async def scenario() -> None:
+        async with FleetSimulator([cp.address], seed=1, options=FAST) as sim:
+            await enrolled(sim, cp, 50)
+            created = await asyncio.to_thread(
+                rollout, cp, 1, "platform=android", (10, 50, 100), 86_400
+            )
+            first = in_stage(sim, created, 0)
+            await sim.wait_synced(MODEL, 1, devices=first, installed=True, timeout=10)
+            await asyncio.sleep(0.5)  # let the installs' reports land before counting
+            before = sim.sync_counts()
+            with cp.client() as client:
+                await asyncio.to_thread(client.transition_rollout, created.id, "promote")
+            added = in_stage(sim, created, 1) - first
+            assert added, "no device in the 10-50% band: widen the fleet"
+            await sim.wait_synced(MODEL, 1, devices=added, installed=True, timeout=10)
+            await asyncio.sleep(1.0)  # time for any wrongly woken device to Sync too
+            after = sim.sync_counts()
+            woken = {i for i in after if after[i] != before[i]}
+            assert woken == added  # nobody outside the new band was told to Sync
+            with cp.client() as client:
+                server = {d.id: d for d in await asyncio.to_thread(client.list_devices)}
+            for d in sim.devices:
+                wanted = d.id in first | added
+                assert (MODEL in server[d.id].desired) == wanted == (MODEL in d.desired)
+                assert (MODEL in d.installed) == wanted
+
+    asyncio.run(scenario())
+
+
+def test_devices_reconnect_and_converge_after_a_server_restart(cp):
+    holder = cp
+
+    async def scenario() -> None:
+        async with FleetSimulator([holder["cp"].address], seed=2, options=FAST) as sim:
+            await enrolled(sim, holder["cp"], 20)
+            holder["cp"] = await asyncio.to_thread(restart, holder["cp"])
+            assert sim.stats().reconnects >= 20  # every stream noticed the restart
+            created = await asyncio.to_thread(rollout, holder["cp"], 2, "")
+            times = await sim.wait_synced(MODEL, 2, installed=True, timeout=15)
+            assert len(times) == 20
+            await online(holder["cp"], 20)
+            with holder["cp"].client() as client:
+                counts = (await asyncio.to_thread(client.get_rollout, created.id)).counts
+            assert counts.selected == counts.installed == 20
+            assert sim.stats().rejected == 0
+
+    asyncio.run(scenario())
+
+
+def test_wait_synced_says_how_many_are_missing(cp):
+    cp = cp["cp"]
+
+    async def scenario() -> None:
+        async with FleetSimulator([cp.address], options=FAST) as sim:
+            await enrolled(sim, cp, 5)
+            with pytest.raises(errors.Unavailable, match=r"5 of 5 devices have not synced det:2"):
+                await sim.wait_synced(MODEL, 2, timeout=0.3)
+            with pytest.raises(errors.InvalidArgument):
+                await sim.wait_synced(MODEL, 2, devices=["dev_nobody"], timeout=0.3)
+
+    asyncio.run(scenario())
