@@ -8,8 +8,8 @@ from tests.control_plane.api.device_helpers import Device
 from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
 
-def _address(server) -> str:
-    return server["env"]["SKIFF_SERVER"]
+def _address(running) -> str:
+    return running["env"]["SKIFF_SERVER"]
 
 
 def test_fleet_and_rollouts_from_the_command_line(server, model_file):  # noqa: F811
