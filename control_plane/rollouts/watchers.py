@@ -56,10 +56,14 @@ class Watchers:
         store: FleetStore,
         online_ttl_s: float = 30.0,
         heartbeat_s: float = 10.0,
+        flush_s: float = 1.0,
     ) -> None:
         self._resolver, self._store = resolver, store
-        self._online_ttl, self._heartbeat = online_ttl_s, heartbeat_s
+        self._online_ttl, self._heartbeat, self._flush = online_ttl_s, heartbeat_s, flush_s
         self._by_device: dict[str, _Watcher] = {}
+        # Streams opened or closed since the last write, recorded within `flush_s`; every
+        # open stream's mark is refreshed every `heartbeat_s`.
+        self._opened: set[str] = set()
         self._closed: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[Change] = []
@@ -152,6 +156,7 @@ class Watchers:
             old.push(_REPLACED)  # one stream per device: the newer connection wins
         self._by_device[device_id] = w
         self._closed.discard(device_id)
+        self._opened.add(device_id)
         if w.fingerprint != synced and revision < snap.revision:
             w.push(snap.revision)  # it missed a change while it was away
         try:
@@ -165,21 +170,28 @@ class Watchers:
         finally:
             if self._by_device.get(device_id) is w:
                 del self._by_device[device_id]
+                self._opened.discard(device_id)
                 self._closed.add(device_id)
 
     async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time()
         while True:
+            refresh = loop.time() >= next_refresh
             try:
-                await self._beat()
+                await self._beat(refresh=refresh)
+                if refresh:
+                    next_refresh = loop.time() + self._heartbeat
             except errors.SkiffError as exc:
                 log.warning("could not record online devices: %s", exc)
-            await asyncio.sleep(self._heartbeat)
+            await asyncio.sleep(self._flush)
 
-    async def _beat(self) -> None:
+    async def _beat(self, *, refresh: bool) -> None:
         closed, self._closed = list(self._closed), set()
         if closed:
             await asyncio.to_thread(self._store.set_online, closed, None)
-        ids = list(self._by_device)
+        opened, self._opened = self._opened, set()
+        ids = list(self._by_device) if refresh else [i for i in opened if i in self._by_device]
         if ids:
             until = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self._online_ttl)
             await asyncio.to_thread(self._store.set_online, ids, until)
