@@ -63,6 +63,7 @@ _REFUSED = {
     "number": (frozenset({"~"}), "compares as a number"),
 }
 _NO_CUSTOM: Mapping[str, str] = MappingProxyType({})
+_UNTERMINATED = "unterminated string (no closing '\"')"
 
 Test = Callable[[Mapping], object]
 Fail = Callable[[str, int], NoReturn]
@@ -319,17 +320,13 @@ class _Parser:
             values.append(self.value("in the list"))
             self.skip(_SPACE)
             char = self.peek()
+            if not char:
+                self.fail(f"missing ')' to close the list opened at position {opened}")
+            if char not in ",)":
+                self.fail(f"expected ',' or ')' in the list, found {char!r}")
             self.pos += 1
             if char == ")":
                 return tuple(values), tuple(positions)
-            if char != ",":
-                self.list_error(char, opened)
-
-    def list_error(self, char: str, opened: int) -> NoReturn:
-        self.pos -= 1
-        if not char:
-            self.fail(f"missing ')' to close the list opened at position {opened}")
-        self.fail(f"expected ',' or ')' in the list, found {char!r}")
 
     def value(self, where: str) -> str:
         char = self.peek()
@@ -351,21 +348,25 @@ class _Parser:
         out: list[str] = []
         while (char := self.peek()) != '"':
             if not char:
-                self.fail("unterminated string (no closing '\"')", start)
+                self.fail(_UNTERMINATED, start)
             if _CONTROL.match(char):
                 self.fail("control character in a quoted value")
             if char == "\\":
-                self.pos += 1
-                char = self.peek()
-                if char and char not in ('"', "\\"):
-                    escape = "\\" + char
-                    self.fail(f'unknown escape {escape!r} (only \\" and \\\\)', self.pos - 1)
-                if not char:
-                    continue  # a backslash ending the text: reported as unterminated
+                char = self.escaped(start)
             out.append(char)
             self.pos += 1
         self.pos += 1
         return "".join(out)
+
+    def escaped(self, start: int) -> str:
+        self.pos += 1
+        char = self.peek()
+        if not char:
+            self.fail(_UNTERMINATED, start)
+        if char not in ('"', "\\"):
+            escape = "\\" + char
+            self.fail(f'unknown escape {escape!r} (only \\" and \\\\)', self.pos - 1)
+        return char
 
 
 def _compile(clause: Clause, op_pos: int, positions: tuple[int, ...], fail: Fail) -> Test:
