@@ -36,7 +36,7 @@ def _variant(name="fp32", seed=0) -> VariantRecord:
 def _builder(tag: str, variants=("fp32",)):
     def build(number: int) -> NewVersion:
         return NewVersion(
-            uid=f"{tag}n{number:04d}".ljust(32, "0"),  # "n": "t1"+10 != "t10"+1,
+            uid=f"{tag}n{number:04d}".ljust(32, "0"),  # "n": "t1"+10 != "t10"+1
             created_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
             created_by="admin",
             notes=f"note {number}",
