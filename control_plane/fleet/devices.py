@@ -26,9 +26,12 @@ ENROLL_PREFIX = "ske_"
 CREDENTIAL_PREFIX = "skd_"
 DEVICE_PREFIX = "dev_"
 MAX_ENROLL_TTL_S = 365 * 86_400
+MAX_ENROLL_USES = 10_000_000
 # How long a device's credential lookup is trusted without asking the database again.
 # Revocation does not wait for it: the change feed evicts the device at once.
 AUTH_CACHE_TTL_S = 30.0
+UNKNOWN_CACHE_TTL_S = 5.0
+AUTH_CACHE_SIZE = 200_000
 
 
 def _sha256(secret: str) -> str:
@@ -57,7 +60,9 @@ class Fleet:
         self._store = store
         self._default_ttl = default_enroll_ttl_s
         self._clock = clock
-        self._auth_cache: dict[str, tuple[float, DeviceAuth]] = {}
+        # credential hash -> (expiry, device or None for an unknown credential)
+        self._auth_cache: dict[str, tuple[float, DeviceAuth | None]] = {}
+        self._generation = 0  # bumped by every device change, under the lock
         self._lock = threading.Lock()
 
     # -- enrollment ----------------------------------------------------------------------
@@ -69,8 +74,8 @@ class Fleet:
         ttl_s = ttl_s or self._default_ttl
         if not 0 < ttl_s <= MAX_ENROLL_TTL_S:
             raise errors.InvalidArgument(f"ttl must be between 1s and {MAX_ENROLL_TTL_S}s")
-        if uses < 0:
-            raise errors.InvalidArgument("uses must not be negative (0 = unlimited)")
+        if not 0 <= uses <= MAX_ENROLL_USES:
+            raise errors.InvalidArgument(f"uses must be 0 (unlimited) to {MAX_ENROLL_USES:,}")
         if len(name) > 64:
             raise errors.InvalidArgument("token name is longer than 64 characters")
         now = self._clock()
@@ -122,24 +127,37 @@ class Fleet:
 
         Unauthenticated for a missing or unknown credential, PermissionDenied for a
         revoked device. The lookup is by hash (its timing says nothing about the secret).
+        Blocking (it may ask the database): call it off the event loop.
         """
         scheme, _, credential = (authorization or "").partition(" ")
         credential = credential.strip()
         if scheme.lower() != "bearer" or not credential.startswith(CREDENTIAL_PREFIX):
             raise errors.Unauthenticated("missing device credential")
-        digest = _sha256(credential)
-        now = time.monotonic()
-        cached = self._auth_cache.get(digest)
-        if cached is None or cached[0] < now:
-            device = self._store.find_device(digest)
-            if device is None:
-                raise errors.Unauthenticated("invalid device credential")
-            cached = (now + AUTH_CACHE_TTL_S, device)
-            with self._lock:
-                self._auth_cache[digest] = cached
-        device = cached[1]
+        if len(credential) > 128:
+            raise errors.Unauthenticated("invalid device credential")
+        device = self._cached_lookup(_sha256(credential))
+        if device is None:
+            raise errors.Unauthenticated("invalid device credential")
         if device.revoked:
             raise errors.PermissionDenied(f"device {device.id} is revoked")
+        return device
+
+    def _cached_lookup(self, digest: str) -> DeviceAuth | None:
+        now = time.monotonic()
+        cached = self._auth_cache.get(digest)
+        if cached is not None and cached[0] >= now:
+            return cached[1]
+        generation = self._generation
+        device = self._store.find_device(digest)
+        # Unknown credentials are remembered briefly too, so guessing costs no queries.
+        ttl = AUTH_CACHE_TTL_S if device is not None else UNKNOWN_CACHE_TTL_S
+        with self._lock:
+            # A change (revocation) that landed during the lookup may concern this very
+            # device: caching what was read before it could undo the revocation.
+            if generation == self._generation:
+                self._auth_cache[digest] = (now + ttl, device)
+                while len(self._auth_cache) > AUTH_CACHE_SIZE:
+                    self._auth_cache.pop(next(iter(self._auth_cache)))
         return device
 
     def on_change(self, change: Change) -> None:
@@ -147,11 +165,12 @@ class Fleet:
         if change.kind not in ("device", "resync"):
             return
         with self._lock:
+            self._generation += 1
             if change.kind == "resync":
                 self._auth_cache.clear()
                 return
             for digest, (_, device) in list(self._auth_cache.items()):
-                if device.id == change.subject:
+                if device is not None and device.id == change.subject:
                     del self._auth_cache[digest]
 
     def device_attributes(self, device: DeviceAuth, reported: dict) -> dict:
@@ -180,4 +199,4 @@ class Fleet:
 
 def _check_device_id(device_id: str) -> None:
     if not (device_id.startswith(DEVICE_PREFIX) and len(device_id) <= 32):
-        raise errors.InvalidArgument(f"invalid device id {device_id!r}: expected dev_...")
+        raise errors.InvalidArgument(f"invalid device id {device_id!r:.40}: expected dev_...")
