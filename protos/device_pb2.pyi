@@ -183,8 +183,13 @@ class SyncRequest(_message.Message):
     ATTRIBUTES_FIELD_NUMBER: _builtins.int
     INSTALLED_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The last revision the device accepted (0 = none)."""
+    nonce: _builtins.bytes
+    """Fresh random bytes (16 to 64) the signed answer echoes, so an answer recorded
+    earlier (even at the same revision) cannot be replayed to the device.
+    """
     @_builtins.property
     def attributes(self) -> Global___DeviceAttributes: ...
     @_builtins.property
@@ -195,10 +200,11 @@ class SyncRequest(_message.Message):
         attributes: Global___DeviceAttributes | None = ...,
         installed: _abc.Iterable[Global___InstalledModel] | None = ...,
         revision: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "installed", b"installed", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "installed", b"installed", "nonce", b"nonce", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -308,8 +314,8 @@ class SyncResponse(_message.Message):
     POLL_INTERVAL_S_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     document: _builtins.bytes
-    """Canonical JSON, signed with Ed25519: device id, revision, issued_at, expires_at and,
-    per model, version, variant, uid and digests. The device checks every assignment
+    """Canonical JSON, signed with Ed25519: device id, the request's nonce, revision,
+    issued_at, expires_at and, per model, version, variant, uid, sizes and digests. The device checks every assignment
     above against it.
     """
     document_signature: _builtins.bytes

@@ -504,21 +504,29 @@ class TransitionRolloutRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     ACTION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EXPECTED_STAGE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     action: _builtins.str
     """"pause", "resume", "promote" or "rollback"."""
     reason: _builtins.str
+    expected_stage: _builtins.int
+    """When set, the change applies only if the rollout is still at this stage (0-based):
+    a retried or doubled promote cannot skip a stage.
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         action: _builtins.str = ...,
         reason: _builtins.str = ...,
+        expected_stage: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_stage", b"_expected_stage", "expected_stage", b"expected_stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "id", b"id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_stage", b"_expected_stage", "action", b"action", "expected_stage", b"expected_stage", "id", b"id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__expected_stage: _TypeAlias = _typing.Literal["expected_stage"]  # noqa: Y015
+    _WhichOneofArgType__expected_stage: _TypeAlias = _typing.Literal["_expected_stage", b"_expected_stage"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_stage) -> _WhichOneofReturnType__expected_stage | None: ...
 
 Global___TransitionRolloutRequest: _TypeAlias = TransitionRolloutRequest  # noqa: Y015

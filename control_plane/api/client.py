@@ -142,10 +142,20 @@ class AdminClient:
         return self._unary(self._rollouts.GetRollout, fleet_pb2.GetRolloutRequest(id=rollout_id))
 
     def transition_rollout(
-        self, rollout_id: str, action: str, reason: str = ""
+        self,
+        rollout_id: str,
+        action: str,
+        reason: str = "",
+        *,
+        expected_stage: int | None = None,
     ) -> fleet_pb2.Rollout:
-        """Pause, resume, promote or roll back (not retried: the state may have moved)."""
-        request = fleet_pb2.TransitionRolloutRequest(id=rollout_id, action=action, reason=reason)
+        """Pause, resume, promote or roll back (not retried: the state may have moved).
+
+        With `expected_stage`, the server applies it only if the rollout is still there.
+        """
+        request = fleet_pb2.TransitionRolloutRequest(
+            id=rollout_id, action=action, reason=reason, expected_stage=expected_stage
+        )
         try:
             return self._rollouts.TransitionRollout(
                 request, timeout=UNARY_DEADLINE_S, metadata=self._metadata

@@ -7,19 +7,41 @@ Watch streams cost no threads; Enroll writes to the database and runs in the thr
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime as dt
+import re
+import threading
 
 from control_plane import errors
 from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.registry.registry import validate_name
 from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
 from protos import device_pb2, device_pb2_grpc
 
 MAX_INSTALLED = 256
+MAX_VERSION = 2**31 - 1
+VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
+# Attributes each device reported on its last Sync through this replica: Download checks
+# assignments against them, not against the database copy (written behind, so late).
+RECENT_DEVICES = 200_000
+
+
+def _installed(msgs) -> tuple[ModelState, ...]:
+    """Validate a device's installed report: it is stored, so it must fit the schema."""
+    if len(msgs) > MAX_INSTALLED:
+        raise errors.InvalidArgument(f"at most {MAX_INSTALLED} installed models")
+    for m in msgs:
+        validate_name(m.model)
+        if not 1 <= m.version <= MAX_VERSION:
+            raise errors.InvalidArgument(f"installed {m.model}: version {m.version} out of range")
+        if not VARIANT_NAME.fullmatch(m.variant):
+            raise errors.InvalidArgument(f"installed {m.model}: invalid variant {m.variant!r:.40}")
+    return states(msgs)
 
 
 def _authorization(context) -> str | None:
@@ -69,6 +91,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         self._fleet, self._store, self._delivery = fleet, store, delivery
         self._watchers, self._writer = watchers, writer
         self._signing_keys, self._poll = signing_keys, poll_interval_s
+        self._recent: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._recent_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @mapped
     def Enroll(self, request, context):  # noqa: D102, N802
@@ -84,19 +109,26 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             poll_interval_s=self._poll,
         )
 
-    @mapped_async
-    async def Sync(self, request, context):  # noqa: D102, N802
-        device = self._fleet.authenticate(_authorization(context))
-        if len(request.installed) > MAX_INSTALLED:
-            raise errors.InvalidArgument(f"at most {MAX_INSTALLED} installed models")
+    def _remember(self, device_id: str, attrs: dict) -> None:
+        with self._recent_lock:
+            self._recent[device_id] = attrs
+            self._recent.move_to_end(device_id)
+            if len(self._recent) > RECENT_DEVICES:
+                self._recent.popitem(last=False)
+
+    def _sync(self, authorization: str | None, request) -> device_pb2.SyncResponse:
+        # Blocking (database, KEK, HPKE, signing): runs in a worker thread, never on the
+        # event loop that carries every Watch stream.
+        device = self._fleet.authenticate(authorization)
+        installed = _installed(request.installed)
         attrs = self._fleet.device_attributes(device, attributes_dict(request.attributes))
-        installed = states(request.installed)
         result: SyncResult = self._delivery.sync(device, attrs, installed)
         desired = {a.model: a.desired for a in result.assignments}
-        self._watchers.note_sync(device.id, attrs, desired)
+        self._remember(device.id, attrs)
         synced = tuple(ModelState(m, d.version, d.variant) for m, d in desired.items())
         now = dt.datetime.now(dt.UTC)
         self._writer.add(DeviceUpdate(device.id, now, attrs, installed, synced))
+        self._loop_call(self._watchers.note_sync, device.id, attrs, desired)
         return device_pb2.SyncResponse(
             revision=result.revision,
             models=[_assignment_pb(a) for a in result.assignments],
@@ -106,26 +138,47 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             poll_interval_s=self._poll,
         )
 
+    @mapped_async
+    async def Sync(self, request, context):  # noqa: D102, N802
+        self._loop = asyncio.get_running_loop()
+        return await asyncio.to_thread(self._sync, _authorization(context), request)
+
+    def _loop_call(self, fn, *args) -> None:
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def _watch_state(self, device_id: str):
+        record = self._store.get_device(device_id)
+        if record.revoked_at is not None:
+            raise errors.PermissionDenied(f"device {device_id} is revoked")
+        return record.attributes, fingerprint({s.model: s for s in record.synced})
+
     @mapped_async_stream
     async def Watch(self, request, context):  # noqa: D102, N802
-        device = self._fleet.authenticate(_authorization(context))
-        record = await asyncio.to_thread(self._store.get_device, device.id)
-        synced = fingerprint({s.model: s for s in record.synced})
-        async for revision in self._watchers.stream(
-            device.id, record.attributes, synced, request.revision
-        ):
+        device = await asyncio.to_thread(self._fleet.authenticate, _authorization(context))
+        # The stream is registered before the device is read back from the database, so
+        # a revocation is either seen in that read or closes the registered stream.
+        load = lambda: asyncio.to_thread(self._watch_state, device.id)  # noqa: E731
+        async for revision in self._watchers.stream(device.id, request.revision, load):
             yield device_pb2.WatchEvent(revision=revision)
+
+    def _open(self, authorization: str | None, request):
+        device = self._fleet.authenticate(authorization)
+        with self._recent_lock:
+            attrs = self._recent.get(device.id)
+        if attrs is None:
+            attrs = self._store.device_attributes([device.id]).get(device.id)
+        if attrs is None:
+            raise errors.PermissionDenied(f"device {device.id} is revoked")
+        _, chunks = self._delivery.open_artifact(device.id, attrs, request.artifact, request.offset)
+        return chunks
 
     @mapped_async_stream
     async def Download(self, request, context):  # noqa: D102, N802
-        device = self._fleet.authenticate(_authorization(context))
-        attrs = (await asyncio.to_thread(self._store.device_attributes, [device.id])).get(device.id)
-        if attrs is None:
-            raise errors.PermissionDenied(f"device {device.id} is revoked")
-        _, chunks = await asyncio.to_thread(
-            self._delivery.open_artifact, device.id, attrs, request.artifact, request.offset
-        )
+        authorization = _authorization(context)
+        chunks = await asyncio.to_thread(self._open, authorization, request)
         offset = request.offset
         while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            # Cheap (cached) and exact: a revocation stops a download in progress.
+            await asyncio.to_thread(self._fleet.authenticate, authorization)
             yield device_pb2.DownloadChunk(offset=offset, data=chunk)
             offset += len(chunk)

@@ -136,7 +136,8 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
     @mapped
     def TransitionRollout(self, request, context):  # noqa: D102, N802
         actor = _actor(self._auth, context)
+        expected = request.expected_stage if request.HasField("expected_stage") else None
         record = self._rollouts.transition(
-            request.id, request.action, actor=actor, reason=request.reason
+            request.id, request.action, actor=actor, reason=request.reason, expected_stage=expected
         )
         return self._with_counts(record)

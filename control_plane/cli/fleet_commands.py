@@ -173,7 +173,10 @@ def start_rollout_show(*, config: Config, args: argparse.Namespace) -> Output:
 def _transition(action: str):
     def start(*, config: Config, args: argparse.Namespace) -> Output:
         with _client(config) as client:
-            r = client.transition_rollout(args.id, action, args.reason)
+            # A promote names the stage it promotes from: if another operator (or the
+            # scheduler) moved the rollout meanwhile, this one is refused, not doubled.
+            expected = client.get_rollout(args.id).stage if action == "promote" else None
+            r = client.transition_rollout(args.id, action, args.reason, expected_stage=expected)
         stage = f"stage {r.stage + 1}/{len(r.stages)} ({r.stages[r.stage]:g}%)"
         return views.rollout_dict(r), f"{r.id}: {r.state}, {stage}"
 

@@ -60,13 +60,29 @@ class DeviceWriter:
                 return
             try:
                 self._store.apply_device_updates(batch)
-            except errors.SkiffError:
+            except errors.Unavailable:
                 # Put the batch back (newer updates win) and let the next flush retry.
                 with self._lock:
                     for u in batch:
                         newer = self._pending.get(u.device_id)
                         self._pending[u.device_id] = u if newer is None else _merge(u, newer)
                 raise
+            except errors.SkiffError:
+                self._apply_one_by_one(batch)
+
+    def _apply_one_by_one(self, batch: list[DeviceUpdate]) -> None:
+        """Write a batch that failed as a whole row by row, dropping the rows that fail.
+
+        One device's unwritable report must not stop every other device's from being
+        written (and it would fail again on every retry).
+        """
+        for u in batch:
+            try:
+                self._store.apply_device_updates([u])
+            except errors.Unavailable:
+                self.add(u)
+            except errors.SkiffError as exc:
+                log.warning("dropped the report of device %s: %s", u.device_id, exc)
 
     def close(self) -> None:
         """Stop the flusher and write what is left."""

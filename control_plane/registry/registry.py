@@ -79,7 +79,7 @@ def validate_name(name: str) -> str:
     """Return a valid model name or raise InvalidArgument naming the rule."""
     if not MODEL_NAME.fullmatch(name or ""):
         raise errors.InvalidArgument(
-            f"invalid model name {name!r}: use 1-64 of lowercase letters, digits, '-', '_'"
+            f"invalid model name {name!r:.80}: use 1-64 of lowercase letters, digits, '-', '_'"
         )
     return name
 

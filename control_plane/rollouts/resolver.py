@@ -107,23 +107,32 @@ class Resolver:
     def __init__(self, store: RolloutStore) -> None:
         self._store = store
         self._lock = threading.Lock()
+        self._reload_lock = threading.Lock()
         self._compiled: dict[str, Selector] = {}
         self._snapshot: Snapshot | None = None
-        self._stale = True
+        # Bumped by every change; the snapshot is current when it was loaded at the
+        # latest generation. (A flag cleared before a reload would let a change that
+        # lands during the reload go unseen by whoever asked right after it.)
+        self._wanted = 1
+        self._loaded = 0
 
     def invalidate(self, *_args) -> None:
         """Mark the snapshot stale (called by the change feed for every new revision)."""
-        self._stale = True
+        with self._lock:
+            self._wanted += 1
 
     def snapshot(self) -> Snapshot:
-        """Return an up-to-date snapshot, reloading it when stale."""
+        """Return a snapshot loaded after the latest change (blocking: may read the DB)."""
         snap = self._snapshot
-        if snap is not None and not self._stale:
+        if snap is not None and self._loaded == self._wanted:
             return snap
-        with self._lock:
-            if self._snapshot is None or self._stale:
-                self._stale = False  # a change arriving during the load marks it again
-                self._snapshot = self._load()
+        with self._reload_lock:
+            with self._lock:
+                generation = self._wanted
+            if self._snapshot is None or self._loaded < generation:
+                fresh = self._load()
+                with self._lock:
+                    self._snapshot, self._loaded = fresh, generation
             return self._snapshot
 
     def _load(self) -> Snapshot:

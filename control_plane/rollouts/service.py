@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane import errors
 from control_plane.fleet.selector import parse_selector
+from control_plane.registry.registry import validate_name
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
     MAX_PRIORITY,
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 ROLLOUT_PREFIX = "ro_"
 MAX_REASON = 512
 BASE_VARIANT = "fp32"
+MAX_VERSION = 2**31 - 1
+VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,11 @@ class Rollouts:
         if not -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY:
             raise errors.InvalidArgument(f"priority must be within ±{MAX_PRIORITY}")
         variant = spec.variant or BASE_VARIANT
+        validate_name(spec.model)
+        if not 1 <= spec.version <= MAX_VERSION:
+            raise errors.InvalidArgument(f"version must be 1 to {MAX_VERSION}")
+        if not VARIANT_NAME.fullmatch(variant):
+            raise errors.InvalidArgument(f"invalid variant {variant!r:.40}")
         version = self._store.get_version(spec.model, spec.version)  # NotFound names it
         if version.variant(variant) is None:
             have = ", ".join(v.name for v in version.variants)
@@ -130,7 +139,7 @@ class Rollouts:
     def get(self, rollout_id: str) -> RolloutRecord:
         """Return one rollout with its audit log."""
         if not rollout_id.startswith(ROLLOUT_PREFIX) or len(rollout_id) > 32:
-            raise errors.InvalidArgument(f"invalid rollout id {rollout_id!r}: expected ro_...")
+            raise errors.InvalidArgument(f"invalid rollout id {rollout_id!r:.40}: expected ro_...")
         return self._store.get_rollout(rollout_id)
 
     def list(self, model: str | None = None) -> list[RolloutRecord]:
@@ -138,18 +147,33 @@ class Rollouts:
         return self._store.list_rollouts(model=model or None)
 
     def transition(
-        self, rollout_id: str, action: str, *, actor: str, reason: str = ""
+        self,
+        rollout_id: str,
+        action: str,
+        *,
+        actor: str,
+        reason: str = "",
+        expected_stage: int | None = None,
     ) -> RolloutRecord:
-        """Pause, resume, promote or roll back; FailedPrecondition names the current state."""
+        """Pause, resume, promote or roll back; FailedPrecondition names the current state.
+
+        With `expected_stage`, the change applies only if the rollout is still at that
+        stage, so a retried or doubled promote cannot skip a stage.
+        """
         try:
             act = Action(action)
         except ValueError:
             raise errors.InvalidArgument(
-                f"unknown action {action!r}: use pause, resume, promote or rollback"
+                f"unknown action {action!r:.40}: use pause, resume, promote or rollback"
             ) from None
         if act == Action.ADVANCE:
             raise errors.InvalidArgument("advance is the scheduler's; use promote")
         current = self.get(rollout_id)
+        if expected_stage is not None and expected_stage != current.stage:
+            raise errors.FailedPrecondition(
+                f"rollout {rollout_id} is at stage {current.stage + 1}, not "
+                f"{expected_stage + 1}: it moved on (look again and retry)"
+            )
         changed = self._apply(current, act, actor=actor, reason=_check_reason(reason))
         if changed is None:
             raise errors.FailedPrecondition(

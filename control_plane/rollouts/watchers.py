@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from control_plane import errors
@@ -68,6 +68,7 @@ class Watchers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[Change] = []
         self._tasks: list[asyncio.Task] = []
+        self._notified = 0  # the newest revision watchers were checked against
 
     def __len__(self) -> int:
         return len(self._by_device)
@@ -108,11 +109,21 @@ class Watchers:
             if c.kind == "device" and c.subject in self._by_device:
                 self._by_device.pop(c.subject).push(_REVOKED)
         if any(c.kind == "resync" for c in changes):
-            asyncio.ensure_future(self._resync())
-        self.notify_changed(self._resolver.snapshot())
+            self._tasks.append(asyncio.ensure_future(self._resync()))
+        else:
+            self._tasks.append(asyncio.ensure_future(self._notify_latest()))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _notify_latest(self) -> None:
+        # Loading the snapshot may read the database: off the loop.
+        snap = await asyncio.to_thread(self._resolver.snapshot)
+        self.notify_changed(snap)
 
     def notify_changed(self, snap: Snapshot) -> int:
         """Send `snap.revision` to every watcher whose desired state changed; return count."""
+        if snap.revision < self._notified:
+            return 0  # an older snapshot finished loading after a newer one
+        self._notified = snap.revision
         sent = 0
         for w in list(self._by_device.values()):
             now = fingerprint(snap.desired(w.device_id, w.attrs))
@@ -135,7 +146,7 @@ class Watchers:
                 self._by_device.pop(device_id).push(_REVOKED)
             else:
                 w.attrs = current[device_id]
-        self.notify_changed(self._resolver.snapshot())
+        await self._notify_latest()
 
     # -- streams (on the loop) ------------------------------------------------------------
 
@@ -146,20 +157,30 @@ class Watchers:
             w.attrs, w.fingerprint = attrs, fingerprint(desired)
 
     async def stream(
-        self, device_id: str, attrs: Mapping, synced: Fingerprint, revision: int
+        self,
+        device_id: str,
+        revision: int,
+        load: Callable[[], Awaitable[tuple[Mapping, Fingerprint]]],
     ) -> AsyncIterator[int]:
-        """Yield revisions for one device until it disconnects, is revoked or reconnects."""
-        snap = self._resolver.snapshot()
-        w = _Watcher(device_id, attrs, fingerprint(snap.desired(device_id, attrs)))
+        """Yield revisions for one device until it disconnects, is revoked or reconnects.
+
+        `load` reads the device's attributes and what it last synced (and refuses a
+        revoked device); it runs after the stream is registered, so a revocation that
+        commits meanwhile is either seen by `load` or closes the registered stream.
+        """
+        w = _Watcher(device_id, {}, frozenset())
         old = self._by_device.get(device_id)
         if old is not None:
             old.push(_REPLACED)  # one stream per device: the newer connection wins
         self._by_device[device_id] = w
         self._closed.discard(device_id)
         self._opened.add(device_id)
-        if w.fingerprint != synced and revision < snap.revision:
-            w.push(snap.revision)  # it missed a change while it was away
         try:
+            w.attrs, synced = await load()
+            snap = await asyncio.to_thread(self._resolver.snapshot)
+            w.fingerprint = fingerprint(snap.desired(device_id, w.attrs))
+            if w.fingerprint != synced and revision < snap.revision:
+                w.push(snap.revision)  # it missed a change while it was away
             while True:
                 item = await w.queue.get()
                 if item == _REVOKED:

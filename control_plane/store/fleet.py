@@ -133,7 +133,7 @@ class FleetStore(abc.ABC):
 
     @abc.abstractmethod
     def count_model_states(self, model: str, version: int, variant: str) -> tuple[int, int]:
-        """Return how many devices synced and how many report installed this version."""
+        """Return how many live (not revoked) devices synced and report installed this version."""
 
     @abc.abstractmethod
     def revision(self) -> int:

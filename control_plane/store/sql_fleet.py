@@ -251,15 +251,16 @@ class SqlFleetStore(FleetStore):
 
     def count_model_states(self, model: str, version: int, variant: str) -> tuple[int, int]:
         """Return (synced, installed) device counts for one model version and variant."""
-        m = orm.DeviceModelRow
+        m, d = orm.DeviceModelRow, orm.DeviceRow
+        live = select(func.count()).select_from(m).join(d).where(d.revoked_at.is_(None))
         with self._scope() as session:
             synced = session.scalar(
-                select(func.count()).where(
+                live.where(
                     m.model == model, m.synced_version == version, m.synced_variant == variant
                 )
             )
             installed = session.scalar(
-                select(func.count()).where(
+                live.where(
                     m.model == model,
                     m.installed_version == version,
                     m.installed_variant == variant,
