@@ -28,8 +28,9 @@ DEVICE_PREFIX = "dev_"
 MAX_ENROLL_TTL_S = 365 * 86_400
 MAX_ENROLL_USES = 10_000_000
 # How long a device's credential lookup is trusted without asking the database again.
-# Revocation does not wait for it: the change feed evicts the device at once.
-AUTH_CACHE_TTL_S = 30.0
+# Revocation does not wait for it: the change feed evicts the device at once (and a
+# feed that lost its connection clears the whole cache when it is back).
+AUTH_CACHE_TTL_S = 300.0
 UNKNOWN_CACHE_TTL_S = 5.0
 AUTH_CACHE_SIZE = 200_000
 

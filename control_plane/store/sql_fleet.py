@@ -88,7 +88,7 @@ def _token(row: orm.EnrollmentTokenRow) -> EnrollmentTokenRecord:
 
 
 class SqlFleetStore(FleetStore):
-    """The fleet half of `SqlStore`; needs `_scope()` from it."""
+    """The fleet half of `SqlStore`; needs `_scope()` and `_read()` from it."""
 
     def add_enrollment_token(self, record: EnrollmentTokenRecord, token_sha256: str) -> None:
         """Store an enrollment token's hash and terms."""
@@ -147,7 +147,7 @@ class SqlFleetStore(FleetStore):
         stmt = select(d.id, d.public_keyset, d.revoked_at, d.stamped_attributes).where(
             d.credential_sha256 == credential_sha256
         )
-        with self._scope() as session:
+        with self._read() as session:
             found = session.execute(stmt).first()
         if found is None:
             return None
@@ -156,7 +156,7 @@ class SqlFleetStore(FleetStore):
 
     def get_device(self, device_id: str) -> DeviceRecord:
         """Return one device."""
-        with self._scope() as session:
+        with self._read() as session:
             row = session.get(orm.DeviceRow, device_id)
             if row is None:
                 raise errors.NotFound(f"device {device_id!r} not found")
@@ -167,7 +167,7 @@ class SqlFleetStore(FleetStore):
 
     def list_devices(self) -> list[DeviceRecord]:
         """Return every device, by id."""
-        with self._scope() as session:
+        with self._read() as session:
             by_device: dict[str, list[orm.DeviceModelRow]] = {}
             for m in session.scalars(select(orm.DeviceModelRow)):
                 by_device.setdefault(m.device_id, []).append(m)
@@ -177,7 +177,7 @@ class SqlFleetStore(FleetStore):
     def device_attributes(self, device_ids: Sequence[str]) -> dict[str, dict]:
         """Return the stored attributes of the given non-revoked devices."""
         out: dict[str, dict] = {}
-        with self._scope() as session:
+        with self._read() as session:
             for start in range(0, len(device_ids), 500):
                 stmt = select(orm.DeviceRow.id, orm.DeviceRow.attributes).where(
                     orm.DeviceRow.id.in_(device_ids[start : start + 500]),
@@ -253,7 +253,7 @@ class SqlFleetStore(FleetStore):
         """Return (synced, installed) device counts for one model version and variant."""
         m, d = orm.DeviceModelRow, orm.DeviceRow
         live = select(func.count()).select_from(m).join(d).where(d.revoked_at.is_(None))
-        with self._scope() as session:
+        with self._read() as session:
             synced = session.scalar(
                 live.where(
                     m.model == model, m.synced_version == version, m.synced_variant == variant
@@ -270,5 +270,5 @@ class SqlFleetStore(FleetStore):
 
     def revision(self) -> int:
         """Return the current fleet revision."""
-        with self._scope() as session:
+        with self._read() as session:
             return session.scalar(select(orm.FleetStateRow.revision)) or 0

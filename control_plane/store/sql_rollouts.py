@@ -52,7 +52,7 @@ def _event_row(rollout_id: str, e: RolloutEventRecord) -> orm.RolloutEventRow:
 
 
 class SqlRolloutStore(RolloutStore):
-    """The rollout half of `SqlStore`; needs `_scope()` from it."""
+    """The rollout half of `SqlStore`; needs `_scope()` and `_read()` from it."""
 
     def create_rollout(self, record: RolloutRecord, event: RolloutEventRecord) -> RolloutRecord:
         """Insert a rollout with its first audit entry and bump the fleet revision."""
@@ -80,7 +80,7 @@ class SqlRolloutStore(RolloutStore):
 
     def get_rollout(self, rollout_id: str) -> RolloutRecord:
         """Return one rollout with its audit log."""
-        with self._scope() as session:
+        with self._read() as session:
             row = session.scalar(
                 select(orm.RolloutRow)
                 .where(orm.RolloutRow.id == rollout_id)
@@ -99,7 +99,7 @@ class SqlRolloutStore(RolloutStore):
             stmt = stmt.where(orm.RolloutRow.model == model)
         if states is not None:
             stmt = stmt.where(orm.RolloutRow.state.in_(states))
-        with self._scope() as session:
+        with self._read() as session:
             return [_rollout(r, audit=False) for r in session.scalars(stmt)]
 
     def change_rollout(self, change: RolloutChange) -> RolloutRecord | None:

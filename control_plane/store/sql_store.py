@@ -47,17 +47,25 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 def _sqlite_begin(conn) -> None:
     # A deferred transaction that reads (the next version number) and then writes loses
     # to any writer that committed in between, however long it waits. Taking the write
-    # lock up front makes concurrent pushes queue on busy_timeout instead. Transactions
-    # here are short (never held across an upload), so readers barely notice.
+    # lock up front makes concurrent writers queue on busy_timeout instead.
     conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def make_engine(url: str) -> Engine:
-    """Create an engine for a SQLAlchemy URL, with the settings each backend needs."""
+def _sqlite_begin_read(conn) -> None:
+    # Read-only transactions must not queue behind writers: in WAL mode a plain BEGIN
+    # reads a consistent snapshot while a writer holds the lock.
+    conn.exec_driver_sql("BEGIN")
+
+
+def make_engine(url: str, *, read_only: bool = False) -> Engine:
+    """Create an engine for a SQLAlchemy URL, with the settings each backend needs.
+
+    On SQLite, `read_only` makes an engine whose transactions do not take the write lock.
+    """
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 10})
         event.listen(engine, "connect", _sqlite_pragmas)
-        event.listen(engine, "begin", _sqlite_begin)
+        event.listen(engine, "begin", _sqlite_begin_read if read_only else _sqlite_begin)
         return engine
     if url.startswith("postgresql"):
         # pool_pre_ping turns a server restart into one reconnect instead of an error;
@@ -117,6 +125,12 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
         self.url = url
         self._engine = make_engine(url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        # SQLite: a second pool whose transactions are plain (deferred) BEGINs, for calls
+        # that only read; PostgreSQL needs no such split.
+        self._reader = make_engine(url, read_only=True) if url.startswith("sqlite") else None
+        self._read_sessions = (
+            sessionmaker(self._reader, expire_on_commit=False) if self._reader else self._sessions
+        )
         self._listeners: list[Callable[[Change], None]] = []
         if migrate:
             self.check()  # sorts "cannot connect" into Unavailable before Alembic runs
@@ -130,6 +144,15 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
     def add_change_listener(self, listener: Callable[[Change], None]) -> None:
         """Call `listener` after every commit that bumped the fleet revision (this process)."""
         self._listeners.append(listener)
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Session]:
+        """Open a read-only transaction (never queues behind a writer on SQLite)."""
+        try:
+            with self._read_sessions.begin() as session:
+                yield session
+        except sa_exc.SQLAlchemyError as exc:
+            raise _sorted_db_error(exc) from exc
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[Session]:
@@ -204,7 +227,7 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
             .group_by(orm.ModelRow.id)
             .order_by(orm.ModelRow.name)
         )
-        with self._scope() as session:
+        with self._read() as session:
             return [
                 ModelRecord(m.name, _aware(m.created_at), latest, count)
                 for m, latest, count in session.execute(stmt)
@@ -228,7 +251,7 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
 
     def list_versions(self, name: str) -> list[VersionRecord]:
         """Return every version of a model, oldest first."""
-        with self._scope() as session:
+        with self._read() as session:
             rows = session.scalars(self._versions_query(name)).all()
             if not rows:
                 raise errors.NotFound(f"model {name!r} not found")
@@ -241,7 +264,7 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
             stmt = stmt.order_by(None).order_by(orm.VersionRow.number.desc()).limit(1)
         else:
             stmt = stmt.where(orm.VersionRow.number == number)
-        with self._scope() as session:
+        with self._read() as session:
             row = session.scalars(stmt).first()
             if row is None:
                 what = f"model {name!r}" if number is None else f"version {name}:{number}"
@@ -250,7 +273,7 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
 
     def referenced_blobs(self) -> set[str]:
         """Return every ciphertext digest a variant points at."""
-        with self._scope() as session:
+        with self._read() as session:
             return set(session.scalars(select(orm.VariantRow.ciphertext_sha256)))
 
     def rewrap_data_keys(self, rewrap: Rewrapper) -> int:
@@ -270,7 +293,7 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
 
     def find_token(self, token_sha256: str) -> TokenRecord | None:
         """Look a token up by its hash."""
-        with self._scope() as session:
+        with self._read() as session:
             row = session.scalar(
                 select(orm.TokenRow).where(orm.TokenRow.token_sha256 == token_sha256)
             )
@@ -278,9 +301,11 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
 
     def check(self) -> None:
         """Probe the database."""
-        with self._scope() as session:
+        with self._read() as session:
             session.execute(text("SELECT 1"))
 
     def close(self) -> None:
-        """Dispose of the connection pool."""
+        """Dispose of the connection pools."""
         self._engine.dispose()
+        if self._reader is not None:
+            self._reader.dispose()
