@@ -1,7 +1,12 @@
-"""A real control plane with two versions of a model pushed, restartable on its port."""
+"""Real control planes with two versions of a model pushed, restartable on their port.
+
+Pushing runs MNN, so the versions are pushed once into a template home; each test serves
+a copy of it (its own database, blobs and keys), so rollouts never leak between tests.
+"""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -9,33 +14,31 @@ import pytest
 
 from control_plane.api.server import build_app, create_server
 from control_plane.demo import sample_models
+from control_plane.home import read_token
+from control_plane.settings import CONFIG_FILE, load_config
 from tests.control_plane.helpers import ControlPlane, start_control_plane
 
 MODEL = "det"
 
 
-def push_versions(cp: ControlPlane, tmp: Path, count: int = 2) -> None:
-    with cp.client() as client:
-        for seed in range(1, count + 1):
-            path = tmp / f"det-{seed}.onnx"
-            path.write_bytes(sample_models.tiny_mlp_onnx(seed=seed))
-            client.push(path, name=MODEL)
+def serve(home: Path, address: str = "127.0.0.1:0") -> ControlPlane:
+    """Serve an initialised home (the helpers' start_control_plane makes a new one)."""
+    config = load_config(home, {"grpc": address}, environ={})
+    app = build_app(config)
+    server, port = create_server(config, app, address)
+    server.start()
+    return ControlPlane(config, app, server, port, read_token(home))
 
 
 def restart(cp: ControlPlane) -> ControlPlane:
     """Stop `cp` and serve the same home again on the same port."""
     cp.stop()
-    app = build_app(cp.config)
     for _ in range(50):  # the old listener may take a moment to let go of the port
         try:
-            server, port = create_server(cp.config, app, cp.address)
-            break
+            return serve(cp.config.home, cp.address)
         except Exception:  # noqa: BLE001 - errors.Unavailable or a bind error
             time.sleep(0.1)
-    else:
-        raise AssertionError(f"cannot listen on {cp.address} again")
-    server.start()
-    return ControlPlane(cp.config, app, server, port, cp.token)
+    raise AssertionError(f"cannot listen on {cp.address} again")
 
 
 def wait_for(check, timeout: float = 20.0, what: str = "condition"):
@@ -48,10 +51,28 @@ def wait_for(check, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.fixture(scope="session")
+def template_home(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("sim-template")
+    cp = start_control_plane(tmp / "home")
+    try:
+        with cp.client() as client:
+            for version in (1, 2):
+                path = tmp / f"det-{version}.onnx"
+                path.write_bytes(sample_models.tiny_mlp_onnx(seed=version))
+                client.push(path, name=MODEL)
+    finally:
+        cp.stop()
+    return cp.config.home
+
+
 @pytest.fixture
-def cp(tmp_path):
-    """A control plane of its own per test (rollouts would leak between tests)."""
-    holder = {"cp": start_control_plane(tmp_path / "home")}
-    push_versions(holder["cp"], tmp_path)
+def cp(template_home, tmp_path):
+    """A control plane of its own; a dict, so a test that restarts it can swap it."""
+    home = tmp_path / "home"
+    shutil.copytree(template_home, home)
+    config = home / CONFIG_FILE  # it names the template's files: point it at the copies
+    config.write_text(config.read_text().replace(str(template_home), str(home)))
+    holder = {"cp": serve(home)}
     yield holder
     holder["cp"].stop()

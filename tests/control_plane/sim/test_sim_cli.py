@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -12,6 +13,7 @@ import time
 
 from control_plane.cli.fleet_views import device_dict
 from control_plane.cli.main import main
+from control_plane.sim.profile import load_profile
 from protos import fleet_pb2
 from tests.control_plane.sim.conftest import MODEL, wait_for
 
@@ -149,3 +151,26 @@ def test_watching_fleet_converges_then_stops_cleanly_on_sigint(cp, tmp_path):
     chosen = [d for d in doc["devices"] if d["attributes"]["platform"] in ("android", "ios")]
     assert len(chosen) == counts.selected
     assert all(d["installed"] == {MODEL: {"version": 1, "variant": "fp32"}} for d in chosen)
+
+
+def test_duration_run_ends_on_its_own_with_streams_open(cp, capsys):
+    cp = cp["cp"]
+    rollout(cp, 2, "")
+    started = time.monotonic()
+    doc = run_json(capsys, sim(cp, "--devices", "6", "--duration", "1s", "--json"))
+    assert 1.0 <= time.monotonic() - started < 10
+    summary = doc["summary"]
+    assert summary["watching"] == 6  # counted before the streams were cancelled
+    assert summary["converged_devices"] == 6
+    assert summary["converged"] == {"det:2 (fp32)": {"desired": 6, "installed": 6}}
+
+
+def test_text_summary_shows_convergence_per_version(cp, capsys):
+    cp = cp["cp"]
+    rollout(cp, 1, "platform=ios")
+    assert main(sim(cp, "--devices", "12", "--seed", "3", "--once")) == 0
+    out = capsys.readouterr().out
+    ios = sum(load_profile().attributes(3, i)["platform"] == "ios" for i in range(12))
+    assert ios > 0
+    assert "devices 12  watching 0  synced 12  converged 12" in out
+    assert re.search(rf"det:1 \(fp32\)\s+{ios}\s+{ios}\s+100%", out), out

@@ -1,0 +1,327 @@
+"""How fast a rollout promote reaches the devices it adds, and only them.
+
+A fleet of simulated devices (the `skiff sim` engine: real gRPC clients that verify every
+signed assignment, unwrap their own keys and install what they are given) enrolls, Syncs
+once and holds Watch streams. A rollout of det:1 to `platform=android` with stages 1, 10,
+50, 100% is created and promoted to 10% (warm-up). Then, once the server's credential
+cache has forgotten every device (31 s, as for a real promote that comes hours after a
+device's last call), the measured promote (10 -> 50%) adds about a fifth of the fleet.
+Reported, for one server on SQLite and for two server processes on one PostgreSQL (the
+devices split between them, the promote sent to one; the other hears it by NOTIFY):
+
+* per-device propagation: from sending the promote to that device's Sync answer carrying
+  det:1 (p50, p99, max), and to having it installed and reported (p99);
+* unaffected syncs: devices outside the added band that Synced anyway during the round
+  and 2 s after it (the goal is 0: Watch pushes only to devices whose state changed).
+
+`--quick` does not wait for the cache to expire (`auth_cache` in the JSON says which).
+Which devices a promote adds is predicted from the sticky buckets and checked afterwards
+against the server's own `fleet ls`. Devices wait uniform(0, jitter) before they Sync, as
+agents do; that wait is part of the figure. Without Watch, agents polling every 300 s
+would take 150 s on average and up to 300 s. Servers and devices share this machine's
+two cores. The last line is one JSON object.
+
+    python bench/propagation.py            # 10,000 devices
+    python bench/propagation.py --quick    # 1,000 devices, no cache wait, within a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from control_plane.api.client import AdminClient  # noqa: E402
+from control_plane.demo import sample_models  # noqa: E402
+from control_plane.fleet.devices import AUTH_CACHE_TTL_S  # noqa: E402
+from control_plane.fleet.selector import parse_selector  # noqa: E402
+from control_plane.home import init_home, read_token  # noqa: E402
+from control_plane.rollouts.lifecycle import bucket, stage_limit  # noqa: E402
+from control_plane.settings import load_config  # noqa: E402
+from control_plane.sim import FleetSimulator, SimOptions  # noqa: E402
+from protos import fleet_pb2  # noqa: E402
+
+CLI = [sys.executable, "-m", "control_plane.cli"]
+PG_ADMIN_URL = os.environ.get("SKIFF_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+MODEL, SELECTOR, STAGES = "det", "platform=android", (1.0, 10.0, 50.0, 100.0)
+SETTLE_S = 2.0
+
+
+# -- servers ---------------------------------------------------------------------------------
+
+
+def start_servers(home: Path, replicas: int, db: str = "") -> list[tuple[subprocess.Popen, str]]:
+    """Init `home` (on `db` if given) and run `replicas` server processes on it."""
+    init_home(load_config(home, {"db": db} if db else {}, environ={}))
+    procs = []
+    for i in range(replicas):  # all started before any is waited for: they boot in parallel
+        log = home.parent / f"server-{i}.log"
+        procs.append(
+            subprocess.Popen(
+                [*CLI, "server", "--home", str(home), "--grpc", "127.0.0.1:0"],
+                stdout=subprocess.PIPE,
+                stderr=log.open("w"),
+                text=True,
+            )
+        )
+    servers = []
+    for i, proc in enumerate(procs):
+        line = proc.stdout.readline()
+        if "listening on" not in line:
+            raise RuntimeError(f"server {i} did not start; see {home.parent}/server-{i}.log")
+        servers.append((proc, line.split("listening on ")[1].split()[0]))
+    return servers
+
+
+def stop_servers(servers: list[tuple[subprocess.Popen, str]]) -> None:
+    for proc, _ in servers:
+        proc.send_signal(signal.SIGTERM)
+    for proc, _ in servers:
+        proc.wait(timeout=60)
+
+
+@contextmanager
+def fresh_postgres():
+    """A new PostgreSQL database on the local server, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"skiff_bench_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def push_model(client: AdminClient, tmp: Path) -> None:
+    path = tmp / "det.onnx"
+    path.write_bytes(sample_models.tiny_mlp_onnx(seed=1))
+    client.push(path, name=MODEL)
+
+
+# -- the fleet -------------------------------------------------------------------------------
+
+
+async def watching_fleet(sim: FleetSimulator, clients: list[AdminClient], n: int) -> float:
+    """Enroll n devices, Sync each once, open every Watch; returns enrollments per second."""
+    token = clients[0].create_enrollment_token(uses=n, name="bench").token
+    started = time.perf_counter()
+    await sim.enroll(n, token)
+    rate = n / (time.perf_counter() - started)
+    failed = await sim.sync_all()
+    if failed:
+        raise RuntimeError(f"{failed} devices could not sync")
+    sim.watch_all()
+    await all_online(clients, n)
+    return rate
+
+
+async def all_online(clients: list[AdminClient], n: int, timeout: float = 600) -> None:
+    """Wait until the servers hold every device's Watch stream."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        online: set[str] = set()
+        for client in clients:  # each replica knows its own streams at once
+            devices = await asyncio.to_thread(client.list_devices)
+            online |= {d.id for d in devices if d.online}
+        if len(online) == n:
+            return
+        await asyncio.sleep(2.0)  # listing every device costs the servers: not too often
+    raise RuntimeError(f"only {len(online)} of {n} devices are watching after {timeout}s")
+
+
+def band(sim: FleetSimulator, rollout: fleet_pb2.Rollout, stage: int) -> set[str]:
+    """Devices the rollout's `stage` includes (predicted from the sticky buckets)."""
+    selector = parse_selector(rollout.selector)
+    limit = stage_limit(list(rollout.stages), stage)
+    return {
+        d.id
+        for d in sim.devices
+        if selector.matches(d.identity.attributes) and bucket(rollout.id, d.id) < limit
+    }
+
+
+async def promote(sim, client, rollout, stage: int, before: set[str]) -> dict:
+    """Promote to `stage`; wait for the devices it adds; return what happened."""
+    added = band(sim, rollout, stage) - before
+    counts = sim.sync_counts()
+    started = time.monotonic()
+    await asyncio.to_thread(client.transition_rollout, rollout.id, "promote", "bench")
+    synced = await sim.wait_synced(MODEL, 1, devices=added, timeout=300)
+    installed = await sim.wait_synced(MODEL, 1, devices=added, installed=True, timeout=300)
+    await asyncio.sleep(SETTLE_S)
+    after = sim.sync_counts()
+    woken = {i for i in after if after[i] != counts[i]} - added
+    return {
+        "added": added,
+        "synced": {i: t - started for i, t in synced.items()},
+        "synced_s": sorted(t - started for t in synced.values()),
+        "installed_s": sorted(t - started for t in installed.values()),
+        "unaffected_syncs": len(woken),
+    }
+
+
+def check_against_server(client: AdminClient, expected: set[str]) -> None:
+    """The server's desired state must match the predicted bands exactly."""
+    devices = client.list_devices()
+    assigned = {d.id for d in devices if MODEL in d.desired}
+    if assigned != expected:
+        raise RuntimeError(
+            f"prediction differs from the server: {len(assigned ^ expected)} devices disagree"
+        )
+
+
+# -- one scenario ----------------------------------------------------------------------------
+
+
+async def scenario(addresses: list[str], token: str, n: int, args) -> dict:
+    """Enroll and watch; create the rollout; warm up; measure one promote."""
+    clients = [AdminClient(address, token) for address in addresses]
+    # Up to 500 devices a connection, and at least two connections a replica.
+    per_channel = max(1, min(500, n // (2 * len(addresses))))
+    options = SimOptions(devices_per_channel=per_channel, sync_jitter_s=args.jitter)
+    try:
+        async with FleetSimulator(addresses, seed=0, options=options) as sim:
+            out = {"enroll_per_s": await watching_fleet(sim, clients, n)}
+            request = fleet_pb2.CreateRolloutRequest(
+                model=MODEL, version=1, selector=SELECTOR, stages=STAGES, bake_s=86_400
+            )
+            rollout = await asyncio.to_thread(clients[0].create_rollout, request)
+            done = band(sim, rollout, 0)
+            await sim.wait_synced(MODEL, 1, devices=done, installed=True, timeout=300)
+            warm_up = await promote(sim, clients[0], rollout, 1, done)
+            done |= warm_up["added"]
+            if not args.quick:
+                # A real promote comes long after most devices last called: let the
+                # server's credential cache forget every device first.
+                await asyncio.sleep(AUTH_CACHE_TTL_S + 1)
+            out.update(await promote(sim, clients[0], rollout, 2, done))
+            out["per_replica_p99_s"] = per_replica(sim, out["synced"])
+            done |= out["added"]
+            await asyncio.to_thread(check_against_server, clients[0], done)
+            return out
+    finally:
+        for client in clients:
+            client.close()
+
+
+def per_replica(sim: FleetSimulator, synced: dict[str, float]) -> dict[str, float]:
+    """p99 propagation of the devices on each replica (the promote went to the first)."""
+    out: dict[str, list[float]] = {}
+    for device_id, seconds in synced.items():
+        out.setdefault(sim.address_of(device_id), []).append(seconds)
+    return {a: round(quantile(sorted(ts), 0.99), 3) for a, ts in out.items()}
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+async def run_case(tmp: Path, n: int, args, replicas: int, db: str = "") -> dict:
+    """Start the servers, run the scenario, stop them (blocking steps: nothing else runs)."""
+    home = tmp / "home"
+    servers = start_servers(home, replicas, db)
+    try:
+        addresses = [address for _, address in servers]
+        token = read_token(home)
+        with AdminClient(addresses[0], token) as client:
+            push_model(client, tmp)
+        return await scenario(addresses, token, n, args)
+    finally:
+        stop_servers(servers)
+
+
+async def both_cases(n: int, args) -> tuple[dict, dict]:
+    """One server on SQLite, then two on PostgreSQL, in one event loop.
+
+    One loop for the whole run: grpc.aio binds to the first loop it meets, and a second
+    asyncio.run in the same process floods stderr with "Event loop is closed".
+    """
+    with tempfile.TemporaryDirectory(prefix="skiff-bench-") as tmp:
+        one = await run_case(Path(tmp), n, args, 1)
+    with tempfile.TemporaryDirectory(prefix="skiff-bench-") as tmp, fresh_postgres() as db:
+        two = await run_case(Path(tmp), n, args, 2, db)
+    return one, two
+
+
+def figures(r: dict) -> dict:
+    synced = r["synced_s"]
+    return {
+        "added": len(r["added"]),
+        "p50_s": round(statistics.median(synced), 3),
+        "p99_s": round(quantile(synced, 0.99), 3),
+        "max_s": round(synced[-1], 3),
+        "installed_p99_s": round(quantile(r["installed_s"], 0.99), 3),
+        "unaffected_syncs": r["unaffected_syncs"],
+        "per_replica_p99_s": r["per_replica_p99_s"],
+    }
+
+
+def report(case: str, raw: dict) -> dict:
+    """Print one case's figures; return them."""
+    f = figures(raw)
+    replicas = f"; per replica p99 {f['per_replica_p99_s']}" if case.startswith("two") else ""
+    print(
+        f"{case}: promote added {f['added']:,} devices: synced p50 {f['p50_s']} s, "
+        f"p99 {f['p99_s']} s, max {f['max_s']} s; installed p99 {f['installed_p99_s']} s; "
+        f"unaffected devices that synced {f['unaffected_syncs']} "
+        f"(enrolled {raw['enroll_per_s']:,.0f}/s){replicas}",
+        flush=True,
+    )
+    return f
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="1,000 devices, no cache wait; under a minute"
+    )
+    parser.add_argument("--devices", type=int, default=0, help="override the fleet size")
+    parser.add_argument("--jitter", type=float, default=0.5, help="devices' Sync jitter (s)")
+    args = parser.parse_args()
+    n = args.devices or (1_000 if args.quick else 10_000)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # servers inherit it
+    print(f"{n:,} devices, Sync jitter {args.jitter} s, {os.cpu_count()} cores", flush=True)
+    raw_one, raw_two = asyncio.run(both_cases(n, args))
+    one = report("one server (SQLite)", raw_one)
+    two = report("two replicas (PostgreSQL), promote sent to the first", raw_two)
+    cache = "warm" if args.quick else "cold"
+    results: dict = {"devices": n, "sync_jitter_s": args.jitter, "auth_cache": cache}
+    for suffix, f in (("", one), ("_two_replicas", two)):
+        results.update(
+            {
+                f"propagation_p50_s{suffix}": f["p50_s"],
+                f"propagation_p99_s{suffix}": f["p99_s"],
+                f"propagation_max_s{suffix}": f["max_s"],
+                f"installed_p99_s{suffix}": f["installed_p99_s"],
+                f"unaffected_syncs{suffix}": f["unaffected_syncs"],
+                f"affected_devices{suffix}": f["added"],
+            }
+        )
+    results["enroll_per_s"] = round(raw_one["enroll_per_s"], 1)
+    results["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    print(f"reproduce: {results['command']}")
+    print(json.dumps(results, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

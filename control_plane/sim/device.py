@@ -1,0 +1,207 @@
+"""One simulated device: the same calls and checks as a real agent, minus running models.
+
+It syncs, verifies the signed assignment against the keys it pinned at enrollment,
+unwraps each new version's data key with its own key pair, has the artifact checked
+(downloaded and decrypted once per process, see `artifacts`), counts it installed and
+Syncs again so the server records what it runs. It holds a Watch stream and Syncs (after
+a little jitter) when the server pushes a revision; when the stream dies it reconnects
+with full-jitter backoff and, while it cannot, Syncs on the server's poll interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime as dt
+import random
+import time
+from collections.abc import Callable
+
+import grpc
+
+from control_plane import errors
+from control_plane.api.fleet_convert import attributes_pb
+from control_plane.sim.artifacts import ArtifactCache
+from control_plane.sim.state import Identity
+from device_agent.assignment import (
+    AssignmentRejected,
+    VerifiedAssignment,
+    VerifiedModel,
+    load_public_keys,
+    verify_sync,
+)
+from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s
+from device_agent.identity import DeviceKeyPair, KeyUnwrapError
+from protos import device_pb2
+
+# Each install is reported by one more Sync; a server that keeps changing its answer
+# gets a few rounds, then the device waits for the next push.
+MAX_ROUNDS = 3
+# A Sync that fails after the connection's own retries is tried again this often.
+SYNC_ATTEMPTS = 3
+# A stream that stayed up this long was healthy: the next failure starts backoff afresh.
+STABLE_S = 5.0
+AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+Target = tuple[str, int, str]  # (model, version, variant)
+
+
+class SimDevice:
+    """A device's identity, its view of its assignment, and its counters."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        channel: grpc.aio.Channel,
+        *,
+        cache: ArtifactCache,
+        notify: Callable[[SimDevice], None] = lambda device: None,
+    ) -> None:
+        self.identity, self.id = identity, identity.device_id
+        self._conn = DeviceConnection(channel, identity.credential)
+        self._keys = DeviceKeyPair.from_private(identity.private_keyset)
+        self._pinned = load_public_keys(identity.signing_public_keys)
+        self._attrs = attributes_pb(identity.attributes)
+        self._cache, self._notify = cache, notify
+        self._lock = asyncio.Lock()
+        self.poll_interval_s = identity.poll_interval_s
+        self.revision = 0
+        self.desired: dict[str, VerifiedModel] = {}
+        self.installed: dict[str, tuple[int, str]] = {}
+        # When this device first received / installed each target (time.monotonic()).
+        self.synced_at: dict[Target, float] = {}
+        self.installed_at: dict[Target, float] = {}
+        self.syncs = 0
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.watching = False
+        self.reconnects = 0
+        self.rejected = ""  # why the server refuses this device for good
+        self._last_sync = 0.0
+
+    # -- sync and install -----------------------------------------------------------------
+
+    async def sync(self) -> bool:
+        """Sync, install what is newly assigned and report it; False if it failed."""
+        async with self._lock:  # a push and a poll must not interleave their rounds
+            try:
+                for _ in range(MAX_ROUNDS):
+                    if not await self._install(await self._sync_once()):
+                        break
+                return True
+            except DeviceCallError as exc:
+                self.failures[exc.code.name.lower()] += 1
+                if exc.code in AUTH_CODES:
+                    self.rejected = exc.message
+            except AssignmentRejected:
+                self.failures["assignment_rejected"] += 1
+            except (errors.IntegrityError, KeyUnwrapError):
+                self.failures["integrity"] += 1
+            except (ValueError, KeyError, TypeError):
+                # A signed document that verifies but does not parse: the agent drops the
+                # answer and carries on, and so does the simulated device.
+                self.failures["malformed"] += 1
+            return False
+
+    async def sync_retrying(self) -> bool:
+        """Sync, trying again after a failure that another attempt can fix."""
+        for attempt in range(SYNC_ATTEMPTS):
+            if await self.sync() or self.rejected:
+                return not self.rejected
+            await asyncio.sleep(backoff_s(attempt))
+        return False
+
+    async def _sync_once(self) -> VerifiedAssignment:
+        installed = [
+            device_pb2.InstalledModel(model=m, version=v, variant=variant)
+            for m, (v, variant) in sorted(self.installed.items())
+        ]
+        response = await self._conn.sync(self._attrs, installed, self.revision)
+        at = time.monotonic()
+        assignment = verify_sync(
+            response,
+            device_id=self.id,
+            keys=self._pinned,
+            last_revision=self.revision,
+            now=dt.datetime.now(dt.UTC),
+        )
+        self.revision, self.desired = assignment.revision, assignment.models
+        self.poll_interval_s = response.poll_interval_s or self.poll_interval_s
+        self.syncs += 1
+        self._last_sync = at
+        for m in assignment.models.values():
+            self.synced_at.setdefault((m.model, m.version, m.variant), at)
+        self._notify(self)
+        return assignment
+
+    async def _install(self, assignment: VerifiedAssignment) -> bool:
+        """Install every assigned version not yet installed; return whether any changed."""
+        changed = False
+        for name in [m for m in self.installed if m not in assignment.models]:
+            del self.installed[name]  # no longer assigned: the agent removes it
+            changed = True
+        for m in assignment.models.values():
+            if self.installed.get(m.model) == (m.version, m.variant):
+                continue
+            if not m.wrapped_data_key:
+                raise AssignmentRejected(f"{m.model}: no data key for a version not installed")
+            key = self._keys.unwrap(m.wrapped_data_key, device_id=self.id, version_uid=m.uid)
+            await self._cache.check(self._conn, m, key)
+            self.installed[m.model] = (m.version, m.variant)
+            self.installed_at.setdefault((m.model, m.version, m.variant), time.monotonic())
+            changed = True
+        if changed:
+            self._notify(self)
+        return changed
+
+    # -- watch ------------------------------------------------------------------------------
+
+    async def watch_forever(self, jitter_s: float) -> None:
+        """Hold the Watch stream until cancelled or refused; Sync on every push."""
+        attempt = 0
+        while not self.rejected:
+            started = time.monotonic()
+            try:
+                self.watching = True
+                async for revision in self._conn.watch(self.revision):
+                    attempt = 0
+                    if revision > self.revision:  # else a Sync already brought it
+                        await asyncio.sleep(random.uniform(0, jitter_s))
+                        await self.sync_retrying()
+            except DeviceCallError as exc:
+                if exc.code in AUTH_CODES:
+                    self.rejected = exc.message
+                    break
+            finally:
+                self.watching = False
+            if time.monotonic() - started > STABLE_S:
+                attempt = 0
+            self.reconnects += 1
+            await asyncio.sleep(backoff_s(attempt))
+            attempt += 1
+            if time.monotonic() - self._last_sync >= self.poll_interval_s:
+                await self.sync()  # the stream is down: poll, as the server asked
+
+    # -- views ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        """Return the device as `skiff sim --json` prints it (desired as `fleet ls` does).
+
+        Attributes are those the device reports; a token may stamp more on the server.
+        """
+        body = {
+            "id": self.id,
+            "attributes": self.identity.attributes,
+            "desired": {
+                m.model: {"version": m.version, "variant": m.variant, "rollout": m.rollout}
+                for m in sorted(self.desired.values(), key=lambda m: m.model)
+            },
+            "installed": {
+                m: {"version": v, "variant": variant}
+                for m, (v, variant) in sorted(self.installed.items())
+            },
+            "syncs": self.syncs,
+            "revision": self.revision,
+        }
+        if self.rejected:
+            body["rejected"] = self.rejected
+        return body

@@ -1,0 +1,254 @@
+"""The fleet simulator: thousands of devices over a few shared gRPC channels.
+
+The Python API the CLI, the benchmarks and the demo use:
+
+    async with FleetSimulator([address], profile=load_profile(), seed=0) as sim:
+        await sim.enroll(1000, token)           # attributes drawn from the profile
+        await sim.sync_all()
+        sim.watch_all()
+        times = await sim.wait_synced("det", 2, devices=ids, timeout=60)
+
+Each channel is its own TCP connection (a local subchannel pool: by default gRPC would
+fold every channel to one address into one connection) and carries `devices_per_channel`
+devices, their credentials travelling with each call. With several addresses (replicas of
+one control plane), channels take them in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from control_plane import errors
+from control_plane.api.fleet_convert import attributes_pb
+from control_plane.sim.artifacts import ArtifactCache
+from control_plane.sim.device import SimDevice, Target
+from control_plane.sim.profile import Profile, load_profile
+from control_plane.sim.state import Identity
+from control_plane.sim.stats import FleetStats, fleet_stats
+from device_agent.connection import CHANNEL_OPTIONS, DeviceCallError, DeviceConnection
+from device_agent.identity import DeviceKeyPair
+
+SIM_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    # One connection per channel, so N channels are N connections like N device groups.
+    ("grpc.use_local_subchannel_pool", 1),
+    # Hundreds of devices share each connection; after a server restart they should not
+    # all wait out gRPC's default reconnect backoff (up to 120 s): their own jittered
+    # backoff already spreads the load.
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+]
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the simulated fleet behaves."""
+
+    devices_per_channel: int = 500
+    # Devices wait uniform(0, this) after a push before they Sync, so a fleet-wide change
+    # is not one burst; it adds to propagation time.
+    sync_jitter_s: float = 0.5
+    # Enroll and Sync calls in flight at once in `enroll` and `sync_all`.
+    concurrency: int = 128
+
+
+class FleetSimulator:
+    """A simulated fleet; use as an async context manager (it owns channels and tasks)."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        profile: Profile | None = None,
+        seed: int = 0,
+        options: SimOptions | None = None,
+    ) -> None:
+        if not addresses:
+            raise errors.InvalidArgument("the simulator needs a control plane address")
+        self.addresses = tuple(addresses)
+        self.profile, self.seed = profile or load_profile(), seed
+        self.options = options or SimOptions()
+        self.devices: list[SimDevice] = []
+        self._address: dict[str, str] = {}
+        self.cache = ArtifactCache()
+        self._channels: list[grpc.aio.Channel] = []
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._changed = asyncio.Event()
+
+    async def __aenter__(self) -> FleetSimulator:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _channel(self, index: int) -> grpc.aio.Channel:
+        n = index // self.options.devices_per_channel
+        while len(self._channels) <= n:
+            address = self._address_at(len(self._channels) * self.options.devices_per_channel)
+            self._channels.append(grpc.aio.insecure_channel(address, options=SIM_CHANNEL_OPTIONS))
+        return self._channels[n]
+
+    def _address_at(self, index: int) -> str:
+        n = index // self.options.devices_per_channel
+        return self.addresses[n % len(self.addresses)]
+
+    def address_of(self, device_id: str) -> str:
+        """Return the control plane address (replica) a device talks to."""
+        return self._address[device_id]
+
+    def _notified(self, _device: SimDevice) -> None:
+        self._changed.set()
+
+    def adopt(self, identities: Sequence[Identity]) -> list[SimDevice]:
+        """Add already-enrolled devices (from a state file); returns them."""
+        added = []
+        for identity in identities:
+            index = len(self.devices)
+            device = SimDevice(
+                identity, self._channel(index), cache=self.cache, notify=self._notified
+            )
+            self._address[device.id] = self._address_at(index)
+            self.devices.append(device)
+            added.append(device)
+        return added
+
+    async def enroll(self, n: int, token: str) -> list[SimDevice]:
+        """Enroll `n` new devices, attributes drawn from the profile; returns them.
+
+        Device i of the fleet gets the profile's draw i for the seed, whatever ran before.
+        The first enrolls alone so a refused token or an unreachable server fails once,
+        clearly, instead of once per device.
+        """
+        start = len(self.devices)
+        attrs = [self.profile.attributes(self.seed, start + i) for i in range(n)]
+        if not attrs:
+            return []
+        try:
+            first = await self._enroll_one(start, attrs[0], token)
+        except DeviceCallError as exc:
+            raise _enroll_error(exc, self.addresses[0], enrolled=0) from None
+        limit = asyncio.Semaphore(self.options.concurrency)
+        slots: list[Identity | None] = [first] + [None] * (n - 1)
+
+        async def one(i: int) -> None:
+            async with limit:
+                slots[i] = await self._enroll_one(start + i, attrs[i], token)
+
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(1, n)), return_exceptions=True)
+        finally:  # also when cancelled: keep whoever enrolled, their state is saved
+            added = self.adopt([s for s in slots if s is not None])
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise _enroll_error(failed[0], self.addresses[0], enrolled=len(added))
+        return added
+
+    async def _enroll_one(self, index: int, attrs: dict, token: str) -> Identity:
+        keys = DeviceKeyPair.generate()
+        conn = DeviceConnection(self._channel(index))
+        reply = await conn.enroll(token, attributes_pb(attrs), keys.public_keyset())
+        return Identity(
+            device_id=reply.device_id,
+            credential=reply.credential,
+            private_keyset=keys.private_keyset(),
+            attributes=attrs,
+            signing_public_keys=tuple(reply.signing_public_keys),
+            poll_interval_s=reply.poll_interval_s,
+        )
+
+    async def sync_all(self, devices: Sequence[SimDevice] | None = None) -> int:
+        """Sync (and install) every device once, bounded in flight; returns failures."""
+        limit = asyncio.Semaphore(self.options.concurrency)
+
+        async def one(device: SimDevice) -> bool:
+            async with limit:
+                return await device.sync_retrying()
+
+        chosen = self.devices if devices is None else devices
+        results = await asyncio.gather(*(one(d) for d in chosen))
+        return results.count(False)
+
+    def watch_all(self) -> None:
+        """Start every device's Watch loop (those already watching are left alone)."""
+        for device in self.devices:
+            task = self._tasks.get(device.id)
+            if task is None or task.done():
+                self._tasks[device.id] = asyncio.create_task(
+                    device.watch_forever(self.options.sync_jitter_s), name=f"watch-{device.id}"
+                )
+
+    async def wait_synced(
+        self,
+        model: str,
+        version: int,
+        variant: str = "fp32",
+        *,
+        devices: Collection[str] | None = None,
+        installed: bool = False,
+        timeout: float = 60.0,
+    ) -> dict[str, float]:
+        """Wait until every device named (default: all) has synced (or installed) a version.
+
+        Returns each device's time.monotonic() of its first Sync carrying the version (or
+        of installing it). Unavailable, naming how many are missing, after `timeout`.
+        """
+        target = (model, version, variant)
+        wanted = set(devices) if devices is not None else {d.id for d in self.devices}
+        by_id = {d.id: d for d in self.devices if d.id in wanted}
+        if len(by_id) != len(wanted):
+            raise errors.InvalidArgument("wait_synced names devices this fleet does not have")
+        deadline = time.monotonic() + timeout
+        pending = set(wanted)
+        while True:
+            done = {i for i in pending if target in _times(by_id[i], installed)}
+            pending -= done
+            if not pending:
+                return {i: _times(d, installed)[target] for i, d in by_id.items()}
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=max(left, 0))
+            except TimeoutError:
+                what = "installed" if installed else "synced"
+                raise errors.Unavailable(
+                    f"{len(pending)} of {len(wanted)} devices have not {what} "
+                    f"{model}:{version} ({variant}) after {timeout:g}s"
+                ) from None
+
+    def sync_counts(self) -> dict[str, int]:
+        """Return how many Syncs each device has completed."""
+        return {d.id: d.syncs for d in self.devices}
+
+    def stats(self) -> FleetStats:
+        """Count what the fleet is doing now."""
+        return fleet_stats(self.devices, self.cache)
+
+    async def close(self) -> None:
+        """Cancel every Watch loop and close the channels."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)
+        self._channels.clear()
+
+
+def _times(device: SimDevice, installed: bool) -> dict[Target, float]:
+    return device.installed_at if installed else device.synced_at
+
+
+def _enroll_error(exc: BaseException, address: str, *, enrolled: int) -> errors.SkiffError:
+    note = f" ({enrolled} enrolled first)" if enrolled else ""
+    if not isinstance(exc, DeviceCallError):
+        return errors.SkiffError(f"enrollment failed: {exc}{note}")
+    if exc.code == grpc.StatusCode.UNAVAILABLE:
+        first = exc.message.splitlines()[0]
+        return errors.Unavailable(f"control plane unreachable at {address}: {first}{note}")
+    if exc.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return errors.Unauthenticated(f"enrollment refused: {exc.message}{note}")
+    return errors.SkiffError(f"enrollment failed: {exc}{note}")
