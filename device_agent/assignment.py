@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
+NONCE_BYTES = 16
 
 
 class AssignmentRejected(Exception):
@@ -94,26 +96,41 @@ class VerifiedAssignment:
     models: dict[str, VerifiedModel]
 
 
+def new_nonce() -> bytes:
+    """Return fresh random bytes for one Sync: its signed answer must echo them."""
+    return os.urandom(NONCE_BYTES)
+
+
 def verify_sync(
     response,
     *,
     device_id: str,
+    nonce: bytes,
     keys: Sequence[Ed25519PublicKey],
     last_revision: int,
     now: dt.datetime,
 ) -> VerifiedAssignment:
-    """Check a SyncResponse end to end; AssignmentRejected names the first problem."""
+    """Check a SyncResponse end to end; AssignmentRejected names the first problem.
+
+    `nonce` is what the device sent with this Sync: an answer recorded earlier (even at
+    the same revision, for the same device) does not carry it and is refused.
+    """
     doc = verify_signed(response.document, response.document_signature, keys)
     if doc.get("schema") != ASSIGNMENT_SCHEMA:
         raise AssignmentRejected(f"unknown assignment schema {doc.get('schema')!r}")
     if doc.get("device") != device_id:
         raise AssignmentRejected("assignment is for another device")
+    if len(nonce) < NONCE_BYTES or doc.get("nonce") != nonce.hex():
+        raise AssignmentRejected("assignment does not answer this request (nonce differs)")
     revision = doc.get("revision")
     if not isinstance(revision, int) or revision < last_revision:
         raise AssignmentRejected(f"assignment revision {revision} is older than {last_revision}")
     if revision != response.revision:
         raise AssignmentRejected("response revision differs from the signed one")
-    expires = dt.datetime.fromisoformat(doc["expires_at"])
+    try:
+        expires = dt.datetime.fromisoformat(doc["expires_at"])
+    except (KeyError, TypeError, ValueError):
+        raise AssignmentRejected("assignment has no valid expiry") from None
     if expires <= now:
         raise AssignmentRejected(f"assignment expired at {doc['expires_at']}")
     entries = doc.get("models", {})
@@ -131,6 +148,7 @@ def _verified_model(m, entry: dict, keys: Sequence[Ed25519PublicKey]) -> Verifie
         "rollout": m.rollout,
         "ciphertext_sha256": a.ciphertext_sha256,
         "ciphertext_size": a.ciphertext_size,
+        "segment_size": a.segment_size,
         "plaintext_sha256": a.plaintext_sha256,
         "plaintext_size": a.plaintext_size,
         "associated_data": a.associated_data,

@@ -93,10 +93,12 @@ class DeviceConnection:
         attributes: device_pb2.DeviceAttributes,
         installed: Sequence[device_pb2.InstalledModel],
         revision: int,
+        *,
+        nonce: bytes,
     ) -> device_pb2.SyncResponse:
-        """Ask for the desired state."""
+        """Ask for the desired state; the signed answer echoes `nonce` (see verify_sync)."""
         request = device_pb2.SyncRequest(
-            attributes=attributes, installed=list(installed), revision=revision
+            attributes=attributes, installed=list(installed), revision=revision, nonce=nonce
         )
         return await self._unary(self._stub.Sync, request)
 

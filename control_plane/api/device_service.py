@@ -122,7 +122,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         device = self._fleet.authenticate(authorization)
         installed = _installed(request.installed)
         attrs = self._fleet.device_attributes(device, attributes_dict(request.attributes))
-        result: SyncResult = self._delivery.sync(device, attrs, installed)
+        result: SyncResult = self._delivery.sync(device, attrs, installed, request.nonce)
         desired = {a.model: a.desired for a in result.assignments}
         self._remember(device.id, attrs)
         synced = tuple(ModelState(m, d.version, d.variant) for m, d in desired.items())

@@ -29,6 +29,7 @@ ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 _VERSION_CACHE = 1024
 _KEY_CACHE = 256
 _KEY_CACHE_TTL_S = 600.0
+MIN_NONCE, MAX_NONCE = 16, 64
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,15 @@ class Delivery:
         return snap.revision, snap.desired(device_id, attrs)
 
     def sync(
-        self, device: DeviceAuth, attrs: Mapping, installed: tuple[ModelState, ...]
+        self,
+        device: DeviceAuth,
+        attrs: Mapping,
+        installed: tuple[ModelState, ...],
+        nonce: bytes = b"",
     ) -> SyncResult:
-        """Answer one device's Sync."""
+        """Answer one device's Sync; the signed document echoes the device's nonce."""
+        if nonce and not MIN_NONCE <= len(nonce) <= MAX_NONCE:
+            raise errors.InvalidArgument(f"nonce must be {MIN_NONCE} to {MAX_NONCE} bytes")
         revision, desired = self.desired(device.id, attrs)
         have = {(s.model, s.version, s.variant) for s in installed}
         assignments = tuple(
@@ -122,6 +129,7 @@ class Delivery:
             {
                 "schema": ASSIGNMENT_SCHEMA,
                 "device": device.id,
+                "nonce": nonce.hex(),
                 "revision": revision,
                 "issued_at": now.isoformat(),
                 "expires_at": (now + self._ttl).isoformat(),
@@ -185,6 +193,7 @@ def _document_entry(a: Assignment) -> dict:
         "uid": a.version.uid,
         "ciphertext_sha256": a.variant.ciphertext_sha256,
         "ciphertext_size": a.variant.ciphertext_size,
+        "segment_size": a.variant.segment_size,
         "plaintext_sha256": a.variant.plaintext_sha256,
         "plaintext_size": a.variant.plaintext_size,
         "associated_data": associated_data(a.version.uid, a.variant.name).decode(),

@@ -28,6 +28,7 @@ from device_agent.assignment import (
     VerifiedAssignment,
     VerifiedModel,
     load_public_keys,
+    new_nonce,
     verify_sync,
 )
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s
@@ -115,11 +116,13 @@ class SimDevice:
             device_pb2.InstalledModel(model=m, version=v, variant=variant)
             for m, (v, variant) in sorted(self.installed.items())
         ]
-        response = await self._conn.sync(self._attrs, installed, self.revision)
+        nonce = new_nonce()
+        response = await self._conn.sync(self._attrs, installed, self.revision, nonce=nonce)
         at = time.monotonic()
         assignment = verify_sync(
             response,
             device_id=self.id,
+            nonce=nonce,
             keys=self._pinned,
             last_revision=self.revision,
             now=dt.datetime.now(dt.UTC),

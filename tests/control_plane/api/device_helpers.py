@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.crypto import decrypt_stream
-from device_agent.assignment import load_public_keys, verify_sync
+from device_agent.assignment import load_public_keys, new_nonce, verify_sync
 from device_agent.connection import DeviceConnection, open_channel
 from device_agent.identity import DeviceKeyPair
 from protos import device_pb2
@@ -59,21 +59,25 @@ class Device:
             attributes,
         )
 
-    def sync_raw(self, revision: int | None = None) -> device_pb2.SyncResponse:
+    def sync_raw(
+        self, revision: int | None = None, *, nonce: bytes = b"\0" * 16
+    ) -> device_pb2.SyncResponse:
         installed = [device_pb2.InstalledModel(**m) for m in self.installed]
         rev = self.revision if revision is None else revision
         return run(
             self.address,
             self.credential,
-            lambda c: c.sync(attributes_pb(self.attributes), installed, rev),
+            lambda c: c.sync(attributes_pb(self.attributes), installed, rev, nonce=nonce),
         )
 
     def sync(self):
-        """Sync, verify the signed answer, and remember its revision."""
-        response = self.sync_raw()
+        """Sync with a fresh nonce, verify the signed answer, and remember its revision."""
+        nonce = new_nonce()
+        response = self.sync_raw(nonce=nonce)
         verified = verify_sync(
             response,
             device_id=self.id,
+            nonce=nonce,
             keys=load_public_keys(self.signing_keys),
             last_revision=self.revision,
             now=dt.datetime.now(dt.UTC),

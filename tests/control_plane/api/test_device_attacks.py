@@ -156,7 +156,11 @@ def sync_with(device: Device, attributes=None, installed=()) -> device_pb2.SyncR
         attrs = attributes
     else:
         attrs = attributes_pb(attributes or {})
-    return run(device.address, device.credential, lambda c: c.sync(attrs, list(installed), 0))
+    return run(
+        device.address,
+        device.credential,
+        lambda c: c.sync(attrs, list(installed), 0, nonce=b"\0" * 16),
+    )
 
 
 class Health:
@@ -428,7 +432,7 @@ def test_an_older_answer_at_the_same_revision_is_not_accepted_again(plane, run_i
     device.attributes = {**device.attributes, "app_version": "5.3"}
     assert "det" in device.sync().models
     assert device.revision == before.revision  # nothing changed fleet-wide in between
-    monkeypatch.setattr(device, "sync_raw", lambda revision=None: before)  # replayed
+    monkeypatch.setattr(device, "sync_raw", lambda revision=None, **_: before)  # replayed
     with pytest.raises(AssignmentRejected):
         device.sync()
 
@@ -743,11 +747,11 @@ def test_forged_or_reshuffled_answers_are_rejected(plane, run_id):
     keys = load_public_keys(a.signing_keys)
     now = dt.datetime.now(dt.UTC)
     response = a.sync_raw()
-    verify_sync(response, device_id=a.id, keys=keys, last_revision=0, now=now)
+    verify_sync(response, device_id=a.id, nonce=b"\0" * 16, keys=keys, last_revision=0, now=now)
 
     def rejected(msg):
         with pytest.raises(AssignmentRejected):
-            verify_sync(msg, device_id=a.id, keys=keys, last_revision=0, now=now)
+            verify_sync(msg, device_id=a.id, nonce=b"\0" * 16, keys=keys, last_revision=0, now=now)
 
     # The same model twice.
     doubled = device_pb2.SyncResponse()
@@ -773,7 +777,9 @@ def test_forged_or_reshuffled_answers_are_rejected(plane, run_id):
     rejected(dup)
     # B's answer replayed to A.
     with pytest.raises(AssignmentRejected, match="another device"):
-        verify_sync(b.sync_raw(), device_id=a.id, keys=keys, last_revision=0, now=now)
+        verify_sync(
+            b.sync_raw(), device_id=a.id, nonce=b"\0" * 16, keys=keys, last_revision=0, now=now
+        )
 
 
 def test_no_secrets_in_logs(plane, run_id, caplog):

@@ -16,6 +16,7 @@ from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, run
 
 ANDROID = {"platform": "android", "app_version": "5.3", "soc": "sm8650"}
+NONCE = b"\0" * 16  # what Device.sync_raw sends unless told otherwise
 IOS = {"platform": "ios", "app_version": "5.3"}
 
 
@@ -155,16 +156,26 @@ def test_signed_assignment_cannot_be_replayed_or_mixed(published, enroll_token):
     keys = load_public_keys(a.signing_keys)
     now = dt.datetime.now(dt.UTC)
     response = a.sync_raw()
-    verify_sync(response, device_id=a.id, keys=keys, last_revision=0, now=now)
+    verify_sync(response, device_id=a.id, nonce=NONCE, keys=keys, last_revision=0, now=now)
     with pytest.raises(AssignmentRejected, match="another device"):
-        verify_sync(response, device_id=b.id, keys=keys, last_revision=0, now=now)
+        verify_sync(response, device_id=b.id, nonce=NONCE, keys=keys, last_revision=0, now=now)
     with pytest.raises(AssignmentRejected, match="older"):
         verify_sync(
-            response, device_id=a.id, keys=keys, last_revision=response.revision + 1, now=now
+            response,
+            device_id=a.id,
+            nonce=NONCE,
+            keys=keys,
+            last_revision=response.revision + 1,
+            now=now,
         )
     with pytest.raises(AssignmentRejected, match="expired"):
         verify_sync(
-            response, device_id=a.id, keys=keys, last_revision=0, now=now + dt.timedelta(days=2)
+            response,
+            device_id=a.id,
+            nonce=NONCE,
+            keys=keys,
+            last_revision=0,
+            now=now + dt.timedelta(days=2),
         )
     # Another device's wrapped key swapped in: the signed digest no longer matches.
     other = b.sync_raw()
@@ -172,7 +183,7 @@ def test_signed_assignment_cannot_be_replayed_or_mixed(published, enroll_token):
     mixed.CopyFrom(response)
     mixed.models[0].wrapped_data_key = other.models[0].wrapped_data_key
     with pytest.raises(AssignmentRejected, match="wrapped_key_sha256"):
-        verify_sync(mixed, device_id=a.id, keys=keys, last_revision=0, now=now)
+        verify_sync(mixed, device_id=a.id, nonce=NONCE, keys=keys, last_revision=0, now=now)
     # A key of our own cannot sign for the server.
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -182,14 +193,22 @@ def test_signed_assignment_cannot_be_replayed_or_mixed(published, enroll_token):
     resigned.CopyFrom(response)
     resigned.document_signature = impostor.sign(response.document)
     with pytest.raises(AssignmentRejected, match="signature"):
-        verify_sync(resigned, device_id=a.id, keys=keys, last_revision=0, now=now)
+        verify_sync(resigned, device_id=a.id, nonce=NONCE, keys=keys, last_revision=0, now=now)
     pem = impostor.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     with pytest.raises(AssignmentRejected):
         verify_sync(
-            response, device_id=a.id, keys=load_public_keys([pem]), last_revision=0, now=now
+            response,
+            device_id=a.id,
+            nonce=NONCE,
+            keys=load_public_keys([pem]),
+            last_revision=0,
+            now=now,
         )
+    # An answer to another request (another nonce) is refused, even at the same revision.
+    with pytest.raises(AssignmentRejected, match="nonce"):
+        verify_sync(response, device_id=a.id, nonce=b"\1" * 16, keys=keys, last_revision=0, now=now)
 
 
 def test_revoked_device_is_refused(published, enroll_token):
