@@ -3,6 +3,8 @@
 Starts a control plane on a throwaway home (SQLite + local blob directory), builds a real
 small model, pushes it twice (ONNX converted in-process by MNN's converter, plus int8 and
 fp16 variants), shows the registry, pulls a version back and checks it byte for byte.
+Then a simulated fleet runs version 1, a staged rollout of version 2 to the Android
+devices converges stage by stage, and a rollback brings them back.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from control_plane.api.client import AdminClient
 from control_plane.api.server import start_server
 from control_plane.cli import views
 from control_plane.demo import sample_models
+from control_plane.demo.fleet_walkthrough import run_fleet_demo
 from control_plane.home import init_home, read_token
 from control_plane.settings import CONFIG_FILE, load_config
 
@@ -34,15 +37,17 @@ def run_demo(*, home: Path | None = None) -> None:
         _say(f"== initialised embedded control plane in {config.home}")
     server, port = start_server(config=config, address="127.0.0.1:0")
     try:
-        with AdminClient(f"127.0.0.1:{port}", read_token(config.home)) as client:
-            _walkthrough(client, config.home / "work")
+        address = f"127.0.0.1:{port}"
+        with AdminClient(address, read_token(config.home)) as client:
+            old, new = _walkthrough(client, config.home / "work")
+            run_fleet_demo(client, address, model="detector", old=old, new=new)
     finally:
         server.stop(grace=2)
         server.app.store.close()
     _say(f"== done; state is in {config.home}")
 
 
-def _walkthrough(client: AdminClient, work: Path) -> None:
+def _walkthrough(client: AdminClient, work: Path) -> tuple[int, int]:
     work.mkdir(parents=True, exist_ok=True)
     v1_file = work / "detector.onnx"
     v1_file.write_bytes(sample_models.tiny_mlp_onnx(seed=1))
@@ -71,3 +76,4 @@ def _walkthrough(client: AdminClient, work: Path) -> None:
     except errors.SkiffError as exc:
         _say(f"\n== push of random bytes rejected: {exc}")
     _say(f"   versions of detector still: {client.get_model('detector').model.version_count}")
+    return v1.version, v2.version
