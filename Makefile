@@ -50,6 +50,8 @@ bench: install
 	$(BIN)/python bench/registry.py --quick
 	$(BIN)/python bench/stream.py --quick
 	$(BIN)/python bench/infer.py --quick
+	$(BIN)/python bench/sync.py --quick
+	$(BIN)/python bench/propagation.py --quick
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME) .pytest_cache .ruff_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -39,9 +40,9 @@ def _pg_admin_engine():
     )
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh, empty PostgreSQL database on the local server, dropped afterwards.
+@contextlib.contextmanager
+def fresh_pg_database() -> Iterator[str]:
+    """Create an empty PostgreSQL database on the local server; drop it afterwards.
 
     On CI (CI set) an unreachable server fails the test: the PostgreSQL run is mandatory.
     """
@@ -65,6 +66,20 @@ def pg_url() -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test."""
+    with fresh_pg_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database shared by one test module."""
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,3 +47,25 @@ def start_control_plane(home: Path, **settings) -> ControlPlane:
     server, port = create_server(config, app, "127.0.0.1:0")
     server.start()
     return ControlPlane(config, app, server, port, read_token(config.home))
+
+
+def spawn_server(home: Path) -> tuple[subprocess.Popen, str]:
+    """Run `skiff server` for `home` on a free loopback port; returns it and its address."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "control_plane.cli",
+            "server",
+            "--home",
+            str(home),
+            "--grpc",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    return proc, line.split("listening on ")[1].split()[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.demo import sample_models
+from tests.control_plane.helpers import spawn_server
 
 SKIFF = [sys.executable, "-m", "control_plane.cli"]
 
@@ -36,15 +37,7 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("cli") / "home"
     init = skiff("init", "--home", str(home), "--json")
     made = json.loads(init.stdout)
-    proc = subprocess.Popen(
-        [*SKIFF, "server", "--home", str(home), "--grpc", "127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    address = line.split("listening on ")[1].split()[0]
+    proc, address = spawn_server(home)
     env = {"SKIFF_HOME": str(home), "SKIFF_SERVER": address, "SKIFF_TOKEN": ""}
     yield {"home": home, "env": env, "init": made, "proc": proc}
     proc.send_signal(signal.SIGTERM)

@@ -20,7 +20,6 @@ import secrets
 import sqlite3
 import threading
 import time
-import uuid
 
 import grpc
 import pytest
@@ -44,33 +43,6 @@ PG = pytest.param("postgresql", marks=pytest.mark.postgres)
 # -- fixtures ---------------------------------------------------------------------------------
 
 
-def _module_pg_url():
-    """A fresh PostgreSQL database for one module (the suite's `pg_url`, module-scoped)."""
-    import os
-
-    from sqlalchemy import exc, text
-
-    from tests.conftest import PG_ADMIN_URL, _pg_admin_engine
-
-    admin = _pg_admin_engine()
-    name = f"skiff_test_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except exc.OperationalError as error:
-        admin.dispose()
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is required on CI and unreachable: {error}")
-        pytest.skip(f"PostgreSQL unreachable: {error}")
-
-    def drop():
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name, drop
-
-
 @pytest.fixture(scope="module", params=["sqlite", PG])
 def plane(request, tmp_path_factory, onnx_path):
     """One control plane per database with det:1 (fp32) and det:2 (fp32 + int8) pushed.
@@ -80,9 +52,8 @@ def plane(request, tmp_path_factory, onnx_path):
     that must see the reports (ListDevices, GetDevice, GetRollout) flush first anyway.
     """
     settings = {"scheduler_interval_s": 0.2, "device_flush_s": 30.0}
-    drop = None
     if request.param == "postgresql":
-        settings["db"], drop = _module_pg_url()
+        settings["db"] = request.getfixturevalue("module_pg_url")
     cp = start_control_plane(tmp_path_factory.mktemp("plane") / "home", **settings)
     try:
         with cp.client() as client:
@@ -91,8 +62,6 @@ def plane(request, tmp_path_factory, onnx_path):
         yield cp
     finally:
         cp.stop()
-        if drop is not None:
-            drop()
 
 
 @pytest.fixture(params=["sqlite", PG])

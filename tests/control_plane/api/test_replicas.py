@@ -4,7 +4,6 @@ devices watching the other (LISTEN/NOTIFY), and revocation closes streams everyw
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import pytest
@@ -12,28 +11,17 @@ import pytest
 from control_plane.api.client import AdminClient
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, Watching
-from tests.control_plane.test_cli import SKIFF, skiff
+from tests.control_plane.helpers import spawn_server
+from tests.control_plane.test_cli import skiff
 
 pytestmark = pytest.mark.postgres
-
-
-def _serve(home) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [*SKIFF, "server", "--home", str(home), "--grpc", "127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    return proc, line.split("listening on ")[1].split()[0]
 
 
 @pytest.fixture
 def replicas(tmp_path, pg_url):
     home = tmp_path / "home"
     skiff("init", "--home", str(home), "--db", pg_url, "--json")
-    procs = [_serve(home), _serve(home)]
+    procs = [spawn_server(home), spawn_server(home)]
     token = (home / "admin.token").read_text().strip()
     yield [AdminClient(address, token) for _, address in procs], [a for _, a in procs]
     for proc, _ in procs:
