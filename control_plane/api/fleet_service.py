@@ -44,6 +44,10 @@ class FleetView:
         desired = {} if d.revoked_at else snap.desired(d.id, d.attributes)
         return device_pb(d, online=online, desired=desired)
 
+    def flush(self) -> None:
+        """Write the device reports this replica still holds back."""
+        self._writer.flush()
+
     def list(self, selector: str) -> list[DeviceRecord]:
         """Return devices (after writing what this replica still holds back)."""
         self._writer.flush()
@@ -103,8 +107,8 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
         self._rollouts, self._view, self._auth = rollouts, view, auth
 
     def _with_counts(self, record) -> fleet_pb2.Rollout:
-        counts = self._rollouts.counts(record, self._view.list(""))
-        return rollout_pb(record, counts)
+        self._view.flush()  # counts include what devices reported to this replica
+        return rollout_pb(record, self._rollouts.counts(record))
 
     @mapped
     def CreateRollout(self, request, context):  # noqa: D102, N802

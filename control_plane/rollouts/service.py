@@ -208,16 +208,16 @@ class Rollouts:
             log.info("rollout %s: %s -> %s, stage %d (%s)", r.id, r.state, state, stage, actor)
         return result
 
-    def counts(self, record: RolloutRecord, devices: list) -> Counts:
-        """Count selected, in-stage, synced and installed devices for one rollout."""
+    def counts(self, record: RolloutRecord) -> Counts:
+        """Count selected, in-stage, synced and installed live devices for one rollout."""
         snapshot = self._resolver.snapshot()
         selector = parse_selector(record.selector)
         selected = in_stage = 0
-        for d in devices:
-            if d.revoked_at is not None or not selector.matches(d.attributes):
+        for device_id, attrs in self._store.live_device_attributes():
+            if not selector.matches(attrs):
                 continue
             selected += 1
-            desired = snapshot.desired_model(record.model, d.id, d.attributes)
+            desired = snapshot.desired_model(record.model, device_id, attrs)
             in_stage += desired is not None and desired.rollout == record.id
         synced, installed = self._store.count_model_states(
             record.model, record.version, record.variant

@@ -120,6 +120,10 @@ class FleetStore(abc.ABC):
         """Return the stored attributes of the given (non-revoked) devices."""
 
     @abc.abstractmethod
+    def live_device_attributes(self) -> list[tuple[str, dict]]:
+        """Return (id, attributes) of every device that is not revoked."""
+
+    @abc.abstractmethod
     def revoke_device(self, device_id: str, *, at: dt.datetime, reason: str) -> DeviceRecord:
         """Mark a device revoked and bump the fleet revision; NotFound otherwise."""
 

@@ -186,6 +186,14 @@ class SqlFleetStore(FleetStore):
                 out.update({i: dict(a) for i, a in session.execute(stmt)})
         return out
 
+    def live_device_attributes(self) -> list[tuple[str, dict]]:
+        """Return (id, attributes) of every device that is not revoked."""
+        stmt = select(orm.DeviceRow.id, orm.DeviceRow.attributes).where(
+            orm.DeviceRow.revoked_at.is_(None)
+        )
+        with self._read() as session:
+            return [(i, dict(a)) for i, a in session.execute(stmt)]
+
     def revoke_device(self, device_id: str, *, at: dt.datetime, reason: str) -> DeviceRecord:
         """Mark a device revoked and bump the revision."""
         with self._scope() as session:
