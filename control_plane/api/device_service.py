@@ -93,7 +93,6 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         self._signing_keys, self._poll = signing_keys, poll_interval_s
         self._recent: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._recent_lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     @mapped
     def Enroll(self, request, context):  # noqa: D102, N802
@@ -128,7 +127,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         synced = tuple(ModelState(m, d.version, d.variant) for m, d in desired.items())
         now = dt.datetime.now(dt.UTC)
         self._writer.add(DeviceUpdate(device.id, now, attrs, installed, synced))
-        self._loop_call(self._watchers.note_sync, device.id, attrs, desired)
+        self._watchers.note_sync_threadsafe(device.id, attrs, desired)
         return device_pb2.SyncResponse(
             revision=result.revision,
             models=[_assignment_pb(a) for a in result.assignments],
@@ -140,11 +139,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
     @mapped_async
     async def Sync(self, request, context):  # noqa: D102, N802
-        self._loop = asyncio.get_running_loop()
         return await asyncio.to_thread(self._sync, _authorization(context), request)
-
-    def _loop_call(self, fn, *args) -> None:
-        self._loop.call_soon_threadsafe(fn, *args)
 
     def _watch_state(self, device_id: str):
         record = self._store.get_device(device_id)

@@ -150,6 +150,13 @@ class Watchers:
 
     # -- streams (on the loop) ------------------------------------------------------------
 
+    def note_sync_threadsafe(
+        self, device_id: str, attrs: Mapping, desired: Mapping[str, Desired]
+    ) -> None:
+        """`note_sync` from any thread (Sync runs in worker threads)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.note_sync, device_id, attrs, desired)
+
     def note_sync(self, device_id: str, attrs: Mapping, desired: Mapping[str, Desired]) -> None:
         """Record what a device was just told by Sync (its stream, if here, is current)."""
         w = self._by_device.get(device_id)
