@@ -29,8 +29,9 @@ def attributes_dict(msg: device_pb2.DeviceAttributes) -> dict:
     out: dict = {k: getattr(msg, k) for k in _STRING_KEYS if getattr(msg, k)}
     if msg.ram_mb:
         out["ram_mb"] = msg.ram_mb
-    if msg.tags:
-        out["tags"] = list(msg.tags)
+    # The wire cannot tell "no tags" from "tags not reported"; a device has a (maybe
+    # empty) tag set, so `tags!=beta` and `tags not in (beta)` match untagged devices.
+    out["tags"] = list(msg.tags)
     if msg.custom:
         out["custom"] = dict(msg.custom)
     return out

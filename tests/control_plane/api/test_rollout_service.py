@@ -182,9 +182,12 @@ def test_revoke_closes_the_open_stream(published, enroll_token):
 def test_fleet_ls_selects_with_the_rollout_evaluator(published, enroll_token):
     cp = published
     a = Device.enroll(cp.address, enroll_token, {**ANDROID, "tags": ["beta"]})
-    Device.enroll(cp.address, enroll_token, IOS)
+    untagged = Device.enroll(cp.address, enroll_token, IOS)
     with cp.client() as client:
         assert [d.id for d in client.list_devices("platform=android,tags=beta")] == [a.id]
+        # A device without tags has an empty tag set: "everyone but beta" includes it.
+        assert [d.id for d in client.list_devices("tags!=beta")] == [untagged.id]
+        assert [d.id for d in client.list_devices("tags not in (beta, x)")] == [untagged.id]
         assert len(client.list_devices("")) == 2
         with pytest.raises(errors.InvalidArgument, match="position"):
             client.list_devices("platform in (a,")
