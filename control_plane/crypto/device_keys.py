@@ -17,7 +17,7 @@ from tink.proto import hpke_pb2, tink_pb2
 from control_plane import errors
 from device_agent.identity import wrap_context
 
-__all__ = ["check_public_keyset", "wrap_context", "wrap_for_device"]
+__all__ = ["check_public_keyset", "device_encrypter", "wrap_context"]
 
 hybrid.register()
 
@@ -55,9 +55,8 @@ def check_public_keyset(keyset: bytes) -> bytes:
     return keyset
 
 
-def wrap_for_device(data_key: bytes, public_keyset: bytes, *, context: bytes) -> bytes:
-    """Encrypt a data key to a device's public key."""
-    primitive = tink.proto_keyset_format.parse_without_secret(public_keyset).primitive(
+def device_encrypter(public_keyset: bytes) -> hybrid.HybridEncrypt:
+    """Return the HPKE primitive that encrypts to a device (parse once, use many times)."""
+    return tink.proto_keyset_format.parse_without_secret(public_keyset).primitive(
         hybrid.HybridEncrypt
     )
-    return primitive.encrypt(data_key, context)

@@ -30,7 +30,7 @@ MAX_ENROLL_USES = 10_000_000
 # How long a device's credential lookup is trusted without asking the database again.
 # Revocation does not wait for it: the change feed evicts the device at once (and a
 # feed that lost its connection clears the whole cache when it is back).
-AUTH_CACHE_TTL_S = 300.0
+AUTH_CACHE_TTL_S = 3600.0
 UNKNOWN_CACHE_TTL_S = 5.0
 AUTH_CACHE_SIZE = 200_000
 

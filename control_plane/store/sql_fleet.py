@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -22,6 +22,10 @@ from control_plane.store.fleet import (
 )
 
 NOTIFY_CHANNEL = "skiff_fleet"
+_DEVICES = orm.DeviceRow.__table__
+_FIND_DEVICE = select(
+    _DEVICES.c.id, _DEVICES.c.public_keyset, _DEVICES.c.revoked_at, _DEVICES.c.stamped_attributes
+).where(_DEVICES.c.credential_sha256 == bindparam("digest"))
 
 
 def aware(value: dt.datetime | None) -> dt.datetime | None:
@@ -142,13 +146,9 @@ class SqlFleetStore(FleetStore):
             return device
 
     def find_device(self, credential_sha256: str) -> DeviceAuth | None:
-        """Look a device up by the hash of its credential."""
-        d = orm.DeviceRow
-        stmt = select(d.id, d.public_keyset, d.revoked_at, d.stamped_attributes).where(
-            d.credential_sha256 == credential_sha256
-        )
-        with self._read() as session:
-            found = session.execute(stmt).first()
+        """Look a device up by the hash of its credential (core select: every call's path)."""
+        with self._read_connection() as conn:
+            found = conn.execute(_FIND_DEVICE, {"digest": credential_sha256}).first()
         if found is None:
             return None
         device_id, keyset, revoked_at, stamped = found
@@ -207,44 +207,69 @@ class SqlFleetStore(FleetStore):
             return _device(row, ())
 
     def apply_device_updates(self, updates: Sequence[DeviceUpdate]) -> None:
-        """Write a batch of device updates in one transaction."""
+        """Write a batch of device updates in one transaction, a few statements per batch.
+
+        Set-based on purpose: a Sync storm flushes thousands of devices at once, and one
+        ORM statement per device and model cost ~0.5 ms of Python each (the bench's
+        profile), more than the Sync itself.
+        """
         if not updates:
             return
         with self._scope() as session:
-            for u in updates:
-                values: dict = {"last_seen": u.last_seen}
-                if u.attributes is not None:
-                    values["attributes"] = u.attributes
-                session.execute(
-                    update(orm.DeviceRow).where(orm.DeviceRow.id == u.device_id).values(**values)
-                )
-                if u.installed is not None:
-                    self._set_states(session, u.device_id, "installed", u.installed, u.last_seen)
-                if u.synced is not None:
-                    self._set_states(session, u.device_id, "synced", u.synced, u.last_seen)
+            conn = session.connection()
+            devices = orm.DeviceRow.__table__
+            for with_attrs in (True, False):
+                rows = [
+                    {"b_id": u.device_id, "last_seen": u.last_seen}
+                    | ({"attributes": u.attributes} if with_attrs else {})
+                    for u in updates
+                    if (u.attributes is not None) == with_attrs
+                ]
+                values = {"last_seen": bindparam("last_seen")}
+                if with_attrs:
+                    values["attributes"] = bindparam("attributes")
+                if rows:
+                    stmt = update(devices).where(devices.c.id == bindparam("b_id"))
+                    conn.execute(stmt.values(values), rows)
+            for kind in ("installed", "synced"):
+                self._set_states(conn, updates, kind)
 
-    def _set_states(
-        self,
-        session: Session,
-        device_id: str,
-        kind: str,
-        states: tuple[ModelState, ...],
-        at: dt.datetime,
-    ) -> None:
+    def _set_states(self, conn, updates: Sequence[DeviceUpdate], kind: str) -> None:
+        """Replace one kind of model state (installed or synced) of the updated devices."""
+        table = orm.DeviceModelRow.__table__
+        named = [u for u in updates if getattr(u, kind) is not None]
+        if not named:
+            return
+        version, variant = f"{kind}_version", f"{kind}_variant"
         stamp = "reported_at" if kind == "installed" else "synced_at"
-        named = {s.model for s in states}
-        clear = update(orm.DeviceModelRow).where(orm.DeviceModelRow.device_id == device_id)
-        if named:
-            clear = clear.where(orm.DeviceModelRow.model.not_in(named))
-        session.execute(clear.values({f"{kind}_version": None, f"{kind}_variant": None}))
-        dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-        for s in states:
-            values = {f"{kind}_version": s.version, f"{kind}_variant": s.variant, stamp: at}
-            stmt = dialect.insert(orm.DeviceModelRow).values(
-                device_id=device_id, model=s.model, **values
+        ids = [u.device_id for u in named]
+        for start in range(0, len(ids), 500):
+            conn.execute(
+                update(table)
+                .where(table.c.device_id.in_(ids[start : start + 500]))
+                .values({version: None, variant: None})
             )
-            session.execute(
-                stmt.on_conflict_do_update(index_elements=["device_id", "model"], set_=values)
+        rows = [
+            {
+                "device_id": u.device_id,
+                "model": s.model,
+                version: s.version,
+                variant: s.variant,
+                stamp: u.last_seen,
+            }
+            for u in named
+            for s in getattr(u, kind)
+        ]
+        if rows:
+            dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+            insert = dialect.insert(table)
+            columns = (version, variant, stamp)
+            conn.execute(
+                insert.on_conflict_do_update(
+                    index_elements=["device_id", "model"],
+                    set_={c: insert.excluded[c] for c in columns},
+                ),
+                rows,
             )
 
     def set_online(self, device_ids: Sequence[str], until: dt.datetime | None) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from control_plane import errors
@@ -144,6 +144,15 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
     def add_change_listener(self, listener: Callable[[Change], None]) -> None:
         """Call `listener` after every commit that bumped the fleet revision (this process)."""
         self._listeners.append(listener)
+
+    @contextlib.contextmanager
+    def _read_connection(self) -> Iterator[Connection]:
+        """Open a read-only connection without an ORM session (for the hottest lookups)."""
+        try:
+            with (self._reader or self._engine).connect() as conn:
+                yield conn
+        except sa_exc.SQLAlchemyError as exc:
+            raise _sorted_db_error(exc) from exc
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
