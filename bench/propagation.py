@@ -3,9 +3,9 @@
 A fleet of simulated devices (the `skiff sim` engine: real gRPC clients that verify every
 signed assignment, unwrap their own keys and install what they are given) enrolls, Syncs
 once and holds Watch streams. A rollout of det:1 to `platform=android` with stages 1, 10,
-50, 100% is created and promoted to 10% (warm-up). Then, once the server's credential
-the measured promote (10 -> 50%) adds about a fifth of the fleet (with `--cold`, only
-after the server's credential cache has forgotten every device: an hour).
+50, 100% is created and promoted to 10% (warm-up). Then the measured promote (10 -> 50%)
+adds about a fifth of the fleet (with `--cold`, only after the server's credential cache
+has forgotten every device: an hour).
 Reported, for one server on SQLite and for two server processes on one PostgreSQL (the
 devices split between them, the promote sent to one; the other hears it by NOTIFY):
 
