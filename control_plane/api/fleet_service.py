@@ -9,7 +9,7 @@ from control_plane.api.fleet_convert import attributes_dict, device_pb, rollout_
 from control_plane.api.grpc_errors import mapped
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
-from control_plane.rollouts.resolver import Resolver
+from control_plane.rollouts.resolver import Resolver, Snapshot
 from control_plane.rollouts.service import Rollouts, RolloutSpec
 from control_plane.rollouts.watchers import Watchers
 from control_plane.store.fleet import DeviceRecord
@@ -27,15 +27,11 @@ class FleetView:
     def __init__(
         self, fleet: Fleet, resolver: Resolver, watchers: Watchers, writer: DeviceWriter
     ) -> None:
-        self.fleet, self._resolver, self._watchers, self._writer = (
-            fleet,
-            resolver,
-            watchers,
-            writer,
-        )
+        self.fleet = fleet
+        self._resolver, self._watchers, self._writer = resolver, watchers, writer
 
-    def device_pb(self, d: DeviceRecord, snap=None) -> fleet_pb2.Device:
-        """Return one device's message."""
+    def device_pb(self, d: DeviceRecord, snap: Snapshot | None = None) -> fleet_pb2.Device:
+        """Return one device's message (pass `snap` when rendering many)."""
         snap = snap or self._resolver.snapshot()
         now = dt.datetime.now(dt.UTC)
         online = d.revoked_at is None and (
@@ -43,6 +39,10 @@ class FleetView:
         )
         desired = {} if d.revoked_at else snap.desired(d.id, d.attributes)
         return device_pb(d, online=online, desired=desired)
+
+    def snapshot(self) -> Snapshot:
+        """Return the current desired-state snapshot."""
+        return self._resolver.snapshot()
 
     def flush(self) -> None:
         """Write the device reports this replica still holds back."""
@@ -86,7 +86,10 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
     def ListDevices(self, request, context):  # noqa: D102, N802
         _actor(self._auth, context)
         devices = self._view.list(request.selector)
-        return fleet_pb2.ListDevicesResponse(devices=[self._view.device_pb(d) for d in devices])
+        snap = self._view.snapshot()
+        return fleet_pb2.ListDevicesResponse(
+            devices=[self._view.device_pb(d, snap) for d in devices]
+        )
 
     @mapped
     def GetDevice(self, request, context):  # noqa: D102, N802
