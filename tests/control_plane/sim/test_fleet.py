@@ -88,7 +88,7 @@ def test_devices_reconnect_and_converge_after_a_server_restart(cp):
             holder["cp"] = await asyncio.to_thread(restart, holder["cp"])
             assert sim.stats().reconnects >= 20  # every stream noticed the restart
             created = await asyncio.to_thread(rollout, holder["cp"], 2, "")
-            times = await sim.wait_synced(MODEL, 2, installed=True, timeout=15)
+            times = await sim.wait_synced(MODEL, 2, installed=True, timeout=45)
             assert len(times) == 20
             await online(holder["cp"], 20)
             with holder["cp"].client() as client:
