@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime as dt
-import re
 import threading
 
 from control_plane import errors
@@ -17,15 +16,18 @@ from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
-from control_plane.registry.registry import validate_name
+from control_plane.registry.registry import (
+    MAX_VERSION,
+    VARIANT_NAME,
+    associated_data,
+    validate_name,
+)
 from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
 from protos import device_pb2, device_pb2_grpc
 
 MAX_INSTALLED = 256
-MAX_VERSION = 2**31 - 1
-VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
 # Attributes each device reported on its last Sync through this replica: Download checks
 # assignments against them, not against the database copy (written behind, so late).
 RECENT_DEVICES = 200_000
@@ -64,7 +66,7 @@ def _assignment_pb(a: Assignment) -> device_pb2.ModelAssignment:
             segment_size=v.segment_size,
             plaintext_sha256=v.plaintext_sha256,
             plaintext_size=v.plaintext_size,
-            associated_data=f"skiff:{a.version.uid}:{v.name}",
+            associated_data=associated_data(a.version.uid, v.name).decode(),
             url=a.url,
             url_expires_at=timestamp(a.url_expires_at),
         ),

@@ -45,6 +45,10 @@ from control_plane.store.base import (
 log = logging.getLogger(__name__)
 
 MODEL_NAME = re.compile(r"[a-z0-9_-]{1,64}")
+# What a variant name and a version number may be anywhere they arrive from outside
+# (rollouts, device reports): versions are int32 columns.
+VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
+MAX_VERSION = 2**31 - 1
 BASE_VARIANT = "fp32"
 AEAD_NAME = "AES256_GCM_HKDF_1MB"
 MANIFEST_SCHEMA = "skiff.manifest/v1"

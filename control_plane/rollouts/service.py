@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane import errors
 from control_plane.fleet.selector import parse_selector
-from control_plane.registry.registry import validate_name
+from control_plane.registry.registry import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
     MAX_PRIORITY,
@@ -40,8 +39,6 @@ log = logging.getLogger(__name__)
 ROLLOUT_PREFIX = "ro_"
 MAX_REASON = 512
 BASE_VARIANT = "fp32"
-MAX_VERSION = 2**31 - 1
-VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
 
 
 @dataclass(frozen=True)
