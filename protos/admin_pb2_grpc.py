@@ -60,6 +60,36 @@ class AdminServiceStub:
                 request_serializer=protos_dot_admin__pb2.RotateKekRequest.SerializeToString,
                 response_deserializer=protos_dot_admin__pb2.RotateKekResponse.FromString,
                 _registered_method=True)
+        self.GetSigningKeys = channel.unary_unary(
+                '/skiff.v1.AdminService/GetSigningKeys',
+                request_serializer=protos_dot_admin__pb2.GetSigningKeysRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.GetSigningKeysResponse.FromString,
+                _registered_method=True)
+        self.RotateSigningKey = channel.unary_unary(
+                '/skiff.v1.AdminService/RotateSigningKey',
+                request_serializer=protos_dot_admin__pb2.RotateSigningKeyRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.RotateSigningKeyResponse.FromString,
+                _registered_method=True)
+        self.CreateApiToken = channel.unary_unary(
+                '/skiff.v1.AdminService/CreateApiToken',
+                request_serializer=protos_dot_admin__pb2.CreateApiTokenRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.CreateApiTokenResponse.FromString,
+                _registered_method=True)
+        self.ListApiTokens = channel.unary_unary(
+                '/skiff.v1.AdminService/ListApiTokens',
+                request_serializer=protos_dot_admin__pb2.ListApiTokensRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.ListApiTokensResponse.FromString,
+                _registered_method=True)
+        self.RevokeApiToken = channel.unary_unary(
+                '/skiff.v1.AdminService/RevokeApiToken',
+                request_serializer=protos_dot_admin__pb2.RevokeApiTokenRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.ApiToken.FromString,
+                _registered_method=True)
+        self.CollectGarbage = channel.unary_unary(
+                '/skiff.v1.AdminService/CollectGarbage',
+                request_serializer=protos_dot_admin__pb2.CollectGarbageRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.CollectGarbageResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -98,6 +128,46 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSigningKeys(self, request, context):
+        """The public keys that sign manifests and assignments, each endorsed by the one before.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateSigningKey(self, request, context):
+        """Makes a new signing key active; the previous one stays valid for an overlap period.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateApiToken(self, request, context):
+        """API tokens: the token itself is returned once, by Create; the server keeps its hash.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApiTokens(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeApiToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectGarbage(self, request, context):
+        """Deletes blobs no version references that are older than the longest possible push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +195,36 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.RotateKek,
                     request_deserializer=protos_dot_admin__pb2.RotateKekRequest.FromString,
                     response_serializer=protos_dot_admin__pb2.RotateKekResponse.SerializeToString,
+            ),
+            'GetSigningKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSigningKeys,
+                    request_deserializer=protos_dot_admin__pb2.GetSigningKeysRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.GetSigningKeysResponse.SerializeToString,
+            ),
+            'RotateSigningKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateSigningKey,
+                    request_deserializer=protos_dot_admin__pb2.RotateSigningKeyRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.RotateSigningKeyResponse.SerializeToString,
+            ),
+            'CreateApiToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateApiToken,
+                    request_deserializer=protos_dot_admin__pb2.CreateApiTokenRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.CreateApiTokenResponse.SerializeToString,
+            ),
+            'ListApiTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApiTokens,
+                    request_deserializer=protos_dot_admin__pb2.ListApiTokensRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.ListApiTokensResponse.SerializeToString,
+            ),
+            'RevokeApiToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeApiToken,
+                    request_deserializer=protos_dot_admin__pb2.RevokeApiTokenRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.ApiToken.SerializeToString,
+            ),
+            'CollectGarbage': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectGarbage,
+                    request_deserializer=protos_dot_admin__pb2.CollectGarbageRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.CollectGarbageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +362,168 @@ class AdminService:
             '/skiff.v1.AdminService/RotateKek',
             protos_dot_admin__pb2.RotateKekRequest.SerializeToString,
             protos_dot_admin__pb2.RotateKekResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSigningKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.AdminService/GetSigningKeys',
+            protos_dot_admin__pb2.GetSigningKeysRequest.SerializeToString,
+            protos_dot_admin__pb2.GetSigningKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateSigningKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.AdminService/RotateSigningKey',
+            protos_dot_admin__pb2.RotateSigningKeyRequest.SerializeToString,
+            protos_dot_admin__pb2.RotateSigningKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateApiToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.AdminService/CreateApiToken',
+            protos_dot_admin__pb2.CreateApiTokenRequest.SerializeToString,
+            protos_dot_admin__pb2.CreateApiTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApiTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.AdminService/ListApiTokens',
+            protos_dot_admin__pb2.ListApiTokensRequest.SerializeToString,
+            protos_dot_admin__pb2.ListApiTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeApiToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.AdminService/RevokeApiToken',
+            protos_dot_admin__pb2.RevokeApiTokenRequest.SerializeToString,
+            protos_dot_admin__pb2.ApiToken.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectGarbage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.AdminService/CollectGarbage',
+            protos_dot_admin__pb2.CollectGarbageRequest.SerializeToString,
+            protos_dot_admin__pb2.CollectGarbageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -206,3 +206,57 @@ class Model(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Model: _TypeAlias = Model  # noqa: Y015
+
+@_typing.final
+class SigningKey(_message.Message):
+    """A public key that signs manifests and assignments. Keys form a chain: each key after
+    the first is endorsed (signed) by the key active before it, so a verifier that pinned
+    any key of the chain can accept its successors without trusting the network.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    PUBLIC_KEY_PEM_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    NOT_AFTER_FIELD_NUMBER: _builtins.int
+    ENDORSEMENT_FIELD_NUMBER: _builtins.int
+    ENDORSEMENT_SIGNATURE_FIELD_NUMBER: _builtins.int
+    ENDORSED_BY_FIELD_NUMBER: _builtins.int
+    ACTIVE_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    public_key_pem: _builtins.bytes
+    """SubjectPublicKeyInfo PEM: Ed25519, or ECDSA P-256 for a key held in a KMS."""
+    endorsement: _builtins.bytes
+    """Canonical JSON statement naming this key, signed by `endorsed_by` (empty for the
+    first key of the chain).
+    """
+    endorsement_signature: _builtins.bytes
+    endorsed_by: _builtins.str
+    active: _builtins.bool
+    """The key that signs new manifests and assignments."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def not_after(self) -> _timestamp_pb2.Timestamp:
+        """After this, verifiers refuse new signatures by this key (unset: no end)."""
+
+    def __init__(
+        self,
+        *,
+        key_id: _builtins.str = ...,
+        public_key_pem: _builtins.bytes = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        not_after: _timestamp_pb2.Timestamp | None = ...,
+        endorsement: _builtins.bytes = ...,
+        endorsement_signature: _builtins.bytes = ...,
+        endorsed_by: _builtins.str = ...,
+        active: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "not_after", b"not_after"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "created_at", b"created_at", "endorsed_by", b"endorsed_by", "endorsement", b"endorsement", "endorsement_signature", b"endorsement_signature", "key_id", b"key_id", "not_after", b"not_after", "public_key_pem", b"public_key_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SigningKey: _TypeAlias = SigningKey  # noqa: Y015

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/device.proto\x12\x08skiff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x85\x02\n\x10\x44\x65viceAttributes\x12\x10\n\x08platform\x18\x01 \x01(\t\x12\x12\n\nos_version\x18\x02 \x01(\t\x12\x13\n\x0b\x61pp_version\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x65vice_model\x18\x04 \x01(\t\x12\x0b\n\x03soc\x18\x05 \x01(\t\x12\x0e\n\x06ram_mb\x18\x06 \x01(\x03\x12\x0e\n\x06region\x18\x07 \x01(\t\x12\x0c\n\x04tags\x18\x08 \x03(\t\x12\x36\n\x06\x63ustom\x18\t \x03(\x0b\x32&.skiff.v1.DeviceAttributes.CustomEntry\x1a-\n\x0b\x43ustomEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\rEnrollRequest\x12\x18\n\x10\x65nrollment_token\x18\x01 \x01(\t\x12.\n\nattributes\x18\x02 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12\x15\n\rpublic_keyset\x18\x03 \x01(\x0c\"m\n\x0e\x45nrollResponse\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x1b\n\x13signing_public_keys\x18\x03 \x03(\x0c\x12\x17\n\x0fpoll_interval_s\x18\x04 \x01(\x05\"A\n\x0eInstalledModel\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\"\x8b\x01\n\x0bSyncRequest\x12.\n\nattributes\x18\x01 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12+\n\tinstalled\x18\x02 \x03(\x0b\x32\x18.skiff.v1.InstalledModel\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"\xea\x01\n\x12\x41rtifactDescriptor\x12\x19\n\x11\x63iphertext_sha256\x18\x01 \x01(\t\x12\x17\n\x0f\x63iphertext_size\x18\x02 \x01(\x03\x12\x14\n\x0csegment_size\x18\x03 \x01(\x03\x12\x18\n\x10plaintext_sha256\x18\x04 \x01(\t\x12\x16\n\x0eplaintext_size\x18\x05 \x01(\x03\x12\x17\n\x0f\x61ssociated_data\x18\x06 \x01(\t\x12\x0b\n\x03url\x18\x07 \x01(\t\x12\x32\n\x0eurl_expires_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcb\x01\n\x0fModelAssignment\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x0f\n\x07rollout\x18\x04 \x01(\t\x12.\n\x08\x61rtifact\x18\x05 \x01(\x0b\x32\x1c.skiff.v1.ArtifactDescriptor\x12\x18\n\x10wrapped_data_key\x18\x06 \x01(\x0c\x12\x10\n\x08manifest\x18\x07 \x01(\x0c\x12\x1a\n\x12manifest_signature\x18\x08 \x01(\x0c\"\xaa\x01\n\x0cSyncResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12)\n\x06models\x18\x02 \x03(\x0b\x32\x19.skiff.v1.ModelAssignment\x12\x10\n\x08\x64ocument\x18\x03 \x01(\x0c\x12\x1a\n\x12\x64ocument_signature\x18\x04 \x01(\x0c\x12\x16\n\x0esigning_key_id\x18\x05 \x01(\t\x12\x17\n\x0fpoll_interval_s\x18\x06 \x01(\x05\" \n\x0cWatchRequest\x12\x10\n\x08revision\x18\x01 \x01(\x03\"\x1e\n\nWatchEvent\x12\x10\n\x08revision\x18\x01 \x01(\x03\"3\n\x0f\x44ownloadRequest\x12\x10\n\x08\x61rtifact\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"-\n\rDownloadChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xfe\x01\n\rDeviceService\x12;\n\x06\x45nroll\x12\x17.skiff.v1.EnrollRequest\x1a\x18.skiff.v1.EnrollResponse\x12\x35\n\x04Sync\x12\x15.skiff.v1.SyncRequest\x1a\x16.skiff.v1.SyncResponse\x12\x37\n\x05Watch\x12\x16.skiff.v1.WatchRequest\x1a\x14.skiff.v1.WatchEvent0\x01\x12@\n\x08\x44ownload\x12\x19.skiff.v1.DownloadRequest\x1a\x17.skiff.v1.DownloadChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/device.proto\x12\x08skiff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x13protos/common.proto\"\x85\x02\n\x10\x44\x65viceAttributes\x12\x10\n\x08platform\x18\x01 \x01(\t\x12\x12\n\nos_version\x18\x02 \x01(\t\x12\x13\n\x0b\x61pp_version\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x65vice_model\x18\x04 \x01(\t\x12\x0b\n\x03soc\x18\x05 \x01(\t\x12\x0e\n\x06ram_mb\x18\x06 \x01(\x03\x12\x0e\n\x06region\x18\x07 \x01(\t\x12\x0c\n\x04tags\x18\x08 \x03(\t\x12\x36\n\x06\x63ustom\x18\t \x03(\x0b\x32&.skiff.v1.DeviceAttributes.CustomEntry\x1a-\n\x0b\x43ustomEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\rEnrollRequest\x12\x18\n\x10\x65nrollment_token\x18\x01 \x01(\t\x12.\n\nattributes\x18\x02 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12\x15\n\rpublic_keyset\x18\x03 \x01(\x0c\"\x99\x01\n\x0e\x45nrollResponse\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x1b\n\x13signing_public_keys\x18\x03 \x03(\x0c\x12\x17\n\x0fpoll_interval_s\x18\x04 \x01(\x05\x12*\n\x0csigning_keys\x18\x05 \x03(\x0b\x32\x14.skiff.v1.SigningKey\"A\n\x0eInstalledModel\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\"\x8b\x01\n\x0bSyncRequest\x12.\n\nattributes\x18\x01 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12+\n\tinstalled\x18\x02 \x03(\x0b\x32\x18.skiff.v1.InstalledModel\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"\xea\x01\n\x12\x41rtifactDescriptor\x12\x19\n\x11\x63iphertext_sha256\x18\x01 \x01(\t\x12\x17\n\x0f\x63iphertext_size\x18\x02 \x01(\x03\x12\x14\n\x0csegment_size\x18\x03 \x01(\x03\x12\x18\n\x10plaintext_sha256\x18\x04 \x01(\t\x12\x16\n\x0eplaintext_size\x18\x05 \x01(\x03\x12\x17\n\x0f\x61ssociated_data\x18\x06 \x01(\t\x12\x0b\n\x03url\x18\x07 \x01(\t\x12\x32\n\x0eurl_expires_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcb\x01\n\x0fModelAssignment\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x0f\n\x07rollout\x18\x04 \x01(\t\x12.\n\x08\x61rtifact\x18\x05 \x01(\x0b\x32\x1c.skiff.v1.ArtifactDescriptor\x12\x18\n\x10wrapped_data_key\x18\x06 \x01(\x0c\x12\x10\n\x08manifest\x18\x07 \x01(\x0c\x12\x1a\n\x12manifest_signature\x18\x08 \x01(\x0c\"\xd6\x01\n\x0cSyncResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12)\n\x06models\x18\x02 \x03(\x0b\x32\x19.skiff.v1.ModelAssignment\x12\x10\n\x08\x64ocument\x18\x03 \x01(\x0c\x12\x1a\n\x12\x64ocument_signature\x18\x04 \x01(\x0c\x12\x16\n\x0esigning_key_id\x18\x05 \x01(\t\x12\x17\n\x0fpoll_interval_s\x18\x06 \x01(\x05\x12*\n\x0csigning_keys\x18\x07 \x03(\x0b\x32\x14.skiff.v1.SigningKey\" \n\x0cWatchRequest\x12\x10\n\x08revision\x18\x01 \x01(\x03\"\x1e\n\nWatchEvent\x12\x10\n\x08revision\x18\x01 \x01(\x03\"3\n\x0f\x44ownloadRequest\x12\x10\n\x08\x61rtifact\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"-\n\rDownloadChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xfe\x01\n\rDeviceService\x12;\n\x06\x45nroll\x12\x17.skiff.v1.EnrollRequest\x1a\x18.skiff.v1.EnrollResponse\x12\x35\n\x04Sync\x12\x15.skiff.v1.SyncRequest\x1a\x16.skiff.v1.SyncResponse\x12\x37\n\x05Watch\x12\x16.skiff.v1.WatchRequest\x1a\x14.skiff.v1.WatchEvent0\x01\x12@\n\x08\x44ownload\x12\x19.skiff.v1.DownloadRequest\x1a\x17.skiff.v1.DownloadChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +35,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DEVICEATTRIBUTES_CUSTOMENTRY']._loaded_options = None
   _globals['_DEVICEATTRIBUTES_CUSTOMENTRY']._serialized_options = b'8\001'
-  _globals['_DEVICEATTRIBUTES']._serialized_start=67
-  _globals['_DEVICEATTRIBUTES']._serialized_end=328
-  _globals['_DEVICEATTRIBUTES_CUSTOMENTRY']._serialized_start=283
-  _globals['_DEVICEATTRIBUTES_CUSTOMENTRY']._serialized_end=328
-  _globals['_ENROLLREQUEST']._serialized_start=330
-  _globals['_ENROLLREQUEST']._serialized_end=442
-  _globals['_ENROLLRESPONSE']._serialized_start=444
-  _globals['_ENROLLRESPONSE']._serialized_end=553
-  _globals['_INSTALLEDMODEL']._serialized_start=555
-  _globals['_INSTALLEDMODEL']._serialized_end=620
-  _globals['_SYNCREQUEST']._serialized_start=623
-  _globals['_SYNCREQUEST']._serialized_end=762
-  _globals['_ARTIFACTDESCRIPTOR']._serialized_start=765
-  _globals['_ARTIFACTDESCRIPTOR']._serialized_end=999
-  _globals['_MODELASSIGNMENT']._serialized_start=1002
-  _globals['_MODELASSIGNMENT']._serialized_end=1205
-  _globals['_SYNCRESPONSE']._serialized_start=1208
-  _globals['_SYNCRESPONSE']._serialized_end=1378
-  _globals['_WATCHREQUEST']._serialized_start=1380
-  _globals['_WATCHREQUEST']._serialized_end=1412
-  _globals['_WATCHEVENT']._serialized_start=1414
-  _globals['_WATCHEVENT']._serialized_end=1444
-  _globals['_DOWNLOADREQUEST']._serialized_start=1446
-  _globals['_DOWNLOADREQUEST']._serialized_end=1497
-  _globals['_DOWNLOADCHUNK']._serialized_start=1499
-  _globals['_DOWNLOADCHUNK']._serialized_end=1544
-  _globals['_DEVICESERVICE']._serialized_start=1547
-  _globals['_DEVICESERVICE']._serialized_end=1801
+  _globals['_DEVICEATTRIBUTES']._serialized_start=88
+  _globals['_DEVICEATTRIBUTES']._serialized_end=349
+  _globals['_DEVICEATTRIBUTES_CUSTOMENTRY']._serialized_start=304
+  _globals['_DEVICEATTRIBUTES_CUSTOMENTRY']._serialized_end=349
+  _globals['_ENROLLREQUEST']._serialized_start=351
+  _globals['_ENROLLREQUEST']._serialized_end=463
+  _globals['_ENROLLRESPONSE']._serialized_start=466
+  _globals['_ENROLLRESPONSE']._serialized_end=619
+  _globals['_INSTALLEDMODEL']._serialized_start=621
+  _globals['_INSTALLEDMODEL']._serialized_end=686
+  _globals['_SYNCREQUEST']._serialized_start=689
+  _globals['_SYNCREQUEST']._serialized_end=828
+  _globals['_ARTIFACTDESCRIPTOR']._serialized_start=831
+  _globals['_ARTIFACTDESCRIPTOR']._serialized_end=1065
+  _globals['_MODELASSIGNMENT']._serialized_start=1068
+  _globals['_MODELASSIGNMENT']._serialized_end=1271
+  _globals['_SYNCRESPONSE']._serialized_start=1274
+  _globals['_SYNCRESPONSE']._serialized_end=1488
+  _globals['_WATCHREQUEST']._serialized_start=1490
+  _globals['_WATCHREQUEST']._serialized_end=1522
+  _globals['_WATCHEVENT']._serialized_start=1524
+  _globals['_WATCHEVENT']._serialized_end=1554
+  _globals['_DOWNLOADREQUEST']._serialized_start=1556
+  _globals['_DOWNLOADREQUEST']._serialized_end=1607
+  _globals['_DOWNLOADCHUNK']._serialized_start=1609
+  _globals['_DOWNLOADCHUNK']._serialized_end=1654
+  _globals['_DEVICESERVICE']._serialized_start=1657
+  _globals['_DEVICESERVICE']._serialized_end=1911
 # @@protoc_insertion_point(module_scope)

@@ -11,6 +11,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from protos import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -127,6 +128,7 @@ class EnrollResponse(_message.Message):
     CREDENTIAL_FIELD_NUMBER: _builtins.int
     SIGNING_PUBLIC_KEYS_FIELD_NUMBER: _builtins.int
     POLL_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    SIGNING_KEYS_FIELD_NUMBER: _builtins.int
     device_id: _builtins.str
     credential: _builtins.str
     """Shown once; the server keeps only its SHA-256."""
@@ -135,6 +137,10 @@ class EnrollResponse(_message.Message):
     def signing_public_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Ed25519 public keys (PEM) that sign manifests and assignments: pin them."""
 
+    @_builtins.property
+    def signing_keys(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.SigningKey]:
+        """The same keys with their endorsement chain (see SigningKey)."""
+
     def __init__(
         self,
         *,
@@ -142,10 +148,11 @@ class EnrollResponse(_message.Message):
         credential: _builtins.str = ...,
         signing_public_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         poll_interval_s: _builtins.int = ...,
+        signing_keys: _abc.Iterable[_common_pb2.SigningKey] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential", b"credential", "device_id", b"device_id", "poll_interval_s", b"poll_interval_s", "signing_public_keys", b"signing_public_keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential", b"credential", "device_id", b"device_id", "poll_interval_s", b"poll_interval_s", "signing_keys", b"signing_keys", "signing_public_keys", b"signing_public_keys"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -312,6 +319,7 @@ class SyncResponse(_message.Message):
     DOCUMENT_SIGNATURE_FIELD_NUMBER: _builtins.int
     SIGNING_KEY_ID_FIELD_NUMBER: _builtins.int
     POLL_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    SIGNING_KEYS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     document: _builtins.bytes
     """Canonical JSON, signed with Ed25519: device id, the request's nonce, revision,
@@ -323,6 +331,12 @@ class SyncResponse(_message.Message):
     poll_interval_s: _builtins.int
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelAssignment]: ...
+    @_builtins.property
+    def signing_keys(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.SigningKey]:
+        """The current signing keys with their endorsement chain: a device adds a key to its
+        pins only when a key it already pins endorsed it, and drops keys past not_after.
+        """
+
     def __init__(
         self,
         *,
@@ -332,10 +346,11 @@ class SyncResponse(_message.Message):
         document_signature: _builtins.bytes = ...,
         signing_key_id: _builtins.str = ...,
         poll_interval_s: _builtins.int = ...,
+        signing_keys: _abc.Iterable[_common_pb2.SigningKey] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "document_signature", b"document_signature", "models", b"models", "poll_interval_s", b"poll_interval_s", "revision", b"revision", "signing_key_id", b"signing_key_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "document_signature", b"document_signature", "models", b"models", "poll_interval_s", b"poll_interval_s", "revision", b"revision", "signing_key_id", b"signing_key_id", "signing_keys", b"signing_keys"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
