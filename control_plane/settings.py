@@ -94,6 +94,14 @@ SETTINGS: tuple[Setting, ...] = (
         "SKIFF_DEVICE_FLUSH_S",
         "How often device reports (last_seen, installed) are written, in one batch.",
     ),
+    Setting(
+        "kms_endpoint",
+        str,
+        "",
+        "SKIFF_KMS_ENDPOINT",
+        "The only KMS endpoint aws-kms:// keys are used through (empty: AWS's own).",
+    ),
+    Setting("kms_region", str, "", "SKIFF_KMS_REGION", "AWS region of aws-kms:// keys."),
 )
 
 
@@ -117,6 +125,8 @@ class Config:
     enroll_ttl_s: int
     scheduler_interval_s: float
     device_flush_s: float
+    kms_endpoint: str
+    kms_region: str
 
     @property
     def dial_address(self) -> str:
