@@ -45,7 +45,9 @@ def init_home(config: Config) -> InitResult:
     store = SqlStore(config.db)
     try:
         token = new_token()
-        store.add_token(name=ADMIN, role=ADMIN, token_sha256=hash_token(token))
+        store.add_token(
+            name=ADMIN, role=ADMIN, token_sha256=hash_token(token), created_by="skiff init"
+        )
     finally:
         store.close()
     token_file = home / TOKEN_FILE

@@ -9,7 +9,8 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from control_plane import errors
-from control_plane.api.auth import Authenticator
+from control_plane.api.access import caller
+from control_plane.api.auth import ApiTokens
 from control_plane.api.grpc_errors import mapped, mapped_stream
 from control_plane.registry.registry import PushRequest, Registry
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
@@ -95,17 +96,36 @@ class _Upload:
             raise errors.Unavailable("client disconnected mid-upload")
 
 
-class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    """Thin gRPC adapter over the registry; every call needs the admin token."""
+def api_token_pb(t) -> admin_pb2.ApiToken:
+    """Convert a token record to its message (never the hash)."""
+    message = admin_pb2.ApiToken(
+        id=t.id,
+        name=t.name,
+        role=t.role,
+        created_at=_timestamp(t.created_at),
+        created_by=t.created_by,
+    )
+    if t.expires_at is not None:
+        message.expires_at.CopyFrom(_timestamp(t.expires_at))
+    if t.revoked_at is not None:
+        message.revoked_at.CopyFrom(_timestamp(t.revoked_at))
+    return message
 
-    def __init__(self, registry: Registry, authenticator: Authenticator, *, kek_factory):
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    """Thin gRPC adapter over the registry and API tokens.
+
+    Who may call what is decided before a handler runs (`access.AccessInterceptor`).
+    """
+
+    def __init__(self, registry: Registry, tokens: ApiTokens, *, kek_factory):
         self._registry = registry
-        self._auth = authenticator
+        self._tokens = tokens
         self._kek_factory = kek_factory
 
     def _actor(self, context: grpc.ServicerContext) -> str:
-        metadata = dict(context.invocation_metadata())
-        return self._auth.authenticate(metadata.get("authorization")).name
+        """Return the name of the caller's token (authenticated by the interceptor)."""
+        return caller().name
 
     @mapped
     def PushModel(self, request_iterator, context):  # noqa: D102, N802
@@ -161,3 +181,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self._actor(context)
         old_id, new_id, count = self._registry.rotate_kek(self._kek_factory(request.new_kek))
         return admin_pb2.RotateKekResponse(old_kek_id=old_id, new_kek_id=new_id, rewrapped=count)
+
+    @mapped
+    def CreateApiToken(self, request, context):  # noqa: D102, N802
+        made = self._tokens.create(
+            role=request.role, name=request.name, ttl_s=request.ttl_s, actor=self._actor(context)
+        )
+        return admin_pb2.CreateApiTokenResponse(token=api_token_pb(made.record), secret=made.secret)
+
+    @mapped
+    def ListApiTokens(self, request, context):  # noqa: D102, N802
+        tokens = self._tokens.list(include_inactive=request.all)
+        return admin_pb2.ListApiTokensResponse(tokens=[api_token_pb(t) for t in tokens])
+
+    @mapped
+    def RevokeApiToken(self, request, context):  # noqa: D102, N802
+        return api_token_pb(self._tokens.revoke(request.id))

@@ -1,16 +1,29 @@
-"""API tokens: generated once, stored only as SHA-256, checked in constant time."""
+"""API tokens: made once, stored only as SHA-256, checked against the role table.
+
+Operators and scripts authenticate with `authorization: Bearer skf_...`. A token has one
+role (see `roles`); it may expire and can be revoked, and both take effect on the next
+call (tokens are looked up on every call, never cached).
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import hmac
+import re
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from control_plane import errors
-from control_plane.store.base import RegistryStore, TokenRecord
+from control_plane.api import roles
+from control_plane.store.tokens import TokenRecord, TokenStore
 
 TOKEN_PREFIX = "skf_"
-ADMIN = "admin"
+TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+ADMIN = roles.ADMIN
+# What an operator runs when a database has no admin token (see `no_admin_hint`).
+BOOTSTRAP_COMMAND = "skiff token create --role admin --offline"
 
 
 def new_token() -> str:
@@ -27,17 +40,36 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def no_admin_hint(db_description: str) -> str:
+    """Return the one line that says a database has no admin token, and what to do."""
+    return (
+        f"the database ({db_description}) has no active admin token, so every call is "
+        f"refused: create one on the server host with `{BOOTSTRAP_COMMAND}` "
+        "(same --home/--db as the server)"
+    )
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
 class Authenticator:
-    """Checks bearer tokens against the store."""
+    """Checks bearer tokens against the store and the role table."""
 
-    def __init__(self, store: RegistryStore) -> None:
-        self._store = store
+    def __init__(
+        self,
+        store: TokenStore,
+        *,
+        db_description: str = "",
+        clock: Callable[[], dt.datetime] = _now,
+    ) -> None:
+        self._store, self._db, self._clock = store, db_description, clock
 
-    def authenticate(self, authorization: str | None, *, role: str = ADMIN) -> TokenRecord:
-        """Return the token's record for an `authorization: Bearer ...` value.
+    def identify(self, authorization: str | None) -> TokenRecord:
+        """Return the active token an `authorization: Bearer ...` value names.
 
-        Raises Unauthenticated for a missing, malformed, unknown or under-privileged token;
-        the message never echoes the token.
+        Raises Unauthenticated for a missing, malformed, unknown, expired or revoked
+        token; the message never echoes the token.
         """
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -47,7 +79,67 @@ class Authenticator:
         # The lookup is by hash, so its timing says nothing about the token; the final
         # comparison is constant time anyway.
         if record is None or not hmac.compare_digest(record.token_sha256, digest):
+            if not self._store.has_admin_token(now=self._clock()):
+                raise errors.Unauthenticated(no_admin_hint(self._db))
             raise errors.Unauthenticated("invalid token")
-        if record.role != role:
-            raise errors.PermissionDenied(f"token {record.name!r} lacks the {role} role")
+        state = record.state(self._clock())
+        if state != "active":
+            raise errors.Unauthenticated(f"token {record.id} ({record.name}) is {state}")
         return record
+
+    def authorize(self, authorization: str | None, rpc: str) -> TokenRecord:
+        """Return the caller's token if its role may call `rpc` (a full method name)."""
+        needed = roles.RPC_ROLES.get(rpc)
+        record = self.identify(authorization)
+        if needed is None or not roles.grants(record.role, needed):
+            method = rpc.rsplit("/", 1)[-1]
+            raise errors.PermissionDenied(
+                f"token {record.id} ({record.name}) is {record.role}; {method} needs {needed}"
+            )
+        return record
+
+
+@dataclass(frozen=True)
+class MadeToken:
+    """A new token: the secret (shown once) and its record."""
+
+    secret: str
+    record: TokenRecord
+
+
+class ApiTokens:
+    """Creates, lists and revokes API tokens."""
+
+    def __init__(self, store: TokenStore, *, clock: Callable[[], dt.datetime] = _now) -> None:
+        self._store, self._clock = store, clock
+
+    def create(self, *, role: str, name: str, ttl_s: int, actor: str) -> MadeToken:
+        """Make a token of `role`, valid for `ttl_s` seconds (0 = no end)."""
+        if role not in roles.ROLES:
+            raise errors.InvalidArgument(
+                f"unknown role {role!r:.40}: choose from {', '.join(roles.ROLES)}"
+            )
+        if name and not TOKEN_NAME.fullmatch(name):
+            raise errors.InvalidArgument(
+                f"invalid token name {name!r:.80}: use 1-64 of letters, digits, '.', '_', '-'"
+            )
+        if ttl_s < 0:
+            raise errors.InvalidArgument(f"ttl must not be negative (got {ttl_s})")
+        secret = new_token()
+        now = self._clock()
+        record = self._store.add_token(
+            name=name or f"{role}-{secrets.token_hex(3)}",
+            role=role,
+            token_sha256=hash_token(secret),
+            created_by=actor,
+            expires_at=now + dt.timedelta(seconds=ttl_s) if ttl_s else None,
+        )
+        return MadeToken(secret, record)
+
+    def list(self, *, include_inactive: bool = False) -> list[TokenRecord]:
+        """Return the active tokens (every token with `include_inactive`)."""
+        return self._store.list_tokens(include_inactive=include_inactive, now=self._clock())
+
+    def revoke(self, token_id: str) -> TokenRecord:
+        """Revoke a token at once."""
+        return self._store.revoke_token(token_id, now=self._clock())

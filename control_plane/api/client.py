@@ -96,6 +96,24 @@ class AdminClient:
         """Re-wrap every data key under a new KEK."""
         return self._unary(self._stub.RotateKek, admin_pb2.RotateKekRequest(new_kek=new_kek))
 
+    # -- API tokens -------------------------------------------------------------------------
+
+    def create_api_token(
+        self, *, role: str, name: str = "", ttl_s: int = 0
+    ) -> admin_pb2.CreateApiTokenResponse:
+        """Make an API token (the secret is in the response, shown once)."""
+        request = admin_pb2.CreateApiTokenRequest(role=role, name=name, ttl_s=ttl_s)
+        return self._unary(self._stub.CreateApiToken, request)
+
+    def list_api_tokens(self, *, include_inactive: bool = False) -> list[admin_pb2.ApiToken]:
+        """Return the API tokens (revoked and expired ones too with include_inactive)."""
+        request = admin_pb2.ListApiTokensRequest(all=include_inactive)
+        return list(self._unary(self._stub.ListApiTokens, request).tokens)
+
+    def revoke_api_token(self, token_id: str) -> admin_pb2.ApiToken:
+        """Revoke an API token at once."""
+        return self._unary(self._stub.RevokeApiToken, admin_pb2.RevokeApiTokenRequest(id=token_id))
+
     # -- fleet ------------------------------------------------------------------------------
 
     def create_enrollment_token(

@@ -1,10 +1,10 @@
-"""FleetService and RolloutService: what operators call (admin token). Thin adapters."""
+"""FleetService and RolloutService: what operators call (API tokens). Thin adapters."""
 
 from __future__ import annotations
 
 import datetime as dt
 
-from control_plane.api.auth import Authenticator
+from control_plane.api.access import caller
 from control_plane.api.fleet_convert import attributes_dict, device_pb, rollout_pb, timestamp
 from control_plane.api.grpc_errors import mapped
 from control_plane.fleet.devices import Fleet
@@ -16,9 +16,9 @@ from control_plane.store.fleet import DeviceRecord
 from protos import fleet_pb2, fleet_pb2_grpc
 
 
-def _actor(auth: Authenticator, context) -> str:
-    metadata = dict(context.invocation_metadata())
-    return auth.authenticate(metadata.get("authorization")).name
+def _actor() -> str:
+    """Return the name of the caller's token (authenticated by the interceptor)."""
+    return caller().name
 
 
 class FleetView:
@@ -62,12 +62,12 @@ class FleetView:
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
     """Enrollment tokens and devices."""
 
-    def __init__(self, view: FleetView, auth: Authenticator) -> None:
-        self._view, self._auth = view, auth
+    def __init__(self, view: FleetView) -> None:
+        self._view = view
 
     @mapped
     def CreateEnrollmentToken(self, request, context):  # noqa: D102, N802
-        actor = _actor(self._auth, context)
+        actor = _actor()
         made = self._view.fleet.create_enrollment_token(
             actor=actor,
             ttl_s=request.ttl_s,
@@ -84,7 +84,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
 
     @mapped
     def ListDevices(self, request, context):  # noqa: D102, N802
-        _actor(self._auth, context)
+        _actor()
         devices = self._view.list(request.selector)
         snap = self._view.snapshot()
         return fleet_pb2.ListDevicesResponse(
@@ -93,12 +93,12 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
 
     @mapped
     def GetDevice(self, request, context):  # noqa: D102, N802
-        _actor(self._auth, context)
+        _actor()
         return self._view.device_pb(self._view.get(request.id))
 
     @mapped
     def RevokeDevice(self, request, context):  # noqa: D102, N802
-        _actor(self._auth, context)
+        _actor()
         self._view.fleet.revoke(request.id, reason=request.reason)
         return self._view.device_pb(self._view.get(request.id))
 
@@ -106,8 +106,8 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
 class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
     """Rollouts."""
 
-    def __init__(self, rollouts: Rollouts, view: FleetView, auth: Authenticator) -> None:
-        self._rollouts, self._view, self._auth = rollouts, view, auth
+    def __init__(self, rollouts: Rollouts, view: FleetView) -> None:
+        self._rollouts, self._view = rollouts, view
 
     def _with_counts(self, record) -> fleet_pb2.Rollout:
         self._view.flush()  # counts include what devices reported to this replica
@@ -115,7 +115,7 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
 
     @mapped
     def CreateRollout(self, request, context):  # noqa: D102, N802
-        actor = _actor(self._auth, context)
+        actor = _actor()
         spec = RolloutSpec(
             model=request.model,
             version=request.version,
@@ -130,19 +130,19 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
 
     @mapped
     def ListRollouts(self, request, context):  # noqa: D102, N802
-        _actor(self._auth, context)
+        _actor()
         return fleet_pb2.ListRolloutsResponse(
             rollouts=[rollout_pb(r) for r in self._rollouts.list(request.model)]
         )
 
     @mapped
     def GetRollout(self, request, context):  # noqa: D102, N802
-        _actor(self._auth, context)
+        _actor()
         return self._with_counts(self._rollouts.get(request.id))
 
     @mapped
     def TransitionRollout(self, request, context):  # noqa: D102, N802
-        actor = _actor(self._auth, context)
+        actor = _actor()
         expected = request.expected_stage if request.HasField("expected_stage") else None
         record = self._rollouts.transition(
             request.id, request.action, actor=actor, reason=request.reason, expected_stage=expected

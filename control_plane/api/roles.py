@@ -51,6 +51,7 @@ RPC_ROLES: dict[str, str] = {
     # Infrastructure.
     "/grpc.health.v1.Health/Check": PUBLIC,
     "/grpc.health.v1.Health/Watch": PUBLIC,
+    "/grpc.health.v1.Health/List": PUBLIC,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": PUBLIC,
 }
 

@@ -20,10 +20,12 @@ from dataclasses import dataclass, replace
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from sqlalchemy.engine import url as sa_url
 
 from control_plane import errors
+from control_plane.api.access import AccessInterceptor, check_table
 from control_plane.api.admin_service import AdminServicer
-from control_plane.api.auth import Authenticator
+from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
 from control_plane.blobs import open_blob_store
@@ -194,7 +196,12 @@ class ServerHandle:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _build(self, address: str) -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server(migration_thread_pool=self._pool, options=SERVER_OPTIONS)
+        auth = Authenticator(self.app.store, db_description=db_description(self.app.config.db))
+        server = grpc.aio.server(
+            migration_thread_pool=self._pool,
+            options=SERVER_OPTIONS,
+            interceptors=[AccessInterceptor(auth)],
+        )
         await _add_services(server, self.app)
         port = server.add_insecure_port(address)
         if port == 0:
@@ -228,17 +235,28 @@ class ServerHandle:
         return self._stopped
 
 
+def db_description(url: str) -> str:
+    """Return a database URL fit for messages and logs (password hidden)."""
+    try:
+        return sa_url.make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a malformed URL fails elsewhere, with its reason
+        return "the configured database"
+
+
+def _methods(*services) -> list[str]:
+    return [f"/{s.full_name}/{m.name}" for s in services for m in s.methods]
+
+
 async def _add_services(server: grpc.aio.Server, app: App) -> None:
-    auth = Authenticator(app.store)
     view = FleetView(app.fleet, app.resolver, app.watchers, app.writer)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
-        AdminServicer(app.registry, auth, kek_factory=kek_factory(app.config, app.registry)),
+        AdminServicer(
+            app.registry, ApiTokens(app.store), kek_factory=kek_factory(app.config, app.registry)
+        ),
         server,
     )
-    fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(view, auth), server)
-    fleet_pb2_grpc.add_RolloutServiceServicer_to_server(
-        RolloutServicer(app.rollouts, view, auth), server
-    )
+    fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(view), server)
+    fleet_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(app.rollouts, view), server)
     device_pb2_grpc.add_DeviceServiceServicer_to_server(
         DeviceServicer(
             fleet=app.fleet,
@@ -253,12 +271,15 @@ async def _add_services(server: grpc.aio.Server, app: App) -> None:
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [
-        admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
-        fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name,
-        fleet_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name,
-        device_pb2.DESCRIPTOR.services_by_name["DeviceService"].full_name,
+    services = [
+        admin_pb2.DESCRIPTOR.services_by_name["AdminService"],
+        fleet_pb2.DESCRIPTOR.services_by_name["FleetService"],
+        fleet_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+        device_pb2.DESCRIPTOR.services_by_name["DeviceService"],
+        health_pb2.DESCRIPTOR.services_by_name["Health"],
     ]
+    check_table(_methods(*services))
+    names = [s.full_name for s in services[:-1]]
     reflection.enable_server_reflection(
         (
             *names,
@@ -283,6 +304,8 @@ def start_server(*, config: Config, address: str | None = None) -> tuple[ServerH
     server, port = create_server(config, app, address or config.grpc)
     server.start()
     log.info("skiff control plane listening on port %d", port)
+    if not app.store.has_admin_token(now=dt.datetime.now(dt.UTC)):
+        log.warning("%s", no_admin_hint(db_description(config.db)))
     return server, port
 
 

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Callable
 
 from control_plane import errors
+from control_plane.api.roles import ROLES
 from control_plane.fleet.attributes import parse_attr_flags
 from control_plane.rollouts.lifecycle import parse_duration, parse_stage_list
 from control_plane.settings import Config
@@ -31,21 +32,47 @@ TRANSITIONS = ("pause", "resume", "promote", "rollback")
 
 def add_parsers(sub, common: Callable[..., None]) -> None:
     """Add the token, fleet and rollout command groups to the `skiff` parser."""
-    token = sub.add_parser("token", help="make tokens (enrollment tokens for devices)")
+    token = sub.add_parser("token", help="API tokens for people and scripts; enrollment tokens")
     tsub = token.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = tsub.add_parser("create", help="make a token (--enroll: for devices to enroll with)")
+    p = tsub.add_parser(
+        "create", help="make an API token (--role) or a device enrollment token (--enroll)"
+    )
     common(p)
-    p.add_argument("--enroll", action="store_true", required=True, help="an enrollment token")
-    p.add_argument("--ttl", default="7d", help="lifetime, e.g. 30m, 12h, 7d (default 7d)")
-    p.add_argument("--uses", type=int, default=0, help="how many devices may enroll (0 = any)")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument(
+        "--role",
+        choices=ROLES,
+        help="an API token: viewer reads, publisher pushes models, operator drives "
+        "rollouts and devices, admin does everything (keys, tokens)",
+    )
+    kind.add_argument("--enroll", action="store_true", help="a token for devices to enroll with")
+    p.add_argument(
+        "--ttl",
+        default=None,
+        help="lifetime, e.g. 30m, 12h, 30d (default: 7d for --enroll, no expiry for --role)",
+    )
+    p.add_argument("--name", default="", help="a label for the token (unique)")
+    p.add_argument("--uses", type=int, default=0, help="--enroll: how many devices (0 = any)")
     p.add_argument(
         "--attr",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="stamp this attribute on every device that enrolls (repeatable)",
+        help="--enroll: stamp this attribute on every device that enrolls (repeatable)",
     )
-    p.add_argument("--name", default="", help="a label for the token")
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="--role: write the token straight into the database (--db or the home's), "
+        "without a server: how a database without an admin token gets its first one",
+    )
+    p.add_argument("--db", help="with --offline: the database URL")
+    p = tsub.add_parser("ls", help="list API tokens (never their secrets)")
+    common(p)
+    p.add_argument("--all", action="store_true", help="include revoked and expired tokens")
+    p = tsub.add_parser("revoke", help="revoke an API token at once")
+    common(p)
+    p.add_argument("id", metavar="ID", help="the token's id (tok_...), from `skiff token ls`")
 
     fleet = sub.add_parser("fleet", help="list, show and revoke devices")
     fsub = fleet.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -96,11 +123,59 @@ def _client(config: Config):
 
 
 def start_token_create(*, config: Config, args: argparse.Namespace) -> Output:
-    """Make an enrollment token."""
+    """Make an API token or an enrollment token; prints the secret (shown once)."""
+    if args.enroll:
+        if args.offline:
+            raise errors.InvalidArgument("--offline makes API tokens only (use --role)")
+        return _enrollment_token(config, args)
+    if args.uses or args.attr:
+        raise errors.InvalidArgument("--uses and --attr apply to enrollment tokens (--enroll)")
+    ttl_s = parse_duration(args.ttl) if args.ttl else 0
+    if args.offline:
+        token, secret = _offline_token(config, role=args.role, name=args.name, ttl_s=ttl_s)
+    else:
+        with _client(config) as client:
+            made = client.create_api_token(role=args.role, name=args.name, ttl_s=ttl_s)
+        token, secret = made.token, made.secret
+    return {**views.api_token_dict(token), "token": secret}, secret
+
+
+def _offline_token(config: Config, *, role: str, name: str, ttl_s: int):
+    """Make a token in the database itself (whoever can write it is admin already)."""
+    from control_plane.api.admin_service import api_token_pb
+    from control_plane.api.auth import ApiTokens
+    from control_plane.store.sql_store import SqlStore
+
+    store = SqlStore(config.db)
+    try:
+        made = ApiTokens(store).create(role=role, name=name, ttl_s=ttl_s, actor="offline")
+    finally:
+        store.close()
+    return api_token_pb(made.record), made.secret
+
+
+def start_token_ls(*, config: Config, args: argparse.Namespace) -> Output:
+    """List API tokens."""
+    with _client(config) as client:
+        tokens = client.list_api_tokens(include_inactive=args.all)
+    return [views.api_token_dict(t) for t in tokens], views.api_tokens_table(tokens)
+
+
+def start_token_revoke(*, config: Config, args: argparse.Namespace) -> Output:
+    """Revoke an API token."""
+    with _client(config) as client:
+        token = client.revoke_api_token(args.id)
+    return views.api_token_dict(token), f"revoked {token.id} ({token.name}, {token.role})"
+
+
+def _enrollment_token(config: Config, args: argparse.Namespace) -> Output:
     attributes = parse_attr_flags(args.attr)
     with _client(config) as client:
         made = client.create_enrollment_token(
-            ttl_s=parse_duration(args.ttl), uses=args.uses, attributes=attributes, name=args.name
+            ttl_s=parse_duration(args.ttl or f"{config.enroll_ttl_s}s"),
+            uses=args.uses,
+            attributes=attributes,
+            name=args.name,
         )
     body = {
         "token": made.token,

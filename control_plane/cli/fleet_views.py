@@ -1,4 +1,4 @@
-"""JSON and table renderings of devices and rollouts for the CLI."""
+"""JSON and table renderings of devices, rollouts and API tokens for the CLI."""
 
 from __future__ import annotations
 
@@ -175,3 +175,43 @@ def rollout_text(r: fleet_pb2.Rollout) -> str:
         why = f"  ({e.reason})" if e.reason else ""
         lines.append(f"    {_ts(e.at)}  {e.actor:<10} {e.action:<8} {change}, stage {e.stage}{why}")
     return "\n".join(lines)
+
+
+def api_token_dict(t) -> dict:
+    """JSON-ready form of an API token (its id and metadata; never a secret)."""
+    return {
+        "id": t.id,
+        "name": t.name,
+        "role": t.role,
+        "created_at": _ts(t.created_at),
+        "created_by": t.created_by,
+        "expires_at": _ts(t.expires_at),
+        "revoked_at": _ts(t.revoked_at),
+    }
+
+
+def api_tokens_table(tokens) -> Table | str:
+    """Render API tokens as a table."""
+    if not tokens:
+        return "no API tokens"
+    table = Table(box=None, header_style="bold")
+    for col in ("ID", "NAME", "ROLE", "CREATED", "BY", "EXPIRES", "REVOKED"):
+        # Ids are what `token revoke` takes: never cut them to fit a narrow terminal.
+        table.add_column(col, no_wrap=col == "ID", min_width=16 if col == "ID" else None)
+    for t in tokens:
+        table.add_row(
+            t.id,
+            t.name,
+            t.role,
+            _minute(t.created_at),
+            t.created_by or "-",
+            _minute(t.expires_at) or "never",
+            _minute(t.revoked_at) or "-",
+        )
+    return table
+
+
+def _minute(ts) -> str | None:
+    if not ts.seconds and not ts.nanos:
+        return None
+    return ts.ToDatetime().strftime("%Y-%m-%d %H:%M")

@@ -77,15 +77,6 @@ class ModelRecord:
     version_count: int
 
 
-@dataclass(frozen=True)
-class TokenRecord:
-    """An API token as stored: only its SHA-256, never the token itself."""
-
-    name: str
-    role: str
-    token_sha256: str
-
-
 # Builds the version to insert once its number is allocated (the signed manifest names
 # the number, so it can only be made inside the allocating transaction).
 VersionBuilder = Callable[[int], NewVersion]
@@ -123,14 +114,6 @@ class RegistryStore(abc.ABC):
     @abc.abstractmethod
     def rewrap_data_keys(self, rewrap: Rewrapper) -> int:
         """Replace every wrapped data key in one transaction; returns how many."""
-
-    @abc.abstractmethod
-    def add_token(self, *, name: str, role: str, token_sha256: str) -> TokenRecord:
-        """Store a token hash; AlreadyExists for a duplicate name or hash."""
-
-    @abc.abstractmethod
-    def find_token(self, token_sha256: str) -> TokenRecord | None:
-        """Look a token up by its hash."""
 
     @abc.abstractmethod
     def check(self) -> None:

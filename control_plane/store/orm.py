@@ -101,6 +101,12 @@ class TokenRow(Base):
     # Serves authentication: every authenticated call looks its token up by hash.
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The id operators see (token ls, revoke); serves revoke's lookup.
+    token_id: Mapped[str] = mapped_column(String(32), unique=True)
+    created_by: Mapped[str] = mapped_column(String(128), default="")
+    # NULL = never expires.
+    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class FleetStateRow(Base):

@@ -18,7 +18,6 @@ from control_plane.store.base import (
     ModelRecord,
     RegistryStore,
     Rewrapper,
-    TokenRecord,
     VariantRecord,
     VersionBuilder,
     VersionRecord,
@@ -27,6 +26,7 @@ from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade
 from control_plane.store.sql_fleet import SqlFleetStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
+from control_plane.store.sql_tokens import SqlTokenStore
 
 # A concurrent push that takes the same number loses on the unique constraint and retries.
 _VERSION_RETRIES = 5
@@ -118,7 +118,7 @@ def _version(row: orm.VersionRow, model: str) -> VersionRecord:
     )
 
 
-class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
+class SqlStore(SqlFleetStore, SqlRolloutStore, SqlTokenStore, RegistryStore):
     """Registry, fleet and rollout store over any SQLAlchemy URL Skiff supports."""
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
@@ -293,20 +293,6 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
                 new = rewrap(row.uid, WrappedKey(row.kek_id, row.wrapped_data_key))
                 row.kek_id, row.wrapped_data_key = new.kek_id, new.ciphertext
             return len(rows)
-
-    def add_token(self, *, name: str, role: str, token_sha256: str) -> TokenRecord:
-        """Store a token hash."""
-        with self._scope() as session:
-            session.add(orm.TokenRow(name=name, role=role, token_sha256=token_sha256))
-        return TokenRecord(name=name, role=role, token_sha256=token_sha256)
-
-    def find_token(self, token_sha256: str) -> TokenRecord | None:
-        """Look a token up by its hash."""
-        with self._read() as session:
-            row = session.scalar(
-                select(orm.TokenRow).where(orm.TokenRow.token_sha256 == token_sha256)
-            )
-            return None if row is None else TokenRecord(row.name, row.role, row.token_sha256)
 
     def check(self) -> None:
         """Probe the database."""

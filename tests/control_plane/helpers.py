@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from control_plane.api.client import AdminClient
 from control_plane.api.server import App, ServerHandle, build_app, create_server
 from control_plane.home import init_home, read_token
@@ -35,6 +37,10 @@ class ControlPlane:
     def client(self, token: str | None = None) -> AdminClient:
         return AdminClient(self.address, self.token if token is None else token)
 
+    def channel(self) -> grpc.Channel:
+        """A raw channel to the server, for calls the typed client cannot make."""
+        return grpc.insecure_channel(self.address)
+
     def stop(self) -> None:
         self.server.stop(grace=None)
         self.app.store.close()
@@ -49,7 +55,7 @@ def start_control_plane(home: Path, **settings) -> ControlPlane:
     return ControlPlane(config, app, server, port, read_token(config.home))
 
 
-def spawn_server(home: Path) -> tuple[subprocess.Popen, str]:
+def spawn_server(home: Path, *args: str, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
     """Run `skiff server` for `home` on a free loopback port; returns it and its address."""
     proc = subprocess.Popen(
         [
@@ -61,9 +67,10 @@ def spawn_server(home: Path) -> tuple[subprocess.Popen, str]:
             str(home),
             "--grpc",
             "127.0.0.1:0",
+            *args,
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
     )
     line = proc.stdout.readline()

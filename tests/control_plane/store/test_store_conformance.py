@@ -136,11 +136,38 @@ def test_referenced_blobs(store):
 
 
 def test_tokens(store):
-    store.add_token(name="admin", role="admin", token_sha256="ab" * 32)
-    assert store.find_token("ab" * 32).name == "admin"
+    now = dt.datetime.now(dt.UTC)
+    made = store.add_token(name="admin", role="admin", token_sha256="ab" * 32, created_by="t")
+    assert made.id.startswith("tok_") and made.expires_at is None
+    assert store.find_token("ab" * 32) == made
     assert store.find_token("cd" * 32) is None
     with pytest.raises(errors.AlreadyExists):
-        store.add_token(name="admin", role="admin", token_sha256="ef" * 32)
+        store.add_token(name="admin", role="admin", token_sha256="ef" * 32, created_by="t")
+    soon = now + dt.timedelta(seconds=60)
+    viewer = store.add_token(
+        name="ci", role="viewer", token_sha256="12" * 32, created_by="admin", expires_at=soon
+    )
+    assert store.find_token("12" * 32).expires_at == soon
+    assert [t.id for t in store.list_tokens(include_inactive=False, now=now)] == [
+        made.id,
+        viewer.id,
+    ]
+    later = now + dt.timedelta(seconds=61)
+    assert store.find_token("12" * 32).state(later) == "expired"
+    assert [t.id for t in store.list_tokens(include_inactive=False, now=later)] == [made.id]
+    assert len(store.list_tokens(include_inactive=True, now=later)) == 2
+
+
+def test_the_last_admin_token_cannot_be_revoked(store):
+    now = dt.datetime.now(dt.UTC)
+    first = store.add_token(name="a", role="admin", token_sha256="ab" * 32, created_by="t")
+    second = store.add_token(name="b", role="admin", token_sha256="cd" * 32, created_by="t")
+    assert store.revoke_token(first.id, now=now).state(now) == "revoked"
+    with pytest.raises(errors.FailedPrecondition, match="last active admin"):
+        store.revoke_token(second.id, now=now)
+    assert store.has_admin_token(now=now)
+    with pytest.raises(errors.NotFound):
+        store.revoke_token("tok_nope", now=now)
 
 
 def test_migrations_are_idempotent_and_reversible(db_url):
