@@ -134,6 +134,7 @@ def _guarded(handler: grpc.RpcMethodHandler, record: TokenRecord | None):
             if not streaming_in and isinstance(request, _Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED_MESSAGE)
             source = _checked_async(request) if streaming_in else request
+            _caller.set(record)  # a coroutine's context is its own: no reset needed
             async for item in behavior(source, context):
                 yield item
 
@@ -143,6 +144,7 @@ def _guarded(handler: grpc.RpcMethodHandler, record: TokenRecord | None):
             if not streaming_in and isinstance(request, _Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED_MESSAGE)
             source = _checked_async(request) if streaming_in else request
+            _caller.set(record)
             return await behavior(source, context)
 
     elif handler.response_streaming:

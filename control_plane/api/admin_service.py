@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from control_plane import errors
 from control_plane.api.access import caller
-from control_plane.api.auth import ApiTokens
+from control_plane.api.auth import ApiTokens, Authenticator
 from control_plane.api.grpc_errors import mapped, mapped_stream
 from control_plane.registry.registry import PushRequest, Registry
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 
 PULL_CHUNK = 1 << 20
+# A pull checks its token again every this many chunks (MiB): a revocation stops it.
+RECHECK_CHUNKS = 64
 
 
 def _timestamp(value) -> Timestamp:
@@ -77,10 +79,18 @@ def model_pb(m: ModelRecord) -> common_pb2.Model:
 class _Upload:
     """The chunk stream of a PushModel call; only a stream that really ended is complete."""
 
-    def __init__(self, requests: Iterator, header: admin_pb2.PushHeader, context, limit: int):
+    def __init__(
+        self,
+        requests: Iterator,
+        header: admin_pb2.PushHeader,
+        context,
+        limit: int,
+        recheck: Callable[[], None],
+    ):
         if header.size > limit:
             raise errors.TooLarge(f"model is {header.size} bytes, over the {limit}-byte limit")
         self._requests = requests
+        self._recheck = recheck
         # The call's done-callbacks run only when it ends; before we answer, that means
         # the client went away (cancelled, or the connection dropped).
         self._ended = threading.Event()
@@ -94,6 +104,8 @@ class _Upload:
         # A cancelled call can end the iterator early; never store a cut-off upload.
         if self._ended.is_set():
             raise errors.Unavailable("client disconnected mid-upload")
+        # An upload may take long: a token revoked meanwhile stores nothing.
+        self._recheck()
 
 
 def api_token_pb(t) -> admin_pb2.ApiToken:
@@ -118,10 +130,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     Who may call what is decided before a handler runs (`access.AccessInterceptor`).
     """
 
-    def __init__(self, registry: Registry, tokens: ApiTokens, *, kek_factory):
+    def __init__(self, registry: Registry, tokens: ApiTokens, auth: Authenticator, *, kek_factory):
         self._registry = registry
-        self._tokens = tokens
+        self._tokens, self._auth = tokens, auth
         self._kek_factory = kek_factory
+
+    def _recheck(self) -> None:
+        """Refuse to go on with a long call whose token was revoked since it started."""
+        self._auth.recheck(caller())
 
     def _actor(self, context: grpc.ServicerContext) -> str:
         """Return the name of the caller's token (authenticated by the interceptor)."""
@@ -134,7 +150,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if first is None or first.WhichOneof("item") != "header":
             raise errors.InvalidArgument("PushModel: the first message must be a header")
         header = first.header
-        upload = _Upload(request_iterator, header, context, self._registry.max_model_bytes)
+        upload = _Upload(
+            request_iterator, header, context, self._registry.max_model_bytes, self._recheck
+        )
         record = self._registry.push(
             PushRequest(
                 name=header.name,
@@ -173,7 +191,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         yield admin_pb2.PullModelResponse(
             header=admin_pb2.PullHeader(version=version_pb(record), variant=variant_pb(variant))
         )
-        for chunk in plaintext:
+        for n, chunk in enumerate(plaintext, 1):
+            if n % RECHECK_CHUNKS == 0:
+                self._recheck()
             yield admin_pb2.PullModelResponse(chunk=chunk)
 
     @mapped

@@ -40,12 +40,22 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def no_admin_hint(db_description: str) -> str:
-    """Return the one line that says a database has no admin token, and what to do."""
+# At most this long: a token that never expires is an explicit choice (--ttl 0).
+MAX_TOKEN_TTL_S = 10 * 365 * 86_400
+# The last admin token may not be revoked while every other one expires sooner than this.
+ADMIN_MARGIN = dt.timedelta(days=1)
+
+
+def no_admin_hint(db_description: str = "") -> str:
+    """Return the one line that says a database has no admin token, and what to do.
+
+    Callers over the network get it without `db_description` (which names a host and a
+    database); the server's own startup log gets it with.
+    """
+    which = f"the database ({db_description})" if db_description else "this server's database"
     return (
-        f"the database ({db_description}) has no active admin token, so every call is "
-        f"refused: create one on the server host with `{BOOTSTRAP_COMMAND}` "
-        "(same --home/--db as the server)"
+        f"{which} has no active admin token, so every call is refused: create one on the "
+        f"server host with `{BOOTSTRAP_COMMAND}` (same --home/--db as the server)"
     )
 
 
@@ -56,14 +66,8 @@ def _now() -> dt.datetime:
 class Authenticator:
     """Checks bearer tokens against the store and the role table."""
 
-    def __init__(
-        self,
-        store: TokenStore,
-        *,
-        db_description: str = "",
-        clock: Callable[[], dt.datetime] = _now,
-    ) -> None:
-        self._store, self._db, self._clock = store, db_description, clock
+    def __init__(self, store: TokenStore, *, clock: Callable[[], dt.datetime] = _now) -> None:
+        self._store, self._clock = store, clock
 
     def identify(self, authorization: str | None) -> TokenRecord:
         """Return the active token an `authorization: Bearer ...` value names.
@@ -80,8 +84,15 @@ class Authenticator:
         # comparison is constant time anyway.
         if record is None or not hmac.compare_digest(record.token_sha256, digest):
             if not self._store.has_admin_token(now=self._clock()):
-                raise errors.Unauthenticated(no_admin_hint(self._db))
+                raise errors.Unauthenticated(no_admin_hint())
             raise errors.Unauthenticated("invalid token")
+        return self._active(record)
+
+    def recheck(self, record: TokenRecord) -> None:
+        """Refuse a long call whose token was revoked or expired since it started."""
+        self._active(self._store.find_token(record.token_sha256) or record)
+
+    def _active(self, record: TokenRecord) -> TokenRecord:
         state = record.state(self._clock())
         if state != "active":
             raise errors.Unauthenticated(f"token {record.id} ({record.name}) is {state}")
@@ -123,8 +134,10 @@ class ApiTokens:
             raise errors.InvalidArgument(
                 f"invalid token name {name!r:.80}: use 1-64 of letters, digits, '.', '_', '-'"
             )
-        if ttl_s < 0:
-            raise errors.InvalidArgument(f"ttl must not be negative (got {ttl_s})")
+        if not 0 <= ttl_s <= MAX_TOKEN_TTL_S:
+            raise errors.InvalidArgument(
+                f"ttl must be between 0 (never expires) and {MAX_TOKEN_TTL_S}s (10 years)"
+            )
         secret = new_token()
         now = self._clock()
         record = self._store.add_token(
@@ -142,4 +155,4 @@ class ApiTokens:
 
     def revoke(self, token_id: str) -> TokenRecord:
         """Revoke a token at once."""
-        return self._store.revoke_token(token_id, now=self._clock())
+        return self._store.revoke_token(token_id, now=self._clock(), margin=ADMIN_MARGIN)

@@ -1,7 +1,8 @@
 """Who may call what: the one table of every RPC and the credential it needs.
 
 Operators' API tokens carry one role. Viewer reads; publisher pushes models; operator
-drives devices and rollouts; admin does everything (keys, tokens, plaintext pulls).
+drives devices and rollouts; admin does everything (keys, tokens, enrollment tokens,
+plaintext pulls).
 Publisher and operator include viewer. Device calls need a device credential, Enroll an
 enrollment token, and health and reflection nothing. An RPC missing from the table is
 refused (the server checks the table covers every method it serves at start).
@@ -34,7 +35,10 @@ RPC_ROLES: dict[str, str] = {
     "/skiff.v1.AdminService/RevokeApiToken": ADMIN,
     "/skiff.v1.AdminService/CollectGarbage": ADMIN,
     # Devices.
-    "/skiff.v1.FleetService/CreateEnrollmentToken": OPERATOR,
+    # Admin, not operator: an operator who could also enroll a device of its own could
+    # target it with a rollout and so receive any model's data key (plaintext by another
+    # road than PullModel).
+    "/skiff.v1.FleetService/CreateEnrollmentToken": ADMIN,
     "/skiff.v1.FleetService/ListDevices": VIEWER,
     "/skiff.v1.FleetService/GetDevice": VIEWER,
     "/skiff.v1.FleetService/RevokeDevice": OPERATOR,

@@ -196,13 +196,13 @@ class ServerHandle:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _build(self, address: str) -> tuple[grpc.aio.Server, int]:
-        auth = Authenticator(self.app.store, db_description=db_description(self.app.config.db))
+        self.auth = auth = Authenticator(self.app.store)
         server = grpc.aio.server(
             migration_thread_pool=self._pool,
             options=SERVER_OPTIONS,
             interceptors=[AccessInterceptor(auth)],
         )
-        await _add_services(server, self.app)
+        await _add_services(server, self.app, auth)
         port = server.add_insecure_port(address)
         if port == 0:
             raise errors.Unavailable(f"cannot listen on {address}")
@@ -236,9 +236,9 @@ class ServerHandle:
 
 
 def db_description(url: str) -> str:
-    """Return a database URL fit for messages and logs (password hidden)."""
+    """Return a database URL fit for the server's log: no password, no query string."""
     try:
-        return sa_url.make_url(url).render_as_string(hide_password=True)
+        return sa_url.make_url(url).set(query={}).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - a malformed URL fails elsewhere, with its reason
         return "the configured database"
 
@@ -247,11 +247,14 @@ def _methods(*services) -> list[str]:
     return [f"/{s.full_name}/{m.name}" for s in services for m in s.methods]
 
 
-async def _add_services(server: grpc.aio.Server, app: App) -> None:
+async def _add_services(server: grpc.aio.Server, app: App, auth: Authenticator) -> None:
     view = FleetView(app.fleet, app.resolver, app.watchers, app.writer)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(
-            app.registry, ApiTokens(app.store), kek_factory=kek_factory(app.config, app.registry)
+            app.registry,
+            ApiTokens(app.store),
+            auth,
+            kek_factory=kek_factory(app.config, app.registry),
         ),
         server,
     )

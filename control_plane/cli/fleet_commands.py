@@ -6,7 +6,9 @@ Each start_* function returns (json_value, text or a rich renderable), or None.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from control_plane import errors
 from control_plane.api.roles import ROLES
@@ -28,6 +30,9 @@ class _Views:
 
 views = _Views()
 TRANSITIONS = ("pause", "resume", "promote", "rollback")
+# Recorded as the author of --offline tokens; token names cannot contain spaces, so no
+# token can pose as it.
+OFFLINE_ACTOR = "token create --offline"
 
 
 def add_parsers(sub, common: Callable[..., None]) -> None:
@@ -130,7 +135,9 @@ def start_token_create(*, config: Config, args: argparse.Namespace) -> Output:
         return _enrollment_token(config, args)
     if args.uses or args.attr:
         raise errors.InvalidArgument("--uses and --attr apply to enrollment tokens (--enroll)")
-    ttl_s = parse_duration(args.ttl) if args.ttl else 0
+    if args.db and not args.offline:
+        raise errors.InvalidArgument("--db applies to --offline only (online, the server's counts)")
+    ttl_s = _ttl(args.ttl) if args.ttl else 0
     if args.offline:
         token, secret = _offline_token(config, role=args.role, name=args.name, ttl_s=ttl_s)
     else:
@@ -140,17 +147,39 @@ def start_token_create(*, config: Config, args: argparse.Namespace) -> Output:
     return {**views.api_token_dict(token), "token": secret}, secret
 
 
+def _ttl(text: str) -> int:
+    """Parse a --ttl, refusing what no token may have before it reaches a message."""
+    from control_plane.api.auth import MAX_TOKEN_TTL_S
+
+    ttl_s = parse_duration(text)
+    if ttl_s > MAX_TOKEN_TTL_S:
+        raise errors.InvalidArgument(f"--ttl {text} is over the 10-year limit")
+    return ttl_s
+
+
 def _offline_token(config: Config, *, role: str, name: str, ttl_s: int):
-    """Make a token in the database itself (whoever can write it is admin already)."""
+    """Make a token in the database itself (whoever can write it is admin already).
+
+    The database must already hold Skiff's schema: a mistyped URL must not create a
+    new, empty database whose admin token the real server never sees.
+    """
     from control_plane.api.admin_service import api_token_pb
     from control_plane.api.auth import ApiTokens
+    from control_plane.api.server import db_description
     from control_plane.store.sql_store import SqlStore
 
-    store = SqlStore(config.db)
+    where = db_description(config.db)
+    sqlite_file = config.db.partition(":///")[2] if config.db.startswith("sqlite") else ""
+    if sqlite_file and not Path(sqlite_file).is_file():
+        raise errors.NotFound(f"no database at {where} (run `skiff init` or check --db)")
+    store = SqlStore(config.db, migrate=False)
     try:
-        made = ApiTokens(store).create(role=role, name=name, ttl_s=ttl_s, actor="offline")
+        if not store.has_schema():
+            raise errors.NotFound(f"{where} holds no Skiff schema (start a server on it first)")
+        made = ApiTokens(store).create(role=role, name=name, ttl_s=ttl_s, actor=OFFLINE_ACTOR)
     finally:
         store.close()
+    print(f"skiff: wrote token {made.record.id} into {where}", file=sys.stderr)
     return api_token_pb(made.record), made.secret
 
 
@@ -172,7 +201,7 @@ def _enrollment_token(config: Config, args: argparse.Namespace) -> Output:
     attributes = parse_attr_flags(args.attr)
     with _client(config) as client:
         made = client.create_enrollment_token(
-            ttl_s=parse_duration(args.ttl or f"{config.enroll_ttl_s}s"),
+            ttl_s=_ttl(args.ttl or f"{config.enroll_ttl_s}s"),
             uses=args.uses,
             attributes=attributes,
             name=args.name,

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 
 from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
@@ -62,6 +63,14 @@ def make_engine(url: str, *, read_only: bool = False) -> Engine:
 
     On SQLite, `read_only` makes an engine whose transactions do not take the write lock.
     """
+    try:
+        return _make_engine(url, read_only=read_only)
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        # The reason names the bad part (e.g. a port that is not a number), never the URL.
+        raise errors.InvalidArgument(f"invalid database URL: {exc}") from None
+
+
+def _make_engine(url: str, *, read_only: bool) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 10})
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -293,6 +302,13 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, SqlTokenStore, RegistryStore):
                 new = rewrap(row.uid, WrappedKey(row.kek_id, row.wrapped_data_key))
                 row.kek_id, row.wrapped_data_key = new.kek_id, new.ciphertext
             return len(rows)
+
+    def has_schema(self) -> bool:
+        """Return whether the database holds Skiff's tables (for tools run without migrating)."""
+        try:
+            return sa_inspect(self._engine).has_table("api_tokens")
+        except sa_exc.SQLAlchemyError as exc:
+            raise _sorted_db_error(exc) from exc
 
     def check(self) -> None:
         """Probe the database."""

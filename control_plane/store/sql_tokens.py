@@ -6,7 +6,6 @@ import datetime as dt
 import secrets
 
 from sqlalchemy import or_, select
-from sqlalchemy.orm import Session
 
 from control_plane import errors
 from control_plane.store import orm
@@ -39,6 +38,14 @@ def _record(row: orm.TokenRow) -> TokenRecord:
 def _active(now: dt.datetime):
     return (orm.TokenRow.revoked_at.is_(None)) & or_(
         orm.TokenRow.expires_at.is_(None), orm.TokenRow.expires_at > now
+    )
+
+
+def _lasting(admins: list[orm.TokenRow], row: orm.TokenRow, until: dt.datetime) -> bool:
+    """Return whether an admin other than `row` stays valid past `until`."""
+    return any(
+        other.id != row.id and (other.expires_at is None or _aware(other.expires_at) > until)
+        for other in admins
     )
 
 
@@ -88,32 +95,33 @@ class SqlTokenStore(TokenStore):
         with self._read() as session:
             return [_record(row) for row in session.scalars(query)]
 
-    def revoke_token(self, token_id: str, *, now: dt.datetime) -> TokenRecord:
-        """Revoke a token, unless it is the last active admin token."""
+    def revoke_token(
+        self, token_id: str, *, now: dt.datetime, margin: dt.timedelta = dt.timedelta(0)
+    ) -> TokenRecord:
+        """Revoke a token, unless it is the last admin token."""
         with self._scope() as session:
+            # Every admin row first, in id order, then the target: two revocations
+            # racing for the last two admin tokens queue on the same first lock
+            # (PostgreSQL) instead of deadlocking, and cannot both succeed.
+            admins = session.scalars(
+                select(orm.TokenRow)
+                .where(_active(now), orm.TokenRow.role == ADMIN_ROLE)
+                .order_by(orm.TokenRow.id)
+                .with_for_update()
+            ).all()
             row = session.scalar(
                 select(orm.TokenRow).where(orm.TokenRow.token_id == token_id).with_for_update()
             )
             if row is None:
                 raise errors.NotFound(f"no API token {token_id!r}")
             if row.revoked_at is None:
-                if row.role == ADMIN_ROLE and self._other_admins(session, row, now) == 0:
+                if row.role == ADMIN_ROLE and not _lasting(admins, row, now + margin):
                     raise errors.FailedPrecondition(
-                        f"{token_id} is the last active admin token: create another first"
+                        f"{token_id} is the last admin token (the others, if any, expire "
+                        "within a day): create another admin token first"
                     )
                 row.revoked_at = now
             return _record(row)
-
-    @staticmethod
-    def _other_admins(session: Session, row: orm.TokenRow, now: dt.datetime) -> int:
-        # Locks the other admin rows too (PostgreSQL), so two revocations racing for the
-        # last two admin tokens cannot both succeed.
-        others = session.scalars(
-            select(orm.TokenRow.id)
-            .where(_active(now), orm.TokenRow.role == ADMIN_ROLE, orm.TokenRow.id != row.id)
-            .with_for_update()
-        ).all()
-        return len(others)
 
     def has_admin_token(self, *, now: dt.datetime) -> bool:
         """Return whether an active admin token exists."""

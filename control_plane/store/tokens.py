@@ -53,11 +53,14 @@ class TokenStore(abc.ABC):
         """Return tokens, oldest first; only active ones unless `include_inactive`."""
 
     @abc.abstractmethod
-    def revoke_token(self, token_id: str, *, now: dt.datetime) -> TokenRecord:
+    def revoke_token(
+        self, token_id: str, *, now: dt.datetime, margin: dt.timedelta = dt.timedelta(0)
+    ) -> TokenRecord:
         """Revoke a token at once.
 
-        NotFound for an unknown id; FailedPrecondition for the last active admin token
-        (revoking it would lock every operator out).
+        NotFound for an unknown id; FailedPrecondition for the last admin token, that is,
+        when no other admin token stays valid for at least `margin` (revoking it would
+        lock every operator out).
         """
 
     @abc.abstractmethod

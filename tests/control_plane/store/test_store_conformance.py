@@ -163,7 +163,7 @@ def test_the_last_admin_token_cannot_be_revoked(store):
     first = store.add_token(name="a", role="admin", token_sha256="ab" * 32, created_by="t")
     second = store.add_token(name="b", role="admin", token_sha256="cd" * 32, created_by="t")
     assert store.revoke_token(first.id, now=now).state(now) == "revoked"
-    with pytest.raises(errors.FailedPrecondition, match="last active admin"):
+    with pytest.raises(errors.FailedPrecondition, match="is the last admin token"):
         store.revoke_token(second.id, now=now)
     assert store.has_admin_token(now=now)
     with pytest.raises(errors.NotFound):

@@ -39,6 +39,16 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # 0002 has no way to say "revoked" or "expires": such tokens would come back to life
+    # as permanent ones, so they go.
+    tokens = sa.table(
+        "api_tokens",
+        sa.column("revoked_at", sa.DateTime(timezone=True)),
+        sa.column("expires_at", sa.DateTime(timezone=True)),
+    )
+    op.get_bind().execute(
+        tokens.delete().where(tokens.c.revoked_at.isnot(None) | tokens.c.expires_at.isnot(None))
+    )
     with op.batch_alter_table("api_tokens") as batch:
         batch.drop_constraint("uq_api_tokens_token_id", type_="unique")
         batch.drop_column("revoked_at")
