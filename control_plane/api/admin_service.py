@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from control_plane import errors
 from control_plane.api.auth import Authenticator
-from control_plane.api.grpc_errors import mapped, mapped_stream
-from control_plane.registry.registry import PushRequest, Registry
+from control_plane.api.grpc_errors import mapped, mapped_async, mapped_stream
+from control_plane.registry import memfd
+from control_plane.registry.registry import PushRequest, Registry, check_request
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -74,59 +78,128 @@ def model_pb(m: ModelRecord) -> common_pb2.Model:
 
 
 class _Upload:
-    """The chunk stream of a PushModel call; only a stream that really ended is complete."""
+    """The chunk stream of a PushModel call, read without holding a thread or a push slot.
 
-    def __init__(self, requests: Iterator, header: admin_pb2.PushHeader, context, limit: int):
-        if header.size > limit:
-            raise errors.TooLarge(f"model is {header.size} bytes, over the {limit}-byte limit")
-        self._requests = requests
-        # The call's done-callbacks run only when it ends; before we answer, that means
-        # the client went away (cancelled, or the connection dropped).
-        self._ended = threading.Event()
-        context.add_callback(self._ended.set)
+    A client that sends nothing for `idle_timeout` seconds is cut off, so a stalled
+    upload cannot keep its upload slot (and its RAM) for ever.
+    """
 
-    def __iter__(self) -> Iterator[bytes]:
-        for request in self._requests:
-            if request.WhichOneof("item") != "chunk":
-                raise errors.InvalidArgument("PushModel: only the first message is a header")
-            yield request.chunk
-        # A cancelled call can end the iterator early; never store a cut-off upload.
-        if self._ended.is_set():
-            raise errors.Unavailable("client disconnected mid-upload")
+    def __init__(self, requests: AsyncIterator, idle_timeout: float) -> None:
+        self._requests = aiter(requests)
+        self._idle_timeout = idle_timeout
+
+    async def header(self, limit: int) -> admin_pb2.PushHeader:
+        """Read the first message, which must be the header; check its declared size."""
+        first = await self._next()
+        if first is None or first.WhichOneof("item") != "header":
+            raise errors.InvalidArgument("PushModel: the first message must be a header")
+        if first.header.size > limit:
+            raise errors.TooLarge(
+                f"model is {first.header.size} bytes, over the {limit}-byte limit"
+            )
+        return first.header
+
+    async def spool(self, limit: int) -> memfd.Spooled:
+        """Copy the remaining chunks into a memfd (hashing in a thread, off the event loop)."""
+        spooler = memfd.Spooler(limit=limit)
+        try:
+            while (request := await self._next()) is not None:
+                if request.WhichOneof("item") != "chunk":
+                    raise errors.InvalidArgument("PushModel: only the first message is a header")
+                await asyncio.to_thread(spooler.write, request.chunk)
+            return spooler.finish()
+        except BaseException:
+            spooler.discard()
+            raise
+
+    async def _next(self):
+        try:
+            return await asyncio.wait_for(anext(self._requests, None), self._idle_timeout)
+        except TimeoutError:
+            raise errors.Unavailable(
+                f"upload idle for {self._idle_timeout:g} s (upload_idle_timeout_s): cut off"
+            ) from None
+
+
+def _push_and_release(
+    registry: Registry,
+    request: PushRequest,
+    upload: memfd.Spooled,
+    owned: ExitStack,
+    abandoned: threading.Event,
+) -> VersionRecord:
+    """Run the push in a worker thread, which then owns the upload's memfd and slot.
+
+    A cancelled call stops awaiting this, but the thread carries on: it, not the
+    coroutine, must close the memfd and free the slot once MNN is done with them.
+    """
+    with owned:
+        return registry.push_spooled(request, upload, abandoned=abandoned.is_set)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Thin gRPC adapter over the registry; every call needs the admin token."""
 
-    def __init__(self, registry: Registry, authenticator: Authenticator, *, kek_factory):
+    def __init__(
+        self,
+        registry: Registry,
+        authenticator: Authenticator,
+        *,
+        kek_factory,
+        upload_idle_timeout_s: float = 60.0,
+    ):
         self._registry = registry
         self._auth = authenticator
         self._kek_factory = kek_factory
+        self._idle_timeout = upload_idle_timeout_s
 
     def _actor(self, context: grpc.ServicerContext) -> str:
         metadata = dict(context.invocation_metadata())
         return self._auth.authenticate(metadata.get("authorization")).name
 
-    @mapped
-    def PushModel(self, request_iterator, context):  # noqa: D102, N802
-        actor = self._actor(context)
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("item") != "header":
-            raise errors.InvalidArgument("PushModel: the first message must be a header")
-        header = first.header
-        upload = _Upload(request_iterator, header, context, self._registry.max_model_bytes)
-        record = self._registry.push(
-            PushRequest(
-                name=header.name,
-                actor=actor,
-                notes=header.notes,
-                variants=tuple(header.variants),
-                filename=header.filename,
-                size=header.size,
-                sha256=header.sha256,
-            ),
-            upload,
+    @mapped_async
+    async def PushModel(self, request_iterator, context):  # noqa: D102, N802
+        # A client that goes away (cancels, drops the connection) ends the call, which runs
+        # its done-callbacks, and may cancel this coroutine. The stream it cut short can
+        # look complete, so either sign tells the push to store nothing.
+        abandoned = threading.Event()
+        context.add_done_callback(lambda _: abandoned.set())
+        actor = await asyncio.to_thread(self._actor, context)
+        upload = _Upload(request_iterator, self._idle_timeout)
+        limit = self._registry.max_model_bytes
+        header = await upload.header(limit)
+        request = PushRequest(
+            name=header.name,
+            actor=actor,
+            notes=header.notes,
+            variants=tuple(header.variants),
+            filename=header.filename,
+            size=header.size,
+            sha256=header.sha256,
         )
+        check_request(request)
+        with ExitStack() as stack:
+            # Spool first, under an upload slot only: the push slot is taken once every
+            # byte is here, so stalled uploads cannot keep other pushes waiting.
+            stack.enter_context(self._registry.upload_slot())
+            spooled = await upload.spool(limit)
+            # Send the response headers now: on a stream the client reset after it looked
+            # complete, this is what makes the reset surface (and the done-callback run)
+            # before the push commits. Clients that declare size and SHA-256, as the CLI
+            # does, are checked exactly whatever the timing.
+            await context.send_initial_metadata(())
+            stack.callback(os.close, spooled.fd)
+            owned = stack.pop_all()
+        # The push is shielded: its thread, once started, owns the slot and memfd and must
+        # be the one to release them.
+        push = asyncio.ensure_future(
+            asyncio.to_thread(_push_and_release, self._registry, request, spooled, owned, abandoned)
+        )
+        try:
+            record = await asyncio.shield(push)
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
         return version_pb(record)
 
     @mapped

@@ -30,6 +30,7 @@ from control_plane.blobs import open_blob_store
 from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.registry import Registry
 from control_plane.rollouts.changes import ChangeFeed
 from control_plane.rollouts.delivery import Delivery
@@ -73,6 +74,12 @@ def build_registry(config: Config) -> Registry:
         max_model_bytes=config.max_model_bytes,
         mnn_timeout_s=config.mnn_timeout_s,
         max_concurrent_pushes=config.max_concurrent_pushes,
+        max_concurrent_uploads=config.max_concurrent_uploads,
+        sandbox=Sandbox.create(
+            memory_bytes=config.mnn_memory_limit_bytes,
+            cpu_seconds=config.mnn_cpu_limit_s or 2 * config.mnn_timeout_s,
+            user=config.mnn_user,
+        ),
     )
 
 
@@ -194,7 +201,12 @@ class ServerHandle:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _build(self, address: str) -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server(migration_thread_pool=self._pool, options=SERVER_OPTIONS)
+        server = grpc.aio.server(
+            migration_thread_pool=self._pool,
+            options=SERVER_OPTIONS,
+            # Device Watch streams count: the default leaves room for a large fleet.
+            maximum_concurrent_rpcs=self.app.config.max_concurrent_rpcs or None,
+        )
         await _add_services(server, self.app)
         port = server.add_insecure_port(address)
         if port == 0:
@@ -232,7 +244,12 @@ async def _add_services(server: grpc.aio.Server, app: App) -> None:
     auth = Authenticator(app.store)
     view = FleetView(app.fleet, app.resolver, app.watchers, app.writer)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
-        AdminServicer(app.registry, auth, kek_factory=kek_factory(app.config, app.registry)),
+        AdminServicer(
+            app.registry,
+            auth,
+            kek_factory=kek_factory(app.config, app.registry),
+            upload_idle_timeout_s=app.config.upload_idle_timeout_s,
+        ),
         server,
     )
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(view, auth), server)
