@@ -40,6 +40,7 @@ from control_plane.rollouts.watchers import Watchers
 from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
+from runtime.hardening import forbid_core_dumps
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,8 @@ def start_server(*, config: Config, address: str | None = None) -> tuple[ServerH
 
 def serve(*, config: Config) -> None:
     """Run the server until SIGINT/SIGTERM, then drain in-flight calls."""
+    # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
+    forbid_core_dumps()
     server, port = start_server(config=config)
     host = config.grpc.rsplit(":", 1)[0]
     print(f"skiff server listening on {host}:{port} (home {config.home})", flush=True)
