@@ -32,6 +32,7 @@ test: install system-deps lint check-protos sanitize
 system-deps:
 	@missing=""; for tool in strace:strace cmake:cmake ninja:ninja-build g++:g++; do \
 	  command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; done; \
+	ldconfig -p | grep -q 'libseccomp\.so\.2 ' || missing="$$missing libseccomp2"; \
 	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing; fi
 
 lint: install

@@ -24,6 +24,10 @@ class TooLarge(SkiffError):
     """An upload exceeds the configured size limit."""
 
 
+class Busy(SkiffError):
+    """Too much of this is in progress already (uploads...); try again later."""
+
+
 class NotFound(SkiffError):
     """A named model, version, variant or blob does not exist."""
 

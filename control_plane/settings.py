@@ -102,6 +102,48 @@ SETTINGS: tuple[Setting, ...] = (
         "The only KMS endpoint aws-kms:// keys are used through (empty: AWS's own).",
     ),
     Setting("kms_region", str, "", "SKIFF_KMS_REGION", "AWS region of aws-kms:// keys."),
+    Setting(
+        "mnn_memory_limit_bytes",
+        int,
+        8 << 30,
+        "SKIFF_MNN_MEMORY_LIMIT_BYTES",
+        "Address space one MNN child may use (RLIMIT_AS); keep it above 3x max_model_bytes.",
+    ),
+    Setting(
+        "mnn_cpu_limit_s",
+        float,
+        0.0,
+        "SKIFF_MNN_CPU_LIMIT_S",
+        "CPU seconds one MNN child may use, all threads (RLIMIT_CPU); 0: 2x mnn_timeout_s.",
+    ),
+    Setting(
+        "mnn_user",
+        str,
+        "nobody",
+        "SKIFF_MNN_USER",
+        "User MNN children switch to when the server runs as root (cannot read the keys).",
+    ),
+    Setting(
+        "max_concurrent_uploads",
+        int,
+        4,
+        "SKIFF_MAX_CONCURRENT_UPLOADS",
+        "Uploads received or waiting at once (each up to max_model_bytes of RAM); more fail.",
+    ),
+    Setting(
+        "upload_idle_timeout_s",
+        float,
+        60.0,
+        "SKIFF_UPLOAD_IDLE_TIMEOUT_S",
+        "An upload that sends nothing for this long is cut off.",
+    ),
+    Setting(
+        "max_concurrent_rpcs",
+        int,
+        50_000,
+        "SKIFF_MAX_CONCURRENT_RPCS",
+        "Calls the server carries at once, device Watch streams included (0: no limit).",
+    ),
 )
 
 
@@ -127,6 +169,12 @@ class Config:
     device_flush_s: float
     kms_endpoint: str
     kms_region: str
+    mnn_memory_limit_bytes: int
+    mnn_cpu_limit_s: float
+    mnn_user: str
+    max_concurrent_uploads: int
+    upload_idle_timeout_s: float
+    max_concurrent_rpcs: int
 
     @property
     def dial_address(self) -> str:

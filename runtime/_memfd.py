@@ -5,21 +5,18 @@ RAM-backed file, reachable as ``/proc/self/fd/N`` (and, once inherited, from a w
 process the same way), so decrypted weights never touch a filesystem. The memfd is
 sealed after writing: nothing (not even a compromised worker sharing it) can change or
 truncate the model that later loads and restarts read. A process holding plaintext
-calls `forbid_core_dumps()` so a crash cannot write it to disk either.
+calls `runtime.hardening.forbid_core_dumps()` so a crash cannot write it to disk either.
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
-import resource
 
 from runtime.errors import UnsupportedPlatform
 
-__all__ = ["fd_path", "forbid_core_dumps", "memfd", "sealed_memfd"]
+__all__ = ["fd_path", "memfd", "sealed_memfd"]
 
-_PR_SET_DUMPABLE = 4  # <linux/prctl.h>
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -61,11 +58,3 @@ def memfd(name: str, flags: int = 0) -> int:
 def fd_path(fd: int) -> str:
     """Address a descriptor as a path; each open of it gets its own file offset."""
     return f"/proc/self/fd/{fd}"
-
-
-def forbid_core_dumps() -> None:
-    """Make this process write no core file and refuse ptrace from unprivileged peers."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")

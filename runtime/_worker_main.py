@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from runtime import _mnn, _wire
-from runtime._memfd import fd_path, forbid_core_dumps
+from runtime._memfd import fd_path
 from runtime.backends import BackendConfig
 from runtime.engine import InProcessExecutor
 from runtime.errors import (
@@ -36,6 +36,7 @@ from runtime.errors import (
     InvalidInput,
     ModelLoadError,
 )
+from runtime.hardening import forbid_core_dumps
 
 __all__ = ["main"]
 

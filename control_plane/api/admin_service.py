@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -11,8 +14,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from control_plane import errors
 from control_plane.api.access import caller
 from control_plane.api.auth import ApiTokens, Authenticator
-from control_plane.api.grpc_errors import mapped, mapped_stream
-from control_plane.registry.registry import PushRequest, Registry
+from control_plane.api.grpc_errors import mapped, mapped_async, mapped_stream
+from control_plane.registry import memfd
+from control_plane.registry.registry import PushRequest, Registry, check_request
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -77,35 +81,63 @@ def model_pb(m: ModelRecord) -> common_pb2.Model:
 
 
 class _Upload:
-    """The chunk stream of a PushModel call; only a stream that really ended is complete."""
+    """The chunk stream of a PushModel call, read without holding a thread or a push slot.
 
-    def __init__(
-        self,
-        requests: Iterator,
-        header: admin_pb2.PushHeader,
-        context,
-        limit: int,
-        recheck: Callable[[], None],
-    ):
-        if header.size > limit:
-            raise errors.TooLarge(f"model is {header.size} bytes, over the {limit}-byte limit")
-        self._requests = requests
-        self._recheck = recheck
-        # The call's done-callbacks run only when it ends; before we answer, that means
-        # the client went away (cancelled, or the connection dropped).
-        self._ended = threading.Event()
-        context.add_callback(self._ended.set)
+    A client that sends nothing for `idle_timeout` seconds is cut off, so a stalled
+    upload cannot keep its upload slot (and its RAM) for ever.
+    """
 
-    def __iter__(self) -> Iterator[bytes]:
-        for request in self._requests:
-            if request.WhichOneof("item") != "chunk":
-                raise errors.InvalidArgument("PushModel: only the first message is a header")
-            yield request.chunk
-        # A cancelled call can end the iterator early; never store a cut-off upload.
-        if self._ended.is_set():
-            raise errors.Unavailable("client disconnected mid-upload")
-        # An upload may take long: a token revoked meanwhile stores nothing.
-        self._recheck()
+    def __init__(self, requests: AsyncIterator, idle_timeout: float) -> None:
+        self._requests = aiter(requests)
+        self._idle_timeout = idle_timeout
+
+    async def header(self, limit: int) -> admin_pb2.PushHeader:
+        """Read the first message, which must be the header; check its declared size."""
+        first = await self._next()
+        if first is None or first.WhichOneof("item") != "header":
+            raise errors.InvalidArgument("PushModel: the first message must be a header")
+        if first.header.size > limit:
+            raise errors.TooLarge(
+                f"model is {first.header.size} bytes, over the {limit}-byte limit"
+            )
+        return first.header
+
+    async def spool(self, limit: int) -> memfd.Spooled:
+        """Copy the remaining chunks into a memfd (hashing in a thread, off the event loop)."""
+        spooler = memfd.Spooler(limit=limit)
+        try:
+            while (request := await self._next()) is not None:
+                if request.WhichOneof("item") != "chunk":
+                    raise errors.InvalidArgument("PushModel: only the first message is a header")
+                await asyncio.to_thread(spooler.write, request.chunk)
+            return spooler.finish()
+        except BaseException:
+            spooler.discard()
+            raise
+
+    async def _next(self):
+        try:
+            return await asyncio.wait_for(anext(self._requests, None), self._idle_timeout)
+        except TimeoutError:
+            raise errors.Unavailable(
+                f"upload idle for {self._idle_timeout:g} s (upload_idle_timeout_s): cut off"
+            ) from None
+
+
+def _push_and_release(
+    registry: Registry,
+    request: PushRequest,
+    upload: memfd.Spooled,
+    owned: ExitStack,
+    abandoned: threading.Event,
+) -> VersionRecord:
+    """Run the push in a worker thread, which then owns the upload's memfd and slot.
+
+    A cancelled call stops awaiting this, but the thread carries on: it, not the
+    coroutine, must close the memfd and free the slot once MNN is done with them.
+    """
+    with owned:
+        return registry.push_spooled(request, upload, abandoned=abandoned.is_set)
 
 
 def api_token_pb(t) -> admin_pb2.ApiToken:
@@ -130,10 +162,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     Who may call what is decided before a handler runs (`access.AccessInterceptor`).
     """
 
-    def __init__(self, registry: Registry, tokens: ApiTokens, auth: Authenticator, *, kek_factory):
+    def __init__(
+        self,
+        registry: Registry,
+        tokens: ApiTokens,
+        auth: Authenticator,
+        *,
+        kek_factory,
+        upload_idle_timeout_s: float = 60.0,
+    ):
         self._registry = registry
         self._tokens, self._auth = tokens, auth
         self._kek_factory = kek_factory
+        self._idle_timeout = upload_idle_timeout_s
 
     def _recheck(self) -> None:
         """Refuse to go on with a long call whose token was revoked since it started."""
@@ -143,28 +184,51 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         """Return the name of the caller's token (authenticated by the interceptor)."""
         return caller().name
 
-    @mapped
-    def PushModel(self, request_iterator, context):  # noqa: D102, N802
-        actor = self._actor(context)
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("item") != "header":
-            raise errors.InvalidArgument("PushModel: the first message must be a header")
-        header = first.header
-        upload = _Upload(
-            request_iterator, header, context, self._registry.max_model_bytes, self._recheck
+    @mapped_async
+    async def PushModel(self, request_iterator, context):  # noqa: D102, N802
+        # A client that goes away (cancels, drops the connection) ends the call, which runs
+        # its done-callbacks, and may cancel this coroutine. The stream it cut short can
+        # look complete, so either sign tells the push to store nothing.
+        abandoned = threading.Event()
+        context.add_done_callback(lambda _: abandoned.set())
+        actor = self._actor(context)  # a contextvar read: no need for a thread
+        upload = _Upload(request_iterator, self._idle_timeout)
+        limit = self._registry.max_model_bytes
+        header = await upload.header(limit)
+        request = PushRequest(
+            name=header.name,
+            actor=actor,
+            notes=header.notes,
+            variants=tuple(header.variants),
+            filename=header.filename,
+            size=header.size,
+            sha256=header.sha256,
         )
-        record = self._registry.push(
-            PushRequest(
-                name=header.name,
-                actor=actor,
-                notes=header.notes,
-                variants=tuple(header.variants),
-                filename=header.filename,
-                size=header.size,
-                sha256=header.sha256,
-            ),
-            upload,
+        check_request(request)
+        with ExitStack() as stack:
+            # Spool first, under an upload slot only: the push slot is taken once every
+            # byte is here, so stalled uploads cannot keep other pushes waiting.
+            stack.enter_context(self._registry.upload_slot())
+            spooled = await upload.spool(limit)
+            # An upload may take long: a token revoked meanwhile stores nothing.
+            await asyncio.to_thread(self._recheck)
+            # Send the response headers now: on a stream the client reset after it looked
+            # complete, this is what makes the reset surface (and the done-callback run)
+            # before the push commits. Clients that declare size and SHA-256, as the CLI
+            # does, are checked exactly whatever the timing.
+            await context.send_initial_metadata(())
+            stack.callback(os.close, spooled.fd)
+            owned = stack.pop_all()
+        # The push is shielded: its thread, once started, owns the slot and memfd and must
+        # be the one to release them.
+        push = asyncio.ensure_future(
+            asyncio.to_thread(_push_and_release, self._registry, request, spooled, owned, abandoned)
         )
+        try:
+            record = await asyncio.shield(push)
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
         return version_pb(record)
 
     @mapped

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 STATUS_BY_ERROR: tuple[tuple[type[errors.SkiffError], grpc.StatusCode], ...] = (
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.TooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Busy, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),

@@ -32,6 +32,7 @@ from control_plane.blobs import open_blob_store
 from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.registry import Registry
 from control_plane.rollouts.changes import ChangeFeed
 from control_plane.rollouts.delivery import Delivery
@@ -41,6 +42,7 @@ from control_plane.rollouts.watchers import Watchers
 from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
+from runtime.hardening import forbid_core_dumps
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,12 @@ def build_registry(config: Config) -> Registry:
         max_model_bytes=config.max_model_bytes,
         mnn_timeout_s=config.mnn_timeout_s,
         max_concurrent_pushes=config.max_concurrent_pushes,
+        max_concurrent_uploads=config.max_concurrent_uploads,
+        sandbox=Sandbox.create(
+            memory_bytes=config.mnn_memory_limit_bytes,
+            cpu_seconds=config.mnn_cpu_limit_s or 2 * config.mnn_timeout_s,
+            user=config.mnn_user,
+        ),
     )
 
 
@@ -201,6 +209,8 @@ class ServerHandle:
             migration_thread_pool=self._pool,
             options=SERVER_OPTIONS,
             interceptors=[AccessInterceptor(auth)],
+            # Device Watch streams count: the default leaves room for a large fleet.
+            maximum_concurrent_rpcs=self.app.config.max_concurrent_rpcs or None,
         )
         await _add_services(server, self.app, auth)
         port = server.add_insecure_port(address)
@@ -255,6 +265,7 @@ async def _add_services(server: grpc.aio.Server, app: App, auth: Authenticator) 
             ApiTokens(app.store),
             auth,
             kek_factory=kek_factory(app.config, app.registry),
+            upload_idle_timeout_s=app.config.upload_idle_timeout_s,
         ),
         server,
     )
@@ -314,6 +325,8 @@ def start_server(*, config: Config, address: str | None = None) -> tuple[ServerH
 
 def serve(*, config: Config) -> None:
     """Run the server until SIGINT/SIGTERM, then drain in-flight calls."""
+    # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
+    forbid_core_dumps()
     server, port = start_server(config=config)
     host = config.grpc.rsplit(":", 1)[0]
     print(f"skiff server listening on {host}:{port} (home {config.home})", flush=True)

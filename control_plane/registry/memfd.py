@@ -33,19 +33,48 @@ def spool(chunks: Iterable[bytes], *, limit: int, name: str = "skiff-model") -> 
     The caller owns the returned fd. On any error the memfd is closed and the error
     propagates, so a cut-off or oversized upload leaves nothing behind.
     """
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    spooler = Spooler(limit=limit, name=name)
     try:
-        digest, size = hashlib.sha256(), 0
         for chunk in chunks:
-            size += len(chunk)
-            if size > limit:
-                raise errors.TooLarge(f"model is larger than the {_human(limit)} limit")
-            digest.update(chunk)
-            write_all(fd, chunk)
-        return Spooled(fd=fd, size=size, sha256=digest.hexdigest())
+            spooler.write(chunk)
+        return spooler.finish()
     except BaseException:
-        os.close(fd)
+        spooler.discard()
         raise
+
+
+class Spooler:
+    """`spool` one chunk at a time, for callers that receive chunks asynchronously."""
+
+    def __init__(self, *, limit: int, name: str = "skiff-model") -> None:
+        self._limit = limit
+        self._digest, self._size = hashlib.sha256(), 0
+        self._fd: int | None = os.memfd_create(name, os.MFD_CLOEXEC)
+
+    def write(self, chunk: bytes) -> None:
+        """Append and hash `chunk`; TooLarge (nothing written) once past the limit."""
+        self._size += len(chunk)
+        if self._size > self._limit:
+            raise errors.TooLarge(f"model is larger than the {_human(self._limit)} limit")
+        self._digest.update(chunk)
+        write_all(self._live_fd(), chunk)
+
+    def finish(self) -> Spooled:
+        """Hand over the memfd (the caller now owns it) with its size and digest."""
+        spooled = Spooled(fd=self._live_fd(), size=self._size, sha256=self._digest.hexdigest())
+        self._fd = None
+        return spooled
+
+    def discard(self) -> None:
+        """Close the memfd unless `finish` handed it over; safe to call twice."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _live_fd(self) -> int:
+        if self._fd is None:
+            raise ValueError("spooler already finished or discarded")
+        return self._fd
 
 
 def read_chunks(fd: int, *, chunk: int = CHUNK) -> Iterator[bytes]:

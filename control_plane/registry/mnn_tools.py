@@ -8,21 +8,23 @@ even redirects the converter's own scratch file into memory). Whatever the child
 
 Callers' descriptors are only read through ``os.pread`` or fresh opens of
 ``/proc/self/fd/N`` in the child, so their offsets are never moved and they stay open.
+The child runs confined (`control_plane.registry.mnn_sandbox`): empty environment, its own
+user when we are root, capped memory and CPU, seccomp; a breached limit is named in the error.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from control_plane import errors
+from control_plane.registry.mnn_sandbox import Sandbox, child_env, default_sandbox
 
 __all__ = [
     "VARIANTS",
@@ -59,7 +61,13 @@ VARIANTS = ("fp16", "int8", "int4")
 INSPECT_TIMEOUT_S = 120.0
 CONVERT_TIMEOUT_S = 300.0
 _MESSAGE_LIMIT = 300  # characters; messages travel to clients in gRPC status details
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+# What a child that ran out of address space leaves in its log: Python's MemoryError,
+# C++'s std::bad_alloc, MNN's own allocation failures, glibc's ENOMEM.
+_OUT_OF_MEMORY = ("MemoryError", "bad_alloc", "Alloc memory", "alloc memory", "Cannot allocate")
+_ALLOCATION_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
+
+log = logging.getLogger(__name__)
+_warned_unconfined = False
 
 
 WORKER_MODULE = "control_plane.registry.mnn_worker"
@@ -104,31 +112,41 @@ class ModelSignature:
         )
 
 
-def inspect_model(fd: int, *, timeout: float = INSPECT_TIMEOUT_S) -> ModelSignature:
+def inspect_model(
+    fd: int, *, timeout: float = INSPECT_TIMEOUT_S, sandbox: Sandbox | None = None
+) -> ModelSignature:
     """Load the .mnn in `fd` with MNN, run it once on zeros if its shapes are static.
 
     Raises errors.InvalidModel("not a valid MNN model: ...") if MNN cannot load or run it.
     """
     _require_content(fd)
-    result = _run_worker(
-        "inspect", ["--model-fd", str(fd)], (fd,), timeout, "not a valid MNN model"
-    )
+    args = ["--model-fd", str(fd)]
+    result = _run_worker("inspect", args, (fd,), timeout, "not a valid MNN model", sandbox)
     return ModelSignature.from_dict(result["signature"])
 
 
-def convert_onnx(src_fd: int, *, timeout: float = CONVERT_TIMEOUT_S) -> int:
+def convert_onnx(
+    src_fd: int, *, timeout: float = CONVERT_TIMEOUT_S, sandbox: Sandbox | None = None
+) -> int:
     """Convert the ONNX model in `src_fd` to MNN; return a new memfd holding the .mnn."""
     _require_content(src_fd)
-    return _convert("convert", [], src_fd, timeout, "ONNX model could not be converted")
+    prefix = "ONNX model could not be converted"
+    return _convert("convert", [], src_fd, timeout, prefix, sandbox)
 
 
-def make_variant(src_fd: int, variant: str, *, timeout: float = CONVERT_TIMEOUT_S) -> int:
+def make_variant(
+    src_fd: int,
+    variant: str,
+    *,
+    timeout: float = CONVERT_TIMEOUT_S,
+    sandbox: Sandbox | None = None,
+) -> int:
     """Write the named variant (see VARIANTS) of the .mnn in `src_fd` to a new memfd."""
     if variant not in VARIANTS:
         raise errors.InvalidArgument(f"unknown variant {variant!r}; expected one of {VARIANTS}")
     _require_content(src_fd)
     prefix = f"{variant} variant could not be made"
-    return _convert("variant", ["--variant", variant], src_fd, timeout, prefix)
+    return _convert("variant", ["--variant", variant], src_fd, timeout, prefix, sandbox)
 
 
 def sniff_format(fd: int) -> str:
@@ -141,12 +159,14 @@ def sniff_format(fd: int) -> str:
     raise errors.InvalidModel("unrecognised model format: neither an ONNX nor an MNN model")
 
 
-def _convert(op: str, extra: list[str], src_fd: int, timeout: float, prefix: str) -> int:
+def _convert(
+    op: str, extra: list[str], src_fd: int, timeout: float, prefix: str, sandbox: Sandbox | None
+) -> int:
     """Run a converting worker op from `src_fd` into a fresh memfd and return it."""
     dst = os.memfd_create(f"skiff-{op}", os.MFD_CLOEXEC)
     try:
         argv = ["--src-fd", str(src_fd), "--dst-fd", str(dst), *extra]
-        _run_worker(op, argv, (src_fd, dst), timeout, prefix)
+        _run_worker(op, argv, (src_fd, dst), timeout, prefix, sandbox)
         if not _looks_like_mnn(dst, os.fstat(dst).st_size):
             raise errors.InvalidModel(f"{prefix}: the converter's output is not an MNN model")
     except BaseException:
@@ -156,68 +176,100 @@ def _convert(op: str, extra: list[str], src_fd: int, timeout: float, prefix: str
 
 
 def _run_worker(
-    op: str, args: list[str], fds: tuple[int, ...], timeout: float, prefix: str
+    op: str,
+    args: list[str],
+    fds: tuple[int, ...],
+    timeout: float,
+    prefix: str,
+    sandbox: Sandbox | None = None,
 ) -> dict[str, Any]:
-    """Run one worker op in a child process and return its result, or raise InvalidModel."""
+    """Run one worker op in a confined child process; return its result or raise InvalidModel."""
+    sandbox = sandbox or default_sandbox()
     result = os.memfd_create("skiff-mnn-result", os.MFD_CLOEXEC)
-    log = os.memfd_create("skiff-mnn-log", os.MFD_CLOEXEC)  # memfd: no pipe to drain
-    argv = [
-        sys.executable,
-        "-m",
-        "control_plane.registry.mnn_worker",
-        op,
-        "--result-fd",
-        str(result),
-    ]
+    log_fd = os.memfd_create("skiff-mnn-log", os.MFD_CLOEXEC)  # memfd: no pipe to drain
+    argv = [sys.executable, "-m", WORKER_MODULE, op, "--result-fd", str(result)]
     try:
-        # A private, throwaway working directory: MNN's converter insists on a scratch file
-        # in the cwd (the worker points it at a memfd), and nothing may land in ours.
-        with tempfile.TemporaryDirectory(prefix="skiff-mnn-") as scratch:
+        with sandbox.workdir() as scratch:
             proc = subprocess.run(
-                [*argv, *args],
+                [*argv, *sandbox.worker_args(), *args],
                 stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                pass_fds=(result, *fds),
+                stdout=log_fd,
+                stderr=log_fd,
+                pass_fds=(result, *fds),  # every other descriptor is closed
                 cwd=scratch,
-                env=_child_env(),
+                env=child_env(),
                 timeout=timeout,
                 check=False,
             )
-        return _outcome(proc.returncode, _read_text(result), _read_text(log), prefix)
+        outcome = _Outcome(proc.returncode, _read_text(result), _read_text(log_fd), prefix)
+        return outcome.judge(sandbox)
     except subprocess.TimeoutExpired:
         raise errors.InvalidModel(f"{prefix}: MNN took longer than {timeout:g} s") from None
     finally:
         os.close(result)
-        os.close(log)
+        os.close(log_fd)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a finished child left: exit status, JSON result and log."""
+
+    returncode: int
+    result: str
+    log: str
+    prefix: str
+
+    def judge(self, sandbox: Sandbox) -> dict[str, Any]:
+        """Return the child's result, or raise InvalidModel saying what went wrong."""
+        payload = self._payload()
+        if payload is not None and payload.get("forbidden_modules"):
+            # Not the model's fault: the worker's import guard failed. Refuse loudly.
+            raise RuntimeError(
+                f"MNN worker loaded forbidden modules {payload['forbidden_modules']}"
+            )
+        if payload is not None:
+            _warn_if_unconfined(payload.get("confinement") or {})
+        if payload is not None and payload["ok"] and self.returncode == 0:
+            return payload
+        if self.returncode == -signal.SIGXCPU:
+            raise self._error(f"MNN used more than {sandbox.describe_limit('cpu')}")
+        if any(marker in self.log or marker in self.result for marker in _OUT_OF_MEMORY):
+            raise self._error(f"MNN ran out of {sandbox.describe_limit('memory')}")
+        if payload is not None and not payload["ok"]:
+            raise self._error(payload["error"])
+        lines = self.log.splitlines()
+        last = next((line for line in reversed(lines) if line.strip()), "no output")
+        if self.returncode < 0:
+            what = f"MNN crashed ({signal.Signals(-self.returncode).name})"
+            if -self.returncode in _ALLOCATION_SIGNALS:
+                # MNN rarely checks malloc: a model too big for the limit dies like this.
+                what += f", as models needing more than {sandbox.describe_limit('memory')} do"
+        else:
+            what = f"MNN worker exited with status {self.returncode}"
+        raise self._error(f"{what}; last output: {last}")
+
+    def _payload(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.result) if self.result.strip() else None
+        except ValueError:  # cut short by a crash mid-write; the exit status says what happened
+            return None
+
+    def _error(self, message: str) -> errors.InvalidModel:
+        return errors.InvalidModel(_one_line(f"{self.prefix}: {message}"))
 
 
 def _outcome(returncode: int, result: str, log: str, prefix: str) -> dict[str, Any]:
-    """Turn the child's exit status, JSON result and log into a result or an error."""
-    try:
-        payload = json.loads(result) if result.strip() else None
-    except ValueError:  # cut short by a crash mid-write; the exit status says what happened
-        payload = None
-    if payload is not None and payload.get("forbidden_modules"):
-        # Not the model's fault: the worker's import guard failed. Refuse loudly.
-        raise RuntimeError(f"MNN worker loaded forbidden modules {payload['forbidden_modules']}")
-    if payload is not None and payload["ok"] and returncode == 0:
-        return payload
-    if payload is not None and not payload["ok"]:
-        raise errors.InvalidModel(_one_line(f"{prefix}: {payload['error']}"))
-    last = next((line for line in reversed(log.splitlines()) if line.strip()), "no output")
-    if returncode < 0:
-        what = f"MNN crashed ({signal.Signals(-returncode).name})"
-    else:
-        what = f"MNN worker exited with status {returncode}"
-    raise errors.InvalidModel(_one_line(f"{prefix}: {what}; last output: {last}"))
+    """Judge a finished child against the default sandbox (see `_Outcome.judge`)."""
+    return _Outcome(returncode, result, log, prefix).judge(default_sandbox())
 
 
-def _child_env() -> dict[str, str]:
-    """Return the child's environment: ours, plus the path that makes -m find the worker."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-    return env
+def _warn_if_unconfined(confinement: dict[str, Any]) -> None:
+    """Log once per process when a child ran without seccomp (never fail for it)."""
+    global _warned_unconfined
+    state = str(confinement.get("seccomp", "on"))
+    if state != "on" and not _warned_unconfined:
+        _warned_unconfined = True
+        log.warning("MNN children run without a seccomp filter: %s", state)
 
 
 # ModelProto field number -> protobuf wire type (0 varint, 2 length-delimited), onnx 1.17.

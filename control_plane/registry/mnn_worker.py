@@ -6,7 +6,10 @@ stdout and a malformed model can crash native code, so both must stay in a throw
 
 Protocol: models arrive and leave as inherited memfds addressed as ``/proc/self/fd/N``, and
 the converter's own scratch file is redirected to a memfd too, so no plaintext weights ever
-touch a filesystem. The parent starts us in a private, empty working directory. The single
+touch a filesystem. The parent starts us in a private, empty working directory with an empty
+environment. Before reading any model the worker imports everything it will need, then
+confines itself for good (`runtime.hardening.confine`: memory and CPU limits, another user
+when started as root, seccomp) and reports the confinement with its result. The single
 JSON result is written to the memfd ``--result-fd``; stdout and stderr (including MNN's
 native logging) go to the parent, which keeps them for diagnostics. The exit status is 0
 when the result says ``"ok": true``.
@@ -29,14 +32,16 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from control_plane.registry.mnn_flatbuffer import MalformedModel, external_paths
 from control_plane.registry.mnn_tools import VARIANT_FLAGS
-from runtime._memfd import fd_path, forbid_core_dumps
+from runtime._memfd import fd_path
 from runtime._mnn import (
     dtype_name,
     forbidden_loaded,
     install_import_guard,
     line_buffer_native_stdout,
 )
+from runtime.hardening import confine, forbid_core_dumps
 
 BIZ_CODE = "skiff"  # recorded in every model we write, visible in MNN's get_info()
 
@@ -58,9 +63,29 @@ def main(argv: list[str] | None = None) -> int:
     forbid_core_dumps()  # a converter crash must not write the plaintext model to disk
     install_import_guard()
     line_buffer_native_stdout()
+    _preload(args.op)
+    confinement = confine(
+        memory_bytes=args.memory_limit, cpu_seconds=args.cpu_limit, uid=args.uid, gid=args.gid
+    )
     payload = _run_op(args)
+    payload["confinement"] = confinement.to_dict()
     os.pwrite(args.result_fd, json.dumps(payload).encode(), 0)
     return 0 if payload["ok"] else 1
+
+
+def _preload(op: str) -> None:
+    """Import what `op` needs while the interpreter's files are still readable.
+
+    After `confine` the worker may run as a user who cannot read them (a Python under
+    /root), and a lazy import would then fail halfway through a conversion.
+    """
+    import MNN  # noqa: F401
+    import numpy  # noqa: F401
+
+    if op == "convert":
+        import onnx  # noqa: F401
+    if op != "inspect":
+        import _tools  # noqa: F401
 
 
 def _run_op(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,6 +109,7 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model, run it once on zeros if its shapes are static, report its signature."""
     import MNN
 
+    _reject_external_weights(args.model_fd)
     path = fd_path(args.model_fd)
     start = _log_position()
     try:
@@ -168,6 +194,7 @@ def _convert(args: argparse.Namespace) -> dict[str, Any]:
 def _variant(args: argparse.Namespace) -> dict[str, Any]:
     """Rewrite the MNN model in --src-fd as the named variant in --dst-fd."""
     _verify_mnn(args.src_fd)
+    _reject_external_weights(args.src_fd)
     return _run_converter(["-f", "MNN", *VARIANT_FLAGS[args.variant]], args.src_fd, args.dst_fd)
 
 
@@ -236,6 +263,18 @@ def _reject_external_data(src_fd: int) -> None:
             raise WorkerError(f"not a readable ONNX protobuf ({type(exc).__name__})") from None
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in _all_tensors(model)):
         raise WorkerError("tensors stored as external data are not supported")
+
+
+def _reject_external_weights(fd: int) -> None:
+    """Refuse .mnn models whose ops name a file to read weights from (see mnn_flatbuffer)."""
+    with open(fd_path(fd), "rb") as src:
+        data = src.read()
+    try:
+        paths = external_paths(data)
+    except MalformedModel as exc:
+        raise WorkerError(f"MNN refused to load it ({exc})") from None
+    if paths:
+        raise WorkerError("ops that read weights from external files are not supported")
 
 
 def _all_tensors(model: Any) -> Any:
@@ -314,6 +353,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--src-fd", type=int)
     parser.add_argument("--dst-fd", type=int)
     parser.add_argument("--variant", choices=sorted(VARIANT_FLAGS))
+    parser.add_argument("--memory-limit", type=int, required=True, help="RLIMIT_AS, bytes")
+    parser.add_argument("--cpu-limit", type=int, required=True, help="RLIMIT_CPU, seconds")
+    parser.add_argument("--uid", type=int, help="user to switch to (when started as root)")
+    parser.add_argument("--gid", type=int)
     return parser
 
 

@@ -1,6 +1,7 @@
 """The model registry: transport-free handlers behind the admin gRPC service.
 
-A push spools the upload into a memfd, converts and validates it with MNN in a child
+A push spools the upload into a memfd, then (and only then: a stalled upload must not
+keep others waiting) takes a push slot, converts and validates it with MNN in a child
 process, derives variants, encrypts each under a fresh per-version data key, stores the
 ciphertexts, and only then appends the version row. Anything that fails on the way
 deletes what it stored, so no version exists without its blobs, no blob without its
@@ -17,7 +18,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -34,6 +35,7 @@ from control_plane.crypto import (
     rewrap,
 )
 from control_plane.registry import memfd, mnn_tools
+from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.store.base import (
     ModelRecord,
     NewVersion,
@@ -77,6 +79,12 @@ def _check_upload(request: PushRequest, upload: memfd.Spooled) -> None:
         raise errors.InvalidArgument(f"upload truncated: got {upload.size} of {request.size} bytes")
     if request.sha256 and upload.sha256 != request.sha256.lower():
         raise errors.IntegrityError("upload does not match the SHA-256 the client declared")
+
+
+def check_request(request: PushRequest) -> tuple[str, ...]:
+    """Validate what a push asks for before any byte is read; return the extra variants."""
+    validate_name(request.name)
+    return _validate_variants(request.variants)
 
 
 def validate_name(name: str) -> str:
@@ -126,10 +134,13 @@ class Registry:
         max_model_bytes: int,
         mnn_timeout_s: float,
         max_concurrent_pushes: int = 2,
+        max_concurrent_uploads: int = 4,
+        sandbox: Sandbox | None = None,
     ) -> None:
         self.store, self.blobs, self.kek, self.signer = store, blobs, kek, signer
         self.max_model_bytes = max_model_bytes
         self._mnn_timeout = mnn_timeout_s
+        self._sandbox = sandbox
         # Held from wrapping a data key until its row commits, and for a whole rotation,
         # so a rotation never misses a key wrapped under the KEK it is retiring. (One
         # process; replicas rotating concurrently would need a database lock.)
@@ -137,21 +148,55 @@ class Registry:
         # A push holds its model (and each variant) in RAM and runs MNN children; on a
         # small box, unbounded concurrent pushes of large models would exhaust memory.
         self._push_slots = threading.BoundedSemaphore(max(1, max_concurrent_pushes))
+        # Every upload holds up to max_model_bytes of RAM from its first byte until its push
+        # ends, and a slow client can make that last: their number is capped, the excess
+        # refused at once rather than queued.
+        self._max_uploads = max(1, max_concurrent_uploads)
+        self._upload_slots = threading.BoundedSemaphore(self._max_uploads)
 
     # -- push -------------------------------------------------------------------------
 
     def push(self, request: PushRequest, chunks: Iterable[bytes]) -> VersionRecord:
-        """Validate, convert, encrypt and store a model as the next version."""
-        validate_name(request.name)
-        extra = _validate_variants(request.variants)
+        """Spool `chunks`, then validate, convert, encrypt and store them as the next version."""
+        check_request(request)
+        with self.upload_slot():
+            upload = memfd.spool(chunks, limit=self.max_model_bytes)
+            try:
+                return self.push_spooled(request, upload)
+            finally:
+                os.close(upload.fd)
+
+    @contextlib.contextmanager
+    def upload_slot(self) -> Iterator[None]:
+        """Hold an upload slot from the first byte until the push ends; Busy if none is free."""
+        if not self._upload_slots.acquire(blocking=False):
+            raise errors.Busy(
+                f"{self._max_uploads} uploads are already in progress: try again later"
+            )
+        try:
+            yield
+        finally:
+            self._upload_slots.release()
+
+    def push_spooled(
+        self,
+        request: PushRequest,
+        upload: memfd.Spooled,
+        *,
+        abandoned: Callable[[], bool] = lambda: False,
+    ) -> VersionRecord:
+        """Validate, convert, encrypt and store a spooled upload (the caller closes its fd).
+
+        `abandoned` is asked once more just before the version commits: an upload whose
+        client went away may have been cut short, and is never stored.
+        """
+        extra = check_request(request)
+        _check_upload(request, upload)
         stored: list[str] = []
         with self._push_slots, contextlib.ExitStack() as stack:
-            upload = memfd.spool(chunks, limit=self.max_model_bytes)
-            stack.callback(os.close, upload.fd)
-            _check_upload(request, upload)
             try:
                 fmt, fds = self._plaintext_variants(upload.fd, extra, stack)
-                return self._store_version(request, fmt, fds, stored)
+                return self._store_version(request, fmt, fds, stored, abandoned)
             except BaseException:
                 self._delete_blobs(stored)
                 raise
@@ -163,23 +208,32 @@ class Registry:
         fmt = mnn_tools.sniff_format(upload_fd)
         base = upload_fd
         if fmt == "onnx":
-            base = mnn_tools.convert_onnx(upload_fd, timeout=self._mnn_timeout)
+            base = mnn_tools.convert_onnx(upload_fd, **self._mnn_limits())
             stack.callback(os.close, base)
         fds = {BASE_VARIANT: base}
         for name in extra:
-            fds[name] = mnn_tools.make_variant(base, name, timeout=self._mnn_timeout)
+            fds[name] = mnn_tools.make_variant(base, name, **self._mnn_limits())
             stack.callback(os.close, fds[name])
         return fmt, fds
 
+    def _mnn_limits(self) -> dict:
+        """Keyword arguments that bound every MNN child of a push."""
+        return {"timeout": self._mnn_timeout, "sandbox": self._sandbox}
+
     def _store_version(
-        self, request: PushRequest, fmt: str, fds: dict[str, int], stored: list[str]
+        self,
+        request: PushRequest,
+        fmt: str,
+        fds: dict[str, int],
+        stored: list[str],
+        abandoned: Callable[[], bool],
     ) -> VersionRecord:
         uid, data_key = uuid.uuid4().hex, new_data_key()
         # MNN loads each variant in a child process while this thread encrypts and stores:
         # the two dominate a push, and neither needs the other's result until the end.
         with ThreadPoolExecutor(INSPECT_WORKERS, thread_name_prefix="skiff-inspect") as pool:
             pending = {
-                name: pool.submit(mnn_tools.inspect_model, fd, timeout=self._mnn_timeout)
+                name: pool.submit(mnn_tools.inspect_model, fd, **self._mnn_limits())
                 for name, fd in fds.items()
             }
             try:
@@ -220,6 +274,8 @@ class Registry:
                 signing_key_id=signed.key_id,
             )
 
+        if abandoned():
+            raise errors.Unavailable("client disconnected mid-upload")
         with self._kek_lock:
             record = self.store.create_version(request.name, build)
         log.info("pushed %s:%d (%s)", record.model, record.number, ", ".join(fds))

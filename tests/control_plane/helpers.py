@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +56,17 @@ def start_control_plane(home: Path, **settings) -> ControlPlane:
     return ControlPlane(config, app, server, port, read_token(config.home))
 
 
-def spawn_server(home: Path, *args: str, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
-    """Run `skiff server` for `home` on a free loopback port; returns it and its address."""
+def spawn_server(
+    home: Path, *args: str, stderr=subprocess.DEVNULL, prefix: Sequence[str] = ()
+) -> tuple[subprocess.Popen, str]:
+    """Run `skiff server` for `home` on a free loopback port; returns it and its address.
+
+    `args` go after the command; `prefix` runs it through a wrapper (such as setpriv)
+    that execs the server itself.
+    """
     proc = subprocess.Popen(
         [
+            *prefix,
             sys.executable,
             "-m",
             "control_plane.cli",

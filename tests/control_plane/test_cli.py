@@ -134,3 +134,47 @@ def test_key_rotate(server, model_file, tmp_path):
     assert rotated["rewrapped"] >= 1 and rotated["old_kek_id"] != rotated["new_kek_id"]
     skiff("model", "pull", "rotdet:1", "-o", str(tmp_path / "r.mnn"), env=env)
     assert (tmp_path / "r.mnn").stat().st_size > 0
+
+
+# As root, CAP_SYS_PTRACE reads any process: only without capabilities (same user) does
+# the dumpable flag decide. Non-root users have none to drop.
+NO_CAPABILITIES = ["setpriv", "--bounding-set", "-all", "--inh-caps", "-all"]
+_READ_ENVIRON = """
+import sys
+try:
+    open(f"/proc/{sys.argv[1]}/environ", "rb").read()
+except PermissionError:
+    print("denied")
+else:
+    print("readable")
+"""
+
+
+def _environ_from_outside(pid: int, prefix: list[str]) -> str:
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", _READ_ENVIRON, str(pid)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def test_server_writes_no_core_file_and_cannot_be_inspected(tmp_path):
+    home = tmp_path / "home"
+    skiff("init", "--home", str(home), "--json")
+    prefix = NO_CAPABILITIES if os.geteuid() == 0 else []
+    proc, _ = spawn_server(home, prefix=prefix)
+    try:
+        limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+        (core,) = [line.split()[4:6] for line in limits if line.startswith("Max core file size")]
+        assert core == ["0", "0"]
+        # An ordinary process of the same user and privileges is readable; the server is not.
+        with subprocess.Popen([*prefix, "sleep", "30"]) as control:
+            try:
+                assert _environ_from_outside(control.pid, prefix) == "readable"
+            finally:
+                control.kill()
+        assert _environ_from_outside(proc.pid, prefix) == "denied"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

@@ -282,7 +282,10 @@ def test_timeout_kills_the_worker(memfd, tiny_mnn):
 def test_crash_outcome_names_the_signal_and_last_words():
     with pytest.raises(errors.InvalidModel) as caught:
         mnn_tools._outcome(-11, "", "starting\nlast words\n\n", "p")
-    assert str(caught.value) == "p: MNN crashed (SIGSEGV); last output: last words"
+    assert str(caught.value) == (
+        "p: MNN crashed (SIGSEGV), as models needing more than its 8.0 GiB memory limit"
+        " (mnn_memory_limit_bytes) do; last output: last words"
+    )
 
 
 # --- isolation ---------------------------------------------------------------------------

@@ -275,3 +275,109 @@ def test_concurrent_pushes_are_bounded(tmp_path, mnn_bytes, monkeypatch):
         assert peak[0] == 1
     finally:
         plane.stop()
+
+
+def _stalled_upload(stub, metadata, release: threading.Event, started: threading.Event):
+    """Start a PushModel that sends its header and one chunk, then nothing until `release`."""
+
+    def requests():
+        yield admin_pb2.PushModelRequest(header=admin_pb2.PushHeader(name="stalled"))
+        yield admin_pb2.PushModelRequest(chunk=b"\0" * CHUNK)
+        started.set()
+        release.wait(60)
+
+    return stub.PushModel.future(requests(), metadata=metadata, timeout=60)
+
+
+def test_stalled_uploads_do_not_block_other_pushes(tmp_path, mnn_bytes):
+    # Two push slots, as by default: two stalled uploads used to take both.
+    plane = start_control_plane(tmp_path / "home", max_concurrent_pushes=2)
+    release = threading.Event()
+    channel, stub, metadata = _stub(plane)
+    try:
+        stalled = []
+        for _ in range(2):
+            started = threading.Event()
+            stalled.append(_stalled_upload(stub, metadata, release, started))
+            assert started.wait(10)
+        path = tmp_path / "m.mnn"
+        path.write_bytes(mnn_bytes)
+        with grpc.insecure_channel(plane.address) as other:
+            reply = admin_pb2_grpc.AdminServiceStub(other).PushModel(
+                iter(
+                    [
+                        admin_pb2.PushModelRequest(header=admin_pb2.PushHeader(name="det")),
+                        admin_pb2.PushModelRequest(chunk=mnn_bytes),
+                    ]
+                ),
+                metadata=metadata,
+                timeout=30,
+            )
+        assert (reply.model, reply.version) == ("det", 1)
+        assert not any(future.done() for future in stalled)
+    finally:
+        release.set()
+        for future in stalled:
+            future.cancel()
+        channel.close()
+        plane.stop()
+
+
+def test_an_idle_upload_is_cut_off(tmp_path):
+    plane = start_control_plane(tmp_path / "home", upload_idle_timeout_s=1)
+    release, started = threading.Event(), threading.Event()
+    channel, stub, metadata = _stub(plane)
+    try:
+        future = _stalled_upload(stub, metadata, release, started)
+        begun = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            future.result(timeout=30)
+        assert time.monotonic() - begun < 10
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "idle for 1 s (upload_idle_timeout_s)" in caught.value.details()
+        _assert_nothing_stored(plane)
+    finally:
+        release.set()
+        channel.close()
+        plane.stop()
+
+
+def test_uploads_beyond_the_limit_are_refused_at_once(tmp_path):
+    plane = start_control_plane(tmp_path / "home", max_concurrent_uploads=1)
+    release, started = threading.Event(), threading.Event()
+    channel, stub, metadata = _stub(plane)
+    try:
+        future = _stalled_upload(stub, metadata, release, started)
+        assert started.wait(10)
+        time.sleep(0.5)  # the first chunk has reached the server and holds the slot
+        second = iter([admin_pb2.PushModelRequest(header=admin_pb2.PushHeader(name="det"))])
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.PushModel(second, metadata=metadata, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 uploads are already in progress" in caught.value.details()
+    finally:
+        release.set()
+        future.cancel()
+        channel.close()
+        plane.stop()
+
+
+def test_concurrent_calls_are_capped_by_the_setting(tmp_path):
+    plane = start_control_plane(tmp_path / "home", max_concurrent_rpcs=2)
+    release = threading.Event()
+    channel, stub, metadata = _stub(plane)
+    futures = []
+    try:
+        for _ in range(2):
+            started = threading.Event()
+            futures.append(_stalled_upload(stub, metadata, release, started))
+            assert started.wait(10)
+        with pytest.raises(grpc.RpcError) as caught:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        release.set()
+        for future in futures:
+            future.cancel()
+        channel.close()
+        plane.stop()
