@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,18 @@ def default_home() -> Path:
     return Path(os.environ.get("SKIFF_HOME") or Path.home() / ".skiff")
 
 
+def url_list(raw: str | Sequence[str]) -> tuple[str, ...]:
+    """Parse a list of URLs: a JSON list from skiff.json, or comma-separated text."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    return tuple(item.strip() for item in items if item.strip())
+
+
 @dataclass(frozen=True)
 class Setting:
     """One declared setting."""
 
     name: str
-    type: type
+    type: Callable[[Any], Any]
     default: Any
     env: str
     doc: str
@@ -102,6 +108,13 @@ SETTINGS: tuple[Setting, ...] = (
         "The only KMS endpoint aws-kms:// keys are used through (empty: AWS's own).",
     ),
     Setting("kms_region", str, "", "SKIFF_KMS_REGION", "AWS region of aws-kms:// keys."),
+    Setting(
+        "kek_keyring",
+        url_list,
+        (),
+        "SKIFF_KEK_KEYRING",
+        "Other KEKs data keys may be wrapped under (comma-separated); kept by key rotation.",
+    ),
 )
 
 
@@ -127,6 +140,7 @@ class Config:
     device_flush_s: float
     kms_endpoint: str
     kms_region: str
+    kek_keyring: tuple[str, ...]
 
     @property
     def dial_address(self) -> str:

@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from control_plane import errors
 from control_plane.api.auth import Authenticator
 from control_plane.api.grpc_errors import mapped, mapped_stream
+from control_plane.registry.keys import KekRotation
 from control_plane.registry.registry import PushRequest, Registry
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
@@ -98,10 +99,12 @@ class _Upload:
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Thin gRPC adapter over the registry; every call needs the admin token."""
 
-    def __init__(self, registry: Registry, authenticator: Authenticator, *, kek_factory):
+    def __init__(
+        self, registry: Registry, authenticator: Authenticator, *, kek_rotation: KekRotation
+    ):
         self._registry = registry
         self._auth = authenticator
-        self._kek_factory = kek_factory
+        self._kek_rotation = kek_rotation
 
     def _actor(self, context: grpc.ServicerContext) -> str:
         metadata = dict(context.invocation_metadata())
@@ -159,5 +162,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def RotateKek(self, request, context):  # noqa: D102, N802
         self._actor(context)
-        old_id, new_id, count = self._registry.rotate_kek(self._kek_factory(request.new_kek))
-        return admin_pb2.RotateKekResponse(old_kek_id=old_id, new_kek_id=new_id, rewrapped=count)
+        r = self._kek_rotation.run(request.new_kek)
+        return admin_pb2.RotateKekResponse(
+            old_kek_id=r.old_kek_id, new_kek_id=r.new_kek_id, rewrapped=r.rewrapped
+        )
