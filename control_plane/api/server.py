@@ -31,7 +31,7 @@ from control_plane.blobs import open_blob_store
 from control_plane.crypto import ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
-from control_plane.registry.keys import KekRotation, Opener, open_keyring
+from control_plane.registry.keys import REWRAP_BATCH, KekRotation, Opener, open_keyring
 from control_plane.registry.registry import Registry
 from control_plane.rollouts.changes import ChangeFeed
 from control_plane.rollouts.delivery import Delivery
@@ -86,7 +86,9 @@ def build_registry(config: Config) -> Registry:
     )
 
 
-def kek_rotation(config: Config, registry: Registry) -> KekRotation:
+def kek_rotation(
+    config: Config, registry: Registry, *, batch_size: int = REWRAP_BATCH
+) -> KekRotation:
     """Return the KEK rotation RotateKek runs, recording each step in skiff.json."""
     lock = threading.Lock()
     current = config
@@ -97,7 +99,13 @@ def kek_rotation(config: Config, registry: Registry) -> KekRotation:
             current = replace(current, kek=active_url, kek_keyring=keyring)
             write_config_file(current)
 
-    return KekRotation(registry.store, registry.kek, opener=kek_opener(config), persist=persist)
+    return KekRotation(
+        registry.store,
+        registry.kek,
+        opener=kek_opener(config),
+        persist=persist,
+        batch_size=batch_size,
+    )
 
 
 @dataclass

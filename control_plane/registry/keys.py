@@ -70,8 +70,9 @@ def open_keyring(
         for url in dict.fromkeys((state.active_url, kek, *state.keyring, *keyring)):
             try:
                 keks.append(opener(url))
-            except (errors.NotFound, errors.InvalidArgument) as exc:
+            except errors.NotFound as exc:
                 # A retired key file may be gone; data keys under it fail by name later.
+                # (A malformed URL is not skipped: the operator has a setting to fix.)
                 log.warning("cannot open KEK %s from the keyring: %s", url, exc)
         return keks, state.active_kek_id
 
