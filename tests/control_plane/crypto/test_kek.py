@@ -227,9 +227,7 @@ def _deny_all_policy() -> str:
     return json.dumps(
         {
             "Version": "2012-10-17",
-            "Statement": [
-                {"Effect": "Deny", "Principal": "*", "Action": "kms:*", "Resource": "*"}
-            ],
+            "Statement": [{"Effect": "Deny", "Principal": "*", "Action": "kms:*", "Resource": "*"}],
         }
     )
 
