@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,18 @@ def default_home() -> Path:
     return Path(os.environ.get("SKIFF_HOME") or Path.home() / ".skiff")
 
 
+def url_list(raw: str | Sequence[str]) -> tuple[str, ...]:
+    """Parse a list of URLs: a JSON list from skiff.json, or comma-separated text."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    return tuple(item.strip() for item in items if item.strip())
+
+
 @dataclass(frozen=True)
 class Setting:
     """One declared setting."""
 
     name: str
-    type: type
+    type: Callable[[Any], Any]
     default: Any
     env: str
     doc: str
@@ -144,6 +150,13 @@ SETTINGS: tuple[Setting, ...] = (
         "SKIFF_MAX_CONCURRENT_RPCS",
         "Calls the server carries at once, device Watch streams included (0: no limit).",
     ),
+    Setting(
+        "kek_keyring",
+        url_list,
+        (),
+        "SKIFF_KEK_KEYRING",
+        "Other KEKs data keys may be wrapped under (comma-separated); kept by key rotation.",
+    ),
 )
 
 
@@ -175,6 +188,7 @@ class Config:
     max_concurrent_uploads: int
     upload_idle_timeout_s: float
     max_concurrent_rpcs: int
+    kek_keyring: tuple[str, ...]
 
     @property
     def dial_address(self) -> str:

@@ -16,6 +16,7 @@ from control_plane.api.access import caller
 from control_plane.api.auth import ApiTokens, Authenticator
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_stream
 from control_plane.registry import memfd
+from control_plane.registry.keys import KekRotation
 from control_plane.registry.registry import PushRequest, Registry, check_request
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
@@ -168,12 +169,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         tokens: ApiTokens,
         auth: Authenticator,
         *,
-        kek_factory,
+        kek_rotation: KekRotation,
         upload_idle_timeout_s: float = 60.0,
     ):
         self._registry = registry
         self._tokens, self._auth = tokens, auth
-        self._kek_factory = kek_factory
+        self._kek_rotation = kek_rotation
         self._idle_timeout = upload_idle_timeout_s
 
     def _recheck(self) -> None:
@@ -263,8 +264,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def RotateKek(self, request, context):  # noqa: D102, N802
         self._actor(context)
-        old_id, new_id, count = self._registry.rotate_kek(self._kek_factory(request.new_kek))
-        return admin_pb2.RotateKekResponse(old_kek_id=old_id, new_kek_id=new_id, rewrapped=count)
+        r = self._kek_rotation.run(request.new_kek)
+        return admin_pb2.RotateKekResponse(
+            old_kek_id=r.old_kek_id, new_kek_id=r.new_kek_id, rewrapped=r.rewrapped
+        )
 
     @mapped
     def CreateApiToken(self, request, context):  # noqa: D102, N802

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 import signal
 import threading
@@ -29,9 +30,10 @@ from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
 from control_plane.blobs import open_blob_store
-from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
+from control_plane.crypto import ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.registry.keys import REWRAP_BATCH, KekRotation, Opener, open_keyring
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.registry import Registry
 from control_plane.rollouts.changes import ChangeFeed
@@ -67,12 +69,20 @@ SERVER_OPTIONS = [
 ]
 
 
+def kek_opener(config: Config) -> Opener:
+    """Return how this server opens KEK URLs: KMS only through its own KMS settings."""
+    return functools.partial(
+        open_kek, kms_endpoint=config.kms_endpoint, kms_region=config.kms_region
+    )
+
+
 def build_registry(config: Config) -> Registry:
     """Open the store, blob store and keys named by `config`."""
+    store = SqlStore(config.db)
     return Registry(
-        store=SqlStore(config.db),
+        store=store,
         blobs=open_blob_store(config.blobs),
-        kek=open_kek(config.kek),
+        kek=open_keyring(store, kek_opener(config), kek=config.kek, keyring=config.kek_keyring),
         signer=ManifestSigner.load(config.signing_key),
         max_model_bytes=config.max_model_bytes,
         mnn_timeout_s=config.mnn_timeout_s,
@@ -86,25 +96,26 @@ def build_registry(config: Config) -> Registry:
     )
 
 
-def kek_factory(config: Config, registry: Registry):
-    """Return the function RotateKek uses to make the next KEK, persisting the choice."""
+def kek_rotation(
+    config: Config, registry: Registry, *, batch_size: int = REWRAP_BATCH
+) -> KekRotation:
+    """Return the KEK rotation RotateKek runs, recording each step in skiff.json."""
     lock = threading.Lock()
+    current = config
 
-    def next_kek(url: str) -> KeyEncryptionKey:
+    def persist(active_url: str, keyring: tuple[str, ...]) -> None:
+        nonlocal current
         with lock:
-            if not url:
-                if not isinstance(registry.kek, LocalKek):
-                    raise errors.InvalidArgument(
-                        "the active KEK is not a local key file: name the new KEK"
-                    )
-                # Rotate what is on disk, not the in-memory copy: an earlier attempt that
-                # failed after adding its key must not block this one.
-                return LocalKek.load(registry.kek.path).rotate()
-            new = open_kek(url)
-            write_config_file(replace(config, kek=url))
-            return new
+            current = replace(current, kek=active_url, kek_keyring=keyring)
+            write_config_file(current)
 
-    return next_kek
+    return KekRotation(
+        registry.store,
+        registry.kek,
+        opener=kek_opener(config),
+        persist=persist,
+        batch_size=batch_size,
+    )
 
 
 @dataclass
@@ -264,7 +275,7 @@ async def _add_services(server: grpc.aio.Server, app: App, auth: Authenticator) 
             app.registry,
             ApiTokens(app.store),
             auth,
-            kek_factory=kek_factory(app.config, app.registry),
+            kek_rotation=kek_rotation(app.config, app.registry),
             upload_idle_timeout_s=app.config.upload_idle_timeout_s,
         ),
         server,

@@ -9,6 +9,10 @@ kek_id scheme: ``local:<primary key id>`` for a local keyset, where the id is th
 decimal Tink key id exactly as it appears in the keyset file's ``primaryKeyId`` (so an
 operator can grep for it), and ``aws-kms:<key id or ARN as configured>`` for KMS.
 Rotation changes a local kek_id; KMS rotates key material behind a stable id itself.
+
+Which KMS endpoint and region an ``aws-kms://`` key is used through is the server's own
+setting (`kms_endpoint`, `kms_region`), never part of a URL: a URL can arrive in a
+request, and whoever names the endpoint receives every plaintext data key.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ _LOCAL_PREFIX = "local:"
 _KMS_PREFIX = "aws-kms:"
 _AD_PREFIX = b"skiff/kek/v1\x00"  # keeps these ciphertexts apart from any other use
 _UNWRAP_FAILED = "wrapped data key failed authentication (wrong KEK or context)"
+_CHECK_CONTEXT = "skiff/kek-check"
 
 # Short timeouts and few retries: a publish waits on this call, and an unreachable KMS
 # should surface as Unavailable within seconds, not after botocore's 60 s defaults.
@@ -50,8 +55,10 @@ _KMS_ERRORS: Mapping[str, type[errors.SkiffError]] = {
     "InvalidCiphertextException": errors.IntegrityError,
     "IncorrectKeyException": errors.IntegrityError,
     "NotFoundException": errors.NotFound,
-    "AccessDeniedException": errors.Unauthenticated,
-    "UnrecognizedClientException": errors.Unauthenticated,
+    # The server's AWS identity was refused: not the caller's credentials, so not
+    # Unauthenticated (which clients read as "your token is wrong").
+    "AccessDeniedException": errors.FailedPrecondition,
+    "UnrecognizedClientException": errors.FailedPrecondition,
     "DisabledException": errors.Unavailable,  # an operator can re-enable the key
     "KMSInvalidStateException": errors.Unavailable,
     "KeyUnavailableException": errors.Unavailable,
@@ -94,6 +101,11 @@ class KeyEncryptionKey(abc.ABC):
     def kek_id(self) -> str:
         """Identify the key that `wrap` uses now (stored beside every wrapped key)."""
 
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """Return the URL `open_kek` opens this KEK from (no secret in it)."""
+
     @abc.abstractmethod
     def wrap(self, data_key: bytes, *, context: str) -> WrappedKey:
         """Encrypt `data_key`, binding `context` to it."""
@@ -101,6 +113,22 @@ class KeyEncryptionKey(abc.ABC):
     @abc.abstractmethod
     def unwrap(self, wrapped: WrappedKey, *, context: str) -> bytes:
         """Decrypt a wrapped key; raise errors.IntegrityError on a wrong KEK or context."""
+
+    def holds(self, kek_id: str) -> bool:
+        """Tell whether keys wrapped under `kek_id` unwrap here."""
+        return kek_id == self.kek_id
+
+    def using(self, kek_id: str) -> KeyEncryptionKey:
+        """Return this KEK wrapping under `kek_id` (one it holds); NotFound otherwise."""
+        if kek_id != self.kek_id:
+            raise errors.NotFound(f"{self.url} does not hold the KEK {kek_id}")
+        return self
+
+    def check(self) -> None:
+        """Wrap and unwrap a throwaway key: proves this KEK works before anything relies on it."""
+        probe = os.urandom(32)
+        if self.unwrap(self.wrap(probe, context=_CHECK_CONTEXT), context=_CHECK_CONTEXT) != probe:
+            raise errors.IntegrityError(f"{self.kek_id} did not give back the key it wrapped")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kek_id={self.kek_id!r})"
@@ -113,11 +141,19 @@ def rewrap(
     return new.wrap(old.unwrap(wrapped, context=context), context=context)
 
 
-def open_kek(url: str) -> KeyEncryptionKey:
-    """Open a KEK from ``file:///path``, a plain path, or ``aws-kms://<key>?endpoint_url=&region=``."""
+def open_kek(url: str, *, kms_endpoint: str = "", kms_region: str = "") -> KeyEncryptionKey:
+    """Open a KEK from ``file:///path``, a plain path, or ``aws-kms://<key id or ARN>``.
+
+    ``aws-kms://`` keys are reached through `kms_endpoint` and `kms_region` (the server's
+    settings; empty means AWS's own endpoint and the usual AWS region lookup).
+    """
     if url.startswith("aws-kms://"):
-        key_id, _, query = url.removeprefix("aws-kms://").partition("?")
-        return AwsKmsKek(unquote(key_id), **_kms_options(query))
+        key_id, options, query = url.removeprefix("aws-kms://").partition("?")
+        if options:
+            _refuse_kms_options(query)
+        return AwsKmsKek(
+            unquote(key_id), endpoint_url=kms_endpoint or None, region=kms_region or None
+        )
     if url.startswith("file://"):
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost") or parts.query:
@@ -128,19 +164,23 @@ def open_kek(url: str) -> KeyEncryptionKey:
     return LocalKek.load(url)
 
 
-def _kms_options(query: str) -> dict[str, str]:
-    options = {name: values[-1] for name, values in parse_qs(query).items()}
-    unknown = set(options) - {"endpoint_url", "region"}
-    if unknown:
-        raise errors.InvalidArgument(f"unknown aws-kms URL options: {sorted(unknown)}")
-    return options
+def _refuse_kms_options(query: str) -> None:
+    # Names the options, never their values (which may be an attacker's endpoint).
+    named = ", ".join(sorted(parse_qs(query, keep_blank_values=True))) or "?"
+    raise errors.InvalidArgument(
+        f"aws-kms:// URLs take no options (got {named[:80]}): the KMS endpoint"
+        " and region are the server's settings kms_endpoint and kms_region"
+        " (skiff.json or SKIFF_KMS_ENDPOINT / SKIFF_KMS_REGION)"
+    )
 
 
 class LocalKek(KeyEncryptionKey):
     """A Tink AES256_GCM keyset in a cleartext JSON file readable by its owner only.
 
-    Wrapped keys carry Tink's 5-byte key-id prefix, so after `rotate` the keyset picks
-    the right key for older wraps by itself; `retire_old_keys` then drops those keys.
+    Wrapped keys carry Tink's 5-byte key-id prefix, so every key of the keyset unwraps
+    what it wrapped. Rotation adds a key (`add_key`), moves every data key to it, and only
+    then makes it the file's primary and drops the others (`retire_old_keys`): a crash in
+    between leaves a file that still opens everything.
     """
 
     def __init__(self, path: str | os.PathLike[str], keyset: tink_pb2.Keyset) -> None:
@@ -175,9 +215,27 @@ class LocalKek(KeyEncryptionKey):
         return f"{_LOCAL_PREFIX}{self._keyset.primary_key_id}"
 
     @property
+    def url(self) -> str:
+        """Return the keyset file's path."""
+        return str(self._path)
+
+    @property
     def path(self) -> Path:
         """Return the keyset file this KEK was read from."""
         return self._path
+
+    def holds(self, kek_id: str) -> bool:
+        """Tell whether any key of the keyset is `kek_id`."""
+        return kek_id in {f"{_LOCAL_PREFIX}{key.key_id}" for key in self._keyset.key}
+
+    def using(self, kek_id: str) -> LocalKek:
+        """Return a copy that wraps with the keyset's key `kek_id` (the file is unchanged)."""
+        if not self.holds(kek_id):
+            raise errors.NotFound(f"{self._path} does not hold the KEK {kek_id}")
+        keyset = tink_pb2.Keyset()
+        keyset.CopyFrom(self._keyset)
+        keyset.primary_key_id = int(kek_id.removeprefix(_LOCAL_PREFIX))
+        return LocalKek(self._path, keyset)
 
     def wrap(self, data_key: bytes, *, context: str) -> WrappedKey:
         """Encrypt `data_key` with the primary key, `context` as associated data."""
@@ -185,8 +243,7 @@ class LocalKek(KeyEncryptionKey):
 
     def unwrap(self, wrapped: WrappedKey, *, context: str) -> bytes:
         """Decrypt with whichever key of the keyset wrapped it."""
-        held = {f"{_LOCAL_PREFIX}{key.key_id}" for key in self._keyset.key}
-        if wrapped.kek_id not in held:
+        if not self.holds(wrapped.kek_id):
             raise errors.IntegrityError(
                 f"data key was wrapped by {wrapped.kek_id}, which {self._path} does not hold"
             )
@@ -195,39 +252,35 @@ class LocalKek(KeyEncryptionKey):
         except tink.TinkError:
             raise errors.IntegrityError(_UNWRAP_FAILED) from None
 
-    def rotate(self) -> LocalKek:
-        """Add a new primary key to the file and return a KEK using it.
+    def add_key(self) -> LocalKek:
+        """Add a new key to the file and return a KEK that wraps with it.
 
-        Older keys stay in the keyset, so everything wrapped so far still unwraps.
-        Discard `self` afterwards: it still wraps with the old primary.
+        The file's primary stays as it was, so a process that loads the file meanwhile
+        keeps wrapping with the key in use until `retire_old_keys` promotes the new one.
         """
-        keyset = self._current_file_keyset()
+        keyset = LocalKek.load(self._path)._keyset  # edit what is on disk, not our copy
         new_key = _to_proto(tink.new_keyset_handle(aead.aead_key_templates.AES256_GCM)).key[0]
         if any(key.key_id == new_key.key_id for key in keyset.key):
-            return self.rotate()  # a 1-in-2^31 id collision: draw again
+            return self.add_key()  # a 1-in-2^31 id collision: draw again
         keyset.key.append(new_key)
-        keyset.primary_key_id = new_key.key_id
-        rotated = LocalKek(self._path, keyset)
         write_private_file(self._path, _to_json(keyset), replace=True)
-        return rotated
+        return LocalKek(self._path, keyset).using(f"{_LOCAL_PREFIX}{new_key.key_id}")
 
     def retire_old_keys(self) -> None:
-        """Delete every non-primary key from the file (after all data keys were re-wrapped)."""
-        keyset = self._current_file_keyset()
-        primary = [key for key in keyset.key if key.key_id == keyset.primary_key_id]
+        """Make this KEK's key the file's primary and delete every other key.
+
+        Only once no data key is wrapped under the others: they are gone for good.
+        """
+        keyset = LocalKek.load(self._path)._keyset
+        kept = [key for key in keyset.key if key.key_id == self._keyset.primary_key_id]
+        if not kept:
+            raise errors.FailedPrecondition(f"{self._path} no longer holds {self.kek_id}")
         del keyset.key[:]
-        keyset.key.extend(primary)
+        keyset.key.extend(kept)
+        keyset.primary_key_id = self._keyset.primary_key_id
         retired = LocalKek(self._path, keyset)
         write_private_file(self._path, _to_json(keyset), replace=True)
         self._keyset, self._aead = retired._keyset, retired._aead
-
-    def _current_file_keyset(self) -> tink_pb2.Keyset:
-        # Edit what is on disk, not our possibly stale copy, and refuse if someone else
-        # rotated in between: writing our copy back could drop their new key.
-        on_disk = LocalKek.load(self._path)._keyset
-        if on_disk.primary_key_id != self._keyset.primary_key_id:
-            raise errors.InvalidArgument(f"{self._path} was rotated since it was loaded; reload it")
-        return on_disk
 
     def __repr__(self) -> str:
         return f"LocalKek(path={str(self._path)!r}, kek_id={self.kek_id!r})"
@@ -257,6 +310,22 @@ class AwsKmsKek(KeyEncryptionKey):
         """Return ``aws-kms:<key id or ARN>``."""
         return f"{_KMS_PREFIX}{self._key_id}"
 
+    @property
+    def url(self) -> str:
+        """Return ``aws-kms://<key id or ARN>`` (the endpoint is the server's setting)."""
+        return f"aws-kms://{self._key_id}"
+
+    def check(self) -> None:
+        """Refuse a key that KMS reports disabled or not for encryption, then probe it."""
+        metadata = self._call("describe_key", KeyId=self._key_id)["KeyMetadata"]
+        usage = metadata.get("KeyUsage", "ENCRYPT_DECRYPT")
+        if not metadata.get("Enabled") or usage != "ENCRYPT_DECRYPT":
+            raise errors.FailedPrecondition(
+                f"KMS key {self._key_id} is {metadata.get('KeyState', 'not usable')}"
+                f" ({usage}): an enabled ENCRYPT_DECRYPT key is needed"
+            )
+        super().check()
+
     def wrap(self, data_key: bytes, *, context: str) -> WrappedKey:
         """Encrypt `data_key` with KMS."""
         response = self._call(
@@ -281,13 +350,16 @@ class AwsKmsKek(KeyEncryptionKey):
         except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError) as exc:
             raise errors.Unavailable(f"AWS KMS unreachable during {operation}") from exc
         except botocore.exceptions.NoCredentialsError:
-            raise errors.Unauthenticated("no AWS credentials for KMS") from None
+            raise errors.FailedPrecondition("the server has no AWS credentials for KMS") from None
         except botocore.exceptions.ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             error = _KMS_ERRORS.get(code)
             if error is None:
                 raise
-            message = _UNWRAP_FAILED if error is errors.IntegrityError else f"KMS {operation}"
+            message = {
+                errors.IntegrityError: _UNWRAP_FAILED,
+                errors.FailedPrecondition: f"KMS refused {operation} of {self.kek_id}",
+            }.get(error, f"KMS {operation}")
             raise error(f"{message}: {code}") from None
         finally:
             _in_kms_call.reset(token)

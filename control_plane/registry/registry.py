@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import logging
 import os
@@ -26,20 +27,20 @@ from control_plane import errors
 from control_plane.blobs import BlobStore
 from control_plane.crypto import (
     SEGMENT_SIZE,
-    KeyEncryptionKey,
-    LocalKek,
     ManifestSigner,
+    WrappedKey,
     decrypt_stream,
     encrypt_chunks,
     new_data_key,
-    rewrap,
 )
+from control_plane.crypto.keyring import Keyring
 from control_plane.registry import memfd, mnn_tools
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.store.base import (
     ModelRecord,
     NewVersion,
     RegistryStore,
+    StaleKek,
     VariantRecord,
     VersionRecord,
 )
@@ -56,6 +57,8 @@ AEAD_NAME = "AES256_GCM_HKDF_1MB"
 MANIFEST_SCHEMA = "skiff.manifest/v1"
 # Concurrent MNN children per push; each holds a copy of a variant's weights.
 INSPECT_WORKERS = 2
+# Times a push re-wraps its data key after a rotation on some replica switched the KEK.
+STALE_KEK_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ class Registry:
         *,
         store: RegistryStore,
         blobs: BlobStore,
-        kek: KeyEncryptionKey,
+        kek: Keyring,
         signer: ManifestSigner,
         max_model_bytes: int,
         mnn_timeout_s: float,
@@ -141,10 +144,6 @@ class Registry:
         self.max_model_bytes = max_model_bytes
         self._mnn_timeout = mnn_timeout_s
         self._sandbox = sandbox
-        # Held from wrapping a data key until its row commits, and for a whole rotation,
-        # so a rotation never misses a key wrapped under the KEK it is retiring. (One
-        # process; replicas rotating concurrently would need a database lock.)
-        self._kek_lock = threading.Lock()
         # A push holds its model (and each variant) in RAM and runs MNN children; on a
         # small box, unbounded concurrent pushes of large models would exhaust memory.
         self._push_slots = threading.BoundedSemaphore(max(1, max_concurrent_pushes))
@@ -248,7 +247,7 @@ class Registry:
         variants = tuple(replace(v, signature=signatures[v.name]) for v in sealed)
         created_at = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
-        def build(number: int) -> NewVersion:
+        def build(wrapped: WrappedKey, number: int) -> NewVersion:
             manifest = {
                 "schema": MANIFEST_SCHEMA,
                 "model": request.name,
@@ -268,7 +267,7 @@ class Registry:
                 source_format=fmt,
                 signature=signatures[BASE_VARIANT],
                 variants=variants,
-                data_key=self.kek.wrap(data_key, context=uid),
+                data_key=wrapped,
                 manifest=signed.body,
                 manifest_signature=signed.signature,
                 signing_key_id=signed.key_id,
@@ -276,10 +275,29 @@ class Registry:
 
         if abandoned():
             raise errors.Unavailable("client disconnected mid-upload")
-        with self._kek_lock:
-            record = self.store.create_version(request.name, build)
+        record = self._create_version(request.name, uid, data_key, build)
         log.info("pushed %s:%d (%s)", record.model, record.number, ", ".join(fds))
         return record
+
+    def _create_version(
+        self,
+        model: str,
+        uid: str,
+        data_key: bytes,
+        build: Callable[[WrappedKey, int], NewVersion],
+    ) -> VersionRecord:
+        """Insert the version with its data key wrapped under the active KEK."""
+        for attempt in range(STALE_KEK_RETRIES + 1):
+            # Wrapped before the store's transaction opens: a KMS call can take seconds.
+            wrapped = self.kek.wrap(data_key, context=uid)
+            try:
+                return self.store.create_version(model, functools.partial(build, wrapped))
+            except StaleKek:
+                # A rotation (on any replica) switched the KEK since this process looked.
+                if attempt == STALE_KEK_RETRIES:
+                    raise
+                self.kek.reload()
+        raise AssertionError("unreachable")
 
     def _encrypt_variant(
         self, uid: str, name: str, fd: int, data_key: bytes, stored: list[str]
@@ -350,21 +368,6 @@ class Registry:
             data_key, ciphertext, associated_data=associated_data(record.uid, chosen.name)
         )
         return record, chosen, plaintext
-
-    # -- keys ---------------------------------------------------------------------------
-
-    def rotate_kek(self, new: KeyEncryptionKey) -> tuple[str, str, int]:
-        """Re-wrap every data key under `new` (blobs untouched); returns old id, new id, count."""
-        with self._kek_lock:
-            old = self.kek
-            count = self.store.rewrap_data_keys(
-                lambda uid, wrapped: rewrap(wrapped, old=old, new=new, context=uid)
-            )
-            self.kek = new
-            if isinstance(new, LocalKek):
-                new.retire_old_keys()
-        log.info("re-wrapped %d data keys from %s to %s", count, old.kek_id, new.kek_id)
-        return old.kek_id, new.kek_id, count
 
 
 def _manifest_variant(uid: str, v: VariantRecord) -> dict:

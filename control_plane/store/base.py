@@ -7,10 +7,12 @@ cannot lazy-load, mutate or hold a session by accident.
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from control_plane import errors
 from control_plane.crypto.kek import WrappedKey
 
 
@@ -77,11 +79,35 @@ class ModelRecord:
     version_count: int
 
 
+@dataclass(frozen=True)
+class KekState:
+    """Which KEK wraps new data keys, shared by every replica, and the other KEKs in use.
+
+    `keyring` lists the URLs of every other KEK a stored data key may be wrapped under
+    (previous ones, and one a rotation is moving to). URLs name keys; they hold no secret.
+    """
+
+    active_kek_id: str
+    active_url: str
+    keyring: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoredDataKey:
+    """One version's wrapped data key as a KEK rotation reads it."""
+
+    row_id: int
+    uid: str
+    data_key: WrappedKey
+
+
+class StaleKek(errors.FailedPrecondition):
+    """A new version's data key is wrapped under a KEK that is no longer the active one."""
+
+
 # Builds the version to insert once its number is allocated (the signed manifest names
 # the number, so it can only be made inside the allocating transaction).
 VersionBuilder = Callable[[int], NewVersion]
-# Re-wraps one data key; called for every version during KEK rotation.
-Rewrapper = Callable[[str, WrappedKey], WrappedKey]
 
 
 class RegistryStore(abc.ABC):
@@ -89,7 +115,12 @@ class RegistryStore(abc.ABC):
 
     @abc.abstractmethod
     def create_version(self, model: str, build: VersionBuilder) -> VersionRecord:
-        """Create the model if needed and append the next version number (gapless)."""
+        """Create the model if needed and append the next version number (gapless).
+
+        StaleKek when the version's data key is not wrapped under the active KEK (see
+        `kek_state`): checked in the inserting transaction, so no version can land under
+        a KEK that a rotation has already retired.
+        """
 
     @abc.abstractmethod
     def list_models(self) -> list[ModelRecord]:
@@ -112,8 +143,43 @@ class RegistryStore(abc.ABC):
         """Return the ciphertext digests every stored variant points at."""
 
     @abc.abstractmethod
-    def rewrap_data_keys(self, rewrap: Rewrapper) -> int:
-        """Replace every wrapped data key in one transaction; returns how many."""
+    def kek_state(self) -> KekState | None:
+        """Return the shared KEK state; None before any server recorded one."""
+
+    @abc.abstractmethod
+    def init_kek_state(self, state: KekState) -> KekState:
+        """Record `state` unless one exists; return the state now stored."""
+
+    @abc.abstractmethod
+    def add_to_keyring(self, url: str) -> KekState:
+        """Add a KEK URL to the keyring (a no-op for the active one or one already in it)."""
+
+    @abc.abstractmethod
+    def data_keys_not_under(self, kek_id: str, *, after: int, limit: int) -> list[StoredDataKey]:
+        """Return up to `limit` data keys not wrapped under `kek_id`, by row id past `after`."""
+
+    @abc.abstractmethod
+    def replace_data_keys(self, moves: Sequence[tuple[StoredDataKey, WrappedKey]]) -> int:
+        """Store re-wrapped data keys in one short transaction; returns how many changed.
+
+        A row is only changed while it still holds the wrapped key that was read.
+        """
+
+    @abc.abstractmethod
+    def activate_kek(self, kek_id: str, url: str) -> int:
+        """Make `kek_id` the active KEK if no data key is wrapped under another one.
+
+        Returns how many data keys are still under another KEK (0: it is active now; the
+        previous active KEK joins the keyring).
+        """
+
+    @abc.abstractmethod
+    def kek_rotation_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the one KEK-rotation lock of this database, for every process using it.
+
+        FailedPrecondition at once if another rotation holds it. The lock dies with its
+        holder, so a rotation killed halfway never blocks the next one.
+        """
 
     @abc.abstractmethod
     def check(self) -> None:

@@ -109,6 +109,25 @@ class TokenRow(Base):
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class KekStateRow(Base):
+    """One row: the KEK every replica wraps new data keys with, and the other KEKs in use.
+
+    Pushes read it (FOR SHARE) in the transaction that inserts their version and a
+    rotation switches it (FOR UPDATE), so the two serialise on this row.
+    """
+
+    __tablename__ = "kek_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    active_kek_id: Mapped[str] = mapped_column(String(256))
+    active_url: Mapped[str] = mapped_column(String(1024))
+    # URLs of every other KEK a stored data key may be wrapped under.
+    keyring: Mapped[list] = mapped_column(JSON)
+    updated_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+
 class FleetStateRow(Base):
     """One row: the fleet revision, bumped by every change to any device's desired state."""
 

@@ -180,13 +180,13 @@ def test_unreachable_database_is_unavailable_and_server_recovers(tmp_path, mnn_b
 
 def test_rotate_to_kms_and_back_keeps_models_readable(tmp_path, mnn_bytes, moto_endpoint):
     key_id = boto3.client("kms", endpoint_url=moto_endpoint).create_key()["KeyMetadata"]["KeyId"]
-    plane = start_control_plane(tmp_path / "home")
+    plane = start_control_plane(tmp_path / "home", kms_endpoint=moto_endpoint)
     path = tmp_path / "m.mnn"
     path.write_bytes(mnn_bytes)
     try:
         with plane.client() as client:
             client.push(path, name="det")
-            result = client.rotate_kek(f"aws-kms://{key_id}?endpoint_url={moto_endpoint}")
+            result = client.rotate_kek(f"aws-kms://{key_id}")
             assert result.rewrapped == 1 and result.new_kek_id.startswith("aws-kms:")
             assert plane.registry.store.get_version("det").data_key.kek_id == result.new_kek_id
             client.push(path, name="det")
@@ -203,7 +203,7 @@ def test_rotate_to_kms_and_back_keeps_models_readable(tmp_path, mnn_bytes, moto_
 def test_kms_as_the_kek_from_init(tmp_path, mnn_bytes, moto_endpoint):
     key_id = boto3.client("kms", endpoint_url=moto_endpoint).create_key()["KeyMetadata"]["KeyId"]
     plane = start_control_plane(
-        tmp_path / "home", kek=f"aws-kms://{key_id}?endpoint_url={moto_endpoint}"
+        tmp_path / "home", kek=f"aws-kms://{key_id}", kms_endpoint=moto_endpoint
     )
     path = tmp_path / "m.mnn"
     path.write_bytes(mnn_bytes)
@@ -224,15 +224,15 @@ def test_failed_rotation_can_be_retried(cp, mnn_bytes, monkeypatch):
     with cp.client() as client:
         client.push(path, name="det")
         store = cp.registry.store
-        real = store.rewrap_data_keys
+        real = store.replace_data_keys
 
-        def down(rewrap):
+        def down(moves):
             raise errors.Unavailable("database unavailable: test")
 
-        monkeypatch.setattr(store, "rewrap_data_keys", down)
+        monkeypatch.setattr(store, "replace_data_keys", down)
         with pytest.raises(errors.Unavailable):
             client.rotate_kek()
-        monkeypatch.setattr(store, "rewrap_data_keys", real)
+        monkeypatch.setattr(store, "replace_data_keys", real)
         assert client.rotate_kek().rewrapped == 1
         client.pull("det", 1, cp.config.home / "back.mnn")
     assert (cp.config.home / "back.mnn").read_bytes() == mnn_bytes

@@ -112,40 +112,44 @@ def test_secrets_stay_out_of_reprs_and_errors(local: LocalKek, kek_path: Path) -
         assert repr(wrapped.ciphertext) not in text
 
 
-def test_rotate_rewrap_retire(local: LocalKek, kek_path: Path) -> None:
+def test_add_key_rewrap_retire(local: LocalKek, kek_path: Path) -> None:
     data_key = new_data_key()
     old_wrap = local.wrap(data_key, context=CONTEXT)
 
-    rotated = local.rotate()
-    assert rotated.kek_id != local.kek_id
+    added = local.add_key()
+    assert added.kek_id != local.kek_id
     assert mode_of(kek_path) == 0o600
     assert len(key_values(kek_path)) == 2
     assert [p.name for p in kek_path.parent.iterdir()] == ["kek.json"]
+    # Until the re-wrap is done, the file's primary (what a restart wraps with) stays.
     reloaded = LocalKek.load(kek_path)
-    assert reloaded.kek_id == rotated.kek_id
-    assert reloaded.unwrap(old_wrap, context=CONTEXT) == data_key
+    assert reloaded.kek_id == local.kek_id
+    assert reloaded.holds(added.kek_id) and reloaded.holds(local.kek_id)
+    assert reloaded.using(added.kek_id).kek_id == added.kek_id
 
-    new_wrap = rewrap(old_wrap, old=reloaded, new=reloaded, context=CONTEXT)
-    assert new_wrap.kek_id == rotated.kek_id
+    new_wrap = rewrap(old_wrap, old=reloaded, new=added, context=CONTEXT)
+    assert new_wrap.kek_id == added.kek_id
+    assert reloaded.unwrap(new_wrap, context=CONTEXT) == data_key
 
-    rotated.retire_old_keys()
+    added.retire_old_keys()
     assert len(key_values(kek_path)) == 1
     assert mode_of(kek_path) == 0o600
     after = LocalKek.load(kek_path)
+    assert after.kek_id == added.kek_id
     assert after.unwrap(new_wrap, context=CONTEXT) == data_key
-    assert rotated.unwrap(new_wrap, context=CONTEXT) == data_key
     with pytest.raises(errors.IntegrityError):
         after.unwrap(old_wrap, context=CONTEXT)
     with pytest.raises(errors.IntegrityError):
-        rotated.unwrap(old_wrap, context=CONTEXT)
+        added.unwrap(old_wrap, context=CONTEXT)
 
 
-def test_stale_kek_refuses_to_rotate(local: LocalKek) -> None:
-    local.rotate()
-    with pytest.raises(errors.InvalidArgument, match="rotated since"):
-        local.rotate()
-    with pytest.raises(errors.InvalidArgument, match="rotated since"):
+def test_retiring_a_key_the_file_no_longer_holds_is_refused(local: LocalKek) -> None:
+    added = local.add_key()
+    added.retire_old_keys()
+    with pytest.raises(errors.FailedPrecondition, match="no longer holds"):
         local.retire_old_keys()
+    with pytest.raises(errors.NotFound):
+        local.using(added.kek_id + "0")
 
 
 def test_open_kek_local_urls(local: LocalKek, kek_path: Path) -> None:
@@ -155,6 +159,21 @@ def test_open_kek_local_urls(local: LocalKek, kek_path: Path) -> None:
         open_kek("gcp-kms://projects/x")
     with pytest.raises(errors.InvalidArgument):
         open_kek("aws-kms://some-key?colour=blue")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "aws-kms://some-key?endpoint_url=http://127.0.0.1:1",
+        "aws-kms://some-key?region=eu-west-1",
+        "aws-kms://some-key?endpoint_url=http://attacker.example&region=us-east-1",
+        "aws-kms://some-key?",
+    ],
+)
+def test_kms_urls_cannot_name_an_endpoint_or_region(url: str) -> None:
+    with pytest.raises(errors.InvalidArgument, match="kms_endpoint") as raised:
+        open_kek(url, kms_endpoint="http://127.0.0.1:2", kms_region="us-east-1")
+    assert "attacker" not in str(raised.value) and "127.0.0.1" not in str(raised.value)
 
 
 # --- AWS KMS against moto's server over HTTP -------------------------------------------
@@ -193,11 +212,41 @@ def test_rewrap_local_to_kms(local: LocalKek, kms_kek: AwsKmsKek) -> None:
     assert kms_kek.unwrap(moved, context=CONTEXT) == data_key
 
 
-def test_open_kek_kms_url(moto_endpoint: str, kms_key_arn: str) -> None:
-    kek = open_kek(f"aws-kms://{kms_key_arn}?endpoint_url={moto_endpoint}&region=us-east-1")
+def test_open_kek_kms_url_uses_the_servers_kms_settings(moto_endpoint: str, kms_key_arn: str):
+    kek = open_kek(f"aws-kms://{kms_key_arn}", kms_endpoint=moto_endpoint, kms_region="us-east-1")
     assert isinstance(kek, AwsKmsKek)
-    assert kek.kek_id == f"aws-kms:{kms_key_arn}"
+    assert kek.kek_id == f"aws-kms:{kms_key_arn}" and kek.url == f"aws-kms://{kms_key_arn}"
     assert kek.unwrap(kek.wrap(b"k" * 32, context=CONTEXT), context=CONTEXT) == b"k" * 32
+    kek.check()
+    unreachable = open_kek(f"aws-kms://{kms_key_arn}", kms_endpoint="http://127.0.0.1:1")
+    with pytest.raises(errors.Unavailable):
+        unreachable.wrap(b"k" * 32, context=CONTEXT)
+
+
+def _deny_all_policy() -> str:
+    return json.dumps(
+        {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Deny", "Principal": "*", "Action": "kms:*", "Resource": "*"}],
+        }
+    )
+
+
+def test_kms_refusal_is_a_failed_precondition_not_an_auth_error(moto_endpoint: str) -> None:
+    kms = boto3.client("kms", endpoint_url=moto_endpoint, region_name="us-east-1")
+    denied = kms.create_key(Policy=_deny_all_policy())["KeyMetadata"]["KeyId"]
+    kek = AwsKmsKek(denied, endpoint_url=moto_endpoint, region="us-east-1")
+    with pytest.raises(errors.FailedPrecondition, match="KMS refused.*AccessDeniedException"):
+        kek.check()
+
+
+def test_check_refuses_a_disabled_kms_key(moto_endpoint: str) -> None:
+    kms = boto3.client("kms", endpoint_url=moto_endpoint, region_name="us-east-1")
+    key_id = kms.create_key()["KeyMetadata"]["KeyId"]
+    kms.disable_key(KeyId=key_id)
+    kek = AwsKmsKek(key_id, endpoint_url=moto_endpoint, region="us-east-1")
+    with pytest.raises(errors.FailedPrecondition, match="Disabled"):
+        kek.check()
 
 
 def test_kms_plaintext_stays_out_of_debug_logs(

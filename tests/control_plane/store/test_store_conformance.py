@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from dataclasses import replace
 
 import pytest
 
 from control_plane import errors
 from control_plane.crypto.kek import WrappedKey
-from control_plane.store.base import NewVersion, VariantRecord
+from control_plane.store.base import KekState, NewVersion, StaleKek, VariantRecord
 from control_plane.store.migrate import alembic_config
 from control_plane.store.sql_store import SqlStore
 
@@ -110,24 +111,66 @@ def test_concurrent_pushes_get_distinct_gapless_numbers(store):
     assert sorted(numbers) == list(range(1, 17))
 
 
-def test_rewrap_is_all_or_nothing(store):
-    store.create_version("det", _builder("a"))
+def _builder_under(kek_id: str, tag: str):
+    build = _builder(tag)
+    return lambda number: replace(build(number), data_key=WrappedKey(kek_id, b"w-" + tag.encode()))
+
+
+def test_kek_state_is_recorded_once(store):
+    assert store.kek_state() is None
+    first = store.init_kek_state(KekState("local:1", "/keys/kek.json", ()))
+    assert first == KekState("local:1", "/keys/kek.json", ())
+    # A second replica starting with another config does not overwrite it.
+    assert store.init_kek_state(KekState("aws-kms:k", "aws-kms://k", ())) == first
+    assert store.add_to_keyring("aws-kms://k").keyring == ("aws-kms://k",)
+    assert store.add_to_keyring("aws-kms://k").keyring == ("aws-kms://k",)
+    assert store.add_to_keyring("/keys/kek.json").keyring == ("aws-kms://k",)
+
+
+def test_a_push_under_a_kek_that_is_not_active_is_refused(store):
+    store.create_version("det", _builder("a"))  # no KEK state yet: nothing to check
+    store.init_kek_state(KekState("local:1", "/keys/kek.json", ()))
     store.create_version("det", _builder("b"))
-    calls = []
+    with pytest.raises(StaleKek, match="local:2"):
+        store.create_version("det", _builder_under("local:2", "c"))
+    assert [v.number for v in store.list_versions("det")] == [1, 2]
 
-    def failing(uid, wrapped):
-        calls.append(uid)
-        if len(calls) == 2:
-            raise errors.Unavailable("kms down")
-        return WrappedKey("new", b"x")
 
-    with pytest.raises(errors.Unavailable):
-        store.rewrap_data_keys(failing)
-    assert {v.data_key.kek_id for v in store.list_versions("det")} == {"local:1"}
-    count = store.rewrap_data_keys(lambda uid, w: WrappedKey("new", w.ciphertext + b"!"))
-    assert count == 2
-    assert {v.data_key.kek_id for v in store.list_versions("det")} == {"new"}
-    assert store.get_version("det", 1).data_key.ciphertext == b"wrapped-a!"
+def test_rotation_batches_and_activation(store):
+    store.init_kek_state(KekState("local:1", "/keys/kek.json", ()))
+    for tag in "abc":
+        store.create_version("det", _builder(tag))
+    store.add_to_keyring("aws-kms://k")
+    first = store.data_keys_not_under("aws-kms:k", after=0, limit=2)
+    assert [s.data_key.kek_id for s in first] == ["local:1", "local:1"]
+    moves = [(s, WrappedKey("aws-kms:k", s.data_key.ciphertext + b"!")) for s in first]
+    assert store.replace_data_keys(moves) == 2
+    assert store.replace_data_keys(moves) == 0  # only rows still holding what was read
+    # One data key is still under local:1, so the switch is refused and it is counted.
+    assert store.activate_kek("aws-kms:k", "aws-kms://k") == 1
+    assert store.kek_state().active_kek_id == "local:1"
+    rest = store.data_keys_not_under("aws-kms:k", after=first[-1].row_id, limit=2)
+    assert [s.uid for s in rest] == [store.get_version("det", 3).uid]
+    store.replace_data_keys([(rest[0], WrappedKey("aws-kms:k", b"moved"))])
+    assert store.data_keys_not_under("aws-kms:k", after=0, limit=10) == []
+    assert store.activate_kek("aws-kms:k", "aws-kms://k") == 0
+    assert store.kek_state() == KekState("aws-kms:k", "aws-kms://k", ("/keys/kek.json",))
+    assert store.get_version("det", 1).data_key == WrappedKey("aws-kms:k", b"wrapped-a!")
+    with pytest.raises(StaleKek):
+        store.create_version("det", _builder("d"))
+
+
+def test_one_kek_rotation_at_a_time(store, db_url):
+    other = SqlStore(db_url, migrate=False)  # another replica's store
+    try:
+        with store.kek_rotation_lock():
+            with pytest.raises(errors.FailedPrecondition, match="another KEK rotation"):
+                with other.kek_rotation_lock():
+                    pass
+        with other.kek_rotation_lock():
+            pass
+    finally:
+        other.close()
 
 
 def test_referenced_blobs(store):
