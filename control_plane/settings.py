@@ -102,6 +102,30 @@ SETTINGS: tuple[Setting, ...] = (
         "The only KMS endpoint aws-kms:// keys are used through (empty: AWS's own).",
     ),
     Setting("kms_region", str, "", "SKIFF_KMS_REGION", "AWS region of aws-kms:// keys."),
+    Setting("tls_cert", str, "", "SKIFF_TLS_CERT", "Server TLS certificate (PEM); init makes one."),
+    Setting("tls_key", str, "", "SKIFF_TLS_KEY", "Private key of tls_cert (PEM, mode 0600)."),
+    Setting(
+        "tls_ca",
+        str,
+        "",
+        "SKIFF_CA",
+        "CA certificate clients verify the server against (empty: the system's roots).",
+    ),
+    Setting(
+        "tls_client_ca",
+        str,
+        "",
+        "SKIFF_TLS_CLIENT_CA",
+        "When set, the server requires client certificates signed by this CA (mutual TLS).",
+    ),
+    Setting(
+        "tls_client_cert",
+        str,
+        "",
+        "SKIFF_TLS_CLIENT_CERT",
+        "Certificate the CLI presents to a server that requires one (mutual TLS).",
+    ),
+    Setting("tls_client_key", str, "", "SKIFF_TLS_CLIENT_KEY", "Private key of tls_client_cert."),
 )
 
 
@@ -127,6 +151,12 @@ class Config:
     device_flush_s: float
     kms_endpoint: str
     kms_region: str
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
+    tls_client_ca: str
+    tls_client_cert: str
+    tls_client_key: str
 
     @property
     def dial_address(self) -> str:
