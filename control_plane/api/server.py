@@ -26,6 +26,7 @@ from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import Authenticator
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
+from control_plane.api.transport import refuse_plaintext_bind, server_credentials
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
@@ -180,6 +181,11 @@ class ServerHandle:
 
     def __init__(self, app: App, address: str) -> None:
         self.app = app
+        # Decided before any thread starts, so a refused address leaves nothing running.
+        credentials = server_credentials(app.config)
+        if credentials is None:
+            refuse_plaintext_bind(address)
+        self.tls = credentials is not None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="skiff-loop", daemon=True
@@ -188,15 +194,20 @@ class ServerHandle:
         self._pool = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="skiff-rpc")
         self._scheduler = _Scheduler(app.rollouts, app.config.scheduler_interval_s)
         self._stopped = threading.Event()
-        self._server, self.port = self._call(self._build(address))
+        self._server, self.port = self._call(self._build(address, credentials))
 
     def _call(self, coro, timeout: float | None = 30):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    async def _build(self, address: str) -> tuple[grpc.aio.Server, int]:
+    async def _build(
+        self, address: str, credentials: grpc.ServerCredentials | None
+    ) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(migration_thread_pool=self._pool, options=SERVER_OPTIONS)
         await _add_services(server, self.app)
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
         if port == 0:
             raise errors.Unavailable(f"cannot listen on {address}")
         return server, port
@@ -290,7 +301,8 @@ def serve(*, config: Config) -> None:
     """Run the server until SIGINT/SIGTERM, then drain in-flight calls."""
     server, port = start_server(config=config)
     host = config.grpc.rsplit(":", 1)[0]
-    print(f"skiff server listening on {host}:{port} (home {config.home})", flush=True)
+    transport = "TLS" if server.tls else "plaintext, this machine only"
+    print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
