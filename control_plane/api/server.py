@@ -26,7 +26,7 @@ from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import Authenticator
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
-from control_plane.api.transport import refuse_plaintext_bind, server_credentials
+from control_plane.api.transport import listen_credentials
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
@@ -182,9 +182,7 @@ class ServerHandle:
     def __init__(self, app: App, address: str) -> None:
         self.app = app
         # Decided before any thread starts, so a refused address leaves nothing running.
-        credentials = server_credentials(app.config)
-        if credentials is None:
-            refuse_plaintext_bind(address)
+        credentials = listen_credentials(app.config, address)
         self.tls = credentials is not None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -290,8 +288,10 @@ def create_server(config: Config, app: App, address: str) -> tuple[ServerHandle,
 
 def start_server(*, config: Config, address: str | None = None) -> tuple[ServerHandle, int]:
     """Build the app and a started server; the caller stops it."""
+    address = address or config.grpc
+    listen_credentials(config, address)  # a refused address fails before the database opens
     app = build_app(config)
-    server, port = create_server(config, app, address or config.grpc)
+    server, port = create_server(config, app, address)
     server.start()
     log.info("skiff control plane listening on port %d", port)
     return server, port

@@ -42,14 +42,16 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
     )
 
 
-def refuse_plaintext_bind(address: str) -> None:
-    """Refuse to serve plaintext on `address` unless only this machine can reach it."""
-    if not is_loopback(address):
+def listen_credentials(config: Config, address: str) -> grpc.ServerCredentials | None:
+    """Return the credentials to serve `address` with; None (plaintext) only on loopback."""
+    credentials = server_credentials(config)
+    if credentials is None and not is_loopback(address):
         raise errors.InvalidArgument(
             f"refusing to listen on {address} without TLS: tokens and models would cross "
             "the network in plaintext; set tls_cert and tls_key (skiff init makes them, "
             "--tls-san NAME adds a host name) or listen on 127.0.0.1"
         )
+    return credentials
 
 
 def client_tls(config: Config) -> ClientTls:
