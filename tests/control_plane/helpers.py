@@ -94,7 +94,7 @@ def start_control_plane(home: Path, **settings) -> ControlPlane:
     return ControlPlane(config, app, server, port, read_token(config.home))
 
 
-def spawn_server(home: Path) -> tuple[subprocess.Popen, str]:
+def spawn_server(home: Path) -> tuple[subprocess.Popen, Address]:
     """Run `skiff server` for `home` on a free loopback port; returns it and its address."""
     proc = subprocess.Popen(
         [
@@ -113,4 +113,4 @@ def spawn_server(home: Path) -> tuple[subprocess.Popen, str]:
     )
     line = proc.stdout.readline()
     assert "listening on" in line, line
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, Address(line.split("listening on ")[1].split()[0], home_tls(home))
