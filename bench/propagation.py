@@ -46,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from control_plane.api.client import AdminClient  # noqa: E402
+from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
 from control_plane.fleet.devices import AUTH_CACHE_TTL_S  # noqa: E402
 from control_plane.fleet.selector import parse_selector  # noqa: E402
@@ -53,6 +54,7 @@ from control_plane.home import init_home, read_token  # noqa: E402
 from control_plane.rollouts.lifecycle import bucket, stage_limit  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
 from control_plane.sim import FleetSimulator, SimOptions  # noqa: E402
+from device_agent.transport import ClientTls  # noqa: E402
 from protos import fleet_pb2  # noqa: E402
 
 CLI = [sys.executable, "-m", "control_plane.cli"]
@@ -192,14 +194,14 @@ def check_against_server(client: AdminClient, expected: set[str]) -> None:
 # -- one scenario ----------------------------------------------------------------------------
 
 
-async def scenario(addresses: list[str], token: str, n: int, args) -> dict:
-    """Enroll and watch; create the rollout; warm up; measure one promote."""
-    clients = [AdminClient(address, token) for address in addresses]
+async def scenario(addresses: list[str], token: str, tls: ClientTls, n: int, args) -> dict:
+    """Enroll and watch; create the rollout; warm up; measure one promote (over TLS)."""
+    clients = [AdminClient(address, token, tls) for address in addresses]
     # Up to 500 devices a connection, and at least two connections a replica.
     per_channel = max(1, min(500, n // (2 * len(addresses))))
     options = SimOptions(devices_per_channel=per_channel, sync_jitter_s=args.jitter)
     try:
-        async with FleetSimulator(addresses, seed=0, options=options) as sim:
+        async with FleetSimulator(addresses, seed=0, options=options, tls=tls) as sim:
             out = {"enroll_per_s": await watching_fleet(sim, clients, n)}
             request = fleet_pb2.CreateRolloutRequest(
                 model=MODEL, version=1, selector=SELECTOR, stages=STAGES, bake_s=86_400
@@ -243,9 +245,10 @@ async def run_case(tmp: Path, n: int, args, replicas: int, db: str = "") -> dict
     try:
         addresses = [address for _, address in servers]
         token = read_token(home)
-        with AdminClient(addresses[0], token) as client:
+        tls = client_tls(load_config(home, environ={}))
+        with AdminClient(addresses[0], token, tls) as client:
             push_model(client, tmp)
-        return await scenario(addresses, token, n, args)
+        return await scenario(addresses, token, tls, n, args)
     finally:
         stop_servers(servers)
 

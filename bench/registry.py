@@ -31,9 +31,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from control_plane.api.client import AdminClient  # noqa: E402
+from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
 from control_plane.home import read_token  # noqa: E402
 from control_plane.registry import mnn_tools  # noqa: E402
+from control_plane.settings import load_config  # noqa: E402
 
 MB = 1_000_000
 CHUNK = 1 << 20
@@ -163,7 +165,8 @@ def run(sizes: list[int], raw_mb: int, trials: int) -> dict:
         tmp = Path(tmp)
         proc, address = start_server(tmp / "home")
         try:
-            with AdminClient(address, read_token(tmp / "home")) as client:
+            tls = client_tls(load_config(tmp / "home", environ={}))
+            with AdminClient(address, read_token(tmp / "home"), tls) as client:
                 for size_mb in sizes:
                     # One trial of the 1 GB model is enough and keeps the run short.
                     n = trials if size_mb < 1000 else 1

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane import errors
 from control_plane.api.auth import ADMIN, hash_token, new_token
+from control_plane.api.transport import init_tls
 from control_plane.blobs.local_blob_store import LocalBlobStore
 from control_plane.crypto import LocalKek, ManifestSigner
 from control_plane.files import write_private_file
@@ -26,15 +28,22 @@ class InitResult:
     signing_key: str
     db: str
     blobs: str
+    tls_cert: str
+    tls_ca: str
 
 
-def init_home(config: Config) -> InitResult:
-    """Create keys, schema, admin token and config file; refuses an initialised home."""
+def init_home(config: Config, *, tls_names: Iterable[str] = ()) -> InitResult:
+    """Create keys, TLS certificates, schema, admin token and config file.
+
+    Refuses an initialised home. `tls_names` are extra host names (or addresses) for the
+    generated server certificate, for clients that dial this machine over a network.
+    """
     home = config.home
     if (home / CONFIG_FILE).exists():
         raise errors.AlreadyExists(f"{home} is already initialised (remove it to start over)")
     (home / "keys").mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(home, 0o700)
+    config = init_tls(config, tls_names)
     if not config.blobs.startswith("s3://"):
         # The local store never creates its root (a missing root may be an unmounted
         # volume); creating the home is the one time it should exist from nothing.
@@ -61,6 +70,8 @@ def init_home(config: Config) -> InitResult:
         signing_key=config.signing_key,
         db=config.db,
         blobs=config.blobs,
+        tls_cert=config.tls_cert,
+        tls_ca=config.tls_ca,
     )
 
 

@@ -157,6 +157,30 @@ SETTINGS: tuple[Setting, ...] = (
         "SKIFF_KEK_KEYRING",
         "Other KEKs data keys may be wrapped under (comma-separated); kept by key rotation.",
     ),
+    Setting("tls_cert", str, "", "SKIFF_TLS_CERT", "Server TLS certificate (PEM); init makes one."),
+    Setting("tls_key", str, "", "SKIFF_TLS_KEY", "Private key of tls_cert (PEM, mode 0600)."),
+    Setting(
+        "tls_ca",
+        str,
+        "",
+        "SKIFF_CA",
+        "CA certificate clients verify the server against (empty: the system's roots).",
+    ),
+    Setting(
+        "tls_client_ca",
+        str,
+        "",
+        "SKIFF_TLS_CLIENT_CA",
+        "When set, the server requires client certificates signed by this CA (mutual TLS).",
+    ),
+    Setting(
+        "tls_client_cert",
+        str,
+        "",
+        "SKIFF_TLS_CLIENT_CERT",
+        "Certificate the CLI presents to a server that requires one (mutual TLS).",
+    ),
+    Setting("tls_client_key", str, "", "SKIFF_TLS_CLIENT_KEY", "Private key of tls_client_cert."),
 )
 
 
@@ -189,6 +213,12 @@ class Config:
     upload_idle_timeout_s: float
     max_concurrent_rpcs: int
     kek_keyring: tuple[str, ...]
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
+    tls_client_ca: str
+    tls_client_cert: str
+    tls_client_key: str
 
     @property
     def dial_address(self) -> str:

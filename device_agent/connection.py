@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from device_agent.transport import ClientTls, channel_credentials
 from protos import device_pb2, device_pb2_grpc
 
 UNARY_DEADLINE_S = 30.0
@@ -47,9 +48,15 @@ def backoff_s(attempt: int) -> float:
     return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """Open an asyncio channel to a control plane (TLS arrives with the security issue)."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(
+    address: str, tls: ClientTls | None = None, options: list | None = None
+) -> grpc.aio.Channel:
+    """Open an asyncio channel to a control plane: TLS unless plaintext is safe (transport)."""
+    options = CHANNEL_OPTIONS if options is None else options
+    credentials = channel_credentials(address, tls)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 def _error(exc: grpc.aio.AioRpcError) -> DeviceCallError:

@@ -19,6 +19,7 @@ import grpc
 from control_plane import errors
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.api.grpc_errors import error_for
+from device_agent.transport import ClientTls, channel_credentials
 from protos import admin_pb2, admin_pb2_grpc, common_pb2, fleet_pb2, fleet_pb2_grpc
 
 CHUNK = 1 << 20
@@ -44,20 +45,52 @@ CHANNEL_OPTIONS = [
 Progress = Callable[[int, int], None]
 
 
-def rpc_error(exc: grpc.RpcError) -> errors.SkiffError:
+# gRPC reports a failed TLS handshake as UNAVAILABLE, with the TLS library's reason deep
+# in the details; each entry says what that reason means for the user, and what to do.
+TLS_FAILURES = (
+    (
+        "CERTIFICATE_VERIFY_FAILED",
+        "the server's TLS certificate is not signed by the CA this client trusts "
+        "(--ca, SKIFF_CA or the home's tls_ca)",
+    ),
+    (
+        "Hostname Verification",
+        "the server's TLS certificate does not name the host dialed "
+        "(`skiff init --tls-san NAME` names it; or dial a name it has)",
+    ),
+    ("WRONG_VERSION_NUMBER", "the server does not speak TLS (dial it without --ca on loopback)"),
+)
+
+
+def tls_failure(details: str) -> str | None:
+    """Return what a failed TLS handshake in `details` means, or None if it is not one."""
+    return next((meaning for marker, meaning in TLS_FAILURES if marker in details), None)
+
+
+def rpc_error(exc: grpc.RpcError, *, plaintext: bool = False) -> errors.SkiffError:
     """Turn a gRPC error into the matching domain error, keeping the server's message."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or code.name.lower()
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+        reason = tls_failure(details)
+        if reason:
+            return errors.Unavailable(f"TLS handshake with the control plane failed: {reason}")
         details = "control plane unreachable: " + details.splitlines()[0]
+        if plaintext:  # a TLS server closes a plaintext connection without a word
+            details += " (if the server uses TLS, give its CA: --ca or SKIFF_CA)"
     return error_for(code)(details)
 
 
 class AdminClient:
     """Typed wrapper over AdminService."""
 
-    def __init__(self, address: str, token: str) -> None:
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, token: str, tls: ClientTls | None = None) -> None:
+        credentials = channel_credentials(address, tls)
+        self._plaintext = credentials is None
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._fleet = fleet_pb2_grpc.FleetServiceStub(self._channel)
         self._rollouts = fleet_pb2_grpc.RolloutServiceStub(self._channel)
@@ -73,13 +106,18 @@ class AdminClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _error(self, exc: grpc.RpcError) -> errors.SkiffError:
+        return rpc_error(exc, plaintext=self._plaintext)
+
     def _unary(self, method, request):
         for attempt in range(RETRIES + 1):
             try:
                 return method(request, timeout=UNARY_DEADLINE_S, metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == RETRIES:
-                    raise rpc_error(exc) from None
+                retry = exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < RETRIES
+                # A certificate that failed to verify fails again: do not wait it out.
+                if not retry or tls_failure(exc.details() or ""):
+                    raise self._error(exc) from None
                 time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)))
         raise AssertionError("unreachable")
 
@@ -148,7 +186,7 @@ class AdminClient:
                 request, timeout=UNARY_DEADLINE_S, metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise self._error(exc) from None
 
     def list_rollouts(self, model: str = "") -> list[fleet_pb2.Rollout]:
         """Return rollouts, oldest first."""
@@ -179,7 +217,7 @@ class AdminClient:
                 request, timeout=UNARY_DEADLINE_S, metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise self._error(exc) from None
 
     # -- models -----------------------------------------------------------------------------
 
@@ -210,7 +248,7 @@ class AdminClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise self._error(exc) from None
 
     def pull(
         self,
@@ -230,7 +268,7 @@ class AdminClient:
             first = next(responses)
             return _write_verified(first.header, responses, Path(out), progress)
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise self._error(exc) from None
 
 
 def _size_and_digest(path: Path) -> tuple[int, str]:

@@ -29,6 +29,7 @@ from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
+from control_plane.api.transport import listen_credentials
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
@@ -201,6 +202,9 @@ class ServerHandle:
 
     def __init__(self, app: App, address: str) -> None:
         self.app = app
+        # Decided before any thread starts, so a refused address leaves nothing running.
+        credentials = listen_credentials(app.config, address)
+        self.tls = credentials is not None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="skiff-loop", daemon=True
@@ -209,12 +213,14 @@ class ServerHandle:
         self._pool = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="skiff-rpc")
         self._scheduler = _Scheduler(app.rollouts, app.config.scheduler_interval_s)
         self._stopped = threading.Event()
-        self._server, self.port = self._call(self._build(address))
+        self._server, self.port = self._call(self._build(address, credentials))
 
     def _call(self, coro, timeout: float | None = 30):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    async def _build(self, address: str) -> tuple[grpc.aio.Server, int]:
+    async def _build(
+        self, address: str, credentials: grpc.ServerCredentials | None
+    ) -> tuple[grpc.aio.Server, int]:
         self.auth = auth = Authenticator(self.app.store)
         server = grpc.aio.server(
             migration_thread_pool=self._pool,
@@ -224,7 +230,10 @@ class ServerHandle:
             maximum_concurrent_rpcs=self.app.config.max_concurrent_rpcs or None,
         )
         await _add_services(server, self.app, auth)
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
         if port == 0:
             raise errors.Unavailable(f"cannot listen on {address}")
         return server, port
@@ -325,8 +334,10 @@ def create_server(config: Config, app: App, address: str) -> tuple[ServerHandle,
 
 def start_server(*, config: Config, address: str | None = None) -> tuple[ServerHandle, int]:
     """Build the app and a started server; the caller stops it."""
+    address = address or config.grpc
+    listen_credentials(config, address)  # a refused address fails before the database opens
     app = build_app(config)
-    server, port = create_server(config, app, address or config.grpc)
+    server, port = create_server(config, app, address)
     server.start()
     log.info("skiff control plane listening on port %d", port)
     if not app.store.has_admin_token(now=dt.datetime.now(dt.UTC)):
@@ -340,7 +351,8 @@ def serve(*, config: Config) -> None:
     forbid_core_dumps()
     server, port = start_server(config=config)
     host = config.grpc.rsplit(":", 1)[0]
-    print(f"skiff server listening on {host}:{port} (home {config.home})", flush=True)
+    transport = "TLS" if server.tls else "plaintext, this machine only"
+    print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from control_plane.api.client import AdminClient
+from control_plane.api.transport import client_tls
 from control_plane.cli import views
 from control_plane.cli.progress import ProgressBar
 from control_plane.home import init_home, read_token
@@ -18,16 +19,18 @@ Output = tuple[object, str] | None
 
 
 def _client(config: Config) -> AdminClient:
-    return AdminClient(config.dial_address, read_token(config.home))
+    return AdminClient(config.dial_address, read_token(config.home), client_tls(config))
 
 
 def start_init(*, config: Config, args: argparse.Namespace) -> Output:
     """Create the embedded default."""
-    made = init_home(config)
+    made = init_home(config, tls_names=args.tls_san)
     body = {k: str(v) for k, v in made.__dict__.items()}
     text = (
         f"initialised {made.home}\n"
         f"  database  {made.db}\n  blobs     {made.blobs}\n  kek       {made.kek}\n"
+        f"  TLS       {made.tls_cert}\n"
+        f"  clients trust the CA {made.tls_ca or '(your own)'} (copy it; --ca or SKIFF_CA)\n"
         f"  admin token written to {made.token_file} (mode 0600)\n"
         f"next: skiff server --home {made.home}"
     )

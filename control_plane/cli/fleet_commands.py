@@ -122,9 +122,10 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
 
 def _client(config: Config):
     from control_plane.api.client import AdminClient  # deferred: keeps `skiff --help` instant
+    from control_plane.api.transport import client_tls
     from control_plane.home import read_token
 
-    return AdminClient(config.dial_address, read_token(config.home))
+    return AdminClient(config.dial_address, read_token(config.home), client_tls(config))
 
 
 def start_token_create(*, config: Config, args: argparse.Namespace) -> Output:

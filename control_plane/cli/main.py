@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -39,10 +40,16 @@ EXIT_BY_ERROR: tuple[tuple[type[errors.SkiffError], int], ...] = (
 )
 
 
-def _common(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+def _common(
+    parser: argparse.ArgumentParser, *, json_flag: bool = True, remote: bool = True
+) -> None:
     parser.add_argument(
         "--home", type=Path, default=None, help=f"state folder (default {default_home()})"
     )
+    if remote:  # commands that dial a control plane
+        parser.add_argument(
+            "--ca", dest="tls_ca", metavar="PEM", help="CA to verify the server (SKIFF_CA)"
+        )
     if json_flag:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -53,13 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("init", help="create the embedded default in the home folder")
-    _common(p)
+    _common(p, remote=False)
     for s in SETTINGS:
         if s.name in ("grpc", "db", "blobs", "kek"):
             p.add_argument(f"--{s.name}", help=s.doc)
+    p.add_argument(
+        "--tls-san",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another host name or IP for the generated server certificate (repeatable)",
+    )
+    p.add_argument("--tls-cert", metavar="PEM", help="your own server certificate instead")
+    p.add_argument("--tls-key", metavar="PEM", help="its private key (mode 0600)")
+    p.add_argument("--tls-ca", metavar="PEM", help="the CA that signed --tls-cert")
 
     p = sub.add_parser("server", help="run the control plane")
-    _common(p, json_flag=False)
+    _common(p, json_flag=False, remote=False)
     for s in SETTINGS:
         if s.name in ("grpc", "db", "blobs"):
             p.add_argument(f"--{s.name}", help=s.doc)
@@ -95,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_commands.add_parsers(sub, _common)
 
     p = sub.add_parser("demo", help="run the end-to-end demo on a throwaway home")
-    _common(p, json_flag=False)
+    _common(p, json_flag=False, remote=False)
     return parser
 
 
@@ -123,6 +140,10 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `skiff` console script."""
     args = build_parser().parse_args(argv)
+    if args.command not in ("server", "demo"):
+        # gRPC's C core would log a failed TLS handshake to stderr on its own; the client
+        # reports it in one line (and the exit code), so keep its lines out of the output.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     logging.basicConfig(
         level=logging.INFO if args.command in ("server", "demo") else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -16,6 +16,7 @@ from control_plane import errors
 from control_plane.api.client import AdminClient
 from control_plane.cli import fleet_views
 from control_plane.sim.fleet import FleetSimulator
+from device_agent.transport import ClientTls
 from protos import fleet_pb2
 
 FLEET_SIZE = 300
@@ -27,12 +28,16 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run_fleet_demo(client: AdminClient, address: str, *, model: str, old: int, new: int) -> None:
+def run_fleet_demo(
+    client: AdminClient, address: str, tls: ClientTls, *, model: str, old: int, new: int
+) -> None:
     """Roll `model` out to a simulated fleet: `old` everywhere, then `new` in stages."""
-    asyncio.run(_fleet_demo(client, address, model=model, old=old, new=new))
+    asyncio.run(_fleet_demo(client, address, tls, model=model, old=old, new=new))
 
 
-async def _fleet_demo(client: AdminClient, address: str, *, model: str, old: int, new: int):
+async def _fleet_demo(
+    client: AdminClient, address: str, tls: ClientTls, *, model: str, old: int, new: int
+):
     call = _blocking(client)
     base = await call(
         client.create_rollout, fleet_pb2.CreateRolloutRequest(model=model, version=old)
@@ -40,7 +45,7 @@ async def _fleet_demo(client: AdminClient, address: str, *, model: str, old: int
     await call(client.transition_rollout, base.id, "promote", "baseline for the whole fleet")
     _say(f"\n== rollout {base.id}: {model}:{old} to the whole fleet (completed)")
     token = (await call(client.create_enrollment_token, uses=FLEET_SIZE)).token
-    async with FleetSimulator([address], seed=7) as sim:
+    async with FleetSimulator([address], seed=7, tls=tls) as sim:
         started = time.monotonic()
         await sim.enroll(FLEET_SIZE, token)
         await sim.sync_all()

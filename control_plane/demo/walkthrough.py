@@ -17,6 +17,7 @@ from pathlib import Path
 from control_plane import errors
 from control_plane.api.client import AdminClient
 from control_plane.api.server import start_server
+from control_plane.api.transport import client_tls
 from control_plane.cli import views
 from control_plane.demo import sample_models
 from control_plane.demo.fleet_walkthrough import run_fleet_demo
@@ -38,9 +39,10 @@ def run_demo(*, home: Path | None = None) -> None:
     server, port = start_server(config=config, address="127.0.0.1:0")
     try:
         address = f"127.0.0.1:{port}"
-        with AdminClient(address, read_token(config.home)) as client:
+        tls = client_tls(config)
+        with AdminClient(address, read_token(config.home), tls) as client:
             old, new = _walkthrough(client, config.home / "work")
-            run_fleet_demo(client, address, model="detector", old=old, new=new)
+            run_fleet_demo(client, address, tls, model="detector", old=old, new=new)
     finally:
         server.stop(grace=2)
         server.app.store.close()

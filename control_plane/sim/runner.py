@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane import errors
+from control_plane.api.transport import client_tls
 from control_plane.rollouts.lifecycle import parse_duration
 from control_plane.settings import Config
 from control_plane.sim.display import LiveView, render, summary_json
 from control_plane.sim.fleet import FleetSimulator
 from control_plane.sim.profile import Profile, load_profile
 from control_plane.sim.state import Identity, load_state, save_state
+from device_agent.transport import ClientTls
 
 MAX_DEVICES = 1_000_000
 TOKEN_TTL_S = 3600
@@ -35,6 +37,7 @@ class Plan:
     """One simulator run, resolved from the command line."""
 
     address: str
+    tls: ClientTls
     devices: int
     profile: Profile
     seed: int
@@ -56,6 +59,7 @@ def run_sim(*, config: Config, args: argparse.Namespace) -> tuple[dict, object]:
     missing = args.devices - min(len(state), args.devices)
     plan = Plan(
         address=address,
+        tls=client_tls(config),
         devices=args.devices,
         profile=profile,
         seed=args.seed,
@@ -73,7 +77,7 @@ def _make_token(config: Config, address: str, uses: int) -> str:
     from control_plane.api.client import AdminClient
     from control_plane.home import read_token
 
-    with AdminClient(address, read_token(config.home)) as client:
+    with AdminClient(address, read_token(config.home), client_tls(config)) as client:
         made = client.create_enrollment_token(ttl_s=TOKEN_TTL_S, uses=uses, name="skiff-sim")
     return made.token
 
@@ -87,7 +91,9 @@ def _raise_fd_limit() -> None:
 
 async def _run(plan: Plan) -> tuple[dict, object]:
     started = time.monotonic()
-    async with FleetSimulator([plan.address], profile=plan.profile, seed=plan.seed) as sim:
+    async with FleetSimulator(
+        [plan.address], profile=plan.profile, seed=plan.seed, tls=plan.tls
+    ) as sim:
         await _until_done_or_stopped(sim, plan)
         # Counted before the streams close, so `watching` says how many were up.
         return _report(sim, plan, time.monotonic() - started)

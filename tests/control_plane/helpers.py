@@ -1,4 +1,9 @@
-"""A real control plane on port 0 for tests: init a home, build, serve, tear down."""
+"""A real control plane on port 0 for tests: init a home, build, serve, tear down.
+
+A home made by init serves TLS, so every client here trusts the home's CA: `cp.client()`
+and `cp.channel()` directly, and the device test doubles through `cp.address`, which
+carries the CA along (see Address).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,36 @@ import grpc
 
 from control_plane.api.client import AdminClient
 from control_plane.api.server import App, ServerHandle, build_app, create_server
+from control_plane.api.transport import client_tls
 from control_plane.home import init_home, read_token
 from control_plane.registry.registry import Registry
 from control_plane.settings import Config, load_config
+from device_agent.transport import ClientTls, channel_credentials
+
+
+class Address(str):
+    """A server's HOST:PORT that also carries what a client must trust to reach it.
+
+    A str, so tests hand `cp.address` on wherever an address goes; the test doubles that
+    open their own channels read `.tls` from it (`tls_of`).
+    """
+
+    tls: ClientTls | None
+
+    def __new__(cls, value: str, tls: ClientTls | None = None) -> Address:
+        address = super().__new__(cls, value)
+        address.tls = tls
+        return address
+
+
+def tls_of(address: str) -> ClientTls | None:
+    """Return what a client of `address` trusts (None: a plain string, plaintext)."""
+    return getattr(address, "tls", None)
+
+
+def home_tls(home: Path) -> ClientTls:
+    """Return what a client of the server serving `home` trusts (the home's CA)."""
+    return client_tls(load_config(home, environ={}))
 
 
 @dataclass
@@ -32,15 +64,22 @@ class ControlPlane:
         return self.app.registry
 
     @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    def tls(self) -> ClientTls:
+        return client_tls(self.config)
+
+    @property
+    def address(self) -> Address:
+        return Address(f"127.0.0.1:{self.port}", self.tls)
 
     def client(self, token: str | None = None) -> AdminClient:
-        return AdminClient(self.address, self.token if token is None else token)
+        return AdminClient(self.address, self.token if token is None else token, self.tls)
 
     def channel(self) -> grpc.Channel:
-        """A raw channel to the server, for calls the typed client cannot make."""
-        return grpc.insecure_channel(self.address)
+        """Open a blocking channel to the server, for calls the admin client does not make."""
+        credentials = channel_credentials(self.address, self.tls)
+        if credentials is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, credentials)
 
     def stop(self) -> None:
         self.server.stop(grace=None)
@@ -58,7 +97,7 @@ def start_control_plane(home: Path, **settings) -> ControlPlane:
 
 def spawn_server(
     home: Path, *args: str, stderr=subprocess.DEVNULL, prefix: Sequence[str] = ()
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen, Address]:
     """Run `skiff server` for `home` on a free loopback port; returns it and its address.
 
     `args` go after the command; `prefix` runs it through a wrapper (such as setpriv)
@@ -83,4 +122,4 @@ def spawn_server(
     )
     line = proc.stdout.readline()
     assert "listening on" in line, line
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, Address(line.split("listening on ")[1].split()[0], home_tls(home))

@@ -33,7 +33,7 @@ def cp(tmp_path):
 
 
 def _stub(cp):
-    channel = grpc.insecure_channel(cp.address)
+    channel = cp.channel()
     return (
         channel,
         admin_pb2_grpc.AdminServiceStub(channel),
@@ -125,7 +125,7 @@ def test_altered_upload_is_rejected(cp, mnn_bytes):
 
 
 def _serving(cp) -> bool:
-    with grpc.insecure_channel(cp.address) as channel:
+    with cp.channel() as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(), timeout=5
         )

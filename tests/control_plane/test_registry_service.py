@@ -7,7 +7,6 @@ import json
 import logging
 
 import boto3
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -173,7 +172,7 @@ def test_health_and_reflection_are_served(cp):
         ProtoReflectionDescriptorDatabase,
     )
 
-    with grpc.insecure_channel(cp.address) as channel:
+    with cp.channel() as channel:
         health = health_pb2_grpc.HealthStub(channel)
         status = health.Check(health_pb2.HealthCheckRequest(service="skiff.v1.AdminService"))
         assert status.status == health_pb2.HealthCheckResponse.SERVING

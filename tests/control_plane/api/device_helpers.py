@@ -13,13 +13,14 @@ from device_agent.assignment import load_public_keys, new_nonce, verify_sync
 from device_agent.connection import DeviceConnection, open_channel
 from device_agent.identity import DeviceKeyPair
 from protos import device_pb2
+from tests.control_plane.helpers import tls_of
 
 
 def run(address: str, credential: str, fn):
     """Run `fn(conn)` (a coroutine function) on a fresh channel."""
 
     async def main():
-        channel = open_channel(address)
+        channel = open_channel(address, tls_of(address))
         try:
             return await fn(DeviceConnection(channel, credential))
         finally:
@@ -147,7 +148,7 @@ class Watching:
 
     def _run(self) -> None:
         async def main():
-            channel = open_channel(self._device.address)
+            channel = open_channel(self._device.address, tls_of(self._device.address))
             try:
                 conn = DeviceConnection(channel, self._device.credential)
                 stream = conn.watch(self._revision)

@@ -48,7 +48,7 @@ def device(cp, enroll_token):
 
 
 def test_operator_rpcs_refuse_missing_wrong_and_device_credentials(cp, device):
-    with grpc.insecure_channel(cp.address) as channel:
+    with cp.channel() as channel:
         for service, method, request in OPERATOR_CALLS:
             rpc = getattr(STUBS[service](channel), method)
             for metadata in (
@@ -64,7 +64,7 @@ def test_operator_rpcs_refuse_missing_wrong_and_device_credentials(cp, device):
 
 
 def test_device_rpcs_refuse_missing_wrong_and_operator_credentials(cp, device):
-    with grpc.insecure_channel(cp.address) as channel:
+    with cp.channel() as channel:
         stub = device_pb2_grpc.DeviceServiceStub(channel)
         for method, request in DEVICE_CALLS:
             rpc = getattr(stub, method)

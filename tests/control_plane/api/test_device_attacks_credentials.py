@@ -36,8 +36,8 @@ from tests.control_plane.api.device_helpers import Device, run
 class Health:
     """A health-check client whose channel is connected before it is timed."""
 
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.insecure_channel(address)
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
         self._stub = health_pb2_grpc.HealthStub(self._channel)
         self.latency()  # connect now
 
@@ -91,7 +91,7 @@ def test_unauthenticated_sync_does_not_stall_the_server(fresh):
     call on the server, health checks included.
     """
     cp = fresh
-    health = Health(cp.address)
+    health = Health(cp.channel())
     if cp.app.store.dialect == "sqlite":
         path = cp.app.store.url.split("///", 1)[1]
         locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -11,7 +11,7 @@ import pytest
 from control_plane.api.client import AdminClient
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, Watching
-from tests.control_plane.helpers import spawn_server
+from tests.control_plane.helpers import home_tls, spawn_server
 from tests.control_plane.test_cli import skiff
 
 pytestmark = pytest.mark.postgres
@@ -23,7 +23,8 @@ def replicas(tmp_path, pg_url):
     skiff("init", "--home", str(home), "--db", pg_url, "--json")
     procs = [spawn_server(home), spawn_server(home)]
     token = (home / "admin.token").read_text().strip()
-    yield [AdminClient(address, token) for _, address in procs], [a for _, a in procs]
+    tls = home_tls(home)
+    yield [AdminClient(address, token, tls) for _, address in procs], [a for _, a in procs]
     for proc, _ in procs:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

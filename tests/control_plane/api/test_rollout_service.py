@@ -9,6 +9,7 @@ import pytest
 from control_plane import errors
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, Watching
+from tests.control_plane.helpers import Address
 
 ANDROID = {"platform": "android", "app_version": "5.3", "soc": "sm8650"}
 IOS = {"platform": "ios", "app_version": "5.3"}
@@ -211,7 +212,7 @@ def test_state_survives_a_restart_mid_rollout(published, enroll_token):
     server, port = create_server(cp.config, app, "127.0.0.1:0")
     server.start()
     try:
-        device.address = f"127.0.0.1:{port}"
+        device.address = Address(f"127.0.0.1:{port}", cp.tls)
         after = device.sync()  # same identity, same credential, same answer
         assert after.models["det"].version == before.models["det"].version == 2
         assert after.revision >= before.revision
@@ -219,7 +220,7 @@ def test_state_survives_a_restart_mid_rollout(published, enroll_token):
         assert device.next_watch_event(timeout=0.5) is None
         from control_plane.api.client import AdminClient
 
-        with AdminClient(device.address, cp.token) as client:
+        with AdminClient(device.address, cp.token, cp.tls) as client:
             shown = client.get_rollout(r.id)
             assert (shown.state, shown.stage) == ("active", 1)
             assert [e.action for e in shown.audit] == ["create", "promote"]

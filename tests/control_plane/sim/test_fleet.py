@@ -51,7 +51,7 @@ def test_promote_reaches_exactly_the_devices_it_adds(cp):
     cp = cp["cp"]
 
     async def scenario() -> None:
-        async with FleetSimulator([cp.address], seed=1, options=FAST) as sim:
+        async with FleetSimulator([cp.address], seed=1, options=FAST, tls=cp.tls) as sim:
             await enrolled(sim, cp, 50)
             created = await asyncio.to_thread(
                 rollout, cp, 1, "platform=android", (10, 50, 100), 86_400
@@ -83,7 +83,9 @@ def test_devices_reconnect_and_converge_after_a_server_restart(cp):
     holder = cp
 
     async def scenario() -> None:
-        async with FleetSimulator([holder["cp"].address], seed=2, options=FAST) as sim:
+        async with FleetSimulator(
+            [holder["cp"].address], seed=2, options=FAST, tls=holder["cp"].tls
+        ) as sim:
             await enrolled(sim, holder["cp"], 20)
             holder["cp"] = await asyncio.to_thread(restart, holder["cp"])
             assert sim.stats().reconnects >= 20  # every stream noticed the restart
@@ -103,7 +105,7 @@ def test_wait_synced_says_how_many_are_missing(cp):
     cp = cp["cp"]
 
     async def scenario() -> None:
-        async with FleetSimulator([cp.address], options=FAST) as sim:
+        async with FleetSimulator([cp.address], options=FAST, tls=cp.tls) as sim:
             await enrolled(sim, cp, 5)
             with pytest.raises(errors.Unavailable, match=r"5 of 5 devices have not synced det:2"):
                 await sim.wait_synced(MODEL, 2, timeout=0.3)

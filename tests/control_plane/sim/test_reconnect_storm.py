@@ -25,6 +25,7 @@ from control_plane.sim.state import Identity
 from control_plane.store import orm
 from device_agent.identity import DeviceKeyPair
 from protos import fleet_pb2
+from tests.control_plane.helpers import home_tls
 from tests.control_plane.sim.conftest import MODEL
 
 DEVICES = 10_000
@@ -119,7 +120,7 @@ def test_ten_thousand_devices_reconnect_after_a_restart(template_home, tmp_path)
     options = SimOptions(devices_per_channel=500, sync_jitter_s=2.0, concurrency=256)
 
     async def scenario() -> None:
-        async with FleetSimulator([address], options=options) as sim:
+        async with FleetSimulator([address], options=options, tls=home_tls(home)) as sim:
             sim.adopt(identities)
             assert await sim.sync_all() == 0
             sim.watch_all()
@@ -133,7 +134,7 @@ def test_ten_thousand_devices_reconnect_after_a_restart(template_home, tmp_path)
                 120,
                 "every device to notice the restart",
             )
-            with AdminClient(address, read_token(home)) as client:
+            with AdminClient(address, read_token(home), home_tls(home)) as client:
                 await asyncio.to_thread(
                     client.create_rollout,
                     fleet_pb2.CreateRolloutRequest(model=MODEL, version=1),
