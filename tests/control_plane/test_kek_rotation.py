@@ -22,7 +22,7 @@ from control_plane.demo import sample_models
 from control_plane.home import read_token
 from control_plane.settings import CONFIG_FILE, load_config
 from control_plane.store.sql_store import SqlStore
-from tests.control_plane.helpers import ControlPlane, spawn_server, start_control_plane
+from tests.control_plane.helpers import ControlPlane, spawn_server, start_control_plane, tls_of
 from tests.control_plane.test_cli import skiff
 
 MODELS = ("det", "cls", "seg")
@@ -314,7 +314,7 @@ def test_a_rotation_killed_halfway_loses_nothing_and_can_be_finished(
 
     proc, address = spawn_server(home)
     try:
-        with AdminClient(address, read_token(home)) as client:
+        with AdminClient(address, read_token(home), tls_of(address)) as client:
             _assert_pulls_all(client, mnn_files, tmp_path)
             finished = client.rotate_kek(f"aws-kms://{key}")
             assert finished.rewrapped == (2 if point == "mid-rewrap" else 0)

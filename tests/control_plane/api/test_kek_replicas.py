@@ -14,7 +14,7 @@ from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token
 from control_plane.settings import load_config
 from control_plane.store.sql_store import SqlStore
-from tests.control_plane.helpers import spawn_server
+from tests.control_plane.helpers import spawn_server, tls_of
 
 pytestmark = pytest.mark.postgres
 
@@ -25,7 +25,7 @@ def replicas(tmp_path, pg_url, moto_endpoint):
     settings = {"db": pg_url, "kms_endpoint": moto_endpoint, "kms_region": "us-east-1"}
     init_home(load_config(home, settings, environ={}))
     procs = [spawn_server(home), spawn_server(home)]
-    clients = [AdminClient(address, read_token(home)) for _, address in procs]
+    clients = [AdminClient(address, read_token(home), tls_of(address)) for _, address in procs]
     yield clients
     for client in clients:
         client.close()
