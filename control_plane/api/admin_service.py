@@ -8,10 +8,15 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from control_plane import errors
+from control_plane import errors, paging
 from control_plane.api.auth import Authenticator
 from control_plane.api.grpc_errors import mapped, mapped_stream
-from control_plane.registry.registry import PushRequest, Registry
+from control_plane.registry.registry import (
+    PushRequest,
+    Registry,
+    validate_name,
+    validate_positive_version,
+)
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -132,16 +137,35 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def ListModels(self, request, context):  # noqa: D102, N802
         self._actor(context)
+        page = paging.page_request(
+            request.page_size, request.page_token, scope="models", parse_key=validate_name
+        )
+        records = self._registry.list_models(after=page.after or "", limit=page.size + 1)
+        models, token = paging.next_page(records, page, key=lambda m: m.name)
         return admin_pb2.ListModelsResponse(
-            models=[model_pb(m) for m in self._registry.list_models()]
+            models=[model_pb(m) for m in models], next_page_token=token
         )
 
     @mapped
     def GetModel(self, request, context):  # noqa: D102, N802
         self._actor(context)
-        model, versions = self._registry.show(request.name, request.version or None)
+        page = paging.page_request(
+            request.page_size,
+            request.page_token,
+            scope=f"versions:{request.name}",
+            parse_key=validate_positive_version,
+        )
+        model, records = self._registry.show(
+            request.name, request.version or None, after=page.after or 0, limit=page.size + 1
+        )
+        versions, token = paging.next_page(
+            [version_pb(v) for v in records],
+            page,
+            key=lambda v: v.version,
+            byte_size=lambda v: v.ByteSize(),
+        )
         return admin_pb2.GetModelResponse(
-            model=model_pb(model), versions=[version_pb(v) for v in versions]
+            model=model_pb(model), versions=versions, next_page_token=token
         )
 
     @mapped_stream

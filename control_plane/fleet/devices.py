@@ -14,6 +14,7 @@ from control_plane import errors
 from control_plane.crypto.device_keys import check_public_keyset
 from control_plane.fleet.attributes import merge_attributes, normalize_attributes
 from control_plane.fleet.selector import parse_selector
+from control_plane.limits import MAX_NAME, MAX_REASON, check_text
 from control_plane.store.fleet import (
     Change,
     DeviceAuth,
@@ -77,8 +78,7 @@ class Fleet:
             raise errors.InvalidArgument(f"ttl must be between 1s and {MAX_ENROLL_TTL_S}s")
         if not 0 <= uses <= MAX_ENROLL_USES:
             raise errors.InvalidArgument(f"uses must be 0 (unlimited) to {MAX_ENROLL_USES:,}")
-        if len(name) > 64:
-            raise errors.InvalidArgument("token name is longer than 64 characters")
+        check_text("token name", name, MAX_NAME)
         now = self._clock()
         record = EnrollmentTokenRecord(
             id="enr_" + secrets.token_hex(6),
@@ -193,8 +193,7 @@ class Fleet:
     def revoke(self, device_id: str, *, reason: str = "") -> DeviceRecord:
         """Refuse the device from now on (its open streams are closed by the change feed)."""
         _check_device_id(device_id)
-        if len(reason) > 256:
-            raise errors.InvalidArgument("reason is longer than 256 characters")
+        check_text("reason", reason, MAX_REASON)
         return self._store.revoke_device(device_id, at=self._clock(), reason=reason)
 
 

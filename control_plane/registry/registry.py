@@ -33,6 +33,7 @@ from control_plane.crypto import (
     new_data_key,
     rewrap,
 )
+from control_plane.limits import MAX_NOTES, check_text
 from control_plane.registry import memfd, mnn_tools
 from control_plane.store.base import (
     ModelRecord,
@@ -70,11 +71,22 @@ class PushRequest:
     sha256: str = ""
 
 
+def _check_request(request: PushRequest) -> tuple[str, ...]:
+    """Validate everything a push names before any byte is read; returns the variants."""
+    validate_name(request.name)
+    check_text("notes", request.notes, MAX_NOTES, multiline=True)
+    if request.size < 0:
+        raise errors.InvalidArgument(f"declared size {request.size} is negative")
+    return _validate_variants(request.variants)
+
+
 def _check_upload(request: PushRequest, upload: memfd.Spooled) -> None:
     if upload.size == 0:
         raise errors.InvalidArgument("model file is empty")
     if request.size and upload.size != request.size:
-        raise errors.InvalidArgument(f"upload truncated: got {upload.size} of {request.size} bytes")
+        raise errors.InvalidArgument(
+            f"upload has {upload.size} bytes, header declared {request.size}"
+        )
     if request.sha256 and upload.sha256 != request.sha256.lower():
         raise errors.IntegrityError("upload does not match the SHA-256 the client declared")
 
@@ -88,14 +100,32 @@ def validate_name(name: str) -> str:
     return name
 
 
+def validate_version(number: int | None) -> int | None:
+    """Return a version number (None = latest) if it is 1 to MAX_VERSION (an int32 column)."""
+    if number is not None and not 1 <= number <= MAX_VERSION:
+        raise errors.InvalidArgument(f"invalid version {number}: use 1 to {MAX_VERSION}")
+    return number
+
+
+def validate_positive_version(number: object) -> int:
+    """Return `number` if it is an int from 1 to MAX_VERSION (a page token's key)."""
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise errors.InvalidArgument(f"invalid version {number!r:.20}")
+    validate_version(number)
+    return number
+
+
 def parse_ref(ref: str) -> tuple[str, int | None]:
     """Split NAME[:VERSION] into its parts; InvalidArgument when malformed."""
     name, sep, version = ref.partition(":")
     validate_name(name)
     if not sep:
         return name, None
-    if not version.isdigit() or int(version) < 1:
-        raise errors.InvalidArgument(f"invalid version {version!r} in {ref!r}: use 1, 2, ...")
+    # ASCII digits only: str.isdigit() also accepts '²', which int() then refuses.
+    if not (version.isascii() and version.isdecimal()) or not 1 <= int(version) <= MAX_VERSION:
+        raise errors.InvalidArgument(
+            f"invalid version {version!r:.20} in {ref!r:.100}: use 1 to {MAX_VERSION}"
+        )
     return name, int(version)
 
 
@@ -142,8 +172,7 @@ class Registry:
 
     def push(self, request: PushRequest, chunks: Iterable[bytes]) -> VersionRecord:
         """Validate, convert, encrypt and store a model as the next version."""
-        validate_name(request.name)
-        extra = _validate_variants(request.variants)
+        extra = _check_request(request)
         stored: list[str] = []
         with self._push_slots, contextlib.ExitStack() as stack:
             upload = memfd.spool(chunks, limit=self.max_model_bytes)
@@ -264,16 +293,21 @@ class Registry:
 
     # -- read ---------------------------------------------------------------------------
 
-    def list_models(self) -> list[ModelRecord]:
-        """Return every model."""
-        return self.store.list_models()
+    def list_models(self, *, after: str = "", limit: int | None = None) -> list[ModelRecord]:
+        """Return models by name: those after `after` (a page token's key), at most `limit`."""
+        if after:
+            validate_name(after)
+        return self.store.list_models(after=after, limit=limit)
 
-    def show(self, name: str, number: int | None = None) -> tuple[ModelRecord, list]:
-        """Return a model and either one version or all of them."""
+    def show(
+        self, name: str, number: int | None = None, *, after: int = 0, limit: int | None = None
+    ) -> tuple[ModelRecord, list]:
+        """Return a model and either one version or its versions after `after` (at most `limit`)."""
         validate_name(name)
+        validate_version(number)
         model = self.store.get_model(name)
         if number is None:
-            return model, self.store.list_versions(name)
+            return model, self.store.list_versions(name, after=after, limit=limit)
         return model, [self.store.get_version(name, number)]
 
     def pull(
@@ -281,6 +315,7 @@ class Registry:
     ) -> tuple[VersionRecord, VariantRecord, Iterator[bytes]]:
         """Return a version, one variant of it, and its decrypted bytes as a stream."""
         validate_name(name)
+        validate_version(number)
         record = self.store.get_version(name, number)
         chosen = record.variant(variant or BASE_VARIANT)
         if chosen is None:
