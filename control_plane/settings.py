@@ -110,6 +110,28 @@ SETTINGS: tuple[Setting, ...] = (
         "The only KMS endpoint aws-kms:// keys are used through (empty: AWS's own).",
     ),
     Setting("kms_region", str, "", "SKIFF_KMS_REGION", "AWS region of aws-kms:// keys."),
+    Setting(
+        "gc_grace_s",
+        float,
+        0.0,
+        "SKIFF_GC_GRACE_S",
+        "Age before an unreferenced blob is collected; more than twice the longest push "
+        "(0: derived from mnn_timeout_s and max_model_bytes).",
+    ),
+    Setting(
+        "gc_interval_s",
+        float,
+        3600.0,
+        "SKIFF_GC_INTERVAL_S",
+        "How often the server sweeps unreferenced blobs (0: never; `skiff gc` still works).",
+    ),
+    Setting(
+        "health_interval_s",
+        float,
+        5.0,
+        "SKIFF_HEALTH_INTERVAL_S",
+        "How often the health service probes the database and the blob store.",
+    ),
 )
 
 
@@ -140,6 +162,9 @@ class Config:
     device_flush_s: float
     kms_endpoint: str
     kms_region: str
+    gc_grace_s: float
+    gc_interval_s: float
+    health_interval_s: float
 
     @property
     def dial_address(self) -> str:

@@ -185,3 +185,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self._actor(context)
         old_id, new_id, count = self._registry.rotate_kek(self._kek_factory(request.new_kek))
         return admin_pb2.RotateKekResponse(old_kek_id=old_id, new_kek_id=new_id, rewrapped=count)
+
+    @mapped
+    def CollectGarbage(self, request, context):  # noqa: D102, N802
+        self._actor(context)
+        result = self._registry.collect_garbage(dry_run=request.dry_run)
+        return admin_pb2.CollectGarbageResponse(
+            blobs=result.blobs, bytes=result.bytes, kept_young=result.kept_young
+        )

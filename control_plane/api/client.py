@@ -130,6 +130,12 @@ class AdminClient:
         """Re-wrap every data key under a new KEK."""
         return self._unary(self._stub.RotateKek, admin_pb2.RotateKekRequest(new_kek=new_kek))
 
+    def collect_garbage(self, *, dry_run: bool = False) -> admin_pb2.CollectGarbageResponse:
+        """Delete (or, on a dry run, list) unreferenced blobs past the grace period."""
+        # Retried like a read: a repeated sweep deletes nothing the first one did not.
+        request = admin_pb2.CollectGarbageRequest(dry_run=dry_run)
+        return self._unary(self._stub.CollectGarbage, request)
+
     # -- fleet ------------------------------------------------------------------------------
 
     def create_enrollment_token(

@@ -24,8 +24,10 @@ from grpc_reflection.v1alpha import reflection
 from control_plane import errors
 from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import Authenticator
+from control_plane.api.background import Periodic
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
+from control_plane.api.health import HealthMonitor
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import KeyEncryptionKey, LocalKek, ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
@@ -73,6 +75,7 @@ def build_registry(config: Config) -> Registry:
         max_model_bytes=config.max_model_bytes,
         mnn_timeout_s=config.mnn_timeout_s,
         max_concurrent_pushes=config.max_concurrent_pushes,
+        gc_grace_s=config.gc_grace_s,
     )
 
 
@@ -189,13 +192,25 @@ class ServerHandle:
         self._scheduler = _Scheduler(app.rollouts, app.config.scheduler_interval_s)
         self._stopped = threading.Event()
         self._server, self.port = self._call(self._build(address))
+        self._background = _background(app, self._publish_health)
 
     def _call(self, coro, timeout: float | None = 30):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def _publish_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def publish() -> None:
+            for name in self._health_names:
+                await self._health.set(name, status)
+
+        self._call(publish(), timeout=10)
+
     async def _build(self, address: str) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(migration_thread_pool=self._pool, options=SERVER_OPTIONS)
-        await _add_services(server, self.app)
+        self._health, self._health_names = await _add_services(server, self.app)
         port = server.add_insecure_port(address)
         if port == 0:
             raise errors.Unavailable(f"cannot listen on {address}")
@@ -208,6 +223,8 @@ class ServerHandle:
         self._call(self.app.watchers.start())
         self._call(self._server.start())
         self._scheduler.start()
+        for task in self._background:
+            task.start()
         return self
 
     def stop(self, grace: float | None = None) -> threading.Event:
@@ -216,6 +233,8 @@ class ServerHandle:
         Returns an event that is already set (kept for `server.stop(...).wait()` callers).
         """
         if not self._stopped.is_set():
+            for task in self._background:
+                task.stop()
             self._scheduler.stop()
             self._call(self._server.stop(grace), timeout=None)
             self._call(self.app.watchers.stop())
@@ -228,7 +247,20 @@ class ServerHandle:
         return self._stopped
 
 
-async def _add_services(server: grpc.aio.Server, app: App) -> None:
+def _background(app: App, publish_health) -> list[Periodic]:
+    """Return the health monitor's timer and, unless switched off, the garbage sweep's."""
+    monitor = HealthMonitor(
+        {"database": app.store.check, "blob store": app.registry.blobs.check}, publish_health
+    )
+    tasks = [Periodic("health", app.config.health_interval_s, monitor.check)]
+    if app.config.gc_interval_s > 0:
+        # Safe on every replica at once (registry/gc.py); each sweep lists the whole store.
+        tasks.append(Periodic("gc", app.config.gc_interval_s, app.registry.collect_garbage))
+    return tasks
+
+
+async def _add_services(server: grpc.aio.Server, app: App) -> tuple[object, tuple[str, ...]]:
+    """Register every service; returns the health servicer and the names it reports on."""
     auth = Authenticator(app.store)
     view = FleetView(app.fleet, app.resolver, app.watchers, app.writer)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
@@ -269,6 +301,7 @@ async def _add_services(server: grpc.aio.Server, app: App) -> None:
     )
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return health_servicer, ("", *names)
 
 
 def create_server(config: Config, app: App, address: str) -> tuple[ServerHandle, int]:

@@ -121,6 +121,24 @@ def start_key_rotate(*, config: Config, args: argparse.Namespace) -> Output:
     return body, f"re-wrapped {r.rewrapped} data keys: {r.old_kek_id} -> {r.new_kek_id}"
 
 
+def start_gc(*, config: Config, args: argparse.Namespace) -> Output:
+    """Collect unreferenced blobs (or list them with --dry-run)."""
+    with _client(config) as client:
+        r = client.collect_garbage(dry_run=args.dry_run)
+    body = {
+        "dry_run": args.dry_run,
+        "blobs": list(r.blobs),
+        "bytes": r.bytes,
+        "kept_young": r.kept_young,
+    }
+    verb = "would delete" if args.dry_run else "deleted"
+    lines = [f"{verb} {len(r.blobs)} unreferenced blobs ({r.bytes:,} bytes)"]
+    lines += [f"  {key}" for key in r.blobs]
+    if r.kept_young:
+        lines.append(f"kept {r.kept_young} younger than the grace period (a push may own them)")
+    return body, "\n".join(lines)
+
+
 def start_demo(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the end-to-end demo."""
     from control_plane.demo.walkthrough import run_demo

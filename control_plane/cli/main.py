@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--to", default="", help="new KEK URL (aws-kms://...); default: new local key")
 
+    p = sub.add_parser("gc", help="delete blobs no version references, older than the grace period")
+    _common(p)
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, keep it")
+
     fleet_commands.add_parsers(sub, _common)
     sim_commands.add_parsers(sub, _common)
 

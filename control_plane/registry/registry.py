@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ from control_plane.crypto import (
     rewrap,
 )
 from control_plane.limits import MAX_NOTES, check_text
-from control_plane.registry import memfd, mnn_tools
+from control_plane.registry import gc, memfd, mnn_tools
 from control_plane.store.base import (
     ModelRecord,
     NewVersion,
@@ -156,10 +157,15 @@ class Registry:
         max_model_bytes: int,
         mnn_timeout_s: float,
         max_concurrent_pushes: int = 2,
+        gc_grace_s: float = 0,
     ) -> None:
         self.store, self.blobs, self.kek, self.signer = store, blobs, kek, signer
         self.max_model_bytes = max_model_bytes
         self._mnn_timeout = mnn_timeout_s
+        # 0: derived from the MNN timeout and the upload limit (registry/gc.py).
+        self.gc_grace_s = gc_grace_s or gc.default_grace_s(
+            mnn_timeout_s=mnn_timeout_s, max_model_bytes=max_model_bytes
+        )
         # Held from wrapping a data key until its row commits, and for a whole rotation,
         # so a rotation never misses a key wrapped under the KEK it is retiring. (One
         # process; replicas rotating concurrently would need a database lock.)
@@ -204,6 +210,7 @@ class Registry:
         self, request: PushRequest, fmt: str, fds: dict[str, int], stored: list[str]
     ) -> VersionRecord:
         uid, data_key = uuid.uuid4().hex, new_data_key()
+        first_write = time.monotonic()
         # MNN loads each variant in a child process while this thread encrypts and stores:
         # the two dominate a push, and neither needs the other's result until the end.
         with ThreadPoolExecutor(INSPECT_WORKERS, thread_name_prefix="skiff-inspect") as pool:
@@ -224,6 +231,13 @@ class Registry:
         created_at = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
         def build(number: int) -> NewVersion:
+            # Garbage collection counts on every row committing within half its grace
+            # period of its first blob (registry/gc.py): past that, fail instead.
+            if time.monotonic() - first_write > self.gc_grace_s / 2:
+                raise errors.Unavailable(
+                    "push took longer than half the garbage-collection grace period "
+                    f"({self.gc_grace_s:g} s): push again"
+                )
             manifest = {
                 "schema": MANIFEST_SCHEMA,
                 "model": request.name,
@@ -329,6 +343,12 @@ class Registry:
             data_key, ciphertext, associated_data=associated_data(record.uid, chosen.name)
         )
         return record, chosen, plaintext
+
+    # -- garbage ------------------------------------------------------------------------
+
+    def collect_garbage(self, *, dry_run: bool = False) -> gc.GcResult:
+        """Delete blobs no version references that are older than the grace period."""
+        return gc.collect_garbage(self.store, self.blobs, grace_s=self.gc_grace_s, dry_run=dry_run)
 
     # -- keys ---------------------------------------------------------------------------
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
+from control_plane.blobs import LocalBlobStore
 from control_plane.limits import MAX_NOTES
 from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
@@ -71,3 +73,22 @@ def test_ls_and_show_walk_every_page_unless_limited(server, model_file):  # noqa
 
     negative = skiff("model", "ls", "--limit", "-1", env=env, check=False)
     assert negative.returncode == 3 and "--limit -1 is negative" in _error_line(negative)
+
+
+def test_gc_lists_then_deletes_old_orphans(server):  # noqa: F811
+    env = server["env"]
+    blobs = LocalBlobStore(server["home"] / "blobs")
+    old = blobs.put_stream([b"orphaned by a crash"]).key
+    path = blobs.root / old[:2] / old[2:4] / old
+    os.utime(path, (0, 0))  # 1970: older than any grace period
+    young = blobs.put_stream([b"a push in flight"]).key
+
+    dry = json.loads(skiff("gc", "--dry-run", "--json", env=env).stdout)
+    assert dry == {"dry_run": True, "blobs": [old], "bytes": 19, "kept_young": 1}
+    assert path.exists()
+    text = skiff("gc", env=env).stdout
+    assert f"deleted 1 unreferenced blobs (19 bytes)\n  {old}\n" in text
+    assert "kept 1 younger than the grace period" in text
+    assert not path.exists() and blobs.exists(young)
+    again = json.loads(skiff("gc", "--json", env=env).stdout)
+    assert again["blobs"] == [] and again["kept_young"] == 1

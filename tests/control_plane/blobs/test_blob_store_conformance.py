@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import stat
 import time
@@ -186,6 +187,18 @@ def test_stat_exists_delete_keys(backend: Backend) -> None:
     with pytest.raises(NotFound):
         backend.store.stat(infos[1].key)
     assert sorted(backend.store.keys()) == sorted([infos[0].key, infos[2].key])
+
+
+def test_list_blobs_gives_size_and_write_time(backend: Backend) -> None:
+    # S3 keeps LastModified to the second; allow that much either side.
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
+    infos = [backend.store.put_stream([_data(size, seed=size)]) for size in (0, 5, CHUNK_SIZE + 3)]
+    after = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+    listed = sorted(backend.store.list_blobs(), key=lambda b: b.key)
+    assert [(b.key, b.size) for b in listed] == sorted((i.key, i.size) for i in infos)
+    assert all(before <= b.modified <= after for b in listed)
+    backend.store.delete(infos[0].key)
+    assert sorted(b.key for b in backend.store.list_blobs()) == sorted(i.key for i in infos[1:])
 
 
 def test_missing_blob_is_not_found(backend: Backend) -> None:
