@@ -147,10 +147,31 @@ class AdminClient:
         )
         return self._unary(self._fleet.CreateEnrollmentToken, request)
 
-    def list_devices(self, selector: str = "") -> list[fleet_pb2.Device]:
-        """Return the devices a selector picks (all of them by default)."""
-        request = fleet_pb2.ListDevicesRequest(selector=selector)
-        return list(self._unary(self._fleet.ListDevices, request).devices)
+    def list_devices(
+        self, selector: str = "", *, limit: int | None = None
+    ) -> list[fleet_pb2.Device]:
+        """Return the devices a selector picks (all of them by default), by id."""
+        return list(self.devices_page(selector, limit).devices)
+
+    def devices_page(
+        self, selector: str = "", limit: int | None = None
+    ) -> fleet_pb2.ListDevicesResponse:
+        """Return up to `limit` devices (None: all) as one response, reading page by page.
+
+        Its next_page_token is set when more devices exist beyond `limit`.
+        """
+        merged = fleet_pb2.ListDevicesResponse()
+        while True:
+            request = fleet_pb2.ListDevicesRequest(
+                selector=selector,
+                page_size=_page_size(limit, len(merged.devices)),
+                page_token=merged.next_page_token,
+            )
+            page = self._unary(self._fleet.ListDevices, request)
+            merged.devices.extend(page.devices)
+            merged.next_page_token = page.next_page_token
+            if not page.next_page_token or _full(limit, len(merged.devices)):
+                return merged
 
     def get_device(self, device_id: str) -> fleet_pb2.Device:
         """Return one device."""

@@ -6,11 +6,10 @@ Each start_* function returns (json_value, text) for the CLI to print, or None.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from control_plane import errors
 from control_plane.api.client import AdminClient
 from control_plane.cli import views
+from control_plane.cli.listing import limit_of, say_more
 from control_plane.cli.progress import ProgressBar
 from control_plane.home import init_home, read_token
 from control_plane.registry.registry import parse_ref
@@ -55,34 +54,22 @@ def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
     return views.version_dict(version), f"{version.model}:{version.version}"
 
 
-def _limit(args: argparse.Namespace) -> int | None:
-    if args.limit < 0:
-        raise errors.InvalidArgument(f"--limit {args.limit} is negative")
-    return args.limit or None
-
-
-def _say_more(more: bool, what: str, limit: int | None) -> None:
-    # stderr: stdout stays the table or the JSON document a script parses.
-    if more:
-        print(f"skiff: showing the first {limit} {what}; more exist", file=sys.stderr)
-
-
 def start_model_ls(*, config: Config, args: argparse.Namespace) -> Output:
     """List models (all of them, page by page, unless --limit)."""
-    limit = _limit(args)
+    limit = limit_of(args)
     with _client(config) as client:
         page = client.models_page(limit)
-    _say_more(bool(page.next_page_token), "models", limit)
+    say_more(bool(page.next_page_token), "models", limit)
     return [views.model_dict(m) for m in page.models], views.models_table(list(page.models))
 
 
 def start_model_show(*, config: Config, args: argparse.Namespace) -> Output:
     """Show one model's versions (all, page by page, unless --limit), or one version."""
     name, number = parse_ref(args.ref)
-    limit = _limit(args)
+    limit = limit_of(args)
     with _client(config) as client:
         found = client.get_model(name, number, limit=limit)
-    _say_more(bool(found.next_page_token), "versions", limit)
+    say_more(bool(found.next_page_token), "versions", limit)
     body = {
         "model": views.model_dict(found.model),
         "versions": [views.version_dict(v) for v in found.versions],

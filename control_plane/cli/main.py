@@ -12,6 +12,7 @@ from rich.console import Console
 
 from control_plane import errors
 from control_plane.cli import fleet_commands, sim_commands
+from control_plane.cli.listing import add_limit_flag
 from control_plane.settings import SETTINGS, default_home, load_config
 
 # Exit codes, one per kind of failure, so scripts can tell them apart.
@@ -47,17 +48,6 @@ def _common(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _limit(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--limit",
-        type=int,
-        default=0,
-        metavar="N",
-        help=f"show the first N {what} (default 0: all of them, read page by page); "
-        "when more exist, stderr says so",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Return the full argument parser."""
     parser = argparse.ArgumentParser(prog="skiff", description="Ship MNN models to fleets.")
@@ -87,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = msub.add_parser("ls", help="list models")
     _common(p)
-    _limit(p, "models, by name")
+    add_limit_flag(p, "models, by name")
     p = msub.add_parser("show", help="show a model's versions, or one version")
     _common(p)
     p.add_argument("ref", metavar="NAME[:VERSION]")
-    _limit(p, "versions, oldest first")
+    add_limit_flag(p, "versions, oldest first")
     p = msub.add_parser("pull", help="download a decrypted model (admin only)")
     _common(p)
     p.add_argument("ref", metavar="NAME:VERSION")

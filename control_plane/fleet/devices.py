@@ -34,6 +34,8 @@ MAX_ENROLL_USES = 10_000_000
 AUTH_CACHE_TTL_S = 3600.0
 UNKNOWN_CACHE_TTL_S = 5.0
 AUTH_CACHE_SIZE = 200_000
+# Devices read per query while looking for a page of those a selector picks.
+LIST_BATCH = 500
 
 
 def _sha256(secret: str) -> str:
@@ -180,23 +182,46 @@ class Fleet:
 
     # -- operators ------------------------------------------------------------------------
 
-    def list(self, selector: str = "") -> list[DeviceRecord]:
-        """Return every device the selector picks (the same evaluator rollouts use)."""
+    def list(
+        self, selector: str = "", *, after: str = "", limit: int | None = None
+    ) -> list[DeviceRecord]:
+        """Return devices the selector picks (the evaluator rollouts use), by id.
+
+        Only ids after `after`, at most `limit` of them (None: every one); the store is
+        read in batches until the page is full or the fleet ends.
+        """
         compiled = parse_selector(selector)
-        return [d for d in self._store.list_devices() if compiled.matches(d.attributes)]
+        if after:
+            validate_device_id(after)
+        if limit is None:
+            return [
+                d for d in self._store.list_devices(after=after) if compiled.matches(d.attributes)
+            ]
+        found: list[DeviceRecord] = []
+        while len(found) < limit:
+            batch = self._store.list_devices(after=after, limit=LIST_BATCH)
+            found += [d for d in batch if compiled.matches(d.attributes)]
+            if len(batch) < LIST_BATCH:
+                break
+            after = batch[-1].id
+        return found[:limit]
 
     def get(self, device_id: str) -> DeviceRecord:
         """Return one device."""
-        _check_device_id(device_id)
+        validate_device_id(device_id)
         return self._store.get_device(device_id)
 
     def revoke(self, device_id: str, *, reason: str = "") -> DeviceRecord:
         """Refuse the device from now on (its open streams are closed by the change feed)."""
-        _check_device_id(device_id)
+        validate_device_id(device_id)
         check_text("reason", reason, MAX_REASON)
         return self._store.revoke_device(device_id, at=self._clock(), reason=reason)
 
 
-def _check_device_id(device_id: str) -> None:
-    if not (device_id.startswith(DEVICE_PREFIX) and len(device_id) <= 32):
+def validate_device_id(device_id: object) -> str:
+    """Return `device_id` if it has the shape of one (dev_..., at most 32 characters)."""
+    if not (
+        isinstance(device_id, str) and device_id.startswith(DEVICE_PREFIX) and len(device_id) <= 32
+    ):
         raise errors.InvalidArgument(f"invalid device id {device_id!r:.40}: expected dev_...")
+    return device_id

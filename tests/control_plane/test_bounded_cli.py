@@ -9,6 +9,7 @@ import pytest
 
 from control_plane.blobs import LocalBlobStore
 from control_plane.limits import MAX_NOTES
+from tests.control_plane.api.device_helpers import Device
 from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
 
@@ -92,3 +93,18 @@ def test_gc_lists_then_deletes_old_orphans(server):  # noqa: F811
     assert not path.exists() and blobs.exists(young)
     again = json.loads(skiff("gc", "--json", env=env).stdout)
     assert again["blobs"] == [] and again["kept_young"] == 1
+
+
+def test_fleet_ls_limit(server):  # noqa: F811
+    env = server["env"]
+    token = skiff("token", "create", "--enroll", env=env).stdout.strip()
+    ids = sorted(
+        Device.enroll(env["SKIFF_SERVER"], token, {"region": "paged"}).id for _ in range(3)
+    )
+    everything = json.loads(
+        skiff("fleet", "ls", "--select", "region=paged", "--json", env=env).stdout
+    )
+    assert [d["id"] for d in everything] == ids
+    limited = skiff("fleet", "ls", "--select", "region=paged", "--limit", "2", "--json", env=env)
+    assert [d["id"] for d in json.loads(limited.stdout)] == ids[:2]
+    assert "showing the first 2 devices; more exist" in limited.stderr
