@@ -335,7 +335,7 @@ class Registry:
         if chosen is None:
             have = ", ".join(v.name for v in record.variants)
             raise errors.NotFound(
-                f"{name}:{record.number} has no variant {variant!r} (it has {have})"
+                f"{name}:{record.number} has no variant {variant!r:.40} (it has {have})"
             )
         data_key = self.kek.unwrap(record.data_key, context=record.uid)
         ciphertext = self.blobs.open_read(chosen.ciphertext_sha256)
