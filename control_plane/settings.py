@@ -3,6 +3,10 @@
 Values come from (highest first) a command-line flag, an environment variable, the home
 folder's `skiff.json` (written by `skiff init`), then the default. They are read once at
 the entry point and passed in; nothing below the CLI reads the environment.
+
+`skiff.json` keeps only what came from a flag or from the file itself (and what the
+server changed, like a KEK rotation): a value from the environment may be a secret (a
+password in `SKIFF_DB`) that its owner keeps out of files, and stays where it came from.
 """
 
 from __future__ import annotations
@@ -10,14 +14,18 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from control_plane import errors
+from control_plane.files import write_private_file
 
 CONFIG_FILE = "skiff.json"
 TOKEN_FILE = "admin.token"
+# Where a setting's value came from.
+FROM_FLAG, FROM_ENV, FROM_FILE, FROM_DEFAULT = "flag", "env", "file", "default"
+_PERSISTED = frozenset({FROM_FLAG, FROM_FILE})
 
 
 def default_home() -> Path:
@@ -181,6 +189,28 @@ SETTINGS: tuple[Setting, ...] = (
         "Certificate the CLI presents to a server that requires one (mutual TLS).",
     ),
     Setting("tls_client_key", str, "", "SKIFF_TLS_CLIENT_KEY", "Private key of tls_client_cert."),
+    Setting(
+        "gc_grace_s",
+        float,
+        0.0,
+        "SKIFF_GC_GRACE_S",
+        "Age before an unreferenced blob is collected; more than twice the longest push "
+        "(0: derived from mnn_timeout_s and max_model_bytes).",
+    ),
+    Setting(
+        "gc_interval_s",
+        float,
+        3600.0,
+        "SKIFF_GC_INTERVAL_S",
+        "How often the server sweeps unreferenced blobs (0: never; `skiff gc` still works).",
+    ),
+    Setting(
+        "health_interval_s",
+        float,
+        5.0,
+        "SKIFF_HEALTH_INTERVAL_S",
+        "How often the health service probes the database and the blob store.",
+    ),
 )
 
 
@@ -189,6 +219,11 @@ class Config:
     """Resolved settings for one process."""
 
     home: Path
+    # Setting name -> (where its value came from, the value as loaded). Keyword-only, so
+    # it needs no place among the settings below.
+    origins: Mapping[str, tuple[str, Any]] = field(
+        default_factory=dict, kw_only=True, compare=False, repr=False
+    )
     grpc: str
     server: str
     db: str
@@ -219,6 +254,9 @@ class Config:
     tls_client_ca: str
     tls_client_cert: str
     tls_client_key: str
+    gc_grace_s: float
+    gc_interval_s: float
+    health_interval_s: float
 
     @property
     def dial_address(self) -> str:
@@ -245,15 +283,29 @@ def load_config(
     environ = os.environ if environ is None else environ
     stored = read_config_file(home)
     values: dict[str, Any] = {}
+    origins: dict[str, tuple[str, Any]] = {}
     for s in SETTINGS:
-        raw = (overrides or {}).get(s.name)
-        if raw in (None, ""):
-            raw = environ.get(s.env) or stored.get(s.name) or _defaults_for(home).get(s.name)
+        origin, raw = _raw_value(s, overrides or {}, environ, stored, home)
         try:
             values[s.name] = s.default if raw in (None, "") else s.type(raw)
         except ValueError as exc:
             raise errors.InvalidArgument(f"setting {s.name}: {exc}") from None
-    return Config(home=home, **values)
+        origins[s.name] = (origin, values[s.name])
+    return Config(home=home, origins=origins, **values)
+
+
+def _raw_value(
+    s: Setting, overrides: Mapping[str, Any], environ: Mapping[str, str], stored: dict, home: Path
+) -> tuple[str, Any]:
+    """Return where `s` comes from and its raw value: flag, environment, file, default."""
+    for origin, value in (
+        (FROM_FLAG, overrides.get(s.name)),
+        (FROM_ENV, environ.get(s.env)),
+        (FROM_FILE, stored.get(s.name)),
+    ):
+        if value not in (None, ""):
+            return origin, value
+    return FROM_DEFAULT, _defaults_for(home).get(s.name)
 
 
 def read_config_file(home: Path) -> dict[str, Any]:
@@ -270,10 +322,19 @@ def read_config_file(home: Path) -> dict[str, Any]:
 
 
 def write_config_file(config: Config) -> Path:
-    """Store the non-default settings of `config` in its home folder."""
+    """Store `config`'s flag- and file-sourced settings (and changed ones) in its home.
+
+    A setting whose value differs from what was loaded was changed by the process (a KEK
+    rotation) and is kept; one from the environment or a default is not. The file is
+    written 0600 through a fresh temp file (never a fixed name someone could plant).
+    """
     path = config.home / CONFIG_FILE
-    body = {s.name: getattr(config, s.name) for s in SETTINGS if getattr(config, s.name)}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    body = {}
+    for s in SETTINGS:
+        value = getattr(config, s.name)
+        origin, loaded = config.origins.get(s.name, (FROM_FLAG, value))
+        if value and (origin in _PERSISTED or value != loaded):
+            body[s.name] = value
+    data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
+    write_private_file(path, data, replace=True)
     return path

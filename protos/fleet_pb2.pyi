@@ -185,15 +185,23 @@ class ListDevicesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SELECTOR_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     selector: _builtins.str
+    page_size: _builtins.int
+    """0 = the server's default page size; larger values are capped."""
+    page_token: _builtins.str
+    """From the previous response's next_page_token; empty = first page."""
     def __init__(
         self,
         *,
         selector: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["selector", b"selector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "selector", b"selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -204,16 +212,22 @@ class ListDevicesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEVICES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty on the last page."""
     @_builtins.property
-    def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]: ...
+    def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]:
+        """By device id."""
+
     def __init__(
         self,
         *,
         devices: _abc.Iterable[Global___Device] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

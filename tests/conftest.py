@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.ci import on_ci
+
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
@@ -57,7 +59,7 @@ def fresh_pg_database() -> Iterator[str]:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
     except exc.OperationalError as error:
         admin.dispose()
-        if os.environ.get("CI"):
+        if on_ci():
             pytest.fail(f"PostgreSQL is required on CI and unreachable: {error}")
         pytest.skip(f"PostgreSQL unreachable: {error}")
     try:

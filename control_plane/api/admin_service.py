@@ -11,13 +11,19 @@ from contextlib import ExitStack
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from control_plane import errors
+from control_plane import errors, paging
 from control_plane.api.access import caller
 from control_plane.api.auth import ApiTokens, Authenticator
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_stream
 from control_plane.registry import memfd
 from control_plane.registry.keys import KekRotation
-from control_plane.registry.registry import PushRequest, Registry, check_request
+from control_plane.registry.registry import (
+    PushRequest,
+    Registry,
+    check_request,
+    validate_name,
+    validate_positive_version,
+)
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 
@@ -235,16 +241,35 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def ListModels(self, request, context):  # noqa: D102, N802
         self._actor(context)
+        page = paging.page_request(
+            request.page_size, request.page_token, scope="models", parse_key=validate_name
+        )
+        records = self._registry.list_models(after=page.after or "", limit=page.size + 1)
+        models, token = paging.next_page(records, page, key=lambda m: m.name)
         return admin_pb2.ListModelsResponse(
-            models=[model_pb(m) for m in self._registry.list_models()]
+            models=[model_pb(m) for m in models], next_page_token=token
         )
 
     @mapped
     def GetModel(self, request, context):  # noqa: D102, N802
         self._actor(context)
-        model, versions = self._registry.show(request.name, request.version or None)
+        page = paging.page_request(
+            request.page_size,
+            request.page_token,
+            scope=f"versions:{request.name}",
+            parse_key=validate_positive_version,
+        )
+        model, records = self._registry.show(
+            request.name, request.version or None, after=page.after or 0, limit=page.size + 1
+        )
+        versions, token = paging.next_page(
+            [version_pb(v) for v in records],
+            page,
+            key=lambda v: v.version,
+            byte_size=lambda v: v.ByteSize(),
+        )
         return admin_pb2.GetModelResponse(
-            model=model_pb(model), versions=[version_pb(v) for v in versions]
+            model=model_pb(model), versions=versions, next_page_token=token
         )
 
     @mapped_stream
@@ -284,3 +309,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def RevokeApiToken(self, request, context):  # noqa: D102, N802
         return api_token_pb(self._tokens.revoke(request.id))
+
+    @mapped
+    def CollectGarbage(self, request, context):  # noqa: D102, N802
+        self._actor(context)
+        result = self._registry.collect_garbage(dry_run=request.dry_run)
+        return admin_pb2.CollectGarbageResponse(
+            blobs=result.blobs, bytes=result.bytes, kept_young=result.kept_young
+        )

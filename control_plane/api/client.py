@@ -121,18 +121,58 @@ class AdminClient:
                 time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)))
         raise AssertionError("unreachable")
 
-    def list_models(self) -> list[common_pb2.Model]:
-        """Return every model."""
-        return list(self._unary(self._stub.ListModels, admin_pb2.ListModelsRequest()).models)
+    def list_models(self, limit: int | None = None) -> list[common_pb2.Model]:
+        """Return every model (at most `limit`), reading page after page."""
+        return list(self.models_page(limit).models)
 
-    def get_model(self, name: str, version: int | None = None) -> admin_pb2.GetModelResponse:
-        """Return a model with one version (or all of them)."""
-        request = admin_pb2.GetModelRequest(name=name, version=version or 0)
-        return self._unary(self._stub.GetModel, request)
+    def models_page(self, limit: int | None = None) -> admin_pb2.ListModelsResponse:
+        """Return up to `limit` models (None: all) as one response.
+
+        Its next_page_token is set when more models exist beyond `limit`.
+        """
+        merged = admin_pb2.ListModelsResponse()
+        while True:
+            request = admin_pb2.ListModelsRequest(
+                page_size=_page_size(limit, len(merged.models)),
+                page_token=merged.next_page_token,
+            )
+            page = self._unary(self._stub.ListModels, request)
+            merged.models.extend(page.models)
+            merged.next_page_token = page.next_page_token
+            if not page.next_page_token or _full(limit, len(merged.models)):
+                return merged
+
+    def get_model(
+        self, name: str, version: int | None = None, *, limit: int | None = None
+    ) -> admin_pb2.GetModelResponse:
+        """Return a model with one version, or its versions (at most `limit`, oldest first).
+
+        Reads page after page; next_page_token is set when versions exist beyond `limit`.
+        """
+        merged = admin_pb2.GetModelResponse()
+        while True:
+            request = admin_pb2.GetModelRequest(
+                name=name,
+                version=version or 0,
+                page_size=_page_size(limit, len(merged.versions)),
+                page_token=merged.next_page_token,
+            )
+            page = self._unary(self._stub.GetModel, request)
+            merged.model.CopyFrom(page.model)
+            merged.versions.extend(page.versions)
+            merged.next_page_token = page.next_page_token
+            if not page.next_page_token or _full(limit, len(merged.versions)):
+                return merged
 
     def rotate_kek(self, new_kek: str = "") -> admin_pb2.RotateKekResponse:
         """Re-wrap every data key under a new KEK."""
         return self._unary(self._stub.RotateKek, admin_pb2.RotateKekRequest(new_kek=new_kek))
+
+    def collect_garbage(self, *, dry_run: bool = False) -> admin_pb2.CollectGarbageResponse:
+        """Delete (or, on a dry run, list) unreferenced blobs past the grace period."""
+        # Retried like a read: a repeated sweep deletes nothing the first one did not.
+        request = admin_pb2.CollectGarbageRequest(dry_run=dry_run)
+        return self._unary(self._stub.CollectGarbage, request)
 
     # -- API tokens -------------------------------------------------------------------------
 
@@ -163,10 +203,31 @@ class AdminClient:
         )
         return self._unary(self._fleet.CreateEnrollmentToken, request)
 
-    def list_devices(self, selector: str = "") -> list[fleet_pb2.Device]:
-        """Return the devices a selector picks (all of them by default)."""
-        request = fleet_pb2.ListDevicesRequest(selector=selector)
-        return list(self._unary(self._fleet.ListDevices, request).devices)
+    def list_devices(
+        self, selector: str = "", *, limit: int | None = None
+    ) -> list[fleet_pb2.Device]:
+        """Return the devices a selector picks (all of them by default), by id."""
+        return list(self.devices_page(selector, limit).devices)
+
+    def devices_page(
+        self, selector: str = "", limit: int | None = None
+    ) -> fleet_pb2.ListDevicesResponse:
+        """Return up to `limit` devices (None: all) as one response, reading page by page.
+
+        Its next_page_token is set when more devices exist beyond `limit`.
+        """
+        merged = fleet_pb2.ListDevicesResponse()
+        while True:
+            request = fleet_pb2.ListDevicesRequest(
+                selector=selector,
+                page_size=_page_size(limit, len(merged.devices)),
+                page_token=merged.next_page_token,
+            )
+            page = self._unary(self._fleet.ListDevices, request)
+            merged.devices.extend(page.devices)
+            merged.next_page_token = page.next_page_token
+            if not page.next_page_token or _full(limit, len(merged.devices)):
+                return merged
 
     def get_device(self, device_id: str) -> fleet_pb2.Device:
         """Return one device."""
@@ -269,6 +330,15 @@ class AdminClient:
             return _write_verified(first.header, responses, Path(out), progress)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+
+
+def _page_size(limit: int | None, have: int) -> int:
+    # 0 lets the server pick (its default page size); it caps larger requests itself.
+    return 0 if limit is None else limit - have
+
+
+def _full(limit: int | None, have: int) -> bool:
+    return limit is not None and have >= limit
 
 
 def _size_and_digest(path: Path) -> tuple[int, str]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 
+from control_plane import paging
 from control_plane.api.access import caller
 from control_plane.api.fleet_convert import attributes_dict, device_pb, rollout_pb, timestamp
 from control_plane.api.grpc_errors import mapped
-from control_plane.fleet.devices import Fleet
+from control_plane.fleet.devices import Fleet, validate_device_id
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.rollouts.resolver import Resolver, Snapshot
 from control_plane.rollouts.service import Rollouts, RolloutSpec
@@ -48,10 +50,12 @@ class FleetView:
         """Write the device reports this replica still holds back."""
         self._writer.flush()
 
-    def list(self, selector: str) -> list[DeviceRecord]:
-        """Return devices (after writing what this replica still holds back)."""
+    def list(
+        self, selector: str, *, after: str = "", limit: int | None = None
+    ) -> list[DeviceRecord]:
+        """Return devices by id (after writing what this replica still holds back)."""
         self._writer.flush()
-        return self.fleet.list(selector)
+        return self.fleet.list(selector, after=after, limit=limit)
 
     def get(self, device_id: str) -> DeviceRecord:
         """Return one device (after writing what this replica still holds back)."""
@@ -85,11 +89,20 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
     @mapped
     def ListDevices(self, request, context):  # noqa: D102, N802
         _actor()
-        devices = self._view.list(request.selector)
-        snap = self._view.snapshot()
-        return fleet_pb2.ListDevicesResponse(
-            devices=[self._view.device_pb(d, snap) for d in devices]
+        # A token continues the listing of one selector only (hashed: selectors are long).
+        scope = "devices:" + hashlib.sha256(request.selector.encode()).hexdigest()[:16]
+        page = paging.page_request(
+            request.page_size, request.page_token, scope=scope, parse_key=validate_device_id
         )
+        records = self._view.list(request.selector, after=page.after or "", limit=page.size + 1)
+        snap = self._view.snapshot()
+        devices, token = paging.next_page(
+            [self._view.device_pb(d, snap) for d in records],
+            page,
+            key=lambda d: d.id,
+            byte_size=lambda d: d.ByteSize(),
+        )
+        return fleet_pb2.ListDevicesResponse(devices=devices, next_page_token=token)
 
     @mapped
     def GetDevice(self, request, context):  # noqa: D102, N802

@@ -27,8 +27,10 @@ from control_plane import errors
 from control_plane.api.access import AccessInterceptor, check_table
 from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
+from control_plane.api.background import Periodic
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
+from control_plane.api.health import HealthMonitor
 from control_plane.api.transport import listen_credentials
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import ManifestSigner, open_kek
@@ -94,6 +96,7 @@ def build_registry(config: Config) -> Registry:
             cpu_seconds=config.mnn_cpu_limit_s or 2 * config.mnn_timeout_s,
             user=config.mnn_user,
         ),
+        gc_grace_s=config.gc_grace_s,
     )
 
 
@@ -214,9 +217,21 @@ class ServerHandle:
         self._scheduler = _Scheduler(app.rollouts, app.config.scheduler_interval_s)
         self._stopped = threading.Event()
         self._server, self.port = self._call(self._build(address, credentials))
+        self._background = _background(app, self._publish_health)
 
     def _call(self, coro, timeout: float | None = 30):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _publish_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def publish() -> None:
+            for name in self._health_names:
+                await self._health.set(name, status)
+
+        self._call(publish(), timeout=10)
 
     async def _build(
         self, address: str, credentials: grpc.ServerCredentials | None
@@ -229,7 +244,7 @@ class ServerHandle:
             # Device Watch streams count: the default leaves room for a large fleet.
             maximum_concurrent_rpcs=self.app.config.max_concurrent_rpcs or None,
         )
-        await _add_services(server, self.app, auth)
+        self._health, self._health_names = await _add_services(server, self.app, auth)
         if credentials is None:
             port = server.add_insecure_port(address)
         else:
@@ -245,6 +260,8 @@ class ServerHandle:
         self._call(self.app.watchers.start())
         self._call(self._server.start())
         self._scheduler.start()
+        for task in self._background:
+            task.start()
         return self
 
     def stop(self, grace: float | None = None) -> threading.Event:
@@ -253,6 +270,8 @@ class ServerHandle:
         Returns an event that is already set (kept for `server.stop(...).wait()` callers).
         """
         if not self._stopped.is_set():
+            for task in self._background:
+                task.stop()
             self._scheduler.stop()
             self._call(self._server.stop(grace), timeout=None)
             self._call(self.app.watchers.stop())
@@ -277,7 +296,22 @@ def _methods(*services) -> list[str]:
     return [f"/{s.full_name}/{m.name}" for s in services for m in s.methods]
 
 
-async def _add_services(server: grpc.aio.Server, app: App, auth: Authenticator) -> None:
+def _background(app: App, publish_health) -> list[Periodic]:
+    """Return the health monitor's timer and, unless switched off, the garbage sweep's."""
+    monitor = HealthMonitor(
+        {"database": app.store.check, "blob store": app.registry.blobs.check}, publish_health
+    )
+    tasks = [Periodic("health", app.config.health_interval_s, monitor.check)]
+    if app.config.gc_interval_s > 0:
+        # Safe on every replica at once (registry/gc.py); each sweep lists the whole store.
+        tasks.append(Periodic("gc", app.config.gc_interval_s, app.registry.collect_garbage))
+    return tasks
+
+
+async def _add_services(
+    server: grpc.aio.Server, app: App, auth: Authenticator
+) -> tuple[object, tuple[str, ...]]:
+    """Register every service; returns the health servicer and the names it reports on."""
     view = FleetView(app.fleet, app.resolver, app.watchers, app.writer)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(
@@ -324,6 +358,7 @@ async def _add_services(server: grpc.aio.Server, app: App, auth: Authenticator) 
     )
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return health_servicer, ("", *names)
 
 
 def create_server(config: Config, app: App, address: str) -> tuple[ServerHandle, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from control_plane.blobs.base import CHUNK_SIZE, BlobInfo, BlobStore
+from control_plane.blobs.base import CHUNK_SIZE, BlobInfo, BlobStore, StoredBlob
 from control_plane.blobs.local_blob_store import LocalBlobStore
 from control_plane.blobs.s3_blob_store import S3BlobStore
 from control_plane.errors import InvalidArgument
@@ -19,6 +19,7 @@ __all__ = [
     "BlobStore",
     "LocalBlobStore",
     "S3BlobStore",
+    "StoredBlob",
     "open_blob_store",
 ]
 

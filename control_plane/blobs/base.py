@@ -8,6 +8,7 @@ sees plaintext.
 from __future__ import annotations
 
 import abc
+import datetime as dt
 import hashlib
 import os
 import re
@@ -29,6 +30,16 @@ class BlobInfo:
 
     key: str
     size: int
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    """A published blob as listed: its key, size, and when the store last wrote it."""
+
+    key: str
+    size: int
+    # Aware UTC, by the store's own clock (file mtime, S3 LastModified).
+    modified: dt.datetime
 
 
 def check_key(key: object) -> str:
@@ -131,6 +142,10 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def keys(self) -> Iterator[str]:
         """Yield every published key (temp files excluded), in no particular order."""
+
+    @abc.abstractmethod
+    def list_blobs(self) -> Iterator[StoredBlob]:
+        """Yield every published blob with its size and write time (for garbage collection)."""
 
     def presigned_url(self, key: str, *, expires_s: int) -> str | None:
         """Return a short-lived URL that serves the blob's bytes, or None if unsupported.

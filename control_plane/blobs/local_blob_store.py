@@ -8,6 +8,7 @@ the directory: a blob is either absent or complete, even across a crash.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import re
 import tempfile
@@ -18,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 from control_plane.blobs.base import (
     BlobInfo,
     BlobStore,
+    StoredBlob,
     check_expected,
     check_key,
     check_offset,
@@ -119,7 +121,18 @@ class LocalBlobStore(BlobStore):
     def keys(self) -> Iterator[str]:
         """Yield every published key; ``.tmp`` and stray files are skipped."""
         self._require_root()
-        return self._walk()
+        return (entry.name for entry in self._walk())
+
+    def list_blobs(self) -> Iterator[StoredBlob]:
+        """Yield every published blob with its size and mtime."""
+        self._require_root()
+        for entry in self._walk():
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue  # deleted since it was listed
+            modified = dt.datetime.fromtimestamp(st.st_mtime, dt.UTC)
+            yield StoredBlob(key=entry.name, size=st.st_size, modified=modified)
 
     def check(self) -> None:
         """Raise Unavailable unless the root exists and is writable."""
@@ -165,13 +178,13 @@ class LocalBlobStore(BlobStore):
             os.replace(tmp, dest)
             fsync_directory(dest.parent)
 
-    def _walk(self) -> Iterator[str]:
+    def _walk(self) -> Iterator[os.DirEntry]:
         for d1 in _fanout_dirs(self.root):
             for d2 in _fanout_dirs(d1.path):
                 for entry in os.scandir(d2.path):
                     name = entry.name
                     if name[:4] == d1.name + d2.name and is_key(name) and entry.is_file():
-                        yield name
+                        yield entry
 
     def _require_root(self) -> None:
         if not self.root.is_dir():

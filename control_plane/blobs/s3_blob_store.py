@@ -12,6 +12,7 @@ itself falls back to ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -29,6 +30,7 @@ from control_plane.blobs.base import (
     CHUNK_SIZE,
     BlobInfo,
     BlobStore,
+    StoredBlob,
     check_expected,
     check_key,
     check_offset,
@@ -155,6 +157,10 @@ class S3BlobStore(BlobStore):
 
     def keys(self) -> Iterator[str]:
         """Yield every key under the prefix; objects not in the blob layout are skipped."""
+        return (blob.key for blob in self.list_blobs())
+
+    def list_blobs(self) -> Iterator[StoredBlob]:
+        """Yield every blob under the prefix with its size and LastModified."""
         prefix = f"{self.prefix}/" if self.prefix else ""
         paginator = self._client.get_paginator("list_objects_v2")
         with self._errors("list blobs"):
@@ -162,7 +168,8 @@ class S3BlobStore(BlobStore):
                 for obj in page.get("Contents", ()):
                     fanout, _, name = obj["Key"][len(prefix) :].partition("/")
                     if is_key(name) and fanout == name[:2]:
-                        yield name
+                        modified = obj["LastModified"].astimezone(dt.UTC)
+                        yield StoredBlob(name, obj["Size"], modified)
 
     def presigned_url(self, key: str, *, expires_s: int) -> str | None:
         """Return a presigned GET URL for the blob (computed locally, no request)."""

@@ -10,6 +10,7 @@ import argparse
 from control_plane.api.client import AdminClient
 from control_plane.api.transport import client_tls
 from control_plane.cli import views
+from control_plane.cli.listing import limit_of, say_more
 from control_plane.cli.progress import ProgressBar
 from control_plane.home import init_home, read_token
 from control_plane.registry.registry import parse_ref
@@ -57,20 +58,25 @@ def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
 
 
 def start_model_ls(*, config: Config, args: argparse.Namespace) -> Output:
-    """List models."""
+    """List models (all of them, page by page, unless --limit)."""
+    limit = limit_of(args)
     with _client(config) as client:
-        models = client.list_models()
-    return [views.model_dict(m) for m in models], views.models_table(models)
+        page = client.models_page(limit)
+    say_more(bool(page.next_page_token), "models", limit)
+    return [views.model_dict(m) for m in page.models], views.models_table(list(page.models))
 
 
 def start_model_show(*, config: Config, args: argparse.Namespace) -> Output:
-    """Show one model's versions, or one version."""
+    """Show one model's versions (all, page by page, unless --limit), or one version."""
     name, number = parse_ref(args.ref)
+    limit = limit_of(args)
     with _client(config) as client:
-        found = client.get_model(name, number)
+        found = client.get_model(name, number, limit=limit)
+    say_more(bool(found.next_page_token), "versions", limit)
     body = {
         "model": views.model_dict(found.model),
         "versions": [views.version_dict(v) for v in found.versions],
+        "more": bool(found.next_page_token),
     }
     return body, "\n".join(views.version_text(v) for v in found.versions)
 
@@ -103,6 +109,24 @@ def start_key_rotate(*, config: Config, args: argparse.Namespace) -> Output:
         r = client.rotate_kek(args.to)
     body = {"old_kek_id": r.old_kek_id, "new_kek_id": r.new_kek_id, "rewrapped": r.rewrapped}
     return body, f"re-wrapped {r.rewrapped} data keys: {r.old_kek_id} -> {r.new_kek_id}"
+
+
+def start_gc(*, config: Config, args: argparse.Namespace) -> Output:
+    """Collect unreferenced blobs (or list them with --dry-run)."""
+    with _client(config) as client:
+        r = client.collect_garbage(dry_run=args.dry_run)
+    body = {
+        "dry_run": args.dry_run,
+        "blobs": list(r.blobs),
+        "bytes": r.bytes,
+        "kept_young": r.kept_young,
+    }
+    verb = "would delete" if args.dry_run else "deleted"
+    lines = [f"{verb} {len(r.blobs)} unreferenced blobs ({r.bytes:,} bytes)"]
+    lines += [f"  {key}" for key in r.blobs]
+    if r.kept_young:
+        lines.append(f"kept {r.kept_young} younger than the grace period (a push may own them)")
+    return body, "\n".join(lines)
 
 
 def start_demo(*, config: Config, args: argparse.Namespace) -> Output:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from control_plane import errors
 from control_plane.api.roles import ROLES
+from control_plane.cli.listing import add_limit_flag, limit_of, say_more
 from control_plane.fleet.attributes import parse_attr_flags
 from control_plane.rollouts.lifecycle import parse_duration, parse_stage_list
 from control_plane.settings import Config
@@ -84,6 +85,7 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     p = fsub.add_parser("ls", help="list devices (those a selector picks)")
     common(p)
     p.add_argument("--select", default="", metavar="EXPR", help="e.g. platform=android,tags=beta")
+    add_limit_flag(p, "devices, by id")
     p = fsub.add_parser("show", help="show one device")
     common(p)
     p.add_argument("device")
@@ -218,9 +220,12 @@ def _enrollment_token(config: Config, args: argparse.Namespace) -> Output:
 
 
 def start_fleet_ls(*, config: Config, args: argparse.Namespace) -> Output:
-    """List devices."""
+    """List devices (all those the selector picks, page by page, unless --limit)."""
+    limit = limit_of(args)
     with _client(config) as client:
-        devices = client.list_devices(args.select)
+        page = client.devices_page(args.select, limit)
+    say_more(bool(page.next_page_token), "devices", limit)
+    devices = list(page.devices)
     return [views.device_dict(d) for d in devices], views.devices_table(devices)
 
 

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from control_plane import errors
 from control_plane.cli import fleet_commands, sim_commands
+from control_plane.cli.listing import add_limit_flag
 from control_plane.settings import SETTINGS, default_home, load_config
 
 # Exit codes, one per kind of failure, so scripts can tell them apart.
@@ -93,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = msub.add_parser("ls", help="list models")
     _common(p)
+    add_limit_flag(p, "models, by name")
     p = msub.add_parser("show", help="show a model's versions, or one version")
     _common(p)
     p.add_argument("ref", metavar="NAME[:VERSION]")
+    add_limit_flag(p, "versions, oldest first")
     p = msub.add_parser("pull", help="download a decrypted model (admin only)")
     _common(p)
     p.add_argument("ref", metavar="NAME:VERSION")
@@ -107,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = ksub.add_parser("rotate", help="re-wrap every data key under a new KEK")
     _common(p)
     p.add_argument("--to", default="", help="new KEK URL (aws-kms://...); default: new local key")
+
+    p = sub.add_parser("gc", help="delete blobs no version references, older than the grace period")
+    _common(p)
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, keep it")
 
     fleet_commands.add_parsers(sub, _common)
     sim_commands.add_parsers(sub, _common)

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from control_plane import errors
+from control_plane.limits import MAX_ATTRIBUTE, check_text
 
 STANDARD_KEYS = (
     "platform",
@@ -28,14 +29,12 @@ STANDARD_KEYS = (
     "tags",
 )
 CUSTOM = "custom"
-MAX_TEXT = 128
+MAX_TEXT = MAX_ATTRIBUTE
 MAX_TAGS = 32
 MAX_CUSTOM = 32
 MAX_RAM_MB = 2**31
 
 _ALLOWED_KEYS = frozenset((*STANDARD_KEYS, CUSTOM))
-# C0, DEL and C1: they would corrupt one-line logs and terminal tables.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _TAG = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _CUSTOM_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _TAG_CONTAINERS = (list, tuple, set, frozenset)
@@ -109,13 +108,7 @@ def _normalize_standard(key: str, value: object) -> object:
 
 
 def _check_text(what: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise errors.InvalidArgument(f"{what} must be a string, not {type(value).__name__}")
-    if len(value) > MAX_TEXT:
-        raise errors.InvalidArgument(f"{what} must be at most {MAX_TEXT} characters")
-    if _CONTROL.search(value):
-        raise errors.InvalidArgument(f"{what} must not contain control characters")
-    return value
+    return check_text(what, value, MAX_TEXT)
 
 
 def _normalize_ram(value: object) -> int:

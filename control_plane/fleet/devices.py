@@ -14,6 +14,7 @@ from control_plane import errors
 from control_plane.crypto.device_keys import check_public_keyset
 from control_plane.fleet.attributes import merge_attributes, normalize_attributes
 from control_plane.fleet.selector import parse_selector
+from control_plane.limits import MAX_NAME, MAX_REASON, check_text
 from control_plane.store.fleet import (
     Change,
     DeviceAuth,
@@ -33,6 +34,8 @@ MAX_ENROLL_USES = 10_000_000
 AUTH_CACHE_TTL_S = 3600.0
 UNKNOWN_CACHE_TTL_S = 5.0
 AUTH_CACHE_SIZE = 200_000
+# Devices read per query while looking for a page of those a selector picks.
+LIST_BATCH = 500
 
 
 def _sha256(secret: str) -> str:
@@ -77,8 +80,7 @@ class Fleet:
             raise errors.InvalidArgument(f"ttl must be between 1s and {MAX_ENROLL_TTL_S}s")
         if not 0 <= uses <= MAX_ENROLL_USES:
             raise errors.InvalidArgument(f"uses must be 0 (unlimited) to {MAX_ENROLL_USES:,}")
-        if len(name) > 64:
-            raise errors.InvalidArgument("token name is longer than 64 characters")
+        check_text("token name", name, MAX_NAME)
         now = self._clock()
         record = EnrollmentTokenRecord(
             id="enr_" + secrets.token_hex(6),
@@ -180,24 +182,46 @@ class Fleet:
 
     # -- operators ------------------------------------------------------------------------
 
-    def list(self, selector: str = "") -> list[DeviceRecord]:
-        """Return every device the selector picks (the same evaluator rollouts use)."""
+    def list(
+        self, selector: str = "", *, after: str = "", limit: int | None = None
+    ) -> list[DeviceRecord]:
+        """Return devices the selector picks (the evaluator rollouts use), by id.
+
+        Only ids after `after`, at most `limit` of them (None: every one); the store is
+        read in batches until the page is full or the fleet ends.
+        """
         compiled = parse_selector(selector)
-        return [d for d in self._store.list_devices() if compiled.matches(d.attributes)]
+        if after:
+            validate_device_id(after)
+        if limit is None:
+            return [
+                d for d in self._store.list_devices(after=after) if compiled.matches(d.attributes)
+            ]
+        found: list[DeviceRecord] = []
+        while len(found) < limit:
+            batch = self._store.list_devices(after=after, limit=LIST_BATCH)
+            found += [d for d in batch if compiled.matches(d.attributes)]
+            if len(batch) < LIST_BATCH:
+                break
+            after = batch[-1].id
+        return found[:limit]
 
     def get(self, device_id: str) -> DeviceRecord:
         """Return one device."""
-        _check_device_id(device_id)
+        validate_device_id(device_id)
         return self._store.get_device(device_id)
 
     def revoke(self, device_id: str, *, reason: str = "") -> DeviceRecord:
         """Refuse the device from now on (its open streams are closed by the change feed)."""
-        _check_device_id(device_id)
-        if len(reason) > 256:
-            raise errors.InvalidArgument("reason is longer than 256 characters")
+        validate_device_id(device_id)
+        check_text("reason", reason, MAX_REASON)
         return self._store.revoke_device(device_id, at=self._clock(), reason=reason)
 
 
-def _check_device_id(device_id: str) -> None:
-    if not (device_id.startswith(DEVICE_PREFIX) and len(device_id) <= 32):
+def validate_device_id(device_id: object) -> str:
+    """Return `device_id` if it has the shape of one (dev_..., at most 32 characters)."""
+    if not (
+        isinstance(device_id, str) and device_id.startswith(DEVICE_PREFIX) and len(device_id) <= 32
+    ):
         raise errors.InvalidArgument(f"invalid device id {device_id!r:.40}: expected dev_...")
+    return device_id

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,8 @@ from control_plane.crypto import (
     new_data_key,
 )
 from control_plane.crypto.keyring import Keyring
-from control_plane.registry import memfd, mnn_tools
+from control_plane.limits import MAX_NOTES, check_text
+from control_plane.registry import gc, memfd, mnn_tools
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.store.base import (
     ModelRecord,
@@ -75,19 +77,24 @@ class PushRequest:
     sha256: str = ""
 
 
+def check_request(request: PushRequest) -> tuple[str, ...]:
+    """Validate everything a push names before any byte is read; return the extra variants."""
+    validate_name(request.name)
+    check_text("notes", request.notes, MAX_NOTES, multiline=True)
+    if request.size < 0:
+        raise errors.InvalidArgument(f"declared size {request.size} is negative")
+    return _validate_variants(request.variants)
+
+
 def _check_upload(request: PushRequest, upload: memfd.Spooled) -> None:
     if upload.size == 0:
         raise errors.InvalidArgument("model file is empty")
     if request.size and upload.size != request.size:
-        raise errors.InvalidArgument(f"upload truncated: got {upload.size} of {request.size} bytes")
+        raise errors.InvalidArgument(
+            f"upload has {upload.size} bytes, header declared {request.size}"
+        )
     if request.sha256 and upload.sha256 != request.sha256.lower():
         raise errors.IntegrityError("upload does not match the SHA-256 the client declared")
-
-
-def check_request(request: PushRequest) -> tuple[str, ...]:
-    """Validate what a push asks for before any byte is read; return the extra variants."""
-    validate_name(request.name)
-    return _validate_variants(request.variants)
 
 
 def validate_name(name: str) -> str:
@@ -99,14 +106,32 @@ def validate_name(name: str) -> str:
     return name
 
 
+def validate_version(number: int | None) -> int | None:
+    """Return a version number (None = latest) if it is 1 to MAX_VERSION (an int32 column)."""
+    if number is not None and not 1 <= number <= MAX_VERSION:
+        raise errors.InvalidArgument(f"invalid version {number}: use 1 to {MAX_VERSION}")
+    return number
+
+
+def validate_positive_version(number: object) -> int:
+    """Return `number` if it is an int from 1 to MAX_VERSION (a page token's key)."""
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise errors.InvalidArgument(f"invalid version {number!r:.20}")
+    validate_version(number)
+    return number
+
+
 def parse_ref(ref: str) -> tuple[str, int | None]:
     """Split NAME[:VERSION] into its parts; InvalidArgument when malformed."""
     name, sep, version = ref.partition(":")
     validate_name(name)
     if not sep:
         return name, None
-    if not version.isdigit() or int(version) < 1:
-        raise errors.InvalidArgument(f"invalid version {version!r} in {ref!r}: use 1, 2, ...")
+    # ASCII digits only: str.isdigit() also accepts '²', which int() then refuses.
+    if not (version.isascii() and version.isdecimal()) or not 1 <= int(version) <= MAX_VERSION:
+        raise errors.InvalidArgument(
+            f"invalid version {version!r:.20} in {ref!r:.100}: use 1 to {MAX_VERSION}"
+        )
     return name, int(version)
 
 
@@ -139,11 +164,16 @@ class Registry:
         max_concurrent_pushes: int = 2,
         max_concurrent_uploads: int = 4,
         sandbox: Sandbox | None = None,
+        gc_grace_s: float = 0,
     ) -> None:
         self.store, self.blobs, self.kek, self.signer = store, blobs, kek, signer
         self.max_model_bytes = max_model_bytes
         self._mnn_timeout = mnn_timeout_s
         self._sandbox = sandbox
+        # 0: derived from the MNN timeout and the upload limit (registry/gc.py).
+        self.gc_grace_s = gc_grace_s or gc.default_grace_s(
+            mnn_timeout_s=mnn_timeout_s, max_model_bytes=max_model_bytes
+        )
         # A push holds its model (and each variant) in RAM and runs MNN children; on a
         # small box, unbounded concurrent pushes of large models would exhaust memory.
         self._push_slots = threading.BoundedSemaphore(max(1, max_concurrent_pushes))
@@ -228,6 +258,7 @@ class Registry:
         abandoned: Callable[[], bool],
     ) -> VersionRecord:
         uid, data_key = uuid.uuid4().hex, new_data_key()
+        first_write = time.monotonic()
         # MNN loads each variant in a child process while this thread encrypts and stores:
         # the two dominate a push, and neither needs the other's result until the end.
         with ThreadPoolExecutor(INSPECT_WORKERS, thread_name_prefix="skiff-inspect") as pool:
@@ -248,6 +279,13 @@ class Registry:
         created_at = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
         def build(wrapped: WrappedKey, number: int) -> NewVersion:
+            # Garbage collection counts on every row committing within half its grace
+            # period of its first blob (registry/gc.py): past that, fail instead.
+            if time.monotonic() - first_write > self.gc_grace_s / 2:
+                raise errors.Unavailable(
+                    "push took longer than half the garbage-collection grace period "
+                    f"({self.gc_grace_s:g} s): push again"
+                )
             manifest = {
                 "schema": MANIFEST_SCHEMA,
                 "model": request.name,
@@ -338,16 +376,21 @@ class Registry:
 
     # -- read ---------------------------------------------------------------------------
 
-    def list_models(self) -> list[ModelRecord]:
-        """Return every model."""
-        return self.store.list_models()
+    def list_models(self, *, after: str = "", limit: int | None = None) -> list[ModelRecord]:
+        """Return models by name: those after `after` (a page token's key), at most `limit`."""
+        if after:
+            validate_name(after)
+        return self.store.list_models(after=after, limit=limit)
 
-    def show(self, name: str, number: int | None = None) -> tuple[ModelRecord, list]:
-        """Return a model and either one version or all of them."""
+    def show(
+        self, name: str, number: int | None = None, *, after: int = 0, limit: int | None = None
+    ) -> tuple[ModelRecord, list]:
+        """Return a model and either one version or its versions after `after` (at most `limit`)."""
         validate_name(name)
+        validate_version(number)
         model = self.store.get_model(name)
         if number is None:
-            return model, self.store.list_versions(name)
+            return model, self.store.list_versions(name, after=after, limit=limit)
         return model, [self.store.get_version(name, number)]
 
     def pull(
@@ -355,12 +398,13 @@ class Registry:
     ) -> tuple[VersionRecord, VariantRecord, Iterator[bytes]]:
         """Return a version, one variant of it, and its decrypted bytes as a stream."""
         validate_name(name)
+        validate_version(number)
         record = self.store.get_version(name, number)
         chosen = record.variant(variant or BASE_VARIANT)
         if chosen is None:
             have = ", ".join(v.name for v in record.variants)
             raise errors.NotFound(
-                f"{name}:{record.number} has no variant {variant!r} (it has {have})"
+                f"{name}:{record.number} has no variant {variant!r:.40} (it has {have})"
             )
         data_key = self.kek.unwrap(record.data_key, context=record.uid)
         ciphertext = self.blobs.open_read(chosen.ciphertext_sha256)
@@ -368,6 +412,12 @@ class Registry:
             data_key, ciphertext, associated_data=associated_data(record.uid, chosen.name)
         )
         return record, chosen, plaintext
+
+    # -- garbage ------------------------------------------------------------------------
+
+    def collect_garbage(self, *, dry_run: bool = False) -> gc.GcResult:
+        """Delete blobs no version references that are older than the grace period."""
+        return gc.collect_garbage(self.store, self.blobs, grace_s=self.gc_grace_s, dry_run=dry_run)
 
 
 def _manifest_variant(uid: str, v: VariantRecord) -> dict:

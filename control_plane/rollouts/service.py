@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from control_plane import errors
 from control_plane.fleet.selector import parse_selector
+from control_plane.limits import MAX_REASON, check_text
 from control_plane.registry.registry import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
@@ -37,7 +38,6 @@ from control_plane.store.rollouts import (
 log = logging.getLogger(__name__)
 
 ROLLOUT_PREFIX = "ro_"
-MAX_REASON = 512
 BASE_VARIANT = "fp32"
 
 
@@ -71,9 +71,7 @@ def utcnow() -> dt.datetime:
 
 
 def _check_reason(reason: str) -> str:
-    if len(reason) > MAX_REASON:
-        raise errors.InvalidArgument(f"reason is longer than {MAX_REASON} characters")
-    return reason
+    return check_text("reason", reason, MAX_REASON)
 
 
 class Rollouts:

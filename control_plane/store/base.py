@@ -123,16 +123,24 @@ class RegistryStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def list_models(self) -> list[ModelRecord]:
-        """Return every model that has at least one version, by name."""
+    def list_models(self, *, after: str = "", limit: int | None = None) -> list[ModelRecord]:
+        """Return models that have at least one version, by name (keyset pages).
+
+        Only names after `after`, at most `limit` of them (None: every one).
+        """
 
     @abc.abstractmethod
     def get_model(self, name: str) -> ModelRecord:
         """Return one model; NotFound if it has no versions."""
 
     @abc.abstractmethod
-    def list_versions(self, name: str) -> list[VersionRecord]:
-        """Return every version of a model, oldest first; NotFound for an unknown model."""
+    def list_versions(
+        self, name: str, *, after: int = 0, limit: int | None = None
+    ) -> list[VersionRecord]:
+        """Return a model's versions oldest first; NotFound for an unknown model.
+
+        Only numbers after `after`, at most `limit` of them (None: every one).
+        """
 
     @abc.abstractmethod
     def get_version(self, name: str, number: int | None = None) -> VersionRecord:

@@ -112,8 +112,8 @@ class FleetStore(abc.ABC):
         """Return one device; NotFound otherwise."""
 
     @abc.abstractmethod
-    def list_devices(self) -> list[DeviceRecord]:
-        """Return every device, by id."""
+    def list_devices(self, *, after: str = "", limit: int | None = None) -> list[DeviceRecord]:
+        """Return devices by id: those after `after`, at most `limit` (None: every one)."""
 
     @abc.abstractmethod
     def device_attributes(self, device_ids: Sequence[str]) -> dict[str, dict]:

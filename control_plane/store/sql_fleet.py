@@ -165,13 +165,22 @@ class SqlFleetStore(FleetStore):
             ).all()
             return _device(row, models)
 
-    def list_devices(self) -> list[DeviceRecord]:
-        """Return every device, by id."""
+    def list_devices(self, *, after: str = "", limit: int | None = None) -> list[DeviceRecord]:
+        """Return devices by id: those after `after`, at most `limit` (None: every one)."""
+        stmt = (
+            select(orm.DeviceRow)
+            .where(orm.DeviceRow.id > after)
+            .order_by(orm.DeviceRow.id)
+            .limit(limit)
+        )
         with self._read() as session:
+            rows = session.scalars(stmt).all()
+            models = select(orm.DeviceModelRow)
+            if limit is not None:
+                models = models.where(orm.DeviceModelRow.device_id.in_([r.id for r in rows]))
             by_device: dict[str, list[orm.DeviceModelRow]] = {}
-            for m in session.scalars(select(orm.DeviceModelRow)):
+            for m in session.scalars(models):
                 by_device.setdefault(m.device_id, []).append(m)
-            rows = session.scalars(select(orm.DeviceRow).order_by(orm.DeviceRow.id))
             return [_device(r, by_device.get(r.id, ())) for r in rows]
 
     def device_attributes(self, device_ids: Sequence[str]) -> dict[str, dict]:

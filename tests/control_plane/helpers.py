@@ -44,6 +44,14 @@ def tls_of(address: str) -> ClientTls | None:
     return getattr(address, "tls", None)
 
 
+def channel_to(address: str) -> grpc.Channel:
+    """Open a blocking channel to `address`, trusting what it carries (see `Address`)."""
+    credentials = channel_credentials(address, tls_of(address))
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials)
+
+
 def home_tls(home: Path) -> ClientTls:
     """Return what a client of the server serving `home` trusts (the home's CA)."""
     return client_tls(load_config(home, environ={}))
@@ -76,10 +84,7 @@ class ControlPlane:
 
     def channel(self) -> grpc.Channel:
         """Open a blocking channel to the server, for calls the admin client does not make."""
-        credentials = channel_credentials(self.address, self.tls)
-        if credentials is None:
-            return grpc.insecure_channel(self.address)
-        return grpc.secure_channel(self.address, credentials)
+        return channel_to(self.address)
 
     def stop(self) -> None:
         self.server.stop(grace=None)

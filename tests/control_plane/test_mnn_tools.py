@@ -22,6 +22,7 @@ from control_plane import errors
 from control_plane.demo import sample_models
 from control_plane.registry import mnn_tools
 from control_plane.registry.mnn_tools import ModelSignature, TensorSpec
+from tests.ci import on_ci
 
 MNN_VERSION = importlib.metadata.version("MNN")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -367,7 +368,7 @@ def test_parent_never_imports_mnn_and_leaves_no_files(tmp_path):
 
 def _unable(reason: str) -> None:
     # `make test` installs strace; on CI a missing tool must fail, not quietly skip.
-    (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
+    (pytest.fail if on_ci() else pytest.skip)(reason)
 
 
 @pytest.mark.slow

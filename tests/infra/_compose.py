@@ -151,13 +151,9 @@ def _check_server(
     theirs = volume_holding(home, _mounts(services[init_name]))
     if mine is None or mine != theirs:
         problems.append(Problem(at, f"home {home} is on {mine}, {init_name} wrote it on {theirs}"))
-    # Flag > environment > the home's skiff.json, which init wrote from its own flag/env.
-    db = (
-        parse_skiff_argv(argv).db
-        or env.get("SKIFF_DB")
-        or parse_skiff_argv(init_argv).db
-        or _env(services[init_name].get("environment")).get("SKIFF_DB")
-    )
+    # Flag > environment > the home's skiff.json, which init wrote from its own flags
+    # (never from its environment: that stays out of the file).
+    db = parse_skiff_argv(argv).db or env.get("SKIFF_DB") or parse_skiff_argv(init_argv).db
     if not (db or "").startswith("postgresql"):
         problems.append(Problem(at, f"database {db!r} is not PostgreSQL"))
     return problems, db

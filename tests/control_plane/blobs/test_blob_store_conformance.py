@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import stat
 import time
@@ -30,6 +31,7 @@ MIB = 1024 * 1024
 class Backend:
     store: BlobStore
     leftovers: Callable[[], list[str]]  # every file/object the backend holds, temp ones too
+    take_away: Callable[[], None]  # makes the store unusable (root gone, bucket deleted)
 
 
 def _files_under(root: Path) -> list[str]:
@@ -53,14 +55,24 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     if request.param == "local":
         root = tmp_path / "blobs"
         root.mkdir()
-        return Backend(open_blob_store(root.as_uri()), lambda: _files_under(root))
+        return Backend(
+            open_blob_store(root.as_uri()),
+            lambda: _files_under(root),
+            lambda: root.rename(tmp_path / "unmounted"),
+        )
     endpoint = request.getfixturevalue("moto_endpoint")
     s3, bucket = _make_bucket(endpoint)
     spool = tmp_path / "spool"
     spool.mkdir()
     url = f"s3://{bucket}/models?endpoint_url={endpoint}&region=us-east-1"
     store = S3BlobStore.from_url(url, spool_dir=spool)
-    return Backend(store, lambda: _all_objects(s3, bucket) + _files_under(spool))
+
+    def delete_bucket() -> None:
+        for key in _all_objects(s3, bucket):
+            s3.delete_object(Bucket=bucket, Key=key)
+        s3.delete_bucket(Bucket=bucket)
+
+    return Backend(store, lambda: _all_objects(s3, bucket) + _files_under(spool), delete_bucket)
 
 
 def _data(size: int, seed: int = 0) -> bytes:
@@ -177,6 +189,18 @@ def test_stat_exists_delete_keys(backend: Backend) -> None:
     assert sorted(backend.store.keys()) == sorted([infos[0].key, infos[2].key])
 
 
+def test_list_blobs_gives_size_and_write_time(backend: Backend) -> None:
+    # S3 keeps LastModified to the second; allow that much either side.
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
+    infos = [backend.store.put_stream([_data(size, seed=size)]) for size in (0, 5, CHUNK_SIZE + 3)]
+    after = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+    listed = sorted(backend.store.list_blobs(), key=lambda b: b.key)
+    assert [(b.key, b.size) for b in listed] == sorted((i.key, i.size) for i in infos)
+    assert all(before <= b.modified <= after for b in listed)
+    backend.store.delete(infos[0].key)
+    assert sorted(b.key for b in backend.store.list_blobs()) == sorted(i.key for i in infos[1:])
+
+
 def test_missing_blob_is_not_found(backend: Backend) -> None:
     missing = _sha(b"never stored")
     assert not backend.store.exists(missing)
@@ -198,8 +222,12 @@ def test_invalid_keys_are_rejected(backend: Backend, method: str, bad: object) -
         getattr(backend.store, method)(bad)
 
 
-def test_check_passes_on_a_healthy_store(backend: Backend) -> None:
-    backend.store.check()
+def test_check_passes_on_a_healthy_store_and_fails_without_it(backend: Backend) -> None:
+    backend.store.put_stream([b"present"])
+    assert backend.store.check() is None
+    backend.take_away()
+    with pytest.raises(Unavailable):
+        backend.store.check()
 
 
 # --- local backend -----------------------------------------------------------------
