@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 import secrets
 import threading
 import time
@@ -218,10 +219,14 @@ class Fleet:
         return self._store.revoke_device(device_id, at=self._clock(), reason=reason)
 
 
+_DEVICE_ID = re.compile(DEVICE_PREFIX + r"[0-9a-z_-]{1,28}")
+
+
 def validate_device_id(device_id: object) -> str:
-    """Return `device_id` if it has the shape of one (dev_..., at most 32 characters)."""
-    if not (
-        isinstance(device_id, str) and device_id.startswith(DEVICE_PREFIX) and len(device_id) <= 32
-    ):
+    """Return `device_id` if it has the shape of one (dev_ and up to 28 of [0-9a-z_-]).
+
+    Ids reach SQL from page tokens and requests: nothing else (a NUL, say) may get there.
+    """
+    if not (isinstance(device_id, str) and _DEVICE_ID.fullmatch(device_id)):
         raise errors.InvalidArgument(f"invalid device id {device_id!r:.40}: expected dev_...")
     return device_id

@@ -79,8 +79,16 @@ class Sandbox:
         MNN's converter insists on a scratch file in its working directory (the worker
         points it at a memfd). The directory lives under the system's temp folder, never
         in the server's home, and is removed with whatever the child left.
+
+        When children switch to a shared user, that user's other processes (another
+        child, compromised by an earlier model) must not find this directory: they could
+        plant modules in it or swap the scratch link to steal weights. So it sits, under
+        a random name, inside a parent only we may list (0711: others may pass through
+        it, to the one name they were told, but not read it).
         """
-        with tempfile.TemporaryDirectory(prefix="skiff-mnn-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="skiff-mnn-") as parent:
+            os.chmod(parent, 0o711 if self.uid is not None else 0o700)
+            scratch = tempfile.mkdtemp(dir=parent)
             if self.uid is not None:
                 os.chown(scratch, self.uid, self.gid)
             yield scratch

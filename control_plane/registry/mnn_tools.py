@@ -187,7 +187,10 @@ def _run_worker(
     sandbox = sandbox or default_sandbox()
     result = os.memfd_create("skiff-mnn-result", os.MFD_CLOEXEC)
     log_fd = os.memfd_create("skiff-mnn-log", os.MFD_CLOEXEC)  # memfd: no pipe to drain
-    argv = [sys.executable, "-m", WORKER_MODULE, op, "--result-fd", str(result)]
+    # -P: the working directory is not put on sys.path. It belongs to the child's user,
+    # and the child imports modules (argparse, numpy...) while it is still root, so a
+    # module planted there would otherwise run as root.
+    argv = [sys.executable, "-P", "-m", WORKER_MODULE, op, "--result-fd", str(result)]
     try:
         with sandbox.workdir() as scratch:
             proc = subprocess.run(

@@ -58,6 +58,9 @@ def main() -> int:
         "env": sorted(os.environ),
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
         "cwd": os.getcwd(),
+        # What another process of the child's user could do with the directory.
+        "cwd_on_path": any(entry in ("", ".", os.getcwd()) for entry in sys.path),
+        "parent_listing": _attempt(lambda: os.listdir(os.path.dirname(os.getcwd()))),
         "secret": _attempt(lambda: _read(args.secret)),
         "model": _attempt(lambda: _read(f"/proc/self/fd/{args.model_fd}")),
         "socket": _attempt(lambda: socket.socket().close()),

@@ -177,6 +177,11 @@ def test_the_mnn_child_is_confined(tmp_path, monkeypatch):
     # stdin, stdout, stderr, the result, the model, and the probe's own listing of them
     assert len(found["fds"]) == 6 and found["fds"][:3] == [0, 1, 2]
     assert not found["cwd"].startswith(str(tmp_path / "home"))
+    # Modules planted in the working directory are never imported (the child imports
+    # while still root), and the directory cannot be found by listing its parent.
+    assert found["cwd_on_path"] is False
+    if os.geteuid() == 0:
+        assert found["parent_listing"] == "PermissionError"
     assert found["model"] == "ok"
     assert found["secret"] == "PermissionError"
     assert found["socket"] == found["exec"] == found["fork"] == "PermissionError"

@@ -65,3 +65,17 @@ def test_garbage_device_page_tokens_are_invalid_argument(cp, enroll_token, field
         _list(cp, **fields)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "page" in caught.value.details()
+
+
+def test_a_forged_token_cannot_carry_a_nul_into_sql(cp):
+    # Found by review: a key of the right prefix but with a NUL reached PostgreSQL.
+    import hashlib
+
+    from control_plane import paging
+
+    scope = "devices:" + hashlib.sha256(b"").hexdigest()[:16]
+    for key in ("dev_\u202e\x00", "dev_A/../x", "dev_" + "a" * 40):
+        token = paging._encode(scope, key)
+        with pytest.raises(grpc.RpcError) as caught:
+            _list(cp, page_token=token)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, key
