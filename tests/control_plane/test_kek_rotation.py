@@ -307,7 +307,8 @@ def test_a_rotation_killed_halfway_loses_nothing_and_can_be_finished(
 
     # skiff.json still names the old KEK, and already holds the new one in its keyring.
     written = _config_file(home)
-    assert written["kek"] == local_url
+    # The home's own keyset is the default, which skiff.json leaves out until it changes.
+    assert written.get("kek", local_url) == local_url
     assert written["kek_keyring"] == [f"aws-kms://{key}"]
     moved = _kek_ids(db)
     assert moved == ({old_id, f"aws-kms:{key}"} if point == "mid-rewrap" else {f"aws-kms:{key}"})
