@@ -102,6 +102,13 @@ SETTINGS: tuple[Setting, ...] = (
         "The only KMS endpoint aws-kms:// keys are used through (empty: AWS's own).",
     ),
     Setting("kms_region", str, "", "SKIFF_KMS_REGION", "AWS region of aws-kms:// keys."),
+    Setting(
+        "signing_overlap_s",
+        int,
+        7 * 86_400,
+        "SKIFF_SIGNING_OVERLAP_S",
+        "After a signing-key rotation, how long verifiers still accept the previous key.",
+    ),
 )
 
 
@@ -127,6 +134,7 @@ class Config:
     device_flush_s: float
     kms_endpoint: str
     kms_region: str
+    signing_overlap_s: int
 
     @property
     def dial_address(self) -> str:

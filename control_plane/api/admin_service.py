@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from control_plane import errors
 from control_plane.api.auth import Authenticator
 from control_plane.api.grpc_errors import mapped, mapped_stream
+from control_plane.api.signing_convert import chain_pb, signing_key_pb
 from control_plane.registry.registry import PushRequest, Registry
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
@@ -161,3 +162,17 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self._actor(context)
         old_id, new_id, count = self._registry.rotate_kek(self._kek_factory(request.new_kek))
         return admin_pb2.RotateKekResponse(old_kek_id=old_id, new_kek_id=new_id, rewrapped=count)
+
+    @mapped
+    def GetSigningKeys(self, request, context):  # noqa: D102, N802
+        self._actor(context)
+        return admin_pb2.GetSigningKeysResponse(keys=chain_pb(self._registry.signer.chain()))
+
+    @mapped
+    def RotateSigningKey(self, request, context):  # noqa: D102, N802
+        self._actor(context)
+        previous, active, _ = self._registry.signer.rotate(request.new_key, request.overlap_s)
+        return admin_pb2.RotateSigningKeyResponse(
+            previous=signing_key_pb(previous, active=False),
+            active=signing_key_pb(active, active=True),
+        )

@@ -27,13 +27,13 @@ from control_plane.crypto import (
     SEGMENT_SIZE,
     KeyEncryptionKey,
     LocalKek,
-    ManifestSigner,
     decrypt_stream,
     encrypt_chunks,
     new_data_key,
     rewrap,
 )
 from control_plane.registry import memfd, mnn_tools
+from control_plane.registry.signing_keys import SigningKeys
 from control_plane.store.base import (
     ModelRecord,
     NewVersion,
@@ -122,7 +122,7 @@ class Registry:
         store: RegistryStore,
         blobs: BlobStore,
         kek: KeyEncryptionKey,
-        signer: ManifestSigner,
+        signer: SigningKeys,
         max_model_bytes: int,
         mnn_timeout_s: float,
         max_concurrent_pushes: int = 2,
@@ -222,6 +222,9 @@ class Registry:
 
         with self._kek_lock:
             record = self.store.create_version(request.name, build)
+        # A rotation on another replica may have committed while this push signed.
+        if self.signer.settle(record.signing_key_id):
+            record = self.store.get_version(record.model, record.number)
         log.info("pushed %s:%d (%s)", record.model, record.number, ", ".join(fds))
         return record
 

@@ -27,6 +27,7 @@ from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade
 from control_plane.store.sql_fleet import SqlFleetStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
+from control_plane.store.sql_signing_keys import SqlSigningKeyStore
 
 # A concurrent push that takes the same number loses on the unique constraint and retries.
 _VERSION_RETRIES = 5
@@ -118,8 +119,8 @@ def _version(row: orm.VersionRow, model: str) -> VersionRecord:
     )
 
 
-class SqlStore(SqlFleetStore, SqlRolloutStore, RegistryStore):
-    """Registry, fleet and rollout store over any SQLAlchemy URL Skiff supports."""
+class SqlStore(SqlFleetStore, SqlRolloutStore, SqlSigningKeyStore, RegistryStore):
+    """Registry, fleet, rollout and signing-key store over any SQLAlchemy URL Skiff supports."""
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         self.url = url

@@ -10,8 +10,10 @@ from pathlib import Path
 from control_plane.api.client import AdminClient
 from control_plane.api.server import App, ServerHandle, build_app, create_server
 from control_plane.home import init_home, read_token
+from control_plane.pins import read_pins
 from control_plane.registry.registry import Registry
 from control_plane.settings import Config, load_config
+from device_agent.signing_keys import KeyRing
 
 
 @dataclass
@@ -27,6 +29,11 @@ class ControlPlane:
     @property
     def registry(self) -> Registry:
         return self.app.registry
+
+    @property
+    def pins(self) -> KeyRing:
+        """The signing keys `skiff init` pinned in this home."""
+        return read_pins(self.config.home)
 
     @property
     def address(self) -> str:
