@@ -35,7 +35,10 @@ def version_dict(v: common_pb2.ModelVersion) -> dict:
         variant["plaintext_size"] = msg.plaintext_size
         variant["ciphertext_size"] = msg.ciphertext_size
         variant["segment_size"] = msg.segment_size
-    body["manifest"] = json.loads(v.manifest) if v.manifest else None
+    try:  # shown as the server sent it; whether it is trusted is `signature_verified`
+        body["manifest"] = json.loads(v.manifest) if v.manifest else None
+    except ValueError:
+        body["manifest"] = None
     body["manifest_signature"] = base64.b64encode(v.manifest_signature).decode()
     return body
 
