@@ -34,6 +34,7 @@ from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
 from control_plane.home import read_token  # noqa: E402
+from control_plane.pins import read_pins  # noqa: E402
 from control_plane.registry import mnn_tools  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
 
@@ -127,7 +128,7 @@ def measure(client: AdminClient, tmp: Path, size_mb: int, trials: int, slower: f
         version = client.push(model, name=f"bench-{size_mb}")
         push_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        client.pull(version.model, version.version, out)
+        client.pull(version.model, version.version, out, pins=read_pins(tmp / "home"))
         pull_s.append(time.perf_counter() - start)
         assert out.stat().st_size == nbytes
     model.unlink()

@@ -13,8 +13,10 @@ from control_plane.api.transport import init_tls
 from control_plane.blobs.local_blob_store import LocalBlobStore
 from control_plane.crypto import LocalKek, ManifestSigner
 from control_plane.files import write_private_file
+from control_plane.pins import write_pins
 from control_plane.settings import CONFIG_FILE, TOKEN_FILE, Config, write_config_file
 from control_plane.store.sql_store import SqlStore
+from device_agent.signing_keys import KeyRing
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ def init_home(config: Config, *, tls_names: Iterable[str] = ()) -> InitResult:
         LocalBlobStore.from_url(config.blobs).root.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not config.kek.startswith("aws-kms://"):
         LocalKek.create(config.kek)
-    ManifestSigner.create(config.signing_key)
+    signer = ManifestSigner.create(config.signing_key)
+    write_pins(home, KeyRing.from_pems([signer.public_key_pem()]))  # what `model pull` trusts
     store = SqlStore(config.db)
     try:
         token = new_token()

@@ -211,6 +211,13 @@ SETTINGS: tuple[Setting, ...] = (
         "SKIFF_HEALTH_INTERVAL_S",
         "How often the health service probes the database and the blob store.",
     ),
+    Setting(
+        "signing_overlap_s",
+        int,
+        7 * 86_400,
+        "SKIFF_SIGNING_OVERLAP_S",
+        "After a signing-key rotation, how long verifiers still accept the previous key.",
+    ),
 )
 
 
@@ -257,6 +264,7 @@ class Config:
     gc_grace_s: float
     gc_interval_s: float
     health_interval_s: float
+    signing_overlap_s: int
 
     @property
     def dial_address(self) -> str:

@@ -19,11 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 NONCE_BYTES = 16
+
+# The keys that may sign: Ed25519 (local key files) and ECDSA P-256 with SHA-256 (the
+# asymmetric KMS key spec ECC_NIST_P256). Nothing else is accepted, so a verifier never
+# meets a key type whose signature scheme it would have to guess.
+PublicKey = Ed25519PublicKey | ec.EllipticCurvePublicKey
 
 
 class AssignmentRejected(Exception):
@@ -37,26 +43,53 @@ def canonical_json(body: dict[str, Any]) -> bytes:
     ).encode("ascii")
 
 
-def load_public_keys(pems: Sequence[bytes]) -> list[Ed25519PublicKey]:
-    """Parse pinned Ed25519 public keys (PEM)."""
-    keys = []
-    for pem in pems:
+def load_public_key(pem: bytes) -> PublicKey:
+    """Parse one signing public key (PEM): Ed25519 or ECDSA P-256, else AssignmentRejected."""
+    try:
         key = serialization.load_pem_public_key(pem)
-        if not isinstance(key, Ed25519PublicKey):
-            raise AssignmentRejected("a pinned key is not an Ed25519 key")
-        keys.append(key)
-    return keys
+    except (ValueError, TypeError):
+        raise AssignmentRejected("a signing key is not a PEM public key") from None
+    if isinstance(key, Ed25519PublicKey):
+        return key
+    if isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1):
+        return key
+    raise AssignmentRejected("a signing key is neither Ed25519 nor ECDSA P-256")
 
 
-def verify_signed(body: bytes, signature: bytes, keys: Sequence[Ed25519PublicKey]) -> dict:
-    """Return the parsed document if one pinned key signed exactly these canonical bytes."""
-    for key in keys:
-        try:
-            key.verify(signature, body)
-            break
-        except InvalidSignature:
-            continue
+def load_public_keys(pems: Sequence[bytes]) -> list[PublicKey]:
+    """Parse pinned public keys (PEM), each Ed25519 or ECDSA P-256."""
+    return [load_public_key(pem) for pem in pems]
+
+
+def key_id_of(key: PublicKey) -> str:
+    """Return a key's id: 16 hex digits of SHA-256 over its raw bytes (Ed25519) or DER.
+
+    Computed by every verifier from the key itself, never taken from the network.
+    """
+    if isinstance(key, Ed25519PublicKey):
+        raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     else:
+        raw = key.public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def signature_valid(key: PublicKey, signature: bytes, body: bytes) -> bool:
+    """Return whether `signature` over `body` verifies under `key` (Ed25519 or ECDSA)."""
+    try:
+        if isinstance(key, Ed25519PublicKey):
+            key.verify(signature, body)
+        else:
+            key.verify(signature, body, ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        return False
+    return True
+
+
+def verify_signed(body: bytes, signature: bytes, keys: Sequence[PublicKey]) -> dict:
+    """Return the parsed document if one pinned key signed exactly these canonical bytes."""
+    if not any(signature_valid(key, signature, body) for key in keys):
         raise AssignmentRejected("signature does not verify under any pinned key")
     try:
         doc = json.loads(body)
@@ -106,7 +139,7 @@ def verify_sync(
     *,
     device_id: str,
     nonce: bytes,
-    keys: Sequence[Ed25519PublicKey],
+    keys: Sequence[PublicKey],
     last_revision: int,
     now: dt.datetime,
 ) -> VerifiedAssignment:
@@ -140,7 +173,7 @@ def verify_sync(
     return VerifiedAssignment(device_id, revision, expires, models)
 
 
-def _verified_model(m, entry: dict, keys: Sequence[Ed25519PublicKey]) -> VerifiedModel:
+def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
     a = m.artifact
     carried = {
         "version": m.version,

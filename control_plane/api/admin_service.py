@@ -15,6 +15,7 @@ from control_plane import errors, paging
 from control_plane.api.access import caller
 from control_plane.api.auth import ApiTokens, Authenticator
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_stream
+from control_plane.api.signing_convert import chain_pb, signing_key_pb
 from control_plane.registry import memfd
 from control_plane.registry.keys import KekRotation
 from control_plane.registry.registry import (
@@ -316,4 +317,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         result = self._registry.collect_garbage(dry_run=request.dry_run)
         return admin_pb2.CollectGarbageResponse(
             blobs=result.blobs, bytes=result.bytes, kept_young=result.kept_young
+        )
+
+    @mapped
+    def GetSigningKeys(self, request, context):  # noqa: D102, N802
+        self._actor(context)
+        return admin_pb2.GetSigningKeysResponse(keys=chain_pb(self._registry.signer.chain()))
+
+    @mapped
+    def RotateSigningKey(self, request, context):  # noqa: D102, N802
+        self._actor(context)
+        previous, active, _ = self._registry.signer.rotate(request.new_key, request.overlap_s)
+        return admin_pb2.RotateSigningKeyResponse(
+            previous=signing_key_pb(previous, active=False),
+            active=signing_key_pb(active, active=True),
         )

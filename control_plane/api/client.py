@@ -19,6 +19,8 @@ import grpc
 from control_plane import errors
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.api.grpc_errors import error_for
+from control_plane.api.trust import signed_variant, verify_version
+from device_agent.signing_keys import KeyRing
 from device_agent.transport import ClientTls, channel_credentials
 from protos import admin_pb2, admin_pb2_grpc, common_pb2, fleet_pb2, fleet_pb2_grpc
 
@@ -192,6 +194,23 @@ class AdminClient:
         """Revoke an API token at once."""
         return self._unary(self._stub.RevokeApiToken, admin_pb2.RevokeApiTokenRequest(id=token_id))
 
+    def get_signing_keys(self) -> list[common_pb2.SigningKey]:
+        """Return the signing-key chain, oldest first (unverified: walk it from pins)."""
+        request = admin_pb2.GetSigningKeysRequest()
+        return list(self._unary(self._stub.GetSigningKeys, request).keys)
+
+    def rotate_signing_key(
+        self, new_key: str = "", overlap_s: int = 0
+    ) -> admin_pb2.RotateSigningKeyResponse:
+        """Make a new signing key active (not retried: a retry would rotate twice)."""
+        request = admin_pb2.RotateSigningKeyRequest(new_key=new_key, overlap_s=overlap_s)
+        try:
+            return self._stub.RotateSigningKey(
+                request, timeout=UNARY_DEADLINE_S, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
     # -- fleet ------------------------------------------------------------------------------
 
     def create_enrollment_token(
@@ -317,17 +336,25 @@ class AdminClient:
         version: int | None,
         out: str | os.PathLike,
         *,
+        pins: KeyRing,
         variant: str = "",
         progress: Progress | None = None,
     ) -> admin_pb2.PullHeader:
-        """Download a decrypted variant to `out`: verified, then renamed into place."""
+        """Download a decrypted variant to `out`: verified, then renamed into place.
+
+        The version's manifest must verify under `pins` and name what was asked for; the
+        bytes written must match the size and digest that manifest signs.
+        """
         request = admin_pb2.PullModelRequest(name=name, version=version or 0, variant=variant)
         try:
             responses = self._stub.PullModel(
                 request, timeout=STREAM_DEADLINE_S, metadata=self._metadata
             )
-            first = next(responses)
-            return _write_verified(first.header, responses, Path(out), progress)
+            header = next(responses).header
+            verified = verify_version(pins, header.version, model=name, number=version)
+            expected = signed_variant(verified, variant, header.variant.name)
+            _write_verified(responses, Path(out), expected, progress)
+            return header
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
@@ -366,27 +393,37 @@ def _push_requests(
 
 
 def _write_verified(
-    header: admin_pb2.PullHeader, chunks, out: Path, progress: Progress | None
-) -> admin_pb2.PullHeader:
-    out = out.resolve()
+    chunks, out: Path, expected: tuple[int, str], progress: Progress | None
+) -> None:
+    """Write to a new 0600 temp file beside `out`, check it, then rename it into place.
+
+    The temp file is created with O_EXCL|O_NOFOLLOW, so a file or symlink planted at its
+    name is never written through; `out` itself, if a symlink, is replaced, not followed.
+    """
+    want_size, want_sha256 = expected
+    out = Path(out).absolute()
+    out = out.parent.resolve() / out.name
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileExistsError:
+        raise errors.AlreadyExists(f"{tmp} already exists: remove it and pull again") from None
     digest, size = hashlib.sha256(), 0
     try:
-        with tmp.open("wb") as f:
+        with os.fdopen(fd, "wb") as f:
             for response in chunks:
                 digest.update(response.chunk)
                 size += len(response.chunk)
                 f.write(response.chunk)
                 if progress:
-                    progress(size, header.variant.plaintext_size)
+                    progress(size, want_size)
             f.flush()
             os.fsync(f.fileno())
-        variant = header.variant
-        if size != variant.plaintext_size or digest.hexdigest() != variant.plaintext_sha256:
+        if size != want_size or digest.hexdigest() != want_sha256:
             raise errors.IntegrityError(
-                f"downloaded model does not match its recorded SHA-256 ({size} bytes)"
+                f"downloaded model does not match its signed manifest ({size} bytes)"
             )
         os.replace(tmp, out)
-        return header
     finally:
         tmp.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ import threading
 from control_plane import errors
 from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
+from control_plane.api.signing_convert import chain_pb
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import (
@@ -22,6 +23,7 @@ from control_plane.registry.registry import (
     associated_data,
     validate_name,
 )
+from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
@@ -87,12 +89,14 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         delivery: Delivery,
         watchers: Watchers,
         writer: DeviceWriter,
-        signing_keys: list[bytes],
+        signing_keys: SigningKeys,
         poll_interval_s: int,
     ) -> None:
         self._fleet, self._store, self._delivery = fleet, store, delivery
         self._watchers, self._writer = watchers, writer
         self._signing_keys, self._poll = signing_keys, poll_interval_s
+        # The chain's messages, converted once per re-read of the chain (not per Sync).
+        self._chain_pb: tuple[tuple, list] = ((), [])
         self._recent: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._recent_lock = threading.Lock()
 
@@ -106,9 +110,18 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         return device_pb2.EnrollResponse(
             device_id=device.id,
             credential=credential,
-            signing_public_keys=self._signing_keys,
+            signing_public_keys=self._signing_keys.valid_public_keys(),
             poll_interval_s=self._poll,
+            signing_keys=self._chain(),
         )
+
+    def _chain(self):
+        chain = self._signing_keys.chain()
+        cached, messages = self._chain_pb
+        if cached is not chain:
+            messages = chain_pb(chain)
+            self._chain_pb = (chain, messages)
+        return messages
 
     def _remember(self, device_id: str, attrs: dict) -> None:
         with self._recent_lock:
@@ -137,6 +150,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             document_signature=result.signature,
             signing_key_id=result.key_id,
             poll_interval_s=self._poll,
+            signing_keys=self._chain(),
         )
 
     @mapped_async

@@ -39,6 +39,7 @@ from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.keys import REWRAP_BATCH, KekRotation, Opener, open_keyring
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.registry import Registry
+from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.changes import ChangeFeed
 from control_plane.rollouts.delivery import Delivery
 from control_plane.rollouts.resolver import Resolver
@@ -79,6 +80,19 @@ def kek_opener(config: Config) -> Opener:
     )
 
 
+def build_signing_keys(config: Config, store: SqlStore) -> SigningKeys:
+    """Return the shared signing-key chain; the home's key file is its root if it has none."""
+    keys = SigningKeys(
+        store,
+        keys_dir=config.home / "keys",
+        kms_endpoint=config.kms_endpoint,
+        kms_region=config.kms_region,
+        default_overlap_s=config.signing_overlap_s,
+    )
+    keys.register_root(ManifestSigner.load(config.signing_key), config.signing_key)
+    return keys
+
+
 def build_registry(config: Config) -> Registry:
     """Open the store, blob store and keys named by `config`."""
     store = SqlStore(config.db)
@@ -86,7 +100,7 @@ def build_registry(config: Config) -> Registry:
         store=store,
         blobs=open_blob_store(config.blobs),
         kek=open_keyring(store, kek_opener(config), kek=config.kek, keyring=config.kek_keyring),
-        signer=ManifestSigner.load(config.signing_key),
+        signer=build_signing_keys(config, store),
         max_model_bytes=config.max_model_bytes,
         mnn_timeout_s=config.mnn_timeout_s,
         max_concurrent_pushes=config.max_concurrent_pushes,
@@ -332,7 +346,7 @@ async def _add_services(
             delivery=app.delivery,
             watchers=app.watchers,
             writer=app.writer,
-            signing_keys=[app.registry.signer.public_key_pem()],
+            signing_keys=app.registry.signer,
             poll_interval_s=app.config.poll_interval_s,
         ),
         server,

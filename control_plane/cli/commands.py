@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import argparse
 
-from control_plane.api.client import AdminClient
-from control_plane.api.transport import client_tls
+from control_plane import errors
+from control_plane.api.trust import verify_version
 from control_plane.cli import views
+from control_plane.cli.connect import admin_client as _client
 from control_plane.cli.listing import limit_of, say_more
 from control_plane.cli.progress import ProgressBar
-from control_plane.home import init_home, read_token
+from control_plane.cli.signing_commands import trusted_pins
+from control_plane.home import init_home
 from control_plane.registry.registry import parse_ref
 from control_plane.settings import Config
 
 Output = tuple[object, str] | None
-
-
-def _client(config: Config) -> AdminClient:
-    return AdminClient(config.dial_address, read_token(config.home), client_tls(config))
 
 
 def start_init(*, config: Config, args: argparse.Namespace) -> Output:
@@ -72,23 +70,47 @@ def start_model_show(*, config: Config, args: argparse.Namespace) -> Output:
     limit = limit_of(args)
     with _client(config) as client:
         found = client.get_model(name, number, limit=limit)
+        try:
+            pins = trusted_pins(config, client)
+        except errors.FailedPrecondition:
+            pins = None
     say_more(bool(found.next_page_token), "versions", limit)
+    versions, texts = [], []
+    for v in found.versions:
+        body = views.version_dict(v)
+        if pins is None:
+            signed_by, reason = "", "no pinned signing keys (run `skiff key pin`)"
+        else:
+            try:
+                signed_by, reason = verify_version(pins, v, model=name, number=v.version).key_id, ""
+            except errors.IntegrityError as exc:
+                signed_by, reason = "", str(exc)
+        body["signature_verified"] = bool(signed_by)
+        body["signed_by"] = signed_by or None
+        if reason:
+            body["signature_error"] = reason
+        versions.append(body)
+        texts.append(views.version_text(v, signed_by=signed_by, unverified=reason))
     body = {
         "model": views.model_dict(found.model),
-        "versions": [views.version_dict(v) for v in found.versions],
+        "versions": versions,
         "more": bool(found.next_page_token),
     }
-    return body, "\n".join(views.version_text(v) for v in found.versions)
+    return body, "\n".join(texts)
 
 
 def start_model_pull(*, config: Config, args: argparse.Namespace) -> Output:
     """Download and verify a decrypted model."""
     name, number = parse_ref(args.ref)
     with _client(config) as client:
+        pins = trusted_pins(config, client)
         bar = ProgressBar(f"pull {args.ref}")
-        header = client.pull(name, number, args.output, variant=args.variant, progress=bar)
+        header = client.pull(
+            name, number, args.output, pins=pins, variant=args.variant, progress=bar
+        )
     bar.finish()
     v, var = header.version, header.variant
+    signed_by = verify_version(pins, v, model=name, number=number).key_id  # checked by pull
     body = {
         "model": v.model,
         "version": v.version,
@@ -96,10 +118,12 @@ def start_model_pull(*, config: Config, args: argparse.Namespace) -> Output:
         "path": str(args.output.resolve()),
         "size": var.plaintext_size,
         "sha256": var.plaintext_sha256,
+        "signature_verified": True,
+        "signed_by": signed_by,
     }
-    return (
-        body,
-        f"wrote {v.model}:{v.version} ({var.name}, {var.plaintext_size:,} bytes) to {args.output}",
+    return body, (
+        f"wrote {v.model}:{v.version} ({var.name}, {var.plaintext_size:,} bytes) to "
+        f"{args.output}, verified against its manifest signed by {signed_by}"
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from control_plane import errors
 from control_plane.api.roles import ROLES
+from control_plane.cli.connect import admin_client as _client
 from control_plane.cli.listing import add_limit_flag, limit_of, say_more
 from control_plane.fleet.attributes import parse_attr_flags
 from control_plane.rollouts.lifecycle import parse_duration, parse_stage_list
@@ -120,14 +121,6 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
         common(p)
         p.add_argument("id")
         p.add_argument("--reason", default="")
-
-
-def _client(config: Config):
-    from control_plane.api.client import AdminClient  # deferred: keeps `skiff --help` instant
-    from control_plane.api.transport import client_tls
-    from control_plane.home import read_token
-
-    return AdminClient(config.dial_address, read_token(config.home), client_tls(config))
 
 
 def start_token_create(*, config: Config, args: argparse.Namespace) -> Output:

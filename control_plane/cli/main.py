@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from control_plane import errors
-from control_plane.cli import fleet_commands, sim_commands
+from control_plane.cli import fleet_commands, signing_commands, sim_commands
 from control_plane.cli.listing import add_limit_flag
 from control_plane.settings import SETTINGS, default_home, load_config
 
@@ -105,11 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="")
     p.add_argument("-o", "--output", type=Path, required=True)
 
-    key = sub.add_parser("key", help="manage the key-encryption key")
+    key = sub.add_parser("key", help="manage the key-encryption and signing keys")
     ksub = key.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = ksub.add_parser("rotate", help="re-wrap every data key under a new KEK")
     _common(p)
     p.add_argument("--to", default="", help="new KEK URL (aws-kms://...); default: new local key")
+    signing_commands.add_parsers(ksub, _common)
 
     p = sub.add_parser("gc", help="delete blobs no version references, older than the grace period")
     _common(p)
@@ -131,8 +132,9 @@ def _run(args: argparse.Namespace) -> int:
     from control_plane.cli import commands  # deferred: keeps `skiff --help` instant
 
     config = load_config(args.home, _overrides(args))
-    name = f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_")
-    module = next(m for m in (commands, fleet_commands, sim_commands) if hasattr(m, name))
+    name = f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_").replace("-", "_")
+    modules = (commands, fleet_commands, sim_commands, signing_commands)
+    module = next(m for m in modules if hasattr(m, name))
     result = getattr(module, name)(config=config, args=args)
     if result is not None:
         if getattr(args, "json", False):

@@ -35,7 +35,10 @@ def version_dict(v: common_pb2.ModelVersion) -> dict:
         variant["plaintext_size"] = msg.plaintext_size
         variant["ciphertext_size"] = msg.ciphertext_size
         variant["segment_size"] = msg.segment_size
-    body["manifest"] = json.loads(v.manifest) if v.manifest else None
+    try:  # shown as the server sent it; whether it is trusted is `signature_verified`
+        body["manifest"] = json.loads(v.manifest) if v.manifest else None
+    except ValueError:
+        body["manifest"] = None
     body["manifest_signature"] = base64.b64encode(v.manifest_signature).decode()
     return body
 
@@ -62,15 +65,16 @@ def models_table(models: list[common_pb2.Model]) -> str:
     )
 
 
-def version_text(v: common_pb2.ModelVersion) -> str:
-    """Describe one version for people."""
+def version_text(v: common_pb2.ModelVersion, *, signed_by: str = "", unverified: str = "") -> str:
+    """Describe one version for people; "signed by" only for a signature checked by the CLI."""
+    signature = f"signed by {signed_by}" if signed_by else f"signature NOT verified: {unverified}"
     lines = [
         f"{v.model}:{v.version}",
         f"  created   {_ts(v.created_at)} by {v.created_by}",
         f"  source    {v.source_format}, MNN {v.signature.mnn_version}",
         f"  inputs    {_tensors(v.signature.inputs)}",
         f"  outputs   {_tensors(v.signature.outputs)}",
-        f"  manifest  signed by key {v.signing_key_id}",
+        f"  manifest  {signature}",
     ]
     if v.notes:
         lines.insert(2, f"  notes     {v.notes}")

@@ -1,34 +1,38 @@
-"""Ed25519-signed model manifests (digests, sizes, model signature).
+"""Signed model manifests (digests, sizes, model signature) and assignments.
 
 The signed bytes are the manifest's canonical JSON, so signer and verifier never
 disagree about what was signed, and `verify_manifest` only accepts bodies already in
-that form (a body with duplicate or reordered keys is refused even if signed).
+that form (a body with duplicate or reordered keys is refused even if signed). A
+`Signer` is an Ed25519 key file (`ManifestSigner`) or an asymmetric KMS key
+(`kms_signer.KmsSigner`); verifiers accept both kinds.
 """
 
 from __future__ import annotations
 
-import hashlib
+import abc
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from control_plane import errors
 from control_plane.files import read_private_file, write_private_file
-from device_agent.assignment import canonical_json  # one definition, used by both sides
+
+# One definition of each, used by both sides.
+from device_agent.assignment import (
+    AssignmentRejected,
+    PublicKey,
+    canonical_json,
+    key_id_of,
+    load_public_key,
+    signature_valid,
+)
 
 _BAD_SIGNATURE = "manifest signature does not verify"
-
-
-def key_id_of(public_key: Ed25519PublicKey) -> str:
-    """Return the first 16 hex digits of SHA-256 over the raw 32-byte public key."""
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,33 @@ class SignedManifest:
     key_id: str
 
 
-class ManifestSigner:
-    """Signs manifests with an Ed25519 private key kept in a 0600 PEM (PKCS#8) file."""
+class Signer(abc.ABC):
+    """Signs canonical JSON documents with one key whose public half verifiers pin."""
+
+    @property
+    @abc.abstractmethod
+    def key_id(self) -> str:
+        """Return the public key's id (`device_agent.assignment.key_id_of`)."""
+
+    @abc.abstractmethod
+    def public_key_pem(self) -> bytes:
+        """Return the public key as PEM SubjectPublicKeyInfo, for verifiers."""
+
+    @abc.abstractmethod
+    def sign_bytes(self, body: bytes) -> bytes:
+        """Sign `body` exactly (Ed25519, or ECDSA P-256 over SHA-256)."""
+
+    def sign(self, manifest: dict[str, Any]) -> SignedManifest:
+        """Sign the canonical JSON of `manifest`."""
+        body = canonical_json(manifest)
+        return SignedManifest(body, self.sign_bytes(body), self.key_id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(key_id={self.key_id!r})"
+
+
+class ManifestSigner(Signer):
+    """Signs with an Ed25519 private key kept in a 0600 PEM (PKCS#8) file."""
 
     def __init__(self, private_key: Ed25519PrivateKey) -> None:
         self._private_key = private_key
@@ -50,14 +79,25 @@ class ManifestSigner:
     @classmethod
     def create(cls, path: str | os.PathLike[str]) -> ManifestSigner:
         """Generate a key and write it to `path` (mode 0600); fail if `path` exists."""
-        private_key = Ed25519PrivateKey.generate()
-        pem = private_key.private_bytes(
+        signer = cls(Ed25519PrivateKey.generate())
+        signer._write(Path(path))
+        return signer
+
+    @classmethod
+    def create_in(cls, directory: str | os.PathLike[str]) -> tuple[ManifestSigner, Path]:
+        """Generate a key into `directory`/signing_ed25519_<key id>.pem (mode 0600)."""
+        signer = cls(Ed25519PrivateKey.generate())
+        path = Path(directory) / f"signing_ed25519_{signer.key_id}.pem"
+        signer._write(path)
+        return signer, path
+
+    def _write(self, path: Path) -> None:
+        pem = self._private_key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),  # protected by file mode, like the local KEK
         )
-        write_private_file(Path(path), pem, replace=False)
-        return cls(private_key)
+        write_private_file(path, pem, replace=False)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ManifestSigner:
@@ -82,22 +122,15 @@ class ManifestSigner:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
 
-    def sign(self, manifest: dict[str, Any]) -> SignedManifest:
-        """Sign the canonical JSON of `manifest`."""
-        body = canonical_json(manifest)
-        return SignedManifest(body, self._private_key.sign(body), self._key_id)
-
-    def __repr__(self) -> str:
-        return f"ManifestSigner(key_id={self._key_id!r})"
+    def sign_bytes(self, body: bytes) -> bytes:
+        """Sign `body` with Ed25519."""
+        return self._private_key.sign(body)
 
 
 def verify_manifest(body: bytes, signature: bytes, public_key_pem: bytes) -> dict[str, Any]:
     """Return the parsed manifest if `signature` over `body` verifies, else IntegrityError."""
-    public_key = _load_public_key(public_key_pem)
-    try:
-        public_key.verify(signature, body)
-    except InvalidSignature:
-        raise errors.IntegrityError(_BAD_SIGNATURE) from None
+    if not signature_valid(_load_public_key(public_key_pem), signature, body):
+        raise errors.IntegrityError(_BAD_SIGNATURE)
     try:
         manifest = json.loads(body)
     except ValueError:  # includes UnicodeDecodeError
@@ -107,11 +140,8 @@ def verify_manifest(body: bytes, signature: bytes, public_key_pem: bytes) -> dic
     return manifest
 
 
-def _load_public_key(public_key_pem: bytes) -> Ed25519PublicKey:
+def _load_public_key(public_key_pem: bytes) -> PublicKey:
     try:
-        public_key = serialization.load_pem_public_key(public_key_pem)
-    except (ValueError, TypeError):
-        raise errors.InvalidArgument("public key is not a PEM public key") from None
-    if not isinstance(public_key, Ed25519PublicKey):
-        raise errors.InvalidArgument("public key is not an Ed25519 key")
-    return public_key
+        return load_public_key(public_key_pem)
+    except AssignmentRejected as exc:
+        raise errors.InvalidArgument(str(exc)) from None

@@ -18,10 +18,12 @@ from control_plane import errors
 from control_plane.api.client import AdminClient
 from control_plane.api.server import start_server
 from control_plane.api.transport import client_tls
+from control_plane.api.trust import verify_version
 from control_plane.cli import views
 from control_plane.demo import sample_models
 from control_plane.demo.fleet_walkthrough import run_fleet_demo
 from control_plane.home import init_home, read_token
+from control_plane.pins import read_pins
 from control_plane.settings import CONFIG_FILE, load_config
 
 
@@ -55,7 +57,9 @@ def _walkthrough(client: AdminClient, work: Path) -> tuple[int, int]:
     v1_file.write_bytes(sample_models.tiny_mlp_onnx(seed=1))
     _say(f"== push {v1_file.name} (ONNX -> MNN, plus int8 and fp16 variants)")
     v1 = client.push(v1_file, name="detector", notes="first cut", variants=("int8", "fp16"))
-    _say(views.version_text(v1))
+    pins = read_pins(work.parent)  # what `skiff init` pinned
+    signed_by = verify_version(pins, v1, model="detector", number=v1.version).key_id
+    _say(views.version_text(v1, signed_by=signed_by))
 
     v2_file = work / "detector-v2.mnn"
     v2_file.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=2)))
@@ -67,7 +71,7 @@ def _walkthrough(client: AdminClient, work: Path) -> tuple[int, int]:
     _say(views.models_table(client.list_models()))
 
     out = work / "pulled.mnn"
-    header = client.pull("detector", v2.version, out)
+    header = client.pull("detector", v2.version, out, pins=pins)
     same = hashlib.sha256(out.read_bytes()).hexdigest() == header.variant.plaintext_sha256
     _say(f"\n== pull detector:{v2.version} -> {out.name}: sha256 verified = {same}")
 

@@ -28,7 +28,6 @@ from control_plane import errors
 from control_plane.blobs import BlobStore
 from control_plane.crypto import (
     SEGMENT_SIZE,
-    ManifestSigner,
     WrappedKey,
     decrypt_stream,
     encrypt_chunks,
@@ -38,6 +37,7 @@ from control_plane.crypto.keyring import Keyring
 from control_plane.limits import MAX_NOTES, check_text
 from control_plane.registry import gc, memfd, mnn_tools
 from control_plane.registry.mnn_sandbox import Sandbox
+from control_plane.registry.signing_keys import SigningKeys
 from control_plane.store.base import (
     ModelRecord,
     NewVersion,
@@ -158,7 +158,7 @@ class Registry:
         store: RegistryStore,
         blobs: BlobStore,
         kek: Keyring,
-        signer: ManifestSigner,
+        signer: SigningKeys,
         max_model_bytes: int,
         mnn_timeout_s: float,
         max_concurrent_pushes: int = 2,
@@ -314,6 +314,9 @@ class Registry:
         if abandoned():
             raise errors.Unavailable("client disconnected mid-upload")
         record = self._create_version(request.name, uid, data_key, build)
+        # A rotation on another replica may have committed while this push signed.
+        if self.signer.settle(record.signing_key_id):
+            record = self.store.get_version(record.model, record.number)
         log.info("pushed %s:%d (%s)", record.model, record.number, ", ".join(fds))
         return record
 

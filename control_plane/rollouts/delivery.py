@@ -1,6 +1,6 @@
 """What a device gets from Sync and Download: signed assignments, wrapped keys, bytes.
 
-An assignment is a document signed with the control plane's Ed25519 key (device id, a
+An assignment is a document signed with the control plane's active signing key (device id, a
 revision that only grows, an expiry, and per model the version, variant, version uid and
 digests), in the spirit of Uptane's director repository: the device rejects a replayed,
 older, expired or mixed-and-matched answer. Only a device assigned a version ever gets
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 from control_plane import errors
 from control_plane.blobs import BlobStore
-from control_plane.crypto import KeyEncryptionKey, ManifestSigner
+from control_plane.crypto import KeyEncryptionKey
 from control_plane.crypto.device_keys import device_encrypter, wrap_context
 from control_plane.registry.registry import associated_data
+from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.resolver import Desired, Resolver
 from control_plane.store.base import RegistryStore, VariantRecord, VersionRecord
 from control_plane.store.fleet import DeviceAuth, ModelState
@@ -88,7 +89,7 @@ class Delivery:
         store: RegistryStore,
         blobs: BlobStore,
         kek: Callable[[], KeyEncryptionKey],
-        signer: ManifestSigner,
+        signer: SigningKeys,
         resolver: Resolver,
         assignment_ttl_s: int,
         presign_ttl_s: int,
@@ -159,8 +160,13 @@ class Delivery:
         return Assignment(model, d, version, variant, wrapped, url or "", expires)
 
     def version(self, model: str, number: int) -> VersionRecord:
-        """Return a version (cached: versions are immutable)."""
-        return self._versions.get((model, number), lambda: self._store.get_version(model, number))
+        """Return a version (cached: versions are immutable but for their manifest's signature).
+
+        A signing-key rotation re-signs every manifest, so the cache is keyed by the active
+        key as well: after a rotation, devices get the manifest signed by the new key.
+        """
+        key = (model, number, self._signer.key_id)
+        return self._versions.get(key, lambda: self._store.get_version(model, number))
 
     def _data_key(self, version: VersionRecord) -> bytes:
         def unwrap() -> bytes:

@@ -1,6 +1,7 @@
 """One simulated device: the same calls and checks as a real agent, minus running models.
 
-It syncs, verifies the signed assignment against the keys it pinned at enrollment,
+It syncs, verifies the signed assignment against the keys it pinned at enrollment (and
+their successors, each accepted only through an endorsement by a key already pinned),
 unwraps each new version's data key with its own key pair, has the artifact checked
 (downloaded and decrypted once per process, see `artifacts`), counts it installed and
 Syncs again so the server records what it runs. It holds a Watch stream and Syncs (after
@@ -27,12 +28,12 @@ from device_agent.assignment import (
     AssignmentRejected,
     VerifiedAssignment,
     VerifiedModel,
-    load_public_keys,
     new_nonce,
     verify_sync,
 )
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
+from device_agent.signing_keys import KeyRing
 from protos import device_pb2
 
 # Each install is reported by one more Sync; a server that keeps changing its answer
@@ -61,7 +62,7 @@ class SimDevice:
         self.identity, self.id = identity, identity.device_id
         self._conn = DeviceConnection(channel, identity.credential)
         self._keys = DeviceKeyPair.from_private(identity.private_keyset)
-        self._pinned = load_public_keys(identity.signing_public_keys)
+        self._pinned = KeyRing.from_pems(identity.signing_public_keys)
         self._attrs = attributes_pb(identity.attributes)
         self._cache, self._notify = cache, notify
         self._lock = asyncio.Lock()
@@ -118,14 +119,16 @@ class SimDevice:
         ]
         nonce = new_nonce()
         response = await self._conn.sync(self._attrs, installed, self.revision, nonce=nonce)
-        at = time.monotonic()
+        at, now = time.monotonic(), dt.datetime.now(dt.UTC)
+        # Learn a rotated key only through its endorsement; forget keys past their end.
+        self._pinned = self._pinned.update(response.signing_keys, now)
         assignment = verify_sync(
             response,
             device_id=self.id,
             nonce=nonce,
-            keys=self._pinned,
+            keys=self._pinned.valid_keys(now),
             last_revision=self.revision,
-            now=dt.datetime.now(dt.UTC),
+            now=now,
         )
         self.revision, self.desired = assignment.revision, assignment.models
         self.poll_interval_s = response.poll_interval_s or self.poll_interval_s

@@ -242,3 +242,21 @@ class RolloutEventRow(Base):
     reason: Mapped[str] = mapped_column(Text, default="")
 
     rollout: Mapped[RolloutRow] = relationship(back_populates="events")
+
+
+class SigningKeyRow(Base):
+    """One key of the signing chain; the row with the highest seq is the active key."""
+
+    __tablename__ = "signing_keys"
+
+    # Insertion order is chain order; the active key is the last row.
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key_id: Mapped[str] = mapped_column(String(64), unique=True)
+    public_key_pem: Mapped[bytes] = mapped_column(LargeBinary)
+    # Where the private key lives (file path or aws-kms:// URL); never the key itself.
+    private_key_ref: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    not_after: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    endorsement: Mapped[bytes] = mapped_column(LargeBinary)
+    endorsement_signature: Mapped[bytes] = mapped_column(LargeBinary)
+    endorsed_by: Mapped[str] = mapped_column(String(64))

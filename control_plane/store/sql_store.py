@@ -33,6 +33,7 @@ from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade
 from control_plane.store.sql_fleet import SqlFleetStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
+from control_plane.store.sql_signing_keys import SqlSigningKeyStore
 from control_plane.store.sql_tokens import SqlTokenStore
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,8 @@ def _kek_state(row: orm.KekStateRow) -> KekState:
     return KekState(row.active_kek_id, row.active_url, tuple(row.keyring))
 
 
-class SqlStore(SqlFleetStore, SqlRolloutStore, SqlTokenStore, RegistryStore):
-    """Registry, fleet and rollout store over any SQLAlchemy URL Skiff supports."""
+class SqlStore(SqlFleetStore, SqlRolloutStore, SqlTokenStore, SqlSigningKeyStore, RegistryStore):
+    """Registry, fleet, rollout, token and signing-key store over any SQLAlchemy URL."""
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         self.url = url

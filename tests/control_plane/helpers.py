@@ -19,8 +19,10 @@ from control_plane.api.client import AdminClient
 from control_plane.api.server import App, ServerHandle, build_app, create_server
 from control_plane.api.transport import client_tls
 from control_plane.home import init_home, read_token
+from control_plane.pins import read_pins
 from control_plane.registry.registry import Registry
 from control_plane.settings import Config, load_config
+from device_agent.signing_keys import KeyRing
 from device_agent.transport import ClientTls, channel_credentials
 
 
@@ -72,6 +74,11 @@ class ControlPlane:
         return self.app.registry
 
     @property
+    def pins(self) -> KeyRing:
+        """The signing keys `skiff init` pinned in this home."""
+        return read_pins(self.config.home)
+
+    @property
     def tls(self) -> ClientTls:
         return client_tls(self.config)
 
@@ -92,8 +99,10 @@ class ControlPlane:
 
 
 def start_control_plane(home: Path, **settings) -> ControlPlane:
-    config = load_config(home, {"grpc": "127.0.0.1:0", **settings}, environ={})
-    init_home(config)
+    overrides = {"grpc": "127.0.0.1:0", **settings}
+    init_home(load_config(home, overrides, environ={}))
+    # Read again: init chose the TLS certificate, so this server speaks TLS like a real one.
+    config = load_config(home, overrides, environ={})
     app = build_app(config)
     server, port = create_server(config, app, "127.0.0.1:0")
     server.start()

@@ -195,8 +195,8 @@ def test_rotate_to_kms_and_back_keeps_models_readable(tmp_path, mnn_bytes, moto_
             assert result.rewrapped == 1 and result.new_kek_id.startswith("aws-kms:")
             assert plane.registry.store.get_version("det").data_key.kek_id == result.new_kek_id
             client.push(path, name="det")
-            client.pull("det", 1, tmp_path / "v1.mnn")
-            client.pull("det", 2, tmp_path / "v2.mnn")
+            client.pull("det", 1, tmp_path / "v1.mnn", pins=plane.pins)
+            client.pull("det", 2, tmp_path / "v2.mnn", pins=plane.pins)
             with pytest.raises(errors.InvalidArgument, match="name the new KEK"):
                 client.rotate_kek()
         assert (tmp_path / "v1.mnn").read_bytes() == mnn_bytes
@@ -216,7 +216,7 @@ def test_kms_as_the_kek_from_init(tmp_path, mnn_bytes, moto_endpoint):
         assert not (plane.config.home / "keys" / "kek.json").exists()
         with plane.client() as client:
             client.push(path, name="det")
-            client.pull("det", 1, tmp_path / "back.mnn")
+            client.pull("det", 1, tmp_path / "back.mnn", pins=plane.pins)
         assert plane.registry.store.get_version("det").data_key.kek_id == f"aws-kms:{key_id}"
         assert (tmp_path / "back.mnn").read_bytes() == mnn_bytes
     finally:
@@ -239,7 +239,7 @@ def test_failed_rotation_can_be_retried(cp, mnn_bytes, monkeypatch):
             client.rotate_kek()
         monkeypatch.setattr(store, "replace_data_keys", real)
         assert client.rotate_kek().rewrapped == 1
-        client.pull("det", 1, cp.config.home / "back.mnn")
+        client.pull("det", 1, cp.config.home / "back.mnn", pins=cp.pins)
     assert (cp.config.home / "back.mnn").read_bytes() == mnn_bytes
 
 

@@ -70,7 +70,7 @@ def test_push_onnx_with_variants_then_show_and_pull(cp, tmp_path, onnx_bytes):
 
         for variant in v1.variants:
             out = tmp_path / f"pulled-{variant.name}.mnn"
-            header = client.pull("det", 1, out, variant=variant.name)
+            header = client.pull("det", 1, out, variant=variant.name, pins=cp.pins)
             data = out.read_bytes()
             assert hashlib.sha256(data).hexdigest() == variant.plaintext_sha256
             assert header.variant.name == variant.name
@@ -87,7 +87,7 @@ def test_mnn_push_round_trips_byte_for_byte(cp, tmp_path, mnn_bytes):
     path = _write(tmp_path, "m.mnn", mnn_bytes)
     with cp.client() as client:
         version = client.push(path, name="exact")
-        client.pull("exact", None, tmp_path / "back.mnn")
+        client.pull("exact", None, tmp_path / "back.mnn", pins=cp.pins)
     assert version.source_format == "mnn"
     assert (tmp_path / "back.mnn").read_bytes() == mnn_bytes
 
@@ -145,9 +145,9 @@ def test_unknown_model_version_and_variant(cp, tmp_path, mnn_bytes):
         with pytest.raises(errors.NotFound, match="det:7 not found"):
             client.get_model("det", 7)
         with pytest.raises(errors.NotFound, match="det:7 not found"):
-            client.pull("det", 7, tmp_path / "x.mnn")
+            client.pull("det", 7, tmp_path / "x.mnn", pins=cp.pins)
         with pytest.raises(errors.NotFound, match="no variant 'int4'"):
-            client.pull("det", 1, tmp_path / "x.mnn", variant="int4")
+            client.pull("det", 1, tmp_path / "x.mnn", variant="int4", pins=cp.pins)
     assert not (tmp_path / "x.mnn").exists()
 
 
@@ -159,7 +159,7 @@ def test_every_admin_call_needs_the_token(cp, tmp_path, mnn_bytes, token):
             lambda: client.push(path, name="det"),
             client.list_models,
             lambda: client.get_model("det"),
-            lambda: client.pull("det", 1, tmp_path / "out.mnn"),
+            lambda: client.pull("det", 1, tmp_path / "out.mnn", pins=cp.pins),
             client.rotate_kek,
         ]
         for call in calls:
@@ -201,7 +201,7 @@ def test_rotate_local_kek_rewraps_without_touching_blobs(cp, tmp_path, mnn_bytes
             k: b"".join(cp.registry.blobs.open_read(k)) for k in cp.registry.blobs.keys()
         }
         assert blobs_after == blobs_before
-        client.pull("det", 1, tmp_path / "back.mnn")
+        client.pull("det", 1, tmp_path / "back.mnn", pins=cp.pins)
     assert (tmp_path / "back.mnn").read_bytes() == mnn_bytes
     keyset = json.loads((cp.config.home / "keys" / "kek.json").read_text())
     assert len(keyset["key"]) == 1  # the old key was retired once nothing used it
@@ -221,7 +221,7 @@ def test_secrets_and_plaintext_never_reach_the_logs(
     monkeypatch.setattr(registry_module, "new_data_key", spy)
     with cp.client() as client:
         client.push(_write(tmp_path, "m.mnn", mnn_bytes), name="det")
-        client.pull("det", 1, tmp_path / "back.mnn")
+        client.pull("det", 1, tmp_path / "back.mnn", pins=cp.pins)
         client.rotate_kek()
         with cp.client("skf_" + "x" * 43) as bad, pytest.raises(errors.Unauthenticated):
             bad.list_models()

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.crypto import decrypt_stream
-from device_agent.assignment import load_public_keys, new_nonce, verify_sync
+from device_agent.assignment import new_nonce, verify_sync
 from device_agent.connection import DeviceConnection, open_channel
 from device_agent.identity import DeviceKeyPair
+from device_agent.signing_keys import KeyRing
 from protos import device_pb2
 from tests.control_plane.helpers import tls_of
 
@@ -39,6 +40,7 @@ class Device:
     keys: DeviceKeyPair
     signing_keys: list[bytes]
     attributes: dict
+    ring: KeyRing
     revision: int = 0
     installed: list = field(default_factory=list)
 
@@ -58,6 +60,7 @@ class Device:
             keys,
             list(response.signing_public_keys),
             attributes,
+            KeyRing.from_enrollment(response, dt.datetime.now(dt.UTC)),
         )
 
     def sync_raw(
@@ -71,17 +74,25 @@ class Device:
             lambda c: c.sync(attributes_pb(self.attributes), installed, rev, nonce=nonce),
         )
 
-    def sync(self):
-        """Sync with a fresh nonce, verify the signed answer, and remember its revision."""
+    def sync(self, now: dt.datetime | None = None, tamper=None):
+        """Sync with a fresh nonce, verify the signed answer, and remember its revision.
+
+        The pinned keys learn the answer's chain first, as a device does; `tamper` may
+        edit the response before the device sees it (an attacker on the path).
+        """
+        now = now or dt.datetime.now(dt.UTC)
         nonce = new_nonce()
         response = self.sync_raw(nonce=nonce)
+        if tamper is not None:
+            tamper(response)
+        self.ring = self.ring.update(response.signing_keys, now)
         verified = verify_sync(
             response,
             device_id=self.id,
             nonce=nonce,
-            keys=load_public_keys(self.signing_keys),
+            keys=self.ring.valid_keys(now),
             last_revision=self.revision,
-            now=dt.datetime.now(dt.UTC),
+            now=now,
         )
         self.revision = verified.revision
         return verified

@@ -257,7 +257,7 @@ def test_forged_or_reshuffled_answers_are_rejected(plane, run_id):
     dup = device_pb2.SyncResponse()
     dup.CopyFrom(response)
     dup.document = body
-    dup.document_signature = signer._private_key.sign(body)
+    dup.document_signature = signer.sign_bytes(body)
     rejected(dup)
     # B's answer replayed to A.
     with pytest.raises(AssignmentRejected, match="another device"):

@@ -12,6 +12,7 @@ from control_plane.api.fleet_convert import attributes_pb
 from device_agent.assignment import AssignmentRejected, load_public_keys, verify_sync
 from device_agent.connection import DeviceCallError
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
+from device_agent.signing_keys import KeyRing
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, run
 
@@ -88,7 +89,7 @@ def test_enroll_refuses_bad_keys_and_attributes(cp, enroll_token):
 def test_device_calls_need_a_valid_credential(cp, enroll_token):
     device = Device.enroll(cp.address, enroll_token, ANDROID)
     for credential in ("", "skd_wrong", "Bearer", device.credential + "x"):
-        stranger = Device(cp.address, device.id, credential, device.keys, [], ANDROID)
+        stranger = Device(cp.address, device.id, credential, device.keys, [], ANDROID, KeyRing([]))
         assert code_of(stranger.sync_raw) == grpc.StatusCode.UNAUTHENTICATED
 
 
