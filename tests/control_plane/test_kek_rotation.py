@@ -20,6 +20,7 @@ from control_plane.api.client import AdminClient
 from control_plane.api.server import build_app, create_server, kek_rotation
 from control_plane.demo import sample_models
 from control_plane.home import read_token
+from control_plane.pins import read_pins
 from control_plane.settings import CONFIG_FILE, load_config
 from control_plane.store.sql_store import SqlStore
 from tests.control_plane.helpers import ControlPlane, spawn_server, start_control_plane, tls_of
@@ -73,9 +74,9 @@ def _push_all(client: AdminClient, files: dict[str, Path]) -> None:
         client.push(path, name=name)
 
 
-def _assert_pulls_all(client: AdminClient, files: dict[str, Path], out: Path) -> None:
+def _assert_pulls_all(client: AdminClient, files: dict[str, Path], out: Path, home: Path) -> None:
     for name, path in files.items():
-        client.pull(name, 1, out / f"{name}.back")
+        client.pull(name, 1, out / f"{name}.back", pins=read_pins(home))
         assert (out / f"{name}.back").read_bytes() == path.read_bytes(), name
 
 
@@ -117,7 +118,7 @@ def test_a_refused_kms_rotation_changes_nothing(refusal, tmp_path, mnn_files, km
     again = _reopen(home)  # a restart still reads every model
     try:
         with again.client() as client:
-            _assert_pulls_all(client, {"det": mnn_files["det"]}, tmp_path)
+            _assert_pulls_all(client, {"det": mnn_files["det"]}, tmp_path, again.config.home)
     finally:
         again.stop()
 
@@ -207,7 +208,7 @@ def test_writers_keep_working_during_a_rotation(tmp_path, mnn_files, kms, moto_e
             runner.join(60)
             assert result["done"].rewrapped == 3  # the push made meanwhile moved too
             assert _kek_ids(plane.config.db) == {f"aws-kms:{key}"}
-            _assert_pulls_all(client, mnn_files, tmp_path)
+            _assert_pulls_all(client, mnn_files, tmp_path, plane.config.home)
     finally:
         release.set()
         runner.join(60)
@@ -236,7 +237,7 @@ def test_a_push_landing_after_the_last_batch_is_moved_before_the_switch(
             assert client.rotate_kek(f"aws-kms://{key}").rewrapped == 3
             assert len(calls) == 2
             assert _kek_ids(plane.config.db) == {f"aws-kms:{key}"}
-            _assert_pulls_all(client, mnn_files, tmp_path)
+            _assert_pulls_all(client, mnn_files, tmp_path, plane.config.home)
     finally:
         plane.stop()
 
@@ -316,11 +317,11 @@ def test_a_rotation_killed_halfway_loses_nothing_and_can_be_finished(
     proc, address = spawn_server(home)
     try:
         with AdminClient(address, read_token(home), tls_of(address)) as client:
-            _assert_pulls_all(client, mnn_files, tmp_path)
+            _assert_pulls_all(client, mnn_files, tmp_path, home)
             finished = client.rotate_kek(f"aws-kms://{key}")
             assert finished.rewrapped == (2 if point == "mid-rewrap" else 0)
             assert _kek_ids(db) == {f"aws-kms:{key}"}
-            _assert_pulls_all(client, mnn_files, tmp_path)
+            _assert_pulls_all(client, mnn_files, tmp_path, home)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

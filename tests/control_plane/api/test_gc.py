@@ -66,7 +66,7 @@ def test_old_orphans_go_young_and_referenced_blobs_stay(published):
         assert not cp.registry.blobs.exists(old) and cp.registry.blobs.exists(young)
         assert set(cp.registry.blobs.keys()) == referenced | {young}
         for version in (1, 2):
-            client.pull("det", version, cp.config.home / f"det{version}.mnn")
+            client.pull("det", version, cp.config.home / f"det{version}.mnn", pins=cp.pins)
         assert list(client.collect_garbage().blobs) == []
 
 
@@ -90,7 +90,7 @@ def test_a_sweep_on_another_replica_mid_push_keeps_the_push_s_blobs(cp, onnx_pat
             pushed = {v.ciphertext_sha256 for v in version.variants}
             assert seen["blobs"] == pushed  # the sweep ran in the window
             assert seen["sweep"].blobs == () and seen["sweep"].kept_young == 2
-            client.pull("det", 1, cp.config.home / "det.mnn", variant="int8")
+            client.pull("det", 1, cp.config.home / "det.mnn", variant="int8", pins=cp.pins)
     finally:
         replica_a.store.close()
 
@@ -127,7 +127,7 @@ def test_concurrent_sweeps_and_pushes_lose_nothing(cp, onnx_path):
         assert set(cp.registry.blobs.keys()) == _referenced(cp)
         assert len(_referenced(cp)) == 2
         for version in (1, 2):
-            client.pull("det", version, cp.config.home / f"det{version}.mnn")
+            client.pull("det", version, cp.config.home / f"det{version}.mnn", pins=cp.pins)
 
 
 def test_a_push_slower_than_half_the_grace_fails_and_leaves_nothing(tmp_path, onnx_path):

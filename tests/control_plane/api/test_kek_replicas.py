@@ -12,6 +12,7 @@ from control_plane import errors
 from control_plane.api.client import AdminClient
 from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token
+from control_plane.pins import read_pins
 from control_plane.settings import load_config
 from control_plane.store.sql_store import SqlStore
 from tests.control_plane.helpers import spawn_server, tls_of
@@ -26,6 +27,8 @@ def replicas(tmp_path, pg_url, moto_endpoint):
     init_home(load_config(home, settings, environ={}))
     procs = [spawn_server(home), spawn_server(home)]
     clients = [AdminClient(address, read_token(home), tls_of(address)) for _, address in procs]
+    for client in clients:
+        client.pins = read_pins(home)  # what a CLI of this home verifies pulls against
     yield clients
     for client in clients:
         client.close()
@@ -48,7 +51,7 @@ def _kek_ids(pg_url: str) -> set[str]:
 
 
 def _pulled(client: AdminClient, name: str, out) -> bytes:
-    client.pull(name, 1, out)
+    client.pull(name, 1, out, pins=client.pins)
     return out.read_bytes()
 
 

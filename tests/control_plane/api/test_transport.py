@@ -99,7 +99,7 @@ def test_token_and_models_cross_the_wire_only_as_tls_records(tmp_path, tls):
     try:
         with AdminClient(f"127.0.0.1:{tap.port}", cp.token, cp.tls) as client:
             client.push(model, name="det")
-            client.pull("det", 1, tmp_path / "det.mnn")
+            client.pull("det", 1, tmp_path / "det.mnn", pins=cp.pins)
     finally:
         tap.close()
         cp.stop()
