@@ -344,25 +344,38 @@ class AwsKmsKek(KeyEncryptionKey):
         return response["Plaintext"]
 
     def _call(self, operation: str, **kwargs: object) -> dict:
-        token = _in_kms_call.set(True)
-        try:
-            return getattr(self._kms, operation)(**kwargs)
-        except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError) as exc:
-            raise errors.Unavailable(f"AWS KMS unreachable during {operation}") from exc
-        except botocore.exceptions.NoCredentialsError:
-            raise errors.FailedPrecondition("the server has no AWS credentials for KMS") from None
-        except botocore.exceptions.ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            error = _KMS_ERRORS.get(code)
-            if error is None:
-                raise
-            message = {
-                errors.IntegrityError: _UNWRAP_FAILED,
-                errors.FailedPrecondition: f"KMS refused {operation} of {self.kek_id}",
-            }.get(error, f"KMS {operation}")
-            raise error(f"{message}: {code}") from None
-        finally:
-            _in_kms_call.reset(token)
+        return call_kms(
+            self._kms, operation, subject=self.kek_id, integrity=_UNWRAP_FAILED, **kwargs
+        )
+
+
+def call_kms(kms, operation: str, *, subject: str, integrity: str, **kwargs: object) -> dict:
+    """Call one KMS operation, sorting its failures into domain errors.
+
+    One policy for every KMS user (the KEK and the signer). A refusal by KMS (access
+    denied, no credentials) is FailedPrecondition, never an authentication error: the
+    caller's token was fine, the server's KMS access is not.
+    botocore's body dumps are hidden for the duration (they carry plaintext data keys).
+    """
+    token = _in_kms_call.set(True)
+    try:
+        return getattr(kms, operation)(**kwargs)
+    except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError) as exc:
+        raise errors.Unavailable(f"AWS KMS unreachable during {operation}") from exc
+    except botocore.exceptions.NoCredentialsError:
+        raise errors.FailedPrecondition("the server has no AWS credentials for KMS") from None
+    except botocore.exceptions.ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code == "ValidationException":
+            raise errors.InvalidArgument(f"KMS {operation}: {code}") from None
+        error = _KMS_ERRORS.get(code, errors.SkiffError)
+        message = {
+            errors.IntegrityError: integrity,
+            errors.FailedPrecondition: f"KMS refused {operation} of {subject}",
+        }.get(error, f"KMS {operation}")
+        raise error(f"{message}: {code}") from None
+    finally:
+        _in_kms_call.reset(token)
 
 
 def _context(context: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from control_plane import errors
-from control_plane.crypto.kek import _KMS_CONFIG, _KMS_ERRORS  # one KMS client policy
+from control_plane.crypto.kek import _KMS_CONFIG, call_kms  # one KMS client policy
 from control_plane.crypto.signing import Signer
 from device_agent.assignment import key_id_of, signature_valid
 
@@ -111,17 +111,13 @@ class KmsSigner(Signer):
         return signature
 
     def _call(self, operation: str, **kwargs: object) -> dict:
-        try:
-            return getattr(self._kms, operation)(**kwargs)
-        except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError) as exc:
-            raise errors.Unavailable(f"AWS KMS unreachable during {operation}") from exc
-        except botocore.exceptions.NoCredentialsError:
-            raise errors.Unauthenticated("no AWS credentials for KMS") from None
-        except botocore.exceptions.ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code == "ValidationException":
-                raise errors.InvalidArgument(f"KMS {operation}: {code}") from None
-            raise _KMS_ERRORS.get(code, errors.SkiffError)(f"KMS {operation}: {code}") from None
+        return call_kms(
+            self._kms,
+            operation,
+            subject=f"aws-kms:{self._kms_key}",
+            integrity=f"KMS {operation} failed authentication",
+            **kwargs,
+        )
 
     def __repr__(self) -> str:
         return f"KmsSigner(kms_key={self._kms_key!r}, key_id={self._key_id!r})"
