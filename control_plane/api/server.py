@@ -278,6 +278,24 @@ class ServerHandle:
             task.start()
         return self
 
+    def _drain_pool(self, timeout: float) -> None:
+        """Let the handler threads finish while the loop still runs, for at most `timeout`.
+
+        A blocking handler that aborts or answers does so through the loop (grpc waits on
+        a future the loop completes): stopping the loop first would leave that thread
+        waiting for ever, and the interpreter, which joins pool threads at exit, with it.
+        """
+        drain = threading.Thread(
+            target=self._pool.shutdown,
+            kwargs={"wait": True, "cancel_futures": True},
+            name="skiff-drain",
+            daemon=True,
+        )
+        drain.start()
+        drain.join(timeout)
+        if drain.is_alive():
+            log.warning("handler threads still busy %g s after stop", timeout)
+
     def stop(self, grace: float | None = None) -> threading.Event:
         """Stop serving, let in-flight calls finish for `grace` seconds, release everything.
 
@@ -291,9 +309,9 @@ class ServerHandle:
             self._call(self.app.watchers.stop())
             self.app.writer.close()
             self.app.feed.close()
+            self._drain_pool(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
-            self._pool.shutdown(wait=False, cancel_futures=True)
             self._stopped.set()
         return self._stopped
 
