@@ -4,47 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
-import logging
-import os
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
-from sqlalchemy import create_engine, event, func, select, text, update
+from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from control_plane import errors
 from control_plane.crypto.kek import WrappedKey
 from control_plane.store import orm
 from control_plane.store.base import (
-    KekState,
     ModelRecord,
     RegistryStore,
-    StaleKek,
-    StoredDataKey,
     VariantRecord,
     VersionBuilder,
     VersionRecord,
 )
 from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade
+from control_plane.store.sql_errors import sorted_db_error as _sorted_db_error
 from control_plane.store.sql_fleet import SqlFleetStore
+from control_plane.store.sql_keks import SqlKekStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
 from control_plane.store.sql_signing_keys import SqlSigningKeyStore
 from control_plane.store.sql_tokens import SqlTokenStore
 
-log = logging.getLogger(__name__)
-
 # A concurrent push that takes the same number loses on the unique constraint and retries.
 _VERSION_RETRIES = 5
-# PostgreSQL advisory-lock key of KEK rotation (any constant unique to this use: "skiffkek").
-_KEK_ROTATION_LOCK = 0x736B6966666B656B
-_KEK_STATE_ID = 1
-# SQLite databases without a file (in memory) live in one process: a thread lock will do.
-_MEMORY_KEK_LOCK = threading.Lock()
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -100,21 +88,6 @@ def _make_engine(url: str, *, read_only: bool) -> Engine:
     raise errors.InvalidArgument(f"unsupported database URL scheme: {url.split(':', 1)[0]}")
 
 
-def _sorted_db_error(exc: sa_exc.SQLAlchemyError) -> errors.SkiffError:
-    """Sort a database error once: lost connection is retryable, integrity is a conflict."""
-    if isinstance(exc, sa_exc.IntegrityError):
-        return errors.AlreadyExists("already exists (constraint violated)")
-    if isinstance(exc, sa_exc.DataError):
-        # A value the database refuses (NUL in text, too long, out of range) got past
-        # validation: the caller's fault, but worth a line so the gap gets closed.
-        log.warning("database refused a value: %s", type(exc.orig or exc).__name__)
-        return errors.InvalidArgument("a value was refused by the database (malformed or too long)")
-    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
-        return errors.Unavailable("database unavailable: " + type(exc.orig or exc).__name__)
-    log.error("unexpected database error: %s", exc)
-    return errors.SkiffError("database error: " + type(exc).__name__)
-
-
 def _variant(row: orm.VariantRow) -> VariantRecord:
     return VariantRecord(
         name=row.name,
@@ -150,11 +123,9 @@ def _version(row: orm.VersionRow, model: str) -> VersionRecord:
     )
 
 
-def _kek_state(row: orm.KekStateRow) -> KekState:
-    return KekState(row.active_kek_id, row.active_url, tuple(row.keyring))
-
-
-class SqlStore(SqlFleetStore, SqlRolloutStore, SqlTokenStore, SqlSigningKeyStore, RegistryStore):
+class SqlStore(
+    SqlFleetStore, SqlRolloutStore, SqlTokenStore, SqlSigningKeyStore, SqlKekStore, RegistryStore
+):
     """Registry, fleet, rollout, token and signing-key store over any SQLAlchemy URL."""
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
@@ -330,160 +301,6 @@ class SqlStore(SqlFleetStore, SqlRolloutStore, SqlTokenStore, SqlSigningKeyStore
         """Return every ciphertext digest a variant points at."""
         with self._read() as session:
             return set(session.scalars(select(orm.VariantRow.ciphertext_sha256)))
-
-    @staticmethod
-    def _check_active_kek(session: Session, kek_id: str) -> None:
-        # FOR SHARE: a rotation switching the active KEK (FOR UPDATE) waits for this
-        # insert to commit, or this read waits for the switch and sees the new KEK.
-        active = session.scalar(
-            select(orm.KekStateRow.active_kek_id)
-            .where(orm.KekStateRow.id == _KEK_STATE_ID)
-            .with_for_update(read=True)
-        )
-        if active is not None and active != kek_id:
-            raise StaleKek(f"data key wrapped under {kek_id}, but the active KEK is {active}")
-
-    def kek_state(self) -> KekState | None:
-        """Return the shared KEK state; None before any server recorded one."""
-        with self._read() as session:
-            row = session.get(orm.KekStateRow, _KEK_STATE_ID)
-            return None if row is None else _kek_state(row)
-
-    def init_kek_state(self, state: KekState) -> KekState:
-        """Record `state` unless one exists (the first replica to start wins)."""
-        try:
-            with self._scope() as session:
-                if session.get(orm.KekStateRow, _KEK_STATE_ID) is None:
-                    session.add(
-                        orm.KekStateRow(
-                            id=_KEK_STATE_ID,
-                            active_kek_id=state.active_kek_id,
-                            active_url=state.active_url,
-                            keyring=list(state.keyring),
-                        )
-                    )
-        except errors.AlreadyExists:
-            pass  # another replica recorded it first
-        current = self.kek_state()
-        assert current is not None
-        return current
-
-    def add_to_keyring(self, url: str) -> KekState:
-        """Add a KEK URL to the keyring."""
-        with self._scope() as session:
-            row = self._locked_kek_state(session)
-            if url != row.active_url and url not in row.keyring:
-                row.keyring = [*row.keyring, url]
-            return _kek_state(row)
-
-    def data_keys_not_under(self, kek_id: str, *, after: int, limit: int) -> list[StoredDataKey]:
-        """Return up to `limit` data keys not wrapped under `kek_id`, by row id."""
-        stmt = (
-            select(
-                orm.VersionRow.id,
-                orm.VersionRow.uid,
-                orm.VersionRow.kek_id,
-                orm.VersionRow.wrapped_data_key,
-            )
-            .where(orm.VersionRow.kek_id != kek_id, orm.VersionRow.id > after)
-            .order_by(orm.VersionRow.id)
-            .limit(limit)
-        )
-        with self._read() as session:
-            return [
-                StoredDataKey(row_id, uid, WrappedKey(old_id, wrapped))
-                for row_id, uid, old_id, wrapped in session.execute(stmt)
-            ]
-
-    def replace_data_keys(self, moves: Sequence[tuple[StoredDataKey, WrappedKey]]) -> int:
-        """Store re-wrapped data keys in one short transaction."""
-        changed = 0
-        with self._scope() as session:
-            for stored, new in moves:
-                result = session.execute(
-                    update(orm.VersionRow)
-                    .where(
-                        orm.VersionRow.id == stored.row_id,
-                        orm.VersionRow.kek_id == stored.data_key.kek_id,
-                        orm.VersionRow.wrapped_data_key == stored.data_key.ciphertext,
-                    )
-                    .values(kek_id=new.kek_id, wrapped_data_key=new.ciphertext)
-                )
-                changed += result.rowcount
-        return changed
-
-    def activate_kek(self, kek_id: str, url: str) -> int:
-        """Make `kek_id` active if every data key is wrapped under it; else count the rest."""
-        with self._scope() as session:
-            row = self._locked_kek_state(session)
-            # Counted after taking the lock: a push that read the old KEK has committed.
-            left = session.scalar(select(func.count()).where(orm.VersionRow.kek_id != kek_id))
-            if left:
-                return left
-            if row.active_kek_id != kek_id:
-                keyring = [u for u in (*row.keyring, row.active_url) if u != url]
-                row.keyring = list(dict.fromkeys(keyring))
-                row.active_kek_id, row.active_url = kek_id, url
-            return 0
-
-    def _locked_kek_state(self, session: Session) -> orm.KekStateRow:
-        row = session.scalar(
-            select(orm.KekStateRow).where(orm.KekStateRow.id == _KEK_STATE_ID).with_for_update()
-        )
-        if row is None:
-            raise errors.FailedPrecondition("no KEK state recorded yet (start a server first)")
-        return row
-
-    @contextlib.contextmanager
-    def kek_rotation_lock(self) -> Iterator[None]:
-        """Hold this database's KEK-rotation lock: advisory on PostgreSQL, a file lock on SQLite."""
-        busy = errors.FailedPrecondition("another KEK rotation is running; try again when it ends")
-        if self.dialect == "postgresql":
-            with self._pg_rotation_lock(busy):
-                yield
-            return
-        database = make_url(self.url).database
-        if not database or database == ":memory:":
-            if not _MEMORY_KEK_LOCK.acquire(blocking=False):
-                raise busy
-            try:
-                yield
-            finally:
-                _MEMORY_KEK_LOCK.release()
-            return
-        # SQLite lives on one host; flock dies with the process that held it.
-        fd = os.open(f"{database}.kek-rotation.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise busy from None
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    @contextlib.contextmanager
-    def _pg_rotation_lock(self, busy: errors.SkiffError) -> Iterator[None]:
-        # A session-level advisory lock on a connection of its own, outside any
-        # transaction; the server drops it if this process dies.
-        try:
-            conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        except sa_exc.SQLAlchemyError as exc:
-            raise _sorted_db_error(exc) from exc
-        try:
-            locked = conn.scalar(
-                text("SELECT pg_try_advisory_lock(:key)"), {"key": _KEK_ROTATION_LOCK}
-            )
-            if not locked:
-                raise busy
-            try:
-                yield
-            finally:
-                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _KEK_ROTATION_LOCK})
-        except sa_exc.SQLAlchemyError as exc:
-            raise _sorted_db_error(exc) from exc
-        finally:
-            conn.close()
 
     def has_schema(self) -> bool:
         """Return whether the database holds Skiff's tables (for tools run without migrating)."""
