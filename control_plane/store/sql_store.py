@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 from collections.abc import Callable, Iterator
 
 from sqlalchemy import create_engine, event, func, select, text
@@ -25,7 +24,7 @@ from control_plane.store.base import (
 from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade
 from control_plane.store.sql_errors import sorted_db_error as _sorted_db_error
-from control_plane.store.sql_fleet import SqlFleetStore
+from control_plane.store.sql_fleet import SqlFleetStore, aware
 from control_plane.store.sql_keks import SqlKekStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
 from control_plane.store.sql_signing_keys import SqlSigningKeyStore
@@ -100,16 +99,11 @@ def _variant(row: orm.VariantRow) -> VariantRecord:
     )
 
 
-def _aware(value: dt.datetime) -> dt.datetime:
-    # SQLite hands back naive datetimes; everything Skiff stores is UTC.
-    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
-
-
 def _version(row: orm.VersionRow, model: str) -> VersionRecord:
     return VersionRecord(
         model=model,
         number=row.number,
-        created_at=_aware(row.created_at),
+        created_at=aware(row.created_at),
         uid=row.uid,
         created_by=row.created_by,
         notes=row.notes,
@@ -249,7 +243,7 @@ class SqlStore(
         stmt = self._models_query().where(orm.ModelRow.name > after).limit(limit)
         with self._read() as session:
             return [
-                ModelRecord(m.name, _aware(m.created_at), latest, count)
+                ModelRecord(m.name, aware(m.created_at), latest, count)
                 for m, latest, count in session.execute(stmt)
             ]
 
@@ -258,7 +252,7 @@ class SqlStore(
         stmt = self._models_query().where(orm.ModelRow.name == name)
         with self._read() as session:
             for m, latest, count in session.execute(stmt):
-                return ModelRecord(m.name, _aware(m.created_at), latest, count)
+                return ModelRecord(m.name, aware(m.created_at), latest, count)
         raise errors.NotFound(f"model {name!r} not found")
 
     def _versions_query(self, name: str):

@@ -9,17 +9,11 @@ from sqlalchemy import or_, select
 
 from control_plane import errors
 from control_plane.store import orm
+from control_plane.store.sql_fleet import aware
 from control_plane.store.tokens import TokenRecord, TokenStore
 
 TOKEN_ID_PREFIX = "tok_"
 ADMIN_ROLE = "admin"
-
-
-def _aware(value: dt.datetime | None) -> dt.datetime | None:
-    # SQLite hands back naive datetimes; everything stored is UTC.
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=dt.UTC)
 
 
 def _record(row: orm.TokenRow) -> TokenRecord:
@@ -28,10 +22,10 @@ def _record(row: orm.TokenRow) -> TokenRecord:
         name=row.name,
         role=row.role,
         token_sha256=row.token_sha256,
-        created_at=_aware(row.created_at),
+        created_at=aware(row.created_at),
         created_by=row.created_by,
-        expires_at=_aware(row.expires_at),
-        revoked_at=_aware(row.revoked_at),
+        expires_at=aware(row.expires_at),
+        revoked_at=aware(row.revoked_at),
     )
 
 
@@ -44,7 +38,7 @@ def _active(now: dt.datetime):
 def _lasting(admins: list[orm.TokenRow], row: orm.TokenRow, until: dt.datetime) -> bool:
     """Return whether an admin other than `row` stays valid past `until`."""
     return any(
-        other.id != row.id and (other.expires_at is None or _aware(other.expires_at) > until)
+        other.id != row.id and (other.expires_at is None or aware(other.expires_at) > until)
         for other in admins
     )
 
