@@ -39,6 +39,13 @@ last (value of the greatest ts, ties to the latest arrival), distinct (number of
 distinct values; -0.0 == 0.0), histogram(edges) (len(edges) - 1 counts, numpy's bins:
 [e_i, e_i+1), the last one closed; values outside are not counted). An empty window
 gives 0 for count, sum, distinct and histogram bins and NaN for the others.
+`sum` is the exact sum of the window's values rounded once (Python's `math.fsum`):
+the engine keeps compensated running sums whose lost bits it bounds, and sums the
+window exactly whenever that bound exceeds 2**-40 of the result, so a sum is exactly
+rounded in the common case and always within 2**-40 relative. `mean` is that sum / n;
+`std` is the square root of the exactly computed variance (same guarantee). Windows
+keep running aggregates (monotonic queues for min and max), so a firing's cost does
+not grow with its window's length (distinct counts excepted).
 
 **Output.** Per firing: trigger id, key, ts, the firing event's index in its batch,
 window bounds `[window_start, window_end)` = the hull of the trigger's windows
@@ -52,11 +59,27 @@ key were new) when it has been idle for more than `key_ttl_ms` of watermark, or 
 new key would exceed `max_keys` (least recently used first). Within a key, events are
 kept only while a window can still see them: ts >= watermark - lateness - reach
 (reach = the largest sliding size or twice the largest tumbling size) or among the last
-n of a count window. So memory is O(max_keys * (trie nodes + events per key within
-reach + lateness + largest count window)).
+n of a count window; logs are trimmed when they have doubled since their last trim. So
+memory is O(max_keys * (trie nodes + events per key within reach + lateness + largest
+count window)), at most twice the events a window can still see.
 
-Triggers are registered before the first push; the engine then compiles them into one
-trie per partition field (shared prefixes share state).
+**Changing triggers.** Triggers are compiled into one trie per partition field (shared
+prefixes share state). A trigger can be added at any time: added after the first push,
+it starts with fresh state (it sees the events pushed from then on), in its own tries
+and key state, so every other trigger keeps its windows and partial matches; its keys
+count towards `max_keys` like any other (state is per trigger group and key). A removed
+trigger stops firing at once; its id is never reused, and its state goes when no live
+trigger shares it.
+
+**Snapshots.** `snapshot()` returns the engine's state as bytes: every key's logs and
+partial matches, the watermark and counters (window aggregates are rebuilt from the logs
+when first read). `restore(data)` is an instance method: build the engine as before
+(same constructor arguments, the same `add_trigger` calls in the same order, the same
+`remove_trigger` calls) and restore into it; it then fires exactly as the engine that
+took the snapshot would have (sums within the same 2**-40 guarantee). The bytes are
+versioned and checksummed (`runtime.stream_snapshot`): anything else raises
+`SnapshotError`, a snapshot of another configuration or trigger set
+`SnapshotMismatchError` naming what differs, and the engine is unchanged.
 """
 
 from __future__ import annotations
@@ -69,6 +92,7 @@ from numpy.typing import NDArray
 
 from runtime._native import _core
 from runtime.stream_batch import Firings, check_batch
+from runtime.stream_snapshot import describe, open_snapshot, seal_snapshot
 from runtime.stream_spec import (
     BatchFormatError,
     EngineConfig,
@@ -77,6 +101,8 @@ from runtime.stream_spec import (
     LateEventError,
     NonFiniteValueError,
     PatternError,
+    SnapshotError,
+    SnapshotMismatchError,
     StreamInputError,
     TimestampRangeError,
     TriggerSpec,
@@ -96,6 +122,8 @@ __all__ = [
     "LateEventError",
     "NonFiniteValueError",
     "PatternError",
+    "SnapshotError",
+    "SnapshotMismatchError",
     "StreamEngine",
     "StreamInputError",
     "StreamStats",
@@ -157,7 +185,8 @@ class StreamEngine:
             ttl=self.config.key_ttl_ms,
         )
         self._triggers: list[TriggerSpec] = []
-        self._started = False
+        self._widths: tuple[int, ...] = ()  # per trigger id, kept so a push is O(1) in them
+        self._removed: set[int] = set()
         self._codes = {name: i for i, name in enumerate(self.config.event_types)}
 
     @property
@@ -167,8 +196,13 @@ class StreamEngine:
 
     @property
     def triggers(self) -> tuple[TriggerSpec, ...]:
-        """The registered triggers, indexed by trigger id."""
+        """The registered triggers, indexed by trigger id (removed ones included)."""
         return tuple(self._triggers)
+
+    @property
+    def removed_triggers(self) -> frozenset[int]:
+        """Ids of the triggers removed with `remove_trigger`."""
+        return frozenset(self._removed)
 
     def type_code(self, name: str) -> int:
         """Return the int32 code of an event type name (raises UnknownEventTypeError)."""
@@ -185,9 +219,7 @@ class StreamEngine:
         features: Sequence[Feature] = (),
         within_ms: int | None = None,
     ) -> int:
-        """Register a trigger and return its id (before the first push only)."""
-        if self._started:
-            raise EngineStateError("triggers must be added before the first push")
+        """Register a trigger and return its id; any time (see "Changing triggers")."""
         spec = self.config.compile_trigger(len(self._triggers), pattern, by, within_ms, features)
         steps = [(s.type, s.op, [_condition(c) for c in s.conditions]) for s in spec.steps]
         feats = [
@@ -197,7 +229,33 @@ class StreamEngine:
         trigger_id = self._native.add_trigger(spec.by, spec.within_ms, steps, feats)
         assert trigger_id == spec.id
         self._triggers.append(spec)
+        self._widths = (*self._widths, spec.width)
         return trigger_id
+
+    def remove_trigger(self, trigger_id: int) -> None:
+        """Stop a trigger firing; the other triggers keep their state."""
+        if trigger_id in self._removed:
+            raise EngineStateError(f"trigger {trigger_id} was already removed")
+        if not isinstance(trigger_id, int) or not 0 <= trigger_id < len(self._triggers):
+            raise EngineStateError(f"no trigger {trigger_id!r} (ids 0..{len(self._triggers) - 1})")
+        self._native.remove_trigger(trigger_id)
+        self._removed.add(trigger_id)
+
+    def snapshot(self) -> bytes:
+        """Return the engine's state as versioned, checksummed bytes (see "Snapshots")."""
+        return seal_snapshot(self._description(), self._native.snapshot())
+
+    def restore(self, data: bytes) -> None:
+        """Replace this engine's state with a snapshot's (see "Snapshots").
+
+        Raises SnapshotError for bytes that are not an intact snapshot of this format
+        version, SnapshotMismatchError (naming the differences) for a snapshot of
+        another configuration or trigger set; the engine is then unchanged.
+        """
+        self._native.restore(open_snapshot(data, self._description()))
+
+    def _description(self) -> str:
+        return describe(self.config, self._triggers, self._removed)
 
     def feature_names(self, trigger_id: int) -> list[str]:
         """Column names of a trigger's feature matrix."""
@@ -227,10 +285,9 @@ class StreamEngine:
         """
         cfg = self.config
         arrays = check_batch(ts, types, keys, values, len(cfg.key_fields), len(cfg.value_fields))
-        self._started = True
         out: dict[str, Any] = self._native.push_batch(*arrays)
         features = out.pop("features")
-        return Firings(out, features, [t.width for t in self._triggers])
+        return Firings(out, features, self._widths)
 
     def push(
         self,

@@ -283,11 +283,25 @@ def _aggregate(feat: CompiledFeature, window: list[_Event]) -> list[float]:
     if agg == "max":
         return [max(xs)]
     if agg == "std":
-        mean = math.fsum(xs) / len(xs)
-        return [math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / len(xs))]
+        return [_exact_std(xs)]
     # last: greatest ts, ties broken by latest arrival
     best = max(range(len(window)), key=lambda j: (window[j][0], j))
     return [xs[best]]
+
+
+def _exact_std(xs: list[float]) -> float:
+    """Return the population std from the exact variance (n*sum(x^2) - sum(x)^2) / n^2.
+
+    In integers: every float is an integer over a power of two, so scaling them all to the largest
+    denominator makes the variance an exact ratio of integers; Python's int / int is
+    correctly rounded, so only the final square root rounds again.
+    """
+    ratios = [x.as_integer_ratio() for x in xs]
+    scale = max(d for _, d in ratios)
+    ints = [num * (scale // d) for num, d in ratios]
+    n = len(ints)
+    numerator = n * sum(i * i for i in ints) - sum(ints) ** 2
+    return math.sqrt(numerator / (n * n * scale * scale))
 
 
 def _bin(edges: tuple[float, ...], x: float) -> int:

@@ -26,6 +26,8 @@ __all__ = [
     "LateEventError",
     "NonFiniteValueError",
     "PatternError",
+    "SnapshotError",
+    "SnapshotMismatchError",
     "Step",
     "StreamInputError",
     "TimestampRangeError",
@@ -83,6 +85,20 @@ class PatternError(ValueError):
 
 class BatchFormatError(TypeError):
     """A pushed array has the wrong dtype or shape."""
+
+
+class SnapshotError(ValueError):
+    """Bytes `StreamEngine.restore` cannot use: not a snapshot, damaged or truncated.
+
+    Also raised for a snapshot of another format version.
+    """
+
+
+class SnapshotMismatchError(SnapshotError):
+    """A snapshot of an engine with another configuration or trigger set.
+
+    The message names what differs: configuration fields, and triggers by id.
+    """
 
 
 class EngineStateError(RuntimeError):

@@ -176,11 +176,15 @@ def test_bad_windows_and_config() -> None:
         StreamEngine(event_types=["a"], key_fields=["x"], value_fields=["x"])
 
 
-def test_triggers_are_frozen_by_the_first_push() -> None:
+def test_removing_an_unknown_or_removed_trigger_is_refused() -> None:
     engine = make_engine()
-    engine.push_batch(*batch([], 2, 1))
-    with pytest.raises(EngineStateError, match="before the first push"):
-        engine.add_trigger("view", by="item")
+    tid = engine.add_trigger("view", by="item")
+    with pytest.raises(EngineStateError, match="no trigger 5"):
+        engine.remove_trigger(5)
+    engine.remove_trigger(tid)
+    with pytest.raises(EngineStateError, match=f"trigger {tid} was already removed"):
+        engine.remove_trigger(tid)
+    assert engine.removed_triggers == {tid}
 
 
 def test_single_push_checks_names_and_numbers() -> None:

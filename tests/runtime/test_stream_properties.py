@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from runtime.stream import Feature, StreamInputError, Window
@@ -17,15 +17,23 @@ from ._stream_helpers import assert_same_firings, batch, engine_pair
 TYPES = ("a", "b", "c", "d")
 KEYS = ("k0", "k1")
 VALUES = ("x", "y")
-# Few distinct values, so conditions, distinct counts and histogram bins all get hit;
-# decimals and large magnitudes check the float paths.
-VALUE_POOL = (-2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 2.5, 3.0, 10.0, 1000.25)
+# Few distinct values, so conditions, distinct counts and histogram bins all get hit.
+# Huge values next to tiny ones expose naive sums ([1e16, 1, -1e16] is 0 summed left to
+# right, 1 exactly), 1e16 + 2 next to 1e16 a naive variance (std 1 under mean 1e16).
+VALUE_POOL = (-1e16, -2.0, -1.0, -0.0, 0.0, 1e-8, 0.5, 1.0, 2.5, 3.0, 1000.25, 1e16, 1e16 + 2)
+# Time windows from milliseconds to seconds (timestamps span minutes), count windows up
+# to hundreds of events.
+TIME_WINDOWS = st.sampled_from((1, 7, 50, 400, 2_000, 10_000)) | st.integers(1, 20_000)
+COUNT_WINDOWS = st.sampled_from((1, 2, 5, 100, 300)) | st.integers(1, 400)
+# Gaps between events: bursts of equal or close timestamps, then seconds of quiet.
+GAPS = st.sampled_from((0, 0, 1, 3, 20, 150, 1_000, 4_000, 20_000))
 
 
 @st.composite
 def conditions(draw: st.DrawFn, n_keys: int, n_values: int) -> str:
     parts = []
-    for _ in range(draw(st.integers(0, 2))):
+    # At most one condition per step most of the time, so that most scenarios fire.
+    for _ in range(draw(st.sampled_from((0, 0, 0, 1, 1, 2)))):
         cmp = draw(st.sampled_from(CMP_OPS))
         if draw(st.booleans()):
             parts.append(f"{KEYS[draw(st.integers(0, n_keys - 1))]}{cmp}{draw(st.integers(0, 3))}")
@@ -38,7 +46,7 @@ def conditions(draw: st.DrawFn, n_keys: int, n_values: int) -> str:
 @st.composite
 def patterns(draw: st.DrawFn, n_types: int, n_keys: int, n_values: int) -> str:
     text = ""
-    for j in range(draw(st.integers(1, 4))):
+    for j in range(draw(st.sampled_from((1, 1, 2, 2, 3, 4)))):
         if j:
             text += draw(st.sampled_from((" -> ", " ~> ")))
         text += TYPES[draw(st.integers(0, n_types - 1))] + draw(conditions(n_keys, n_values))
@@ -49,7 +57,7 @@ def patterns(draw: st.DrawFn, n_types: int, n_keys: int, n_values: int) -> str:
 def features(draw: st.DrawFn, n_types: int, n_values: int) -> Feature:
     agg = draw(st.sampled_from(AGGREGATIONS))
     kind = draw(st.sampled_from(("sliding", "tumbling", "count")))
-    size = draw(st.integers(1, 6)) if kind == "count" else draw(st.integers(1, 80))
+    size = draw(COUNT_WINDOWS if kind == "count" else TIME_WINDOWS)
     of = draw(st.none() | st.sampled_from(TYPES[:n_types]))
     edges: tuple[float, ...] = ()
     if agg == "histogram":
@@ -61,34 +69,35 @@ def features(draw: st.DrawFn, n_types: int, n_values: int) -> Feature:
 @st.composite
 def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     n_types, n_keys, n_values = (draw(st.integers(1, n)) for n in (4, 2, 2))
-    lateness = draw(st.sampled_from((0, 0, 5, 30)))
+    lateness = draw(st.sampled_from((0, 0, 5, 30, 2_000)))
     config = {
         "event_types": TYPES[:n_types],
         "key_fields": KEYS[:n_keys],
         "value_fields": VALUES[:n_values],
         "lateness_ms": lateness,
-        "max_keys": draw(st.sampled_from((1, 2, 3, 1000))),
-        "key_ttl_ms": draw(st.none() | st.integers(0, 60)),
+        "max_keys": draw(st.sampled_from((1, 2, 3, 1000, 1000, 1000))),
+        "key_ttl_ms": draw(st.none() | st.none() | st.integers(0, 60) | st.integers(0, 100_000)),
     }
     triggers = [
         (
             draw(patterns(n_types, n_keys, n_values)),
             KEYS[draw(st.integers(0, n_keys - 1))],
-            draw(st.none() | st.integers(0, 60)),
+            draw(st.sampled_from((None, None, 60_000)) | st.integers(0, 60)),
             draw(st.lists(features(n_types, n_values), max_size=4)),
         )
-        for _ in range(draw(st.integers(1, 5)))
+        for _ in range(draw(st.integers(1, 6)))
     ]
     base, batches = 0, []
-    for _ in range(draw(st.integers(1, 3))):
+    for b in range(draw(st.integers(1, 3))):
         rows = []
-        for _ in range(draw(st.integers(0, 40))):
-            base += draw(st.sampled_from((0, 0, 1, 3, 10)))  # duplicate ts are common
+        # The first batch has a few events at least (empty ones are covered by later ones).
+        for _ in range(draw(st.integers(0 if b else 5, 60) | st.integers(20, 60))):
+            base += draw(GAPS)
             rows.append(
                 (
                     max(0, base - draw(st.integers(0, lateness))),  # out of order, in lateness
                     draw(st.integers(0, n_types - 1)),
-                    [draw(st.integers(0, 3)) for _ in range(n_keys)],
+                    [draw(st.integers(0, 3) | st.just(0)) for _ in range(n_keys)],
                     [draw(st.sampled_from(VALUE_POOL)) for _ in range(n_values)],
                 )
             )
@@ -134,7 +143,9 @@ def test_native_matches_reference(scenario: dict[str, Any]) -> None:
             assert str(got.value) == str(want.value)
             assert {**native.stats(), "trie_nodes": None} == before
         arrays = batch(rows, n_keys, n_values)
-        assert_same_firings(native.push_batch(*arrays), reference.push_batch(*arrays), n_triggers)
+        got = native.push_batch(*arrays)
+        assert_same_firings(got, reference.push_batch(*arrays), n_triggers)
+        event("fired" if len(got) else "did not fire")
     assert native.stats()["live_keys"] <= config["max_keys"]
 
 
@@ -160,3 +171,41 @@ def test_split_batches_fire_like_one_batch(scenario: dict[str, Any], chunk: int)
     for tid in range(len(scenario["triggers"])):
         got = np.concatenate([p.features(tid) for p in pieces] or [expected.features(tid)[:0]])
         np.testing.assert_array_equal(got, expected.features(tid))
+
+
+def _reach(scenario: dict[str, Any]) -> dict[str, bool]:
+    """What one scenario exercises (native engine only: this is about the generator)."""
+    config = scenario["config"]
+    native, _ = engine_pair(scenario["triggers"], **config)
+    n_keys, n_values = len(config["key_fields"]), len(config["value_fields"])
+    rows = [r for rows, _ in scenario["batches"] for r in rows]
+    fired = len(native.push_batch(*batch(rows, n_keys, n_values))) if rows else 0
+    windows = [f.window for _, _, _, feats in scenario["triggers"] for f in feats]
+    span = max(r[0] for r in rows) - min(r[0] for r in rows) if rows else 0
+    return {
+        "fired": fired > 0,
+        "minutes": span >= 60_000,
+        "long_time_window": any(w.kind != "count" and w.size >= 1_000 for w in windows),
+        "long_count_window": any(w.kind == "count" and w.size >= 100 for w in windows),
+    }
+
+
+def test_scenarios_reach_the_interesting_cases() -> None:
+    """Most generated scenarios fire, over minutes, with windows of seconds and hundreds.
+
+    A generator that rarely fires (or only over tiny windows) would let the comparison
+    above pass while checking next to nothing; this fails if that happens.
+    """
+    seen: list[dict[str, bool]] = []
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(scenarios())
+    def collect(scenario: dict[str, Any]) -> None:
+        seen.append(_reach(scenario))
+
+    collect()
+    share = {name: sum(s[name] for s in seen) / len(seen) for name in seen[0]}
+    assert share["fired"] >= 0.7, share
+    assert share["minutes"] >= 0.3, share
+    assert share["long_time_window"] >= 0.3, share
+    assert share["long_count_window"] >= 0.15, share

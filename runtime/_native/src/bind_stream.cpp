@@ -78,6 +78,31 @@ class PyEngine {
     return engine_.add_trigger(def);
   }
 
+  void remove_trigger(int32_t trigger) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_.remove_trigger(trigger);
+  }
+
+  py::bytes snapshot() {
+    std::string payload;
+    {
+      // Safe without the GIL: only the C++ engine is read, into a C++ string; the
+      // mutex keeps pushes from other threads out meanwhile.
+      py::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mutex_);
+      payload = engine_.snapshot();
+    }
+    return py::bytes(payload);
+  }
+
+  void restore(const py::bytes& data) {
+    std::string payload = data;  // copied out of Python first
+    // Safe without the GIL: only the copy above and the C++ engine are touched.
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_.restore(payload);
+  }
+
   py::dict push_batch(const py::array& ts, const py::array& types, const py::array& keys,
                       const py::array& values) {
     std::unique_ptr<Batch> batch = take_spare();
@@ -128,10 +153,9 @@ class PyEngine {
     d["window_end"] = to_array(std::move(out.window_end), {n});
     d["row"] = to_array(std::move(out.row), {n});
     py::dict features;
-    for (size_t t = 0; t < out.features.size(); ++t) {
-      if (out.rows[t] == 0) continue;
-      const auto width = static_cast<py::ssize_t>(engine_.trigger_width(static_cast<int32_t>(t)));
-      features[py::int_(t)] = to_array(std::move(out.features[t]), {out.rows[t], width});
+    for (size_t i = 0; i < out.fired.size(); ++i) {
+      const auto width = static_cast<py::ssize_t>(engine_.trigger_width(out.fired[i]));
+      features[py::int_(out.fired[i])] = to_array(std::move(out.matrices[i]), {out.rows[i], width});
     }
     d["features"] = features;
     return d;
@@ -186,6 +210,9 @@ void register_stream(py::module_& m) {
            py::arg("steps"), py::arg("features"))
       .def("push_batch", &PyEngine::push_batch, py::arg("ts"), py::arg("types"), py::arg("keys"),
            py::arg("values"))
+      .def("remove_trigger", &PyEngine::remove_trigger, py::arg("trigger"))
+      .def("snapshot", &PyEngine::snapshot)
+      .def("restore", &PyEngine::restore, py::arg("payload"))
       .def("stats", &PyEngine::stats);
 
   py::register_exception_translator([](std::exception_ptr p) {
@@ -195,6 +222,8 @@ void register_stream(py::module_& m) {
       raise_python(error_class(e.kind), e.what(), py::int_(e.index));
     } catch (const StateError& e) {
       raise_python("EngineStateError", e.what(), py::none());
+    } catch (const SnapshotError& e) {
+      raise_python("SnapshotError", e.what(), py::none());
     }
   });
 }

@@ -1,7 +1,9 @@
 // Builds the per-partition-field tries and log layouts from the registered triggers.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -52,11 +54,16 @@ std::vector<Condition> canonical(std::vector<Condition> conds) {
   return conds;
 }
 
-std::vector<Node> build_trie(const std::vector<TriggerDef>& defs, int32_t by) {
+// A group: the triggers of one generation partitioned by one key field.
+using GroupId = std::pair<int32_t, int32_t>;  // (generation, by)
+
+bool member(const TriggerDef& def, GroupId id) { return def.generation == id.first && def.by == id.second; }
+
+std::vector<Node> build_trie(const std::vector<TriggerDef>& defs, GroupId id) {
   std::vector<Node> nodes;
   std::map<std::string, int32_t> index;
   for (size_t t = 0; t < defs.size(); ++t) {
-    if (defs[t].by != by) continue;
+    if (!member(defs[t], id)) continue;
     int32_t parent = -1;
     for (size_t j = 0; j < defs[t].steps.size(); ++j) {
       const StepDef& step = defs[t].steps[j];
@@ -70,7 +77,9 @@ std::vector<Node> build_trie(const std::vector<TriggerDef>& defs, int32_t by) {
       if (parent >= 0) (op == Op::Gap ? nodes[parent].gap_children : nodes[parent].contiguous_children) = true;
       parent = it->second;
     }
-    nodes[parent].terminals.push_back(static_cast<int32_t>(t));
+    // A removed trigger keeps its trie path (its group's layout, and so the state of
+    // the group's other triggers, stays as it was) but never fires.
+    if (!defs[t].removed) nodes[parent].terminals.push_back(static_cast<int32_t>(t));
   }
   return nodes;
 }
@@ -127,7 +136,7 @@ int32_t log_for(Group& group, int32_t of) {
   for (size_t i = 0; i < group.logs.size(); ++i) {
     if (group.logs[i].of == of) return static_cast<int32_t>(i);
   }
-  group.logs.push_back(LogSpec{of, {}, 0, -1});
+  group.logs.push_back(LogSpec{of, {}, 0, -1, {}});
   return static_cast<int32_t>(group.logs.size() - 1);
 }
 
@@ -139,66 +148,139 @@ int32_t column_for(LogSpec& log, int32_t field) {
   return static_cast<int32_t>(log.columns.size() - 1);
 }
 
+int32_t window_for(Group& group, int32_t log, WindowKind kind, int64_t size) {
+  for (size_t i = 0; i < group.windows.size(); ++i) {
+    const WindowSpec& w = group.windows[i];
+    if (w.log == log && w.kind == kind && w.size == size) return static_cast<int32_t>(i);
+  }
+  const auto index = static_cast<int32_t>(group.windows.size());
+  group.windows.push_back(WindowSpec{log, kind, size, {}, 0, {}, {}, {}, 0});
+  group.logs[log].windows.push_back(index);
+  return index;
+}
+
+template <class T>
+int32_t slot_for(std::vector<T>& slots, const T& value) {
+  const auto it = std::find(slots.begin(), slots.end(), value);
+  if (it != slots.end()) return static_cast<int32_t>(it - slots.begin());
+  slots.push_back(value);
+  return static_cast<int32_t>(slots.size() - 1);
+}
+
+// The window's stat for (agg, column, edges), added with its running state if new.
+const Stat& stat_for(WindowSpec& w, const FeatureDef& f, int32_t column,
+                     std::vector<double>& edges) {
+  for (const Stat& s : w.stats) {
+    const bool same_edges =
+        static_cast<size_t>(s.edges_end - s.edges_begin) == f.edges.size() &&
+        std::equal(f.edges.begin(), f.edges.end(), edges.begin() + s.edges_begin);
+    if (s.agg == f.agg && s.column == column && same_edges) return s;
+  }
+  Stat s{f.agg, column, static_cast<int32_t>(edges.size()), 0, w.n_out};
+  edges.insert(edges.end(), f.edges.begin(), f.edges.end());
+  s.edges_end = static_cast<int32_t>(edges.size());
+  const int32_t width = f.agg == Agg::Histogram ? static_cast<int32_t>(f.edges.size()) - 1 : 1;
+  w.n_out += width;
+  if (f.agg == Agg::Sum || f.agg == Agg::Mean || f.agg == Agg::Std) {
+    s.sum = slot_for(w.sum_columns, column);
+  }
+  if (f.agg == Agg::Std) s.sq = slot_for(w.sq_columns, column);
+  if (f.agg == Agg::Min || f.agg == Agg::Max) {
+    s.extreme = slot_for(w.extremes, std::make_pair(column, f.agg == Agg::Max));
+  }
+  if (f.agg == Agg::Histogram) {
+    s.bins = w.n_bins;
+    w.n_bins += width;
+  }
+  w.stats.push_back(s);
+  return w.stats.back();
+}
+
 CompiledTrigger compile_features(const TriggerDef& def, int32_t group_index, Group& group,
                                  std::vector<double>& edges) {
   CompiledTrigger out{group_index, def.within, 0, -1, {}};
   for (const FeatureDef& f : def.features) {
     const int32_t log = log_for(group, f.of);
+    const int32_t column = column_for(group.logs[log], f.field);
     LogSpec& spec = group.logs[log];
-    CompiledFeature cf{f.agg, f.window, f.size, log, column_for(spec, f.field), 0, 0, out.width};
     if (f.window == WindowKind::Count) {
       spec.keep = std::max(spec.keep, f.size);
     } else {
       spec.reach = std::max(spec.reach, f.window == WindowKind::Sliding ? f.size : 2 * f.size);
     }
-    cf.edges_begin = static_cast<int32_t>(edges.size());
-    edges.insert(edges.end(), f.edges.begin(), f.edges.end());
-    cf.edges_end = static_cast<int32_t>(edges.size());
-    out.width += f.agg == Agg::Histogram ? static_cast<int32_t>(f.edges.size()) - 1 : 1;
-    out.features.push_back(cf);
+    const int32_t window = window_for(group, log, f.window, f.size);
+    const Stat& stat = stat_for(group.windows[window], f, column, edges);
+    const int32_t width = f.agg == Agg::Histogram ? static_cast<int32_t>(f.edges.size()) - 1 : 1;
+    out.features.push_back(CompiledFeature{window, stat.out, width, out.width});
+    out.width += width;
   }
   return out;
 }
 
-std::string features_key(const CompiledTrigger& trigger, const std::vector<double>& edges) {
+std::string features_key(const CompiledTrigger& trigger) {
   std::string key;
   for (const CompiledFeature& f : trigger.features) {
-    append_bytes(key, f.agg);
     append_bytes(key, f.window);
-    append_bytes(key, f.size);
-    append_bytes(key, f.log);
-    append_bytes(key, f.column);
-    append_bytes(key, f.edges_end - f.edges_begin);
-    for (int32_t e = f.edges_begin; e < f.edges_end; ++e) append_bytes(key, edges[e]);
+    append_bytes(key, f.out);
+    append_bytes(key, f.width);
   }
   return key;
 }
 
 }  // namespace
 
+void check_trigger(const Config& c, const TriggerDef& t) {
+  auto fail = [](const char* what) { throw std::invalid_argument(what); };
+  if (t.by < 0 || t.by >= c.n_keys) fail("partition key field out of range");
+  if (t.steps.empty()) fail("a pattern needs at least one step");
+  if (t.within < -1 || t.within > kMaxTs) fail("within out of range");
+  for (const StepDef& s : t.steps) {
+    if (s.type < 0 || s.type >= c.n_types) fail("step event type out of range");
+    for (const Condition& cond : s.conditions) {
+      const int32_t n = cond.on_value ? c.n_values : c.n_keys;
+      if (cond.field < 0 || cond.field >= n) fail("condition field out of range");
+      if (static_cast<int32_t>(cond.cmp) < 0 || static_cast<int32_t>(cond.cmp) > 5) fail("bad comparison");
+    }
+  }
+  for (const FeatureDef& f : t.features) {
+    if (static_cast<int32_t>(f.agg) < 0 || static_cast<int32_t>(f.agg) > 8) fail("bad aggregation");
+    if (static_cast<int32_t>(f.window) < 0 || static_cast<int32_t>(f.window) > 2) fail("bad window");
+    if (f.size < 1 || f.size > (int64_t{1} << 40)) fail("window size out of range");
+    if (f.of < -1 || f.of >= c.n_types) fail("feature event type out of range");
+    if ((f.agg == Agg::Count) != (f.field < 0) || f.field >= c.n_values) fail("bad feature field");
+    if ((f.agg == Agg::Histogram) != !f.edges.empty()) fail("edges are for histograms only");
+    if (f.agg == Agg::Histogram) {
+      if (f.edges.size() < 2) fail("a histogram needs at least two edges");
+      for (size_t i = 0; i < f.edges.size(); ++i) {
+        if (!std::isfinite(f.edges[i]) || (i && !(f.edges[i - 1] < f.edges[i]))) {
+          fail("histogram edges must be finite and strictly increasing");
+        }
+      }
+    }
+  }
+}
+
 Compiled compile(const Config& config, const std::vector<TriggerDef>& defs) {
   Compiled out;
-  std::vector<int32_t> bys;
-  for (const TriggerDef& d : defs) bys.push_back(d.by);
-  std::sort(bys.begin(), bys.end());
-  bys.erase(std::unique(bys.begin(), bys.end()), bys.end());
+  std::vector<GroupId> ids;
+  for (const TriggerDef& d : defs) ids.emplace_back(d.generation, d.by);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   out.triggers.resize(defs.size());
-  for (const int32_t by : bys) {
+  for (const GroupId& id : ids) {
     const auto g = static_cast<int32_t>(out.groups.size());
     out.groups.emplace_back();
     Group& group = out.groups.back();
-    group.by = by;
-    add_edges(group, build_trie(defs, by), config.n_types);
+    group.by = id.second;
+    add_edges(group, build_trie(defs, id), config.n_types);
     for (const int32_t t : group.terminals) group.terminal_within.push_back(defs[t].within);
-    for (size_t t = 0; t < defs.size(); ++t) {
-      if (defs[t].by == by) out.triggers[t] = compile_features(defs[t], g, group, out.edges);
-    }
     std::map<std::string, int32_t> first_with;  // features (as bytes) -> first trigger
     for (size_t t = 0; t < defs.size(); ++t) {
-      if (defs[t].by != by) continue;
-      CompiledTrigger& trigger = out.triggers[t];
+      if (!member(defs[t], id)) continue;
+      group.live |= !defs[t].removed;
+      CompiledTrigger& trigger = out.triggers[t] = compile_features(defs[t], g, group, out.edges);
       trigger.same_features =
-          first_with.emplace(features_key(trigger, out.edges), static_cast<int32_t>(t)).first->second;
+          first_with.emplace(features_key(trigger), static_cast<int32_t>(t)).first->second;
     }
     group.logs_by_type.assign(config.n_types, {});
     for (int32_t type = 0; type < config.n_types; ++type) {
@@ -207,6 +289,8 @@ Compiled compile(const Config& config, const std::vector<TriggerDef>& defs) {
         if (of < 0 || of == type) group.logs_by_type[type].push_back(static_cast<int32_t>(i));
       }
     }
+    group.window_base = out.n_windows;
+    out.n_windows += static_cast<int32_t>(group.windows.size());
   }
   return out;
 }

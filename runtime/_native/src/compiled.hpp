@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "stream_core.hpp"
@@ -29,21 +30,47 @@ struct Edge {
   int32_t term_begin, term_end;  // triggers ending at the child, into Group::terminals
 };
 
-// One log per stream a group's features read: all events (of = -1) or one type.
+// One log per stream a group's features read: all events (of = -1) or one type. Its
+// rows are kept in arrival order for count windows (the last `keep`) and sorted by ts
+// for time windows (while within lateness + `reach` of the watermark).
 struct LogSpec {
   int32_t of = -1;
   std::vector<int32_t> columns;  // value fields stored, in column order
-  int64_t keep = 0;              // rows always kept: largest count window reading it
+  int64_t keep = 0;              // rows kept in arrival order: largest count window
   int64_t reach = -1;            // largest time-window reach, -1 if none reads it
+  std::vector<int32_t> windows;  // into Group::windows
 };
 
-struct CompiledFeature {
+// One aggregation over one window, shared by every feature asking for it.
+struct Stat {
   Agg agg;
-  WindowKind window;
+  int32_t column;                  // log column, -1 for count
+  int32_t edges_begin, edges_end;  // into Compiled::edges (histogram)
+  int32_t out;                     // first of its outputs in the window's outputs
+  int32_t sum = -1, sq = -1;       // running sums (sum, mean, std) and squares (std)
+  int32_t extreme = -1;            // min/max: its monotonic queue
+  int32_t bins = -1;               // histogram: first of its running bin counts
+};
+
+// A window (kind, size) over one log and what it aggregates. Its per-key running state
+// (runtime/_native/src/windows.hpp) keeps one running sum per entry of `sum_columns`,
+// one of squares per `sq_columns`, one min/max queue per `extremes` (column, is_max).
+struct WindowSpec {
+  int32_t log;
+  WindowKind kind;
   int64_t size;
-  int32_t log;     // into Group::logs
-  int32_t column;  // into the log's columns, -1 for count
-  int32_t edges_begin, edges_end;  // into Engine edges storage
+  std::vector<Stat> stats;
+  int32_t n_out = 0;
+  std::vector<int32_t> sum_columns, sq_columns;
+  std::vector<std::pair<int32_t, bool>> extremes;
+  int32_t n_bins = 0;
+};
+
+// A feature reads `width` outputs of one window into the trigger's row at `offset`.
+struct CompiledFeature {
+  int32_t window;  // into Group::windows
+  int32_t out;     // first output in the window's outputs
+  int32_t width;
   int32_t offset;  // first output column
 };
 
@@ -59,6 +86,7 @@ struct CompiledTrigger {
 
 struct Group {
   int32_t by = 0;
+  bool live = false;  // some member trigger is not removed (else no key state is kept)
   int32_t n_any = 0;  // nodes with `~>` children (per-key `any` slots)
   int32_t n_nodes = 0;
   // Edges of type t: root and `~>` ones in [free_begin[t], free_begin[t + 1]) of
@@ -70,14 +98,20 @@ struct Group {
   std::vector<int64_t> terminal_within;  // each terminal's span limit, next to it
   std::vector<LogSpec> logs;
   std::vector<std::vector<int32_t>> logs_by_type;  // logs each event type is appended to
+  std::vector<WindowSpec> windows;
+  int32_t window_base = 0;  // this group's first window in the engine-wide numbering
 };
 
 struct Compiled {
-  std::vector<Group> groups;  // ascending partition key field
+  std::vector<Group> groups;  // ascending (generation, partition key field)
   std::vector<CompiledTrigger> triggers;
   std::vector<double> edges;  // histogram edges of all features
+  int32_t n_windows = 0;      // over all groups
 };
 
 Compiled compile(const Config& config, const std::vector<TriggerDef>& triggers);
+
+// Throws std::invalid_argument naming what is out of range in a trigger definition.
+void check_trigger(const Config& config, const TriggerDef& trigger);
 
 }  // namespace skiff::stream

@@ -8,19 +8,12 @@
 
 #include "compiled.hpp"
 #include "features.hpp"
+#include "partition.hpp"
+#include "snapshot.hpp"
+#include "windows.hpp"
 
 namespace skiff::stream {
 namespace {
-
-struct Partition {
-  int32_t group = -1;
-  int32_t layout = -1;           // group whose log layout `logs` has (slots are reused)
-  int32_t last_type = -1;        // type of the key's latest event, -1 before the first
-  int64_t key = 0;
-  std::vector<int64_t> any;      // per `~>`-parent node: latest start of a match so far
-  std::vector<std::pair<int32_t, int64_t>> last;  // (node, start) reached by latest event
-  std::vector<EventLog> logs;
-};
 
 // Key fields compare as int64, value fields as double.
 template <typename T>
@@ -36,35 +29,12 @@ bool compare(Cmp cmp, T a, T b) {
   return false;
 }
 
-void check_trigger(const Config& c, const TriggerDef& t) {
-  auto fail = [](const char* what) { throw std::invalid_argument(what); };
-  if (t.by < 0 || t.by >= c.n_keys) fail("partition key field out of range");
-  if (t.steps.empty()) fail("a pattern needs at least one step");
-  if (t.within < -1 || t.within > kMaxTs) fail("within out of range");
-  for (const StepDef& s : t.steps) {
-    if (s.type < 0 || s.type >= c.n_types) fail("step event type out of range");
-    for (const Condition& cond : s.conditions) {
-      const int32_t n = cond.on_value ? c.n_values : c.n_keys;
-      if (cond.field < 0 || cond.field >= n) fail("condition field out of range");
-      if (static_cast<int32_t>(cond.cmp) < 0 || static_cast<int32_t>(cond.cmp) > 5) fail("bad comparison");
-    }
-  }
-  for (const FeatureDef& f : t.features) {
-    if (static_cast<int32_t>(f.agg) < 0 || static_cast<int32_t>(f.agg) > 8) fail("bad aggregation");
-    if (static_cast<int32_t>(f.window) < 0 || static_cast<int32_t>(f.window) > 2) fail("bad window");
-    if (f.size < 1 || f.size > (int64_t{1} << 40)) fail("window size out of range");
-    if (f.of < -1 || f.of >= c.n_types) fail("feature event type out of range");
-    if ((f.agg == Agg::Count) != (f.field < 0) || f.field >= c.n_values) fail("bad feature field");
-    if ((f.agg == Agg::Histogram) != !f.edges.empty()) fail("edges are for histograms only");
-    if (f.agg == Agg::Histogram) {
-      if (f.edges.size() < 2) fail("a histogram needs at least two edges");
-      for (size_t i = 0; i < f.edges.size(); ++i) {
-        if (!std::isfinite(f.edges[i]) || (i && !(f.edges[i - 1] < f.edges[i]))) {
-          fail("histogram edges must be finite and strictly increasing");
-        }
-      }
-    }
-  }
+size_t window_bytes(const WindowState& w) {
+  size_t bytes = sizeof(WindowState) + w.bucket_out.capacity() * sizeof(double) +
+                 (w.agg.sums.capacity() + w.agg.sqs.capacity()) * sizeof(RunningSum) +
+                 w.agg.bins.capacity() * sizeof(int64_t) + w.first_ts.bytes() + w.last_ts.bytes();
+  for (const MonoQueue& q : w.extremes) bytes += q.bytes() + sizeof(MonoQueue);
+  return bytes;
 }
 
 }  // namespace
@@ -72,7 +42,8 @@ void check_trigger(const Config& c, const TriggerDef& t) {
 struct Engine::Impl {
   Config config;
   std::vector<TriggerDef> defs;
-  bool frozen = false;
+  bool dirty = true;            // defs changed since `compiled` was built
+  int32_t open_generation = 0;  // generation of triggers added now (0 until the first push)
   Compiled compiled;
 
   std::vector<Partition> parts;
@@ -87,16 +58,20 @@ struct Engine::Impl {
 
   int64_t watermark = kNone;
   Stats totals;
-  std::vector<double> scratch;
+  WindowScratch window_scratch;
+  uint64_t stamp = 0;
   // The latest computed feature row: (event index, CompiledTrigger::same_features) and
   // where it is, so other triggers firing with the same features at that event copy it.
   struct {
     size_t event = SIZE_MAX;
-    int32_t features = -1, trigger = -1;
+    int32_t features = -1, slot = -1;
     size_t offset = 0;
     int64_t lo = 0, hi = 0;
   } last_row;
-  std::vector<int64_t> fired;  // firings per trigger so far, to size the outputs
+  std::vector<int64_t> fired;    // firings per trigger so far, to size the outputs
+  std::vector<int32_t> slot_of;  // per trigger: its entry in Firings::fired this push, or -1
+  double per_event = 0;          // expected firings per event of this push (for reserving)
+  size_t batch_events = 0;       // events in this push
   std::vector<std::pair<int32_t, int64_t>> scratch_last;
 
   void validate(const Batch& b) const;
@@ -108,7 +83,12 @@ struct Engine::Impl {
   void evict(int32_t p);
   void process(const Batch& b, size_t i, int32_t g, Partition& p, Firings& out);
   void reserve(size_t events, Firings& out);
-  void fire(int32_t trigger, const Partition& p, int64_t ts, size_t index, Firings& out);
+  void recompile();
+  void clear_keys();
+  void save(Writer& w) const;
+  void load(Reader& r);
+  int32_t matrix_slot(int32_t trigger, Firings& out);
+  void fire(int32_t trigger, Partition& p, int64_t ts, size_t index, Firings& out);
 };
 
 void Engine::Impl::validate(const Batch& b) const {
@@ -208,7 +188,13 @@ int32_t Engine::Impl::partition(int32_t group, int64_t key) {
     for (const LogSpec& spec : g.logs) part.logs.emplace_back(spec.columns.size());
     part.layout = group;
   }
-  for (EventLog& log : part.logs) log.clear();
+  for (KeyLog& log : part.logs) {
+    log.arrival.clear();
+    log.sorted.clear();
+    log.appends = 0;
+    log.trim_at = 16;
+  }
+  reset_windows(g, part.logs, part.windows);
   table.insert(group, key, p);
   link_tail(p);
   if (++live > config.max_keys) evict(lru_head);
@@ -223,6 +209,7 @@ void Engine::Impl::apply(const Batch& b, size_t i, Firings& out) {
   }
   const size_t first = out.trigger_id.size();
   for (size_t g = 0; g < compiled.groups.size(); ++g) {
+    if (!compiled.groups[g].live) continue;
     const int64_t key = b.keys[i * config.n_keys + compiled.groups[g].by];
     const int32_t p = partition(static_cast<int32_t>(g), key);
     activity[p] = watermark;
@@ -247,13 +234,9 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   const int64_t t = b.ts[i];
   const double* values = b.values.data() + i * config.n_values;
   const int64_t* keys = b.keys.data() + i * config.n_keys;
-  for (const int32_t l : group.logs_by_type[type]) {
-    const LogSpec& spec = group.logs[l];
-    EventLog& log = p.logs[l];
-    log.push(t, values, spec.columns.data());
-    const int64_t horizon = spec.reach < 0 ? kMaxTs + 1 : watermark - config.lateness - spec.reach;
-    log.evict(horizon, static_cast<size_t>(spec.keep));
-  }
+  const WindowContext ctx{group, compiled.edges, watermark, config.lateness};
+  for (const int32_t l : group.logs_by_type[type]) append_row(ctx, l, t, values, p.logs, p.windows);
+  ++stamp;  // window outputs computed from here on are this event's (for this key)
   std::vector<std::pair<int32_t, int64_t>>& reached = scratch_last;
   reached.clear();
   const auto holds = [&](const Edge& e) {
@@ -300,21 +283,23 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   p.last_type = type;
 }
 
-void Engine::Impl::fire(int32_t trigger, const Partition& p, int64_t ts, size_t index, Firings& out) {
+void Engine::Impl::fire(int32_t trigger, Partition& p, int64_t ts, size_t index, Firings& out) {
   const CompiledTrigger& trig = compiled.triggers[trigger];
-  std::vector<double>& matrix = out.features[trigger];
+  const int32_t slot = matrix_slot(trigger, out);
+  std::vector<double>& matrix = out.matrices[slot];
   const size_t base = matrix.size();
   matrix.resize(base + trig.width);
   int64_t lo = 0, hi = 0;
   if (last_row.event == index && last_row.features == trig.same_features) {
-    const double* row = out.features[last_row.trigger].data() + last_row.offset;
+    const double* row = out.matrices[last_row.slot].data() + last_row.offset;
     std::copy(row, row + trig.width, matrix.data() + base);
     lo = last_row.lo;
     hi = last_row.hi;
   } else {
-    compute_features(trig, p.logs, compiled.edges, ts, config.lateness, matrix.data() + base, lo,
-                     hi, scratch);
-    last_row = {index, trig.same_features, trigger, base, lo, hi};
+    const WindowContext ctx{compiled.groups[trig.group], compiled.edges, watermark, config.lateness};
+    compute_features(trig, ctx, ts, stamp, p.logs, p.windows, window_scratch,
+                     matrix.data() + base, lo, hi);
+    last_row = {index, trig.same_features, slot, base, lo, hi};
   }
   ++fired[trigger];
   out.trigger_id.push_back(trigger);
@@ -323,28 +308,46 @@ void Engine::Impl::fire(int32_t trigger, const Partition& p, int64_t ts, size_t 
   out.event_index.push_back(static_cast<int64_t>(index));
   out.window_start.push_back(lo);
   out.window_end.push_back(hi);
-  out.row.push_back(out.rows[trigger]++);
+  out.row.push_back(out.rows[slot]++);
   ++totals.firings;
 }
 
-// Sizes the outputs for a batch of `events` from the firing rates so far (with some
-// slack), so appending a firing rarely reallocates and copies them.
+// The trigger's matrix in this push's output, added (and sized from the trigger's
+// firing rate so far, with some slack) when it first fires.
+int32_t Engine::Impl::matrix_slot(int32_t trigger, Firings& out) {
+  int32_t& slot = slot_of[trigger];
+  if (slot < 0) {
+    slot = static_cast<int32_t>(out.fired.size());
+    out.fired.push_back(trigger);
+    out.rows.push_back(0);
+    out.matrices.emplace_back();
+    // Capped at one row per event of the push (see `reserve`).
+    const double rate = 1.1 * per_event * static_cast<double>(fired[trigger]);
+    const auto expect = static_cast<size_t>(std::min(rate, static_cast<double>(batch_events)));
+    out.matrices.back().reserve((expect + 4) * static_cast<size_t>(compiled.triggers[trigger].width));
+  }
+  return slot;
+}
+
+// Sizes the firing columns for a batch of `events` from the firing rate so far (with
+// some slack), so appending a firing rarely reallocates and copies them. Only O(1)
+// work: a push must cost nothing per registered trigger.
 void Engine::Impl::reserve(size_t events, Firings& out) {
   fired.resize(defs.size());
+  slot_of.resize(defs.size(), -1);
+  batch_events = events;
+  per_event = totals.events ? static_cast<double>(events) / static_cast<double>(totals.events) : 0;
   if (totals.events == 0) return;
-  const double per_event = static_cast<double>(events) / static_cast<double>(totals.events);
-  const auto expect = [&](int64_t so_far) {
-    return static_cast<size_t>(1.1 * per_event * static_cast<double>(so_far)) + 16;
-  };
-  const size_t n = expect(totals.firings);
+  // Capped at what the batch can fire: counters restored from a snapshot that was
+  // damaged (and resealed) must not ask for terabytes.
+  const double most = static_cast<double>(events) * static_cast<double>(defs.size());
+  const double expect = 1.1 * per_event * static_cast<double>(totals.firings);
+  const size_t n = static_cast<size_t>(std::min(expect, most)) + 16;
   for (auto* column : {&out.key, &out.ts, &out.event_index, &out.window_start, &out.window_end,
                        &out.row}) {
     column->reserve(n);
   }
   out.trigger_id.reserve(n);
-  for (size_t t = 0; t < defs.size(); ++t) {
-    if (fired[t] > 0) out.features[t].reserve(expect(fired[t]) * compiled.triggers[t].width);
-  }
 }
 
 Engine::Engine(Config config) : impl_(std::make_unique<Impl>()) {
@@ -358,10 +361,39 @@ Engine::Engine(Config config) : impl_(std::make_unique<Impl>()) {
 Engine::~Engine() = default;
 
 int32_t Engine::add_trigger(const TriggerDef& trigger) {
-  if (impl_->frozen) throw StateError("triggers must be added before the first push");
   check_trigger(impl_->config, trigger);
   impl_->defs.push_back(trigger);
+  impl_->defs.back().generation = impl_->open_generation;
+  impl_->defs.back().removed = false;
+  impl_->dirty = true;
   return static_cast<int32_t>(impl_->defs.size() - 1);
+}
+
+void Engine::remove_trigger(int32_t trigger) {
+  if (trigger < 0 || trigger >= trigger_count() || impl_->defs[trigger].removed) {
+    throw StateError("no trigger " + std::to_string(trigger) + " to remove");
+  }
+  impl_->defs[trigger].removed = true;
+  impl_->dirty = true;
+}
+
+// Builds the tries again after triggers came or went. Groups are ordered by generation,
+// and a generation's triggers never change after it was compiled (only their `removed`
+// flags, which leave the layout as it was), so every existing key's group index and
+// state layout stay valid. Keys of groups left with no live trigger are dropped.
+void Engine::Impl::recompile() {
+  compiled = compile(config, defs);
+  dirty = false;
+  int32_t top = -1;
+  for (const TriggerDef& d : defs) top = std::max(top, d.generation);
+  open_generation = top + 1;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const int32_t g = parts[p].group;
+    if (g >= 0 && !compiled.groups[g].live) {
+      evict(static_cast<int32_t>(p));
+      --totals.evicted_keys;  // not an eviction by the limits: the triggers went away
+    }
+  }
 }
 
 int32_t Engine::trigger_count() const { return static_cast<int32_t>(impl_->defs.size()); }
@@ -381,16 +413,94 @@ void Engine::push(const Batch& batch, Firings& out) {
       batch.values.size() != batch.size() * static_cast<size_t>(s.config.n_values)) {
     throw std::invalid_argument("batch arrays disagree on the number of events");
   }
-  if (!s.frozen) {
-    s.compiled = compile(s.config, s.defs);
-    s.frozen = true;
-  }
+  if (s.dirty) s.recompile();
   s.validate(batch);  // throws before anything is applied
-  out.features.assign(s.defs.size(), {});
-  out.rows.assign(s.defs.size(), 0);
+  out.fired.clear();
+  out.matrices.clear();
+  out.rows.clear();
   s.last_row.event = SIZE_MAX;
   s.reserve(batch.size(), out);
   for (size_t i = 0; i < batch.size(); ++i) s.apply(batch, i, out);
+  for (const int32_t t : out.fired) s.slot_of[t] = -1;
+}
+
+void Engine::Impl::save(Writer& w) const {
+  w.put<uint32_t>(kByteOrderMarker);
+  for (const int64_t x : {watermark, totals.events, totals.firings, totals.evicted_keys}) w.put(x);
+  w.put<uint64_t>(defs.size());
+  for (size_t t = 0; t < defs.size(); ++t) {
+    w.put<int32_t>(defs[t].generation);
+    w.put<uint8_t>(defs[t].removed);
+    w.put<int64_t>(t < fired.size() ? fired[t] : 0);
+  }
+  w.put<uint64_t>(static_cast<uint64_t>(live));
+  for (int32_t p = lru_head; p >= 0; p = lru_next[p]) save_partition(w, parts[p], activity[p]);
+}
+
+// Reads a snapshot into this fresh state (config and defs set, no keys yet).
+void Engine::Impl::load(Reader& r) {
+  if (r.get<uint32_t>() != kByteOrderMarker) Reader::fail("written on a host of another byte order");
+  watermark = r.get<int64_t>();
+  for (int64_t* x : {&totals.events, &totals.firings, &totals.evicted_keys}) {
+    *x = r.get<int64_t>();
+    if (*x < 0) Reader::fail("negative counter");
+  }
+  if (watermark != kNone && (watermark < 0 || watermark > kMaxTs)) Reader::fail("bad watermark");
+  const size_t n = r.count(sizeof(int32_t) + sizeof(uint8_t) + sizeof(int64_t));
+  if (n != defs.size()) {
+    Reader::fail("has " + std::to_string(n) + " triggers, the engine " + std::to_string(defs.size()));
+  }
+  fired.assign(n, 0);
+  for (size_t t = 0, previous = 0; t < n; ++t) {
+    const auto generation = r.get<int32_t>();
+    const auto removed = r.get<uint8_t>();
+    fired[t] = r.get<int64_t>();
+    // One new generation at most per trigger, in id order.
+    if (generation < static_cast<int64_t>(previous) || static_cast<size_t>(generation) > t) Reader::fail("bad generations");
+    if (removed > 1 || (removed == 1) != defs[t].removed) Reader::fail("removed triggers differ");
+    if (fired[t] < 0) Reader::fail("negative counter");
+    defs[t].generation = generation;
+    previous = static_cast<size_t>(generation);
+  }
+  recompile();
+  const size_t n_keys = r.count(2 * sizeof(int32_t) + 4 * sizeof(int64_t));
+  if (static_cast<int64_t>(n_keys) > config.max_keys || (n_keys && watermark == kNone)) Reader::fail("bad key count");
+  for (size_t i = 0; i < n_keys; ++i) {
+    const auto group = r.get<int32_t>();
+    if (group < 0 || static_cast<size_t>(group) >= compiled.groups.size() || !compiled.groups[group].live) {
+      Reader::fail("bad group");
+    }
+    Partition part;
+    int64_t idle = 0;
+    load_partition(r, config, compiled.groups[group], watermark, part, idle);
+    if (table.find(group, part.key) >= 0) Reader::fail("a key twice");
+    part.group = part.layout = group;
+    reset_windows(compiled.groups[group], part.logs, part.windows);
+    const auto p = static_cast<int32_t>(parts.size());
+    parts.push_back(std::move(part));
+    lru_prev.push_back(-1);
+    lru_next.push_back(-1);
+    activity.push_back(idle);
+    table.insert(group, parts.back().key, p);
+    link_tail(p);
+    ++live;
+  }
+  if (!r.done()) Reader::fail("trailing bytes");
+}
+
+std::string Engine::snapshot() const {
+  Writer w;
+  impl_->save(w);
+  return std::move(w.out);
+}
+
+void Engine::restore(const std::string& payload) {
+  auto next = std::make_unique<Impl>();
+  next->config = impl_->config;
+  next->defs = impl_->defs;
+  Reader r(payload);
+  next->load(r);  // throws SnapshotError, leaving this engine as it was
+  impl_ = std::move(next);
 }
 
 Stats Engine::stats() const {
@@ -402,10 +512,13 @@ Stats Engine::stats() const {
   for (const Partition& p : s.parts) {
     st.state_bytes += static_cast<int64_t>(sizeof(Partition) + p.any.capacity() * sizeof(int64_t) +
                                            p.last.capacity() * sizeof(p.last[0]));
-    for (const EventLog& log : p.logs) {
-      st.state_bytes += static_cast<int64_t>(log.bytes());
-      if (p.group >= 0) st.live_events += static_cast<int64_t>(log.size());
+    for (const KeyLog& log : p.logs) {
+      const EventLog &arrival = log.arrival, &sorted = log.sorted;
+      st.state_bytes += static_cast<int64_t>(arrival.bytes() + sorted.bytes());
+      // A row in both orders is one event (count windows keep the newest rows).
+      if (p.group >= 0) st.live_events += static_cast<int64_t>(std::max(arrival.size(), sorted.size()));
     }
+    for (const WindowState& w : p.windows) st.state_bytes += static_cast<int64_t>(window_bytes(w));
   }
   for (const Group& g : s.compiled.groups) st.trie_nodes += g.n_nodes;
   return st;

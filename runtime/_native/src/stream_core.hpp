@@ -53,6 +53,12 @@ struct TriggerDef {
   int64_t within = -1;  // -1: no span limit
   std::vector<StepDef> steps;
   std::vector<FeatureDef> features;
+  // Set by the engine: triggers added after the first push form a new generation (their
+  // own tries and key state), so adding them leaves every other trigger's state as it
+  // was. A removed trigger stays compiled (its group's layout is unchanged) but never
+  // fires; a generation whose triggers are all removed is dropped with its keys.
+  int32_t generation = 0;
+  bool removed = false;
 };
 
 struct Config {
@@ -77,8 +83,19 @@ struct Batch {
 struct Firings {
   std::vector<int32_t> trigger_id;
   std::vector<int64_t> key, ts, event_index, window_start, window_end, row;
-  std::vector<std::vector<double>> features;  // per trigger id: rows * width, row-major
-  std::vector<int64_t> rows;                  // per trigger id: number of firings
+  // Feature matrices of the triggers that fired, in the order they first fired: kept
+  // sparse so a push costs nothing per trigger that did not fire.
+  std::vector<int32_t> fired;                  // trigger ids
+  std::vector<std::vector<double>> matrices;   // per fired entry: rows * width, row-major
+  std::vector<int64_t> rows;                   // per fired entry: number of firings
+
+  // The trigger's matrix, or nullptr if it did not fire (a linear search: for tests).
+  const std::vector<double>* matrix(int32_t trigger) const {
+    for (size_t i = 0; i < fired.size(); ++i) {
+      if (fired[i] == trigger) return &matrices[i];
+    }
+    return nullptr;
+  }
 };
 
 struct Stats {
@@ -106,6 +123,12 @@ class StateError : public std::logic_error {
   using std::logic_error::logic_error;
 };
 
+// A snapshot payload that is malformed, or inconsistent with the engine's triggers.
+class SnapshotError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class Engine {
  public:
   explicit Engine(Config config);
@@ -113,14 +136,25 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Returns the new trigger's id; only before the first push (StateError after).
+  // Returns the new trigger's id (ids are never reused). Added after the first push, it
+  // starts with fresh key state; the other triggers keep theirs.
   int32_t add_trigger(const TriggerDef& trigger);
+  // Stops a trigger firing at once (StateError if unknown or already removed).
+  void remove_trigger(int32_t trigger);
   int32_t trigger_count() const;
   int32_t trigger_width(int32_t trigger) const;
 
   // Validates the whole batch (InputError, nothing applied), then applies it.
   void push(const Batch& batch, Firings& out);
   Stats stats() const;
+
+  // The engine's state (keys, logs, matching progress, counters; not its config or
+  // trigger definitions) as bytes that `restore` reads back (snapshot.hpp: the layout).
+  std::string snapshot() const;
+  // Replaces the state with a snapshot's, taken from an engine with the same config and
+  // trigger definitions (the caller checks those). Throws SnapshotError and leaves the
+  // engine unchanged if the payload is malformed or does not fit the triggers.
+  void restore(const std::string& payload);
 
  private:
   struct Impl;

@@ -9,6 +9,7 @@
 #include <random>
 #include <unordered_map>
 
+#include "exact.hpp"
 #include "key_table.hpp"
 #include "stream_core.hpp"
 
@@ -63,15 +64,26 @@ void test_contiguous_and_gap() {
   CHECK((out.trigger_id == std::vector<int32_t>{1, 0, 1}));
   CHECK((out.event_index == std::vector<int64_t>{2, 4, 4}));
   CHECK((out.key == std::vector<int64_t>{7, 8, 8}));
-  CHECK(out.features[1].size() == 2 && out.features[1][0] == 7.0 && out.features[1][1] == 24.0);
+  const std::vector<double>* gap_rows = out.matrix(1);
+  CHECK(gap_rows && gap_rows->size() == 2 && (*gap_rows)[0] == 7.0 && (*gap_rows)[1] == 24.0);
   CHECK(out.window_start[0] == 2 - 100 + 1 && out.window_end[0] == 3);
+  engine.remove_trigger(0);
   bool threw = false;
   try {
-    engine.add_trigger(gap);
+    engine.remove_trigger(0);  // already removed
   } catch (const StateError&) {
     threw = true;
   }
   CHECK(threw);
+  CHECK(engine.add_trigger(contiguous) == 2);  // mid-stream: fresh state, a new id
+  Batch more;
+  add_event(more, 21, 1, {8}, {1.0});
+  add_event(more, 22, 0, {8}, {1.0});
+  add_event(more, 23, 1, {8}, {1.0});  // a -> b: the gap trigger and the new one, not 0
+  Firings out2;
+  engine.push(more, out2);
+  CHECK((out2.trigger_id == std::vector<int32_t>{1, 2}));
+  CHECK((out2.event_index == std::vector<int64_t>{2, 2}));
 }
 
 void expect_rejected(Engine& engine, const Batch& b, InputError::Kind kind, size_t index) {
@@ -166,6 +178,20 @@ TriggerDef random_trigger(std::mt19937_64& rng, const Config& c) {
   return t;
 }
 
+Batch random_batch(std::mt19937_64& rng, const Config& c, int64_t base) {
+  Batch batch;
+  for (int i = 0, n = static_cast<int>(rng() % 300); i < n; ++i) {
+    base += static_cast<int64_t>(rng() % 4);
+    const int64_t ts = std::max<int64_t>(0, base - static_cast<int64_t>(rng() % (c.lateness + 1)));
+    std::vector<int64_t> keys;
+    std::vector<double> values;
+    for (int k = 0; k < c.n_keys; ++k) keys.push_back(static_cast<int64_t>(rng() % 20));
+    for (int v = 0; v < c.n_values; ++v) values.push_back(static_cast<double>(rng() % 9) / 2 - 1);
+    add_event(batch, ts, static_cast<int32_t>(rng() % static_cast<uint64_t>(c.n_types)), keys, values);
+  }
+  return batch;
+}
+
 void test_random_stress() {
   std::mt19937_64 rng(12345);
   for (int round = 0; round < 60; ++round) {
@@ -194,8 +220,8 @@ void test_random_stress() {
       }
       Firings out;
       engine.push(batch, out);
-      for (size_t t = 0; t < widths.size(); ++t) {
-        CHECK(out.features[t].size() == static_cast<size_t>(out.rows[t] * widths[t]));
+      for (size_t i = 0; i < out.fired.size(); ++i) {
+        CHECK(out.matrices[i].size() == static_cast<size_t>(out.rows[i] * widths[out.fired[i]]));
       }
       for (size_t i = 0; i < out.trigger_id.size(); ++i) {
         CHECK(out.window_start[i] < out.window_end[i]);
@@ -206,10 +232,145 @@ void test_random_stress() {
   }
 }
 
+bool same_firings(const Firings& a, const Firings& b) {
+  if (a.trigger_id != b.trigger_id || a.key != b.key || a.event_index != b.event_index ||
+      a.window_start != b.window_start || a.window_end != b.window_end || a.fired != b.fired) {
+    return false;
+  }
+  for (size_t i = 0; i < a.fired.size(); ++i) {
+    for (size_t j = 0; j < a.matrices[i].size(); ++j) {
+      const double x = a.matrices[i][j], y = b.matrices[i][j];
+      if (!(x == y || std::fabs(x - y) <= 1e-9 * std::fabs(y) || (std::isnan(x) && std::isnan(y)))) return false;
+    }
+  }
+  return true;
+}
+
+// A restored engine fires like one that never stopped; damaged payloads (truncated,
+// bit-flipped) are refused with SnapshotError or restore some other valid state, and
+// the engine then keeps working: never a bad memory access (this runs under ASan).
+void test_snapshot_restore() {
+  std::mt19937_64 rng(777);
+  for (int round = 0; round < 30; ++round) {
+    Config c = config(1 + static_cast<int32_t>(rng() % 4), 1 + static_cast<int32_t>(rng() % 2), 2);
+    c.lateness = static_cast<int64_t>(rng() % 20);
+    c.max_keys = 1 + static_cast<int64_t>(rng() % 30);
+    Engine a(c), b(c);
+    for (int t = 0, n = 1 + static_cast<int>(rng() % 8); t < n; ++t) {
+      const TriggerDef def = random_trigger(rng, c);
+      a.add_trigger(def);
+      b.add_trigger(def);
+    }
+    const Batch first = random_batch(rng, c, 0), second = random_batch(rng, c, 10'000);
+    Firings out;
+    a.push(first, out);
+    const std::string payload = a.snapshot();
+    b.restore(payload);
+    CHECK(b.snapshot() == payload);
+    Firings want, got;
+    a.push(second, want);
+    b.push(second, got);
+    CHECK(same_firings(got, want));
+    for (int damage = 0; damage < 20; ++damage) {
+      std::string bad = payload;
+      if (damage % 2) {
+        bad.resize(rng() % bad.size());
+      } else {
+        bad[rng() % bad.size()] ^= static_cast<char>(1 << (rng() % 8));
+      }
+      Engine e(c);
+      for (int32_t t = 0; t < a.trigger_count(); ++t) e.add_trigger(random_trigger(rng, c));
+      try {
+        e.restore(bad);
+      } catch (const SnapshotError&) {
+      }
+      Firings any;
+      try {
+        e.push(second, any);
+      } catch (const InputError&) {  // a flipped watermark can make the batch late
+      }
+    }
+  }
+}
+
+void test_running_sum() {
+  RunningSum sum;
+  for (const double x : {1e16, 1.0, -1e16}) sum.add(x);
+  CHECK(sum.value() == 1.0 && sum.trusted() && sum.err() == 0.0);  // naive: 0
+  sum.sub(1e16);  // {1, -1e16} after removing the first value
+  CHECK(sum.value() == -1e16 + 1.0 || sum.value() == -1e16);
+  // Values of mixed magnitude going in and out of a window of 50: the running sum stays
+  // within its guarantee of the exact (fsum) sum, or says it cannot vouch for itself.
+  std::mt19937_64 rng(3);
+  const double pool[] = {1e16, -1e16, 1.0, 0.1, -3.5, 1e-8, 1e16 + 2, 123456.789};
+  std::vector<double> window;
+  RunningSum running;
+  int trusted = 0;
+  for (int i = 0; i < 20000; ++i) {
+    const double x = pool[rng() % 8];
+    window.push_back(x);
+    running.add(x);
+    if (window.size() > 50) {
+      running.sub(window.front());
+      window.erase(window.begin());
+    }
+    ExactSum exact;
+    for (const double v : window) exact.add(v);
+    if (running.trusted()) {
+      ++trusted;
+      CHECK(std::fabs(running.value() - exact.value()) <= kRelTol * std::fabs(exact.value()) * 2);
+    }
+  }
+  CHECK(trusted > 1000);
+}
+
+void test_long_window_mean() {
+  // One key, a mean over a 60 s sliding window and a count(1000) window, checked
+  // against sums recomputed exactly, with out-of-order events inside the lateness.
+  Config c = config(1, 1, 1);
+  c.lateness = 20;
+  Engine engine(c);
+  TriggerDef t{0, -1, {step(0, Op::Contiguous)}, {}};
+  t.features.push_back(FeatureDef{Agg::Sum, 0, WindowKind::Sliding, 60000, -1, {}});
+  t.features.push_back(FeatureDef{Agg::Sum, 0, WindowKind::Count, 1000, -1, {}});
+  t.features.push_back(FeatureDef{Agg::Max, 0, WindowKind::Sliding, 60000, -1, {}});
+  engine.add_trigger(t);
+  std::mt19937_64 rng(5);
+  std::vector<std::pair<int64_t, double>> seen;
+  Batch b;
+  for (int64_t i = 0; i < 90000; ++i) {
+    const int64_t ts = std::max<int64_t>(0, i - static_cast<int64_t>(rng() % 21));
+    const double v = (rng() % 2 ? 1e16 : 1.0) * ((rng() % 3) - 1.0) + static_cast<double>(rng() % 7);
+    add_event(b, ts, 0, {0}, {v});
+    seen.emplace_back(ts, v);
+  }
+  Firings out;
+  engine.push(b, out);
+  CHECK(out.trigger_id.size() == seen.size());
+  for (size_t i = 0; i < seen.size(); i += 1499) {
+    ExactSum sliding, last;
+    double best = -INFINITY;
+    for (size_t j = 0; j <= i; ++j) {
+      if (seen[j].first > seen[i].first - 60000 && seen[j].first <= seen[i].first) {
+        sliding.add(seen[j].second);
+        best = std::max(best, seen[j].second);
+      }
+      if (j + 1000 > i) last.add(seen[j].second);
+    }
+    const double* row = out.matrices[0].data() + i * 3;
+    CHECK(row[0] == sliding.value() || std::fabs(row[0] - sliding.value()) <= 1e-12 * std::fabs(sliding.value()));
+    CHECK(row[1] == last.value() || std::fabs(row[1] - last.value()) <= 1e-12 * std::fabs(last.value()));
+    CHECK(row[2] == best);
+  }
+}
+
 }  // namespace
 
 int main() {
+  test_running_sum();
+  test_long_window_mean();
   test_contiguous_and_gap();
+  test_snapshot_restore();
   test_input_errors();
   test_key_table();
   test_random_stress();
