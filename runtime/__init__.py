@@ -4,18 +4,21 @@ The public API is what this module exports. `Model` loads a decrypted `.mnn` mod
 bytes (never writing plaintext to disk), picks the fastest backend config whose outputs
 match the model's golden data, falls back along a chain on failure, and can run MNN in a
 worker process so a native crash is contained. `ModelSlot` hot-swaps versions under
-load. `StreamEngine` turns raw device events into model inputs (native C++ core).
+load. `StreamEngine` turns raw device events into model inputs (native C++ core); its
+state survives restarts through `snapshot()`/`restore()`.
 Importing this package does not load MNN.
 """
 
 from runtime.backends import Backend, BackendConfig, MemoryMode, Precision, candidate_configs
 from runtime.errors import (
     BackendUnavailable,
+    DeadlineExceeded,
     InferenceError,
     InvalidInput,
     ModelFailed,
     ModelLoadError,
     RuntimeFailure,
+    StaleSwap,
     UnsupportedPlatform,
     WorkerCrashed,
 )
@@ -30,6 +33,8 @@ from runtime.stream import (
     Feature,
     Firings,
     PatternError,
+    SnapshotError,
+    SnapshotMismatchError,
     StreamEngine,
     StreamInputError,
     count,
@@ -44,6 +49,7 @@ __all__ = [
     "BackendUnavailable",
     "BatchFormatError",
     "CrashEvent",
+    "DeadlineExceeded",
     "FallbackEvent",
     "Feature",
     "Firings",
@@ -62,6 +68,9 @@ __all__ = [
     "ProbeResult",
     "RuntimeFailure",
     "Signature",
+    "SnapshotError",
+    "SnapshotMismatchError",
+    "StaleSwap",
     "StreamEngine",
     "StreamInputError",
     "TensorSpec",

@@ -1,12 +1,12 @@
 """The one module that touches MNN: a quiet import, captured native logs, backend detection.
 
 ``import MNN`` prints a CPU-feature line to stdout, and MNN's native logging (load errors,
-"Can't Find type=3 backend, use 0 instead") is plain printf on fd 1, invisible to Python's
+"Can't Find type=3 backend, use 0 instead") is plain printf, invisible to Python's
 ``sys.stdout``. Apps' stdout must stay clean, so every native call that may log runs
-inside `native_output()`, which points fd 1 at a memfd for the duration and forwards what
-MNN said to the ``runtime.mnn`` logger at DEBUG. The redirect is process-wide, so it is
-taken under a lock and kept off the inference fast path; output other threads write to
-fd 1 meanwhile lands in the same log record instead of on the terminal.
+inside `native_output()`, which captures C stdio's stdout for the duration (see
+`runtime._stdio`: only what goes through C stdio, never the app's own writes to fd 1)
+and forwards what MNN said to the ``runtime.mnn`` logger at DEBUG. Captures are
+serialised and kept off the inference fast path.
 
 ``MNN.tools`` (the converter wrappers) pip-installs packages and uploads usage data when
 imported; an import guard refuses it, and the aliyun SDK it pulls in, in any process
@@ -16,19 +16,16 @@ that reaches MNN through this module.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.abc
 import logging
-import os
 import re
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from runtime._memfd import memfd
+from runtime._stdio import Captured, capture_c_stdout, line_buffer_c_stdout
 from runtime.backends import Backend, BackendConfig
 from runtime.errors import ModelLoadError
 
@@ -58,7 +55,7 @@ _REASON_MARKERS = ("Error", "error", "Invalid", "Not Support", "Can't", "failed"
 # Error for <op>" and "code=3 in onForward"; 3 is COMPUTE_SIZE_ERROR in MNN's ErrorCode).
 _SHAPE_ERROR = re.compile(r"Compute Shape Error|Reshape error|Broad cast error|code=3 in on")
 
-_lock = threading.RLock()  # guards fd 1 and the lazy import
+_lock = threading.Lock()  # guards the lazy import
 _mnn: ModuleType | None = None
 _detected: dict[BackendConfig, tuple[Backend, str]] = {}
 
@@ -118,36 +115,11 @@ def load_mnn() -> ModuleType:
     return _mnn
 
 
-@dataclass
-class Captured:
-    """What MNN printed inside one `native_output()` block (filled in when it exits)."""
-
-    text: str = ""
-
-
 @contextlib.contextmanager
 def native_output() -> Iterator[Captured]:
-    """Capture fd 1 (MNN's printf logging) into memory for the duration of the block."""
-    captured = Captured()
-    with _lock:
-        _flush()
-        sink = memfd("skiff-mnn-log")
-        try:
-            saved: int | None = os.dup(1)
-        except OSError:  # a daemon without stdout: restore that state afterwards
-            saved = None
-        os.dup2(sink, 1)
-        try:
-            yield captured
-        finally:
-            _flush()  # C stdio buffers what MNN printed: push it into the memfd first
-            if saved is None:
-                os.close(1)
-            else:
-                os.dup2(saved, 1)
-                os.close(saved)
-            captured.text = os.pread(sink, os.fstat(sink).st_size, 0).decode(errors="replace")
-            os.close(sink)
+    """Capture MNN's printf logging into memory for the duration of the block."""
+    with capture_c_stdout() as captured:
+        yield captured
     if captured.text.strip():
         logger.debug("MNN: %s", " | ".join(captured.text.strip().splitlines()))
 
@@ -226,35 +198,6 @@ def _session_backend(path: str, config: BackendConfig) -> tuple[Backend, str]:
     return actual, f"{logged[1]}; {evidence}"
 
 
-_libc: Any = None
-_IOLBF = 1  # setvbuf's line-buffered mode, on glibc, musl and bionic
-
-
 def line_buffer_native_stdout() -> None:
-    """Make C stdout line-buffered, so a native crash loses none of MNN's log lines.
-
-    C stdio fully buffers stdout when it is a file or pipe, as in worker processes: the
-    last lines MNN printed before a SIGSEGV, the ones that say what went wrong, would die
-    in the buffer. Call it before anything writes to C stdout.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        stdout = ctypes.c_void_p.in_dll(libc, "stdout")
-        libc.setvbuf(stdout, None, _IOLBF, 0)
-    except (OSError, ValueError, AttributeError):
-        pass
-
-
-def _flush() -> None:
-    """Flush Python's and C's stdio buffers so fd swaps split output at the right place."""
-    global _libc
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.flush()
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None)
-        _libc.fflush(None)
-    except (OSError, AttributeError):
-        pass
+    """Make C stdout line-buffered (see `runtime._stdio.line_buffer_c_stdout`)."""
+    line_buffer_c_stdout()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import signal
 import socket
 import sys
@@ -42,6 +43,7 @@ __all__ = ["main"]
 
 FAULTS = ("segv", "abort", "kill", "hang", "exit")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_COUNT = re.compile(r"[0-9]+")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,8 +151,9 @@ def _trigger(kind: str) -> None:
 
 def _parse_fault(text: str) -> tuple[str, int, str]:
     """Parse ``KIND@N[@CONFIG_KEY]``: die the KIND way on run request N (for CONFIG_KEY)."""
-    kind, count, *config = text.split("@", 2)
-    if kind not in FAULTS or not count.isdigit() or int(count) < 1:
+    kind, count, *config = text.split("@", 2) + [""]
+    # ASCII digits only: str.isdigit() also accepts "²", which int() then refuses.
+    if kind not in FAULTS or not _COUNT.fullmatch(count) or int(count) < 1:
         raise SystemExit(f"bad --fault {text!r}")
     return kind, int(count), config[0] if config else ""
 

@@ -21,6 +21,7 @@ from runtime import _mnn
 from runtime.backends import Backend, BackendConfig
 from runtime.errors import (
     BackendUnavailable,
+    DeadlineExceeded,
     ExecutorClosed,
     InferenceError,
     InvalidInput,
@@ -39,17 +40,24 @@ class InProcessExecutor:
     """One loaded MNN module, its config, the backend it really runs on, and its signature.
 
     Thread-safe: MNN modules are not, so requests are serialised by a lock (the binding
-    holds the GIL through ``forward`` anyway, so nothing is lost).
+    holds the GIL through ``forward`` anyway, so nothing is lost). A request waits for
+    the lock at most `deadline_s` (DeadlineExceeded): a forward stuck in MNN cannot be
+    interrupted in this process, but it holds up the others only that long.
     """
 
-    def __init__(self, path: str, config: BackendConfig) -> None:
+    def __init__(
+        self, path: str, config: BackendConfig, *, deadline_s: float | None = None
+    ) -> None:
         """Load the model at `path` (a memfd path) with `config`.
 
         Raises BackendUnavailable if MNN would run the config on another backend, and
-        ModelLoadError if MNN cannot load the model with it.
+        ModelLoadError if MNN cannot load the model with it. `deadline_s` bounds a
+        request's wait for its turn (None: no bound, as in a worker, whose parent has one).
         """
         start = time.perf_counter()
         self.config = config
+        self.deadline_s = deadline_s
+        self._closed = False
         mnn = _mnn.load_mnn()
         expr = mnn.expr
         with _mnn.native_output() as log:
@@ -72,7 +80,10 @@ class InProcessExecutor:
         # throwaway session is built only when the log is silent (see detect_backend).
         self.actual_backend, self.evidence = _mnn.detect_backend(path, config, log.text)
         _refuse_fallback(config, self.actual_backend, self.evidence)
-        self.signature = _signature(module.get_info())
+        info = module.get_info()
+        self.signature = _signature(info)
+        # The converter version recorded in the file, else this engine's.
+        self.mnn_version = str(info.get("version") or mnn.version())
         self.load_ms = (time.perf_counter() - start) * 1000
         self._expr = expr
         self._module: Any = module
@@ -89,31 +100,48 @@ class InProcessExecutor:
 
         `exact` says every input has its exported shape. When one does not and MNN says
         it cannot resize the graph to it, that is the caller's mistake: InvalidInput. Any
-        other failure, at any shape, is the config's: InferenceError.
+        other failure, at any shape, is the config's: InferenceError. DeadlineExceeded
+        if requests ahead of it hold the engine for `deadline_s`.
         """
-        with self._lock:
-            if self._module is None:
+        if not self._lock.acquire(timeout=-1 if self.deadline_s is None else self.deadline_s):
+            raise DeadlineExceeded(
+                f"requests ahead of this one held {self.config.key} for more than "
+                f"{self.deadline_s:g} s"
+            )
+        try:
+            if self._module is None or self._closed:
                 raise ExecutorClosed(f"executor for {self.config.key} is closed")
-            feeds = self._bind(arrays)
-            if exact:
-                return self._forward(feeds)
-            shapes = tuple(a.shape for a in arrays)
-            if shapes in self._accepted_shapes:
-                self._accepted_shapes.move_to_end(shapes)
-                return self._forward(feeds)
-            # New shapes: MNN may refuse them, and says why on stdout only.
-            with _mnn.native_output() as log:
-                try:
-                    outputs = self._forward(feeds)
-                except InferenceError as exc:
-                    error = exc
-                else:
-                    self._remember(shapes)
-                    return outputs
-        reason = _mnn.log_reason(log.text)
-        if _mnn.shape_error(f"{log.text}\n{error}"):
+            outputs, log, error = self._run_locked(arrays, exact)
+        finally:
+            self._lock.release()
+        if error is None:
+            return outputs
+        reason = _mnn.log_reason(log)
+        if _mnn.shape_error(f"{log}\n{error}"):
             raise InvalidInput(self._shape_problem(arrays, reason or error))
         raise InferenceError(f"{error}: {reason}" if reason else str(error))
+
+    def _run_locked(
+        self, arrays: Sequence[np.ndarray], exact: bool
+    ) -> tuple[dict[str, np.ndarray], str, InferenceError | None]:
+        """Run holding the lock; return the outputs, or MNN's log and the error."""
+        feeds = self._bind(arrays)
+        if exact:
+            return self._forward(feeds), "", None
+        shapes = tuple(a.shape for a in arrays)
+        if shapes in self._accepted_shapes:
+            self._accepted_shapes.move_to_end(shapes)
+            return self._forward(feeds), "", None
+        # New shapes: MNN may refuse them, and says why on stdout only.
+        with _mnn.native_output() as log:
+            try:
+                outputs = self._forward(feeds)
+            except InferenceError as exc:
+                error: InferenceError | None = exc
+            else:
+                self._remember(shapes)
+                error = None
+        return ({}, log.text, error) if error else (outputs, "", None)
 
     def _remember(self, shapes: tuple[tuple[int, ...], ...]) -> None:
         """Remember shapes MNN accepted, forgetting the least recently used beyond the cap."""
@@ -132,10 +160,16 @@ class InProcessExecutor:
         """Do nothing: in this process a crash leaves nothing to restart."""
 
     def close(self) -> None:
-        """Release the module; a request still queued on the lock gets ExecutorClosed."""
-        with self._lock:
+        """Release the module; a request still queued on the lock gets ExecutorClosed.
+
+        Waits for a running request at most `deadline_s`; past that (a forward stuck in
+        MNN) the module is released with the executor's last reference instead.
+        """
+        self._closed = True
+        if self._lock.acquire(timeout=-1 if self.deadline_s is None else self.deadline_s):
             self._module = None
             self._feeds = []
+            self._lock.release()
 
     def _bind(self, arrays: Sequence[np.ndarray]) -> list[Any]:
         """Write each array into its input Var, replacing the Var when the shape changes."""

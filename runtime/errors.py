@@ -15,12 +15,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendUnavailable",
+    "DeadlineExceeded",
     "ExecutorClosed",
     "InferenceError",
     "InvalidInput",
     "ModelFailed",
     "ModelLoadError",
     "RuntimeFailure",
+    "StaleSwap",
     "UnsupportedPlatform",
     "WorkerCrashed",
 ]
@@ -81,6 +83,16 @@ class WorkerCrashed(InferenceError):
         self.event = event
 
 
+class DeadlineExceeded(RuntimeFailure, TimeoutError):
+    """A request waited its whole deadline for its turn and was given up; it did not run.
+
+    It waited behind a worker restart, a fallback loading the next config, or requests
+    ahead of it that hold the engine. Nothing is wrong with the config: it never counts
+    towards a fallback or a crash. (A request that ran in a worker past its deadline is
+    a `WorkerCrashed` instead: that worker was killed.)
+    """
+
+
 class ModelFailed(RuntimeFailure):
     """No backend config is left for this model: go back to the previous version.
 
@@ -97,3 +109,15 @@ class ModelFailed(RuntimeFailure):
         super().__init__(message)
         self.fallbacks = fallbacks
         self.probe_results = probe_results
+
+
+class StaleSwap(RuntimeFailure):
+    """A `ModelSlot` swap lost to a newer one; the stale model was closed, not installed.
+
+    ``sequence`` is the refused swap's, ``serving`` the sequence of the version serving.
+    """
+
+    def __init__(self, message: str, sequence: int, serving: int) -> None:
+        super().__init__(message)
+        self.sequence = sequence
+        self.serving = serving

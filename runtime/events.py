@@ -47,7 +47,9 @@ class CrashEvent:
     the deadline) or "protocol" (sent a malformed reply); for the last two the runtime
     killed it with SIGKILL. `count` is how many times in a row this config has crashed
     in this model (a request it serves resets it); `detail` is the worker's last log
-    line, if any.
+    line, if any. `idle` marks a worker found dead between requests (the OOM killer's
+    favourite moment): no request was lost, it is restarted and never counted (`count`
+    0), but it is reported.
     """
 
     config: BackendConfig
@@ -57,6 +59,7 @@ class CrashEvent:
     detail: str = ""
     count: int = 1
     time: float = field(default_factory=time.time)
+    idle: bool = False
 
     def describe(self) -> str:
         """Return a one-line human summary, used as the exception message."""
@@ -69,7 +72,8 @@ class CrashEvent:
         else:
             what = f"exited with status {self.exit_code}"
         tail = f"; last output: {self.detail}" if self.detail else ""
-        return f"worker running {self.config.key} {what} (crash {self.count}){tail}"
+        when = "while idle" if self.idle else f"(crash {self.count})"
+        return f"worker running {self.config.key} {what} {when}{tail}"
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-able dict for telemetry."""
@@ -81,4 +85,5 @@ class CrashEvent:
             "detail": self.detail,
             "count": self.count,
             "time": self.time,
+            "idle": self.idle,
         }

@@ -9,8 +9,13 @@ data exists, checked against it before it serves. When none is left the chain is
 failed: the caller should go back to the previous model version. Every step is a
 `FallbackEvent` with its reason.
 
-While a fallback loads the next config (seconds, under the lock) `active` is None;
-readers that must not mistake that for failure use `wait_active()` or `failed`.
+Loading the next config takes seconds (minutes with GPU tuning), so it never happens
+under the lock that guards the chain's state: that lock is only held for a few field
+updates, and status reads (`active`, `state`, the event lists) never wait for a load.
+While a fallback loads, `active` is None and `state` is "loading"; requests wait for the
+outcome with `wait_active(timeout)`, which raises DeadlineExceeded when it takes longer.
+The thread that found the failure does the loading (one at a time: only the thread that
+took the failed executor out of `active` walks on).
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from runtime.backends import BackendConfig, Precision
-from runtime.errors import InferenceError, InvalidInput, ModelLoadError
+from runtime.errors import DeadlineExceeded, InferenceError, InvalidInput, ModelLoadError
 from runtime.events import CrashEvent, FallbackEvent
 from runtime.golden import Golden
 from runtime.probe import Executor, ProbeResult, probe_config, rank
@@ -44,9 +49,19 @@ class ConfigChain:
         golden: Golden | None,
         *,
         crash_limit: int,
+        input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
+        """Prepare a chain loading configs with `make`; `start_*` picks the first one.
+
+        `input_shapes` sizes dynamic dims for probing without golden data (see
+        `runtime.probe.synthetic_inputs`).
+        """
         self._make, self._golden, self._crash_limit = make, golden, max(1, crash_limit)
-        self._lock = threading.Lock()
+        self._input_shapes = dict(input_shapes or {})
+        self._lock = threading.Lock()  # state only: never held while loading
+        self._changed = threading.Condition(self._lock)  # a load finished, or the chain closed
+        self._loading = False
+        self._closed = False
         self._pending: list[BackendConfig] = []
         self.active: Executor | None = None
         self.failure: str | None = None
@@ -78,10 +93,12 @@ class ConfigChain:
             self._pending = ranked
             if kept is not None:
                 self.active, self._pending = kept, ranked[1:]
-            elif ranked:
-                self._activate_next()
-            else:
+                return
+            if not ranked:
                 self.failure = "no candidate config passed the probe"
+                return
+            self._loading = True
+        self._advance()
 
     def _probe_one(
         self, config: BackendConfig, kept: Executor | None, runs: int
@@ -91,7 +108,9 @@ class ConfigChain:
             reason = f"{config.precision.name} precision needs golden data to be judged"
             self.probe_results.append(ProbeResult(config, None, False, error=reason))
             return kept
-        result, executor = probe_config(self._make, config, self._golden, runs=runs)
+        result, executor = probe_config(
+            self._make, config, self._golden, runs=runs, input_shapes=self._input_shapes
+        )
         self.probe_results.append(result)
         if executor is None:
             return kept
@@ -105,16 +124,33 @@ class ConfigChain:
         """Serve with the first of `configs` that loads (and matches the golden data)."""
         with self._lock:
             self._pending = list(_unique(configs))
-            self._activate_next()
+            self._loading = True
+        self._advance()
 
     @property
     def failed(self) -> bool:
         """Tell whether no config is left; False while a fallback is still loading one."""
         return self.failure is not None  # set only where the chain runs out, or closes
 
-    def wait_active(self) -> Executor | None:
-        """Return the active executor, waiting for a fallback in progress to finish."""
-        with self._lock:
+    @property
+    def state(self) -> str:
+        """Return "serving", "loading" (a fallback is loading a config) or "failed"."""
+        if self.failure is not None:
+            return "failed"
+        return "loading" if self._loading else "serving"
+
+    def wait_active(self, timeout: float | None = None) -> Executor | None:
+        """Return the active executor, waiting up to `timeout` s for a load in progress.
+
+        Returns None once the chain failed; raises DeadlineExceeded if the load is
+        still going at the timeout (None: wait as long as it takes).
+        """
+        with self._changed:
+            if not self._changed.wait_for(lambda: not self._loading, timeout):
+                raise DeadlineExceeded(
+                    f"the model is loading its next backend config (a fallback) and was "
+                    f"not ready within {timeout:g} s"
+                )
             return self.active
 
     def vouches_for(self, executor: Executor) -> bool:
@@ -136,9 +172,9 @@ class ConfigChain:
         with self._lock:
             if self.active is not failed:
                 return  # another request already moved the chain on
-            self.active = None
-            self._activate_next(failed.config, reason)
-        failed.close()  # after the lock: it waits for requests still running on it
+            self.active, self._loading = None, True
+        self._advance(failed.config, reason)
+        failed.close()  # last: it waits for requests still running on it
 
     def record_success(self, config: BackendConfig) -> None:
         """Reset `config`'s crash count: it served a request since it last crashed."""
@@ -158,10 +194,10 @@ class ConfigChain:
             self.crashes.append(event)
             retire = count >= self._crash_limit and self.active is executor
             if retire:
-                self.active = None
-                how = event.signal or event.reason
-                self._activate_next(config, f"crashed {count} times, last: {how}")
+                self.active, self._loading = None, True
         if retire:
+            how = event.signal or event.reason
+            self._advance(config, f"crashed {count} times, last: {how}")
             executor.close()
         return event
 
@@ -170,27 +206,45 @@ class ConfigChain:
         with self._lock:
             active, self.active, self._pending = self.active, None, []
             self.failure = self.failure or "closed"
+            self._closed = True
+            self._changed.notify_all()
         if active is not None:
             active.close()
 
-    def _activate_next(self, failed: BackendConfig | None = None, reason: str = "") -> None:
-        """Walk the pending configs until one loads and passes; caller holds the lock."""
-        while failed is not None or self._pending:
-            if failed is not None:
-                following = self._pending[0] if self._pending else None
-                self.fallbacks.append(FallbackEvent(failed, following, reason))
-                target = following.key if following else "nothing"
-                logger.warning("fallback from %s to %s: %s", failed.key, target, reason)
-                failed = None
-            if not self._pending:
-                break
-            config = self._pending.pop(0)
+    def _advance(self, failed: BackendConfig | None = None, reason: str = "") -> None:
+        """Walk the pending configs until one loads and passes, and make it active.
+
+        The caller set `_loading` (and took the failed executor out of `active`) under
+        the lock; the loads themselves run without it.
+        """
+        executor = None
+        while executor is None:
+            with self._lock:
+                if failed is not None:
+                    self._record_fallback(failed, reason)
+                    failed = None
+                if not self._pending or self._closed:
+                    break
+                config = self._pending.pop(0)
             executor, problem = self._load(config)
-            if executor is not None:
-                self.active = executor
-                return
-            failed, reason = config, problem
-        self.failure = "no backend config left" + (f" (last: {reason})" if reason else "")
+            if executor is None:
+                failed, reason = config, problem
+        with self._lock:
+            self._loading = False
+            if executor is not None and not self._closed:
+                self.active, executor = executor, None
+            elif self.failure is None:
+                self.failure = "no backend config left" + (f" (last: {reason})" if reason else "")
+            self._changed.notify_all()
+        if executor is not None:  # the chain closed while it loaded
+            executor.close()
+
+    def _record_fallback(self, failed: BackendConfig, reason: str) -> None:
+        """Record (and log) moving on from `failed`; caller holds the lock."""
+        following = self._pending[0] if self._pending else None
+        self.fallbacks.append(FallbackEvent(failed, following, reason))
+        target = following.key if following else "nothing"
+        logger.warning("fallback from %s to %s: %s", failed.key, target, reason)
 
     def _load(self, config: BackendConfig) -> tuple[Executor | None, str]:
         """Load one config; with golden data, only keep it if the outputs match."""

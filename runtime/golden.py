@@ -9,22 +9,22 @@ the model; `Golden.make` builds one from the reference config (fp32 CPU, one thr
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from runtime.npz import read_npz, write_npz
 from runtime.signature import SUPPORTED_DTYPES
 
-__all__ = ["Accuracy", "Golden", "Tolerance"]
+__all__ = ["Accuracy", "Golden", "OutputError", "Tolerance", "output_errors"]
 
 FORMAT = "skiff-golden/1"
 _INPUT, _OUTPUT, _META = "input/", "output/", "meta"
+_MAX_META_BYTES = 1 << 20  # tolerances as JSON: a few hundred bytes per variant
 MAX_GOLDEN_BYTES = 256 << 20  # uncompressed; golden inputs are a handful of samples
 
 
@@ -39,6 +39,14 @@ class Tolerance:
 
     min_cosine: float = 0.999
     max_abs_error: float | None = None
+
+    def __post_init__(self) -> None:
+        # NaN compares false with everything: a NaN bar would accept any output.
+        if not -1.0 <= self.min_cosine <= 1.0:
+            raise ValueError(f"min_cosine must be in [-1, 1], not {self.min_cosine}")
+        bound = self.max_abs_error
+        if bound is not None and not 0.0 <= bound < math.inf:
+            raise ValueError(f"max_abs_error must be finite and >= 0, not {bound}")
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-able dict."""
@@ -73,6 +81,10 @@ class Golden:
     inputs: Mapping[str, np.ndarray]
     outputs: Mapping[str, np.ndarray]
     tolerance: Tolerance = field(default_factory=Tolerance)
+    # What each derived variant (int8, fp16...) of the model is held to against these fp32
+    # outputs: the figures the registry measured for it, so a device can check it gets
+    # what the publisher accepted. `tolerance` is for the model these outputs came from.
+    variant_tolerances: Mapping[str, Tolerance] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for kind, arrays in (("input", self.inputs), ("output", self.outputs)):
@@ -108,31 +120,31 @@ class Golden:
             problem = f"max abs error {max_abs:.3g} > {tol.max_abs_error}"
         return Accuracy(cosine, max_abs, finite, problem)
 
+    def for_variant(self, variant: str) -> Golden:
+        """Return this golden data holding `variant` to its own tolerance, if it has one."""
+        tolerance = self.variant_tolerances.get(variant, self.tolerance)
+        return Golden(self.inputs, self.outputs, tolerance, self.variant_tolerances)
+
     def to_npz(self) -> bytes:
         """Serialise to the ``.npz`` format described in the module docstring."""
         arrays = {_INPUT + k: v for k, v in self.inputs.items()}
         arrays |= {_OUTPUT + k: v for k, v in self.outputs.items()}
-        meta = {"format": FORMAT, "tolerance": self.tolerance.to_dict()}
+        meta = {
+            "format": FORMAT,
+            "tolerance": self.tolerance.to_dict(),
+            "variants": {k: v.to_dict() for k, v in self.variant_tolerances.items()},
+        }
         arrays[_META] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-        buffer = io.BytesIO()
-        np.savez_compressed(buffer, **arrays)
-        return buffer.getvalue()
+        return write_npz(arrays, compress=True)
 
     @classmethod
     def from_npz(cls, data: bytes) -> Golden:
         """Parse `to_npz` output; ValueError names what is wrong. Never unpickles."""
-        try:
-            archive = zipfile.ZipFile(io.BytesIO(data))
-            if sum(info.file_size for info in archive.infolist()) > MAX_GOLDEN_BYTES:
-                raise ValueError("golden data is larger than its limit")
-            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in npz.files}
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:  # Value: pickles
-            raise ValueError(f"golden data is not a valid .npz: {exc}") from None
-        tolerance = _tolerance(arrays.pop(_META, np.zeros(0, np.uint8)))
+        arrays = read_npz(data, "golden data", MAX_GOLDEN_BYTES)
+        tolerance, variants = _tolerances(arrays.pop(_META, np.zeros(0, np.uint8)))
         inputs = {k[len(_INPUT) :]: v for k, v in arrays.items() if k.startswith(_INPUT)}
         outputs = {k[len(_OUTPUT) :]: v for k, v in arrays.items() if k.startswith(_OUTPUT)}
-        return cls(inputs, outputs, tolerance)
+        return cls(inputs, outputs, tolerance, variants)
 
     @classmethod
     def make(
@@ -161,16 +173,61 @@ class Golden:
         return cls(dict(inputs), outputs, tolerance or Tolerance())
 
 
-def _tolerance(meta: np.ndarray) -> Tolerance:
-    """Read the tolerance from the ``meta`` entry; ValueError for anything malformed."""
+class OutputError(NamedTuple):
+    """How one output compares with its reference.
+
+    Cosine similarity is blind to scale (an output 15x too small scores 1.0); the relative
+    error ``|got - ref| / |ref|`` (L2 norms) is not.
+    """
+
+    cosine: float
+    max_abs_error: float
+    relative_error: float
+
+
+def output_errors(
+    reference: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]
+) -> dict[str, OutputError]:
+    """Return how each output of `reference` compares with the same output in `outputs`.
+
+    A missing, reshaped or non-finite output scores (0.0, inf, inf).
+    """
+    found = {}
+    for name, ref in reference.items():
+        got = outputs.get(name)
+        if got is None or got.shape != ref.shape or not np.isfinite(got).all():
+            found[name] = OutputError(0.0, math.inf, math.inf)
+            continue
+        a, b = got.astype(np.float64).ravel(), ref.astype(np.float64).ravel()
+        max_abs = float(np.max(np.abs(a - b))) if a.size else 0.0
+        found[name] = OutputError(_cosine(a, b), max_abs, _relative(a, b))
+    return found
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    """Return |a - b| / |b| (L2); 0 for two all-zero vectors, inf against a zero reference."""
+    diff, norm = float(np.linalg.norm(a - b)), float(np.linalg.norm(b))
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm
+
+
+def _tolerances(meta: np.ndarray) -> tuple[Tolerance, dict[str, Tolerance]]:
+    """Read the tolerances from the ``meta`` entry; ValueError for anything malformed."""
+    if meta.nbytes > _MAX_META_BYTES:
+        raise ValueError(
+            f"golden data has meta of {meta.nbytes:,} bytes (limit {_MAX_META_BYTES:,})"
+        )
     try:
         parsed = json.loads(meta.tobytes().decode() or "{}")
         found = parsed.get("format")
         if found != FORMAT:
             raise ValueError(f"golden data format is {found!r}, not {FORMAT!r}")
-        return Tolerance.from_dict(parsed.get("tolerance", {}))
-    except (AttributeError, TypeError) as exc:  # JSON of the wrong shape
-        raise ValueError(f"golden data has malformed meta: {exc}") from None
+        variants = {str(k): Tolerance.from_dict(v) for k, v in parsed.get("variants", {}).items()}
+        return Tolerance.from_dict(parsed.get("tolerance", {})), variants
+    # JSON of the wrong shape, numbers too large for a float, nesting too deep to parse.
+    except (AttributeError, TypeError, OverflowError, RecursionError) as exc:
+        raise ValueError(f"golden data has malformed meta: {type(exc).__name__}") from None
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

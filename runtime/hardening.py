@@ -1,8 +1,9 @@
 """Process hardening for anything that holds plaintext models or parses untrusted ones.
 
 Two kinds of process use this. Long-lived ones that hold plaintext (the control-plane
-server, the device runtime's workers) call `forbid_core_dumps` at start, so a crash
-writes no core file and unprivileged peers cannot ptrace them. Throwaway children that
+server, the device runtime's workers, and any process that loads a `runtime.Model`, from
+`Model.from_bytes`) call `forbid_core_dumps`, so a crash writes no core file and
+unprivileged peers cannot ptrace them. Throwaway children that
 feed untrusted bytes to native code (the registry's MNN worker) also call `confine` once
 they have imported everything they need and before they read the untrusted input: it
 caps memory and CPU, drops to an unprivileged user when started as root, and installs a

@@ -5,13 +5,23 @@ The public entry point for inference on the device::
     model = Model.from_bytes(decrypted, golden=golden, isolation=Isolation.WORKER)
     outputs = model.run({"x": x})          # {"y": array(...)}
 
-`from_bytes` puts the plaintext in a sealed memfd (never on disk), picks a backend
+`from_bytes` makes the process undumpable, puts the plaintext in a sealed memfd (never
+on disk), picks a backend
 config (probing the candidates against the golden data, or taking one forced from
 outside, e.g. the fleet's recommendation) and loads the model with it, in this process
 or in a crash-isolated worker. `run` validates the inputs, runs them, checks the
 outputs are finite, records the latency, and moves along the fallback chain when the
 config fails. Everything that happened (probe results, fallbacks, crashes, latency
 histogram) is data in `telemetry()`.
+
+Plaintext stays in memory in every mode. The caller's process holds the decrypted bytes
+(and, in process, MNN's copy of the weights), so `from_bytes` calls
+`runtime.hardening.forbid_core_dumps()` on it as the workers do on themselves: no core
+file (RLIMIT_CORE 0 and PR_SET_DUMPABLE 0, so systemd-coredump or apport write nothing
+either). The flag also stops processes of the same user from attaching (ptrace, gdb,
+py-spy) or reading ``/proc/<pid>/mem``, and makes ``/proc/<pid>/`` files root-owned;
+root (CAP_SYS_PTRACE) still can. It lasts for the process's life. A `Model` dropped
+without `close()` releases its memfd and worker when it is garbage-collected.
 
 One request never walks the whole chain: a bad config costs at most one fallback per
 request, and non-finite outputs from a config that still matches the golden data (or
@@ -22,16 +32,23 @@ mark every config bad and roll the fleet back.
 from __future__ import annotations
 
 import enum
-import math
 import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from runtime._inputs import (
+    blame_inputs,
+    check_deadline,
+    non_finite,
+    refuse_non_finite,
+    shape_hints,
+)
 from runtime._memfd import fd_path, sealed_memfd
 from runtime.backends import DEFAULT_CONFIG, Backend, BackendConfig, candidate_configs
 from runtime.errors import (
@@ -45,6 +62,7 @@ from runtime.errors import (
 from runtime.events import CrashEvent, FallbackEvent
 from runtime.fallback import ConfigChain
 from runtime.golden import Golden
+from runtime.hardening import forbid_core_dumps
 from runtime.histogram import LatencyHistogram
 from runtime.probe import Executor, ProbeResult
 from runtime.signature import Signature
@@ -68,12 +86,21 @@ class Model:
     """A loaded model version. Thread-safe; use `from_bytes` to make one."""
 
     def __init__(
-        self, fd: int, chain: ConfigChain, *, version: str, isolation: Isolation, check_finite: bool
+        self,
+        fd: int,
+        chain: ConfigChain,
+        *,
+        version: str,
+        isolation: Isolation,
+        check_finite: bool,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        idle_deaths: list[CrashEvent] | None = None,
     ) -> None:
         """Wrap a started chain; `from_bytes` is the way to build one."""
         self._fd, self._chain = fd, chain
         self.version, self.isolation = version, isolation
-        self._check_finite = check_finite
+        self._check_finite, self._deadline_s = check_finite, deadline_s
+        self._idle_deaths = idle_deaths if idle_deaths is not None else []
         self.histogram = LatencyHistogram()
         active = chain.active
         if active is None:
@@ -83,6 +110,8 @@ class Model:
                 tuple(chain.probe_results),
             )
         self.signature: Signature = active.signature
+        # Dropped without close(): the memfd (plaintext) and any worker go with the object.
+        self._release = weakref.finalize(self, _release, chain, fd)
 
     @classmethod
     def from_bytes(
@@ -98,6 +127,7 @@ class Model:
         deadline_s: float = DEFAULT_DEADLINE_S,
         crash_limit: int = DEFAULT_CRASH_LIMIT,
         check_finite: bool = True,
+        input_shapes: Mapping[str, Sequence[int]] | None = None,
         _fault: Fault | None = None,
     ) -> Model:
         """Load a decrypted ``.mnn`` model from memory and get it ready to serve.
@@ -110,48 +140,76 @@ class Model:
 
         `isolation` says where MNN runs (`Isolation.WORKER` contains native crashes);
         `version` names the model in events, telemetry and `ModelSlot`; `probe_runs`
-        timed runs are made per candidate; `deadline_s` bounds each request in a worker;
+        timed runs are made per candidate; `deadline_s` bounds each request's wait for
+        its turn (behind other requests, a worker restart or a fallback's load:
+        DeadlineExceeded) and, in a worker, its run (the worker is killed: WorkerCrashed).
+        In process, MNN's own computation cannot be interrupted; only the waits are bounded;
         `crash_limit` worker crashes in a row (no request served between them) make a
         config bad; `check_finite=False` lets
         non-finite outputs through instead of treating them as a config failure.
         Non-finite float inputs are refused as InvalidInput unless `check_finite=False`.
+
+        Without golden data the candidates are timed on zeros. `input_shapes` (e.g.
+        ``{"x": (1, 3, 320, 320)}``) sizes inputs with dynamic dims for that; where an
+        input still has a dynamic dim, or is an integer input (zero may be outside its
+        domain), the candidates are loaded but not timed, the first one that loads
+        serves, and `probe_untimed` (also in `telemetry()`) says why. Requests may use
+        any shape the model accepts, whatever was probed.
         `_fault` is a test-only hook (see `runtime.worker.Fault`).
 
         Raises ModelFailed (with probe results and fallbacks) if no config can serve.
         """
         isolation = Isolation(isolation)
+        check_deadline(deadline_s)
+        shapes = shape_hints(input_shapes)
         if isinstance(golden, bytes | bytearray | memoryview):
             golden = Golden.from_npz(bytes(golden))
         if isinstance(config, str):
             config = BackendConfig.from_key(config)
+        forbid_core_dumps()  # this process holds the plaintext: no core file may carry it
         label = re.sub(r"[^A-Za-z0-9._-]", "_", version)[:64]
         fd = sealed_memfd(data, name=f"skiff-model-{label}" if label else "skiff-model")
-        chain = None
+        chain, idle_deaths = None, []
         try:
-            make = _factory(fd, isolation, deadline_s, _fault)
-            chain = ConfigChain(make, golden, crash_limit=crash_limit)
+            make = _factory(fd, isolation, deadline_s, _fault, idle_deaths.append)
+            chain = ConfigChain(make, golden, crash_limit=crash_limit, input_shapes=shapes)
             if config is not None:
                 chain.start_forced([config, DEFAULT_CONFIG])
             else:
                 chain.start_probed(candidates or candidate_configs(), runs=probe_runs)
-            return cls(fd, chain, version=version, isolation=isolation, check_finite=check_finite)
+            options = {"deadline_s": deadline_s, "idle_deaths": idle_deaths}
+            return cls(
+                fd,
+                chain,
+                version=version,
+                isolation=isolation,
+                check_finite=check_finite,
+                **options,
+            )
         except BaseException:
             if chain is not None:
                 chain.close()  # e.g. interrupted mid-probe: no worker may outlive this
             os.close(fd)
             raise
 
+    # Status reads never wait: a health endpoint must answer while a fallback loads.
+
     @property
     def config(self) -> BackendConfig | None:
-        """Return the config serving now (None once the model failed)."""
-        active = self._chain.wait_active()
+        """Return the config serving now (None while a fallback loads, see `state`, or failed)."""
+        active = self._chain.active
         return active.config if active else None
 
     @property
     def actual_backend(self) -> Backend | None:
         """Return the backend the serving config really runs on (as MNN reports it)."""
-        active = self._chain.wait_active()
+        active = self._chain.active
         return active.actual_backend if active else None
+
+    @property
+    def state(self) -> str:
+        """Return "serving", "loading" (a fallback is loading the next config) or "failed"."""
+        return self._chain.state
 
     @property
     def failed(self) -> bool:
@@ -164,6 +222,11 @@ class Model:
         return tuple(self._chain.probe_results)
 
     @property
+    def probe_untimed(self) -> str | None:
+        """Return why the probe could not time the candidates (None if it did, or none ran)."""
+        return next((r.untimed for r in self._chain.probe_results if r.untimed), None)
+
+    @property
     def fallbacks(self) -> tuple[FallbackEvent, ...]:
         """Return every fallback so far, each with its reason."""
         return tuple(self._chain.fallbacks)
@@ -172,6 +235,11 @@ class Model:
     def crashes(self) -> tuple[CrashEvent, ...]:
         """Return every worker crash so far."""
         return tuple(self._chain.crashes)
+
+    @property
+    def idle_deaths(self) -> tuple[CrashEvent, ...]:
+        """Return the workers found dead between requests (restarted, never counted)."""
+        return tuple(self._idle_deaths)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run named inputs; return named outputs (fresh arrays the caller owns).
@@ -186,9 +254,11 @@ class Model:
         start = _now()
         arrays, exact = self.signature.check(inputs)
         if self._check_finite:
-            _refuse_non_finite(self.signature, arrays)
+            refuse_non_finite(self.signature, arrays)
         chain, failed_on = self._chain, None
-        executor = chain.wait_active()  # not .active: None there may be a fallback loading
+        deadline_s = self._deadline_s
+        # .active is the fast path; None may be a fallback loading: then wait for it.
+        executor = chain.active or chain.wait_active(deadline_s)
         while True:
             if executor is None:
                 name = self.version or "(unversioned)"
@@ -196,7 +266,7 @@ class Model:
             try:
                 outputs, problem = self._attempt(executor, arrays, exact, failed_on)
             except ExecutorClosed:  # another request's fallback closed it: use the new one
-                executor = chain.wait_active()
+                executor = chain.wait_active(deadline_s)
                 continue
             if not problem:
                 chain.record_success(executor.config)
@@ -206,7 +276,7 @@ class Model:
                 raise InferenceError(f"{problem} (this request failed on {failed_on.key} too)")
             failed_on = executor.config
             chain.fall_back(executor, problem)
-            executor = chain.wait_active()
+            executor = chain.wait_active(deadline_s)
 
     def _attempt(
         self,
@@ -230,15 +300,15 @@ class Model:
             return {}, f"load failed: {exc}"
         except InferenceError as exc:
             return {}, f"inference error: {exc}"
-        bad = _non_finite(outputs) if self._check_finite else ""
+        bad = non_finite(outputs) if self._check_finite else ""
         if bad and (failed_on is not None or self._chain.vouches_for(executor)):
-            raise InvalidInput(_blame_inputs(bad, failed_on, executor.config))
+            raise InvalidInput(blame_inputs(bad, failed_on, executor.config))
         return (outputs, "") if not bad else ({}, f"non-finite outputs: {bad}")
 
     def _crashed(self, executor: Executor, exc: WorkerCrashed) -> WorkerCrashed:
         """Count a crash and restart the worker off this request's path; return the error."""
         event = self._chain.record_crash(executor, exc.event)
-        if self._chain.wait_active() is executor:  # not retired by this crash
+        if self._chain.active is executor:  # not retired by this crash
             # Loading may take long (GPU tuning); this request's caller should not wait.
             name = "skiff-worker-restart"
             threading.Thread(target=executor.restart, name=name, daemon=True).start()
@@ -246,26 +316,27 @@ class Model:
 
     def telemetry(self) -> dict[str, Any]:
         """Return everything worth reporting about this model, as JSON-able data."""
-        active = self._chain.wait_active()
+        active = self._chain.active
         return {
             "version": self.version,
             "isolation": self.isolation.value,
+            "state": self._chain.state,
             "config": active.config.key if active else None,
             "actual_backend": active.actual_backend.name if active else None,
             "failed": self._chain.failed,
             "failure": self._chain.failure,
             "latency": self.histogram.to_dict(),
             "probe_results": [r.to_dict() for r in self.probe_results],
+            "probe_untimed": self.probe_untimed,
             "fallbacks": [e.to_dict() for e in self.fallbacks],
             "crashes": [e.to_dict() for e in self.crashes],
+            "idle_deaths": [e.to_dict() for e in self.idle_deaths],
         }
 
     def close(self) -> None:
         """Release the model, its worker and the plaintext memfd. Idempotent."""
-        self._chain.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._release()  # runs once, whether called here or by the garbage collector
+        self._fd = -1
 
     def __enter__(self) -> Model:
         return self
@@ -274,17 +345,33 @@ class Model:
         self.close()
 
     def __repr__(self) -> str:
-        config = self.config.key if self.config else "failed"
+        active = self._chain.active
+        config = active.config.key if active else self._chain.state
         return f"Model(version={self.version!r}, config={config}, {self.isolation.value})"
 
 
-def _factory(fd: int, isolation: Isolation, deadline_s: float, fault: Fault | None) -> Any:
+def _release(chain: ConfigChain, fd: int) -> None:
+    """Close the chain (executors, workers) and the plaintext memfd."""
+    try:
+        chain.close()
+    finally:
+        os.close(fd)
+
+
+def _factory(
+    fd: int,
+    isolation: Isolation,
+    deadline_s: float,
+    fault: Fault | None,
+    on_idle_death: Callable[[CrashEvent], None],
+) -> Any:
     """Return the function that loads the model with one config, as `isolation` says."""
     if isolation is Isolation.WORKER:
         from runtime.worker import WorkerExecutor
 
         def make_worker(config: BackendConfig) -> Executor:
-            return WorkerExecutor(fd, config, deadline_s=deadline_s, fault=fault)
+            options = {"deadline_s": deadline_s, "fault": fault, "on_idle_death": on_idle_death}
+            return WorkerExecutor(fd, config, **options)
 
         return make_worker
     if fault is not None:
@@ -292,46 +379,6 @@ def _factory(fd: int, isolation: Isolation, deadline_s: float, fault: Fault | No
     from runtime.engine import InProcessExecutor  # late: a worker-only parent never loads MNN
 
     def make_local(config: BackendConfig) -> Executor:
-        return InProcessExecutor(fd_path(fd), config)
+        return InProcessExecutor(fd_path(fd), config, deadline_s=deadline_s)
 
     return make_local
-
-
-def _all_finite(arrays: Sequence[np.ndarray]) -> bool:
-    """Tell whether every float array is finite, cheaply in the common case.
-
-    A dot product of an array with itself is finite exactly when no element is inf or
-    NaN, unless it overflows; only then (or on a non-finite result) is every element
-    checked. It is a few times cheaper than np.isfinite(...).all() on small arrays.
-    """
-    for array in arrays:
-        if array.dtype.kind != "f" or not array.size:
-            continue
-        flat = array.reshape(-1)
-        if not math.isfinite(flat.dot(flat)) and not np.isfinite(flat).all():
-            return False
-    return True
-
-
-def _non_finite(outputs: Mapping[str, np.ndarray]) -> str:
-    """Name the outputs holding NaN or inf ("" when all are finite)."""
-    if _all_finite(list(outputs.values())):
-        return ""
-    return ", ".join(name for name, a in outputs.items() if not _all_finite([a]))
-
-
-def _refuse_non_finite(signature: Signature, arrays: Sequence[np.ndarray]) -> None:
-    """Raise InvalidInput naming the first input (in model order) holding NaN or inf."""
-    if not _all_finite(arrays):
-        specs = signature.inputs
-        name = next(s.name for s, a in zip(specs, arrays, strict=True) if not _all_finite([a]))
-        raise InvalidInput(f"input {name!r} holds NaN or infinity")
-
-
-def _blame_inputs(bad: str, first: BackendConfig | None, second: BackendConfig) -> str:
-    """Explain why non-finite outputs are the inputs' fault, not the config's."""
-    if first is None:
-        why = f"{second.key} still matches the golden data"
-    else:
-        why = f"{first.key} and {second.key} both give them"
-    return f"these inputs make outputs {bad} non-finite ({why}): outside the model's domain"

@@ -7,6 +7,13 @@ is a `ProbeResult`, plain data ready for telemetry; `rank` orders the accepted o
 fastest first. Without golden data the probe runs zeros of the exported input shapes
 and only times them: zeros may rightly give non-finite outputs (log, division), so
 nothing about the outputs is judged, and the caller probes no low-precision configs.
+
+Zeros are not always possible or safe. A dynamic dim (exported as -1, as in PP-OCR's
+[1, 3, -1, -1]) has no size to make zeros of unless the caller gives one
+(``input_shapes``), and an integer input may be a sample rate or an index whose zero
+crashes the engine (Silero VAD with sample rate 0 is a SIGSEGV in MNN). Then the config is
+only loaded, not timed: accepted, with `ProbeResult.untimed` saying why, and candidates
+keep their order of preference (safest first).
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ from runtime.errors import (
 from runtime.golden import Golden
 from runtime.signature import Signature
 
-__all__ = ["Executor", "ProbeResult", "probe_config", "rank"]
+__all__ = ["Executor", "ProbeResult", "probe_config", "rank", "synthetic_inputs"]
 
 SAME_SPEED = 0.05  # p50s within 5% of the fastest are within a probe's timing noise
+_ZERO_SAFE = ("float32", "float64")  # dtypes whose zeros are a harmless probe input
 
 
 class Executor(Protocol):
@@ -72,6 +80,7 @@ class ProbeResult:
     max_abs_error: float | None = None
     load_ms: float | None = None
     error: str | None = None
+    untimed: str | None = None  # why latency was not measured (the config still loaded)
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-able dict for telemetry."""
@@ -87,6 +96,7 @@ class ProbeResult:
             "max_abs_error": _finite_or_none(self.max_abs_error),
             "load_ms": self.load_ms,
             "error": self.error,
+            "untimed": self.untimed,
         }
 
 
@@ -97,8 +107,13 @@ def probe_config(
     *,
     runs: int = 10,
     warmup: int = 2,
+    input_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[ProbeResult, Executor | None]:
-    """Probe one config; return its result and, if accepted, the loaded executor."""
+    """Probe one config; return its result and, if accepted, the loaded executor.
+
+    `input_shapes` gives sizes for dynamic dims when there is no golden data; an input it
+    names that the model lacks, or of another rank, raises InvalidInput.
+    """
     try:
         executor = make(config)
     except BackendUnavailable as exc:
@@ -107,7 +122,12 @@ def probe_config(
     except (ModelLoadError, InferenceError) as exc:  # InferenceError: worker died loading
         return ProbeResult(config, None, False, error=f"load failed: {exc}"), None
     try:
-        result = _measure(executor, golden, runs=max(1, runs), warmup=max(0, warmup))
+        inputs = golden.inputs if golden else synthetic_inputs(executor.signature, input_shapes)
+        if isinstance(inputs, str):
+            actual, load_ms = executor.actual_backend, executor.load_ms
+            result = ProbeResult(config, actual, True, load_ms=load_ms, untimed=inputs)
+        else:
+            result = _measure(executor, inputs, golden, runs=max(1, runs), warmup=max(0, warmup))
     except BaseException:
         executor.close()  # e.g. interrupted: a worker must not outlive the probe
         raise
@@ -132,10 +152,54 @@ def rank(results: Sequence[ProbeResult], *, margin: float = SAME_SPEED) -> list[
     return [r for i, r in sorted(accepted, key=lambda ir: (max(p50[ir[0]], fast), ir[0]))]
 
 
-def _measure(executor: Executor, golden: Golden | None, *, runs: int, warmup: int) -> ProbeResult:
-    """Time `runs` inferences of the golden inputs and judge the outputs."""
+def synthetic_inputs(
+    signature: Signature, input_shapes: Mapping[str, tuple[int, ...]] | None
+) -> dict[str, np.ndarray] | str:
+    """Return zeros to time a model without golden data, or why there can be none.
+
+    Shapes are `input_shapes` where given, else the exported ones. Raises InvalidInput for
+    a hint that names no input of the model or has another rank.
+    """
+    shapes = dict(input_shapes or {})
+    specs = {spec.name: spec for spec in signature.inputs}
+    for name, shape in shapes.items():
+        if name not in specs:
+            raise InvalidInput(
+                f"input_shapes names {name!r}, which the model does not take; "
+                f"it takes {list(specs)}"
+            )
+        if len(shape) != len(specs[name].shape):
+            raise InvalidInput(
+                f"input_shapes gives {name!r} the shape {tuple(shape)}; the model takes "
+                f"rank {len(specs[name].shape)}: {specs[name].shape}"
+            )
+    zeros = {}
+    for spec in signature.inputs:
+        shape = tuple(shapes.get(spec.name, spec.shape))
+        if spec.dtype not in _ZERO_SAFE:
+            return (
+                f"not timed: integer input {spec.name!r} needs golden data (zeros may be "
+                "outside its domain, e.g. a sample rate, and crash the engine)"
+            )
+        if any(n < 0 for n in shape):
+            return (
+                f"not timed: input {spec.name!r} has dynamic dims {spec.shape}; pass "
+                "input_shapes or golden data to time the candidates"
+            )
+        zeros[spec.name] = np.zeros(shape, spec.dtype)
+    return zeros
+
+
+def _measure(
+    executor: Executor,
+    inputs: Mapping[str, np.ndarray],
+    golden: Golden | None,
+    *,
+    runs: int,
+    warmup: int,
+) -> ProbeResult:
+    """Time `runs` inferences of `inputs` and judge the outputs against `golden`, if any."""
     config, actual = executor.config, executor.actual_backend
-    inputs = golden.inputs if golden else _zeros(executor.signature)
     base = {"load_ms": executor.load_ms}
     try:
         arrays, exact = executor.signature.check(inputs)
@@ -179,11 +243,6 @@ def _percentiles(samples: list[float]) -> dict[str, Any]:
 
     percentiles = {"p50_us": at(0.5), "p95_us": at(0.95), "p99_us": at(0.99)}
     return {**percentiles, "samples_us": tuple(samples)}
-
-
-def _zeros(signature: Signature) -> Mapping[str, np.ndarray]:
-    """Zeros of each input's exported shape and dtype (probing without golden data)."""
-    return {s.name: np.zeros(s.shape, s.dtype) for s in signature.inputs}
 
 
 def _finite_or_none(value: float | None) -> float | None:

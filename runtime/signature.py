@@ -1,10 +1,15 @@
 """A model's inputs and outputs as MNN reports them, and the check of a caller's inputs.
 
 MNN's converter records every input with the shape it was exported with (a dynamic
-batch dimension is written as 1) and resizes the graph when fed another shape, so the
-shape in the signature is a default, not a contract. The check is therefore strict on
-names, dtypes and ranks, which MNN does not verify (an int32 array fed to a float input
-silently gives garbage), and lets other dims through for MNN to accept or refuse.
+batch dimension is written as 1, other dynamic dims as -1) and resizes the graph when fed
+another shape, so the shape in the signature is a default, not a contract. The check is
+therefore strict on names, dtypes and ranks, which MNN does not verify (an int32 array
+fed to a float input silently gives garbage), and lets other dims through for MNN to
+accept or refuse.
+
+The converter also narrows int64 inputs to int32 (Silero VAD's sample rate, token ids),
+while callers naturally feed what the original model took: int64 arrays are accepted for
+int32 inputs and narrowed, if every value fits (anything else is refused, never wrapped).
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
     layout: str = "NCHW"
+
+    @property
+    def dynamic_dims(self) -> tuple[int, ...]:
+        """Return the axes whose size is unknown until run time (exported as -1)."""
+        return tuple(axis for axis, n in enumerate(self.shape) if n < 0)
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-able dict; `from_dict` reverses it."""
@@ -101,9 +111,7 @@ class Signature:
                 kind = type(array).__name__
                 raise InvalidInput(f"input {spec.name!r} must be a numpy.ndarray, not {kind}")
             if array.dtype != dtype:
-                raise InvalidInput(
-                    f"input {spec.name!r} has dtype {array.dtype}; the model takes {dtype}"
-                )
+                array = _narrowed(spec, dtype, array)
             if array.shape != spec.shape:
                 self._check_shape(spec, array.shape)
                 exact = False
@@ -144,3 +152,18 @@ class Signature:
         """Rebuild a signature from `to_dict` output (e.g. a worker's reply)."""
         inputs = tuple(TensorSpec.from_dict(item) for item in d["inputs"])
         return cls(inputs, tuple(str(name) for name in d["outputs"]))
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _narrowed(spec: TensorSpec, dtype: np.dtype, array: np.ndarray) -> np.ndarray:
+    """Return int64 `array` as int32 for an int32 input; InvalidInput for any other mismatch."""
+    if dtype != np.int32 or array.dtype != np.int64:
+        raise InvalidInput(f"input {spec.name!r} has dtype {array.dtype}; the model takes {dtype}")
+    if array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
+        raise InvalidInput(
+            f"input {spec.name!r} holds int64 values outside int32, which the converted "
+            "model takes (MNN's converter narrows int64 inputs)"
+        )
+    return array.astype(np.int32)

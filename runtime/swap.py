@@ -5,6 +5,18 @@ the caller's thread, off the request path: requests keep going to the old versio
 the while. The switch itself is one reference swap under a lock, so every request runs
 entirely on one version, old or new. The old version is closed by whichever comes last:
 the swap (if it was idle) or its last in-flight request, never under a request's feet.
+
+Order. Loads take seconds and may run concurrently (a sync delivers v2, then v3 before
+v2 finished loading), so they can finish in any order. Every swap carries a sequence
+number and the slot only ever moves forward: a swap whose sequence is not above the
+serving one is stale, refused with `StaleSwap`, and its model closed (the slot owns a
+model once it is handed to `swap`). By default a swap's sequence is taken when it is
+asked for: `load` takes it when called, before loading, so of two loads the one called
+last wins whichever finishes first; `swap` takes it on the spot. A caller with its own
+order (e.g. the control plane's revision) passes ``sequence=`` explicitly. Going back to
+an older version is a new swap like any other: versions move only where the caller
+says, in the order it said so. Swapping in the model already serving is a no-op (it is
+not closed), apart from moving the slot's sequence forward.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import ModelFailed
+from runtime.errors import ModelFailed, StaleSwap
 from runtime.model import Model
 
 __all__ = ["ModelSlot"]
@@ -38,6 +50,8 @@ class ModelSlot:
         """Start with `model` serving (or nothing, until the first `swap` or `load`)."""
         self._lock = threading.Lock()
         self._entry = _Entry(model) if model is not None else None
+        self._serving = 0  # sequence of the swap that installed the serving entry
+        self._issued = 0  # highest sequence handed out or seen
 
     @property
     def model(self) -> Model | None:
@@ -50,6 +64,17 @@ class ModelSlot:
         """Return the version string of the model serving now."""
         entry = self._entry
         return entry.model.version if entry else None
+
+    @property
+    def sequence(self) -> int:
+        """Return the sequence of the swap that put the serving version in place."""
+        return self._serving
+
+    def next_sequence(self) -> int:
+        """Reserve a sequence above every one handed out so far (for a later `swap`)."""
+        with self._lock:
+            self._issued += 1
+            return self._issued
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run on the serving version; see `Model.run`."""
@@ -71,29 +96,67 @@ class ModelSlot:
             if drained:
                 entry.model.close()
 
-    def swap(self, model: Model) -> None:
-        """Make `model` serve from now on; close the old one once its requests finish."""
-        self._replace(_Entry(model))
+    def swap(self, model: Model, *, sequence: int | None = None) -> None:
+        """Make `model` serve from now on; close the old one once its requests finish.
 
-    def load(self, data: bytes, *, version: str, **options: Any) -> Model:
+        The slot owns `model` from here on. Raises StaleSwap (after closing `model`) if
+        a swap with a higher `sequence` (default: a fresh one, see the module docstring)
+        already happened; swapping in the serving model changes nothing.
+        """
+        with self._lock:
+            if sequence is None:
+                self._issued += 1
+                sequence = self._issued
+            self._issued = max(self._issued, sequence)
+            serving = self._serving
+            if self._entry is not None and self._entry.model is model:
+                self._serving = max(serving, sequence)
+                return
+            if sequence > serving:
+                old, self._entry, self._serving = self._entry, _Entry(model), sequence
+                drained = _retire(old)
+        if sequence <= serving:
+            model.close()
+            name = model.version or "(unversioned)"
+            raise StaleSwap(
+                f"swap to {name} (sequence {sequence}) is stale: sequence {serving} serves",
+                sequence,
+                serving,
+            )
+        if drained is not None:
+            drained.close()
+
+    def load(
+        self, data: bytes, *, version: str, sequence: int | None = None, **options: Any
+    ) -> Model:
         """Load `data` as `version` (see `Model.from_bytes`) while serving, then swap.
 
-        If the new version fails to start (ModelFailed), the old one keeps serving.
+        The swap's sequence is taken now, before loading (or given as `sequence`). If the
+        new version fails to start (ModelFailed), the old one keeps serving; if a later
+        swap got in first, StaleSwap is raised and the loaded model closed.
         """
+        if sequence is None:
+            sequence = self.next_sequence()
         model = Model.from_bytes(data, version=version, **options)
-        self.swap(model)
+        self.swap(model, sequence=sequence)
         return model
 
     def close(self) -> None:
-        """Stop serving: the current version closes once its requests finish."""
-        self._replace(None)
+        """Stop serving: the current version closes once its requests finish.
 
-    def _replace(self, entry: _Entry | None) -> None:
-        """Install `entry` atomically; retire the old one, closing it now if idle."""
+        Swaps sequenced before this call are stale from now on; later ones serve again.
+        """
         with self._lock:
-            old, self._entry = self._entry, entry
-            if old is not None:
-                old.retired = True
-            drained = old is not None and old.inflight == 0
+            old, self._entry = self._entry, None
+            self._serving = self._issued = self._issued + 1
+            drained = _retire(old)
         if drained:
-            old.model.close()
+            drained.close()
+
+
+def _retire(entry: _Entry | None) -> Model | None:
+    """Mark `entry` retired (caller holds the lock); return its model if idle, to close."""
+    if entry is None:
+        return None
+    entry.retired = True
+    return entry.model if entry.inflight == 0 else None

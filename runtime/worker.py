@@ -10,39 +10,49 @@ log line). `restart()` starts a fresh worker with the same model and config (the
 request also does, if nobody did); counting crashes toward fallback, and restarting
 unless the config is retired, is the model's job (`runtime.model`).
 
+A worker can also die between requests (the OOM killer picks idle processes too). Each
+request checks first that its worker is alive; a dead one is replaced transparently: it
+is reported (``on_idle_death``) but never counted as a crash, since no request was lost.
+
+Every wait is bounded. A request waits for its turn (behind another request, or a
+restart) at most its deadline, then fails with DeadlineExceeded, and runs at most its
+deadline (then the worker is killed: WorkerCrashed). Restarts load the new worker
+without holding the request lock, in a thread of their own, so a slow restart (a big
+model, GPU tuning) never blocks anyone beyond their deadline; ``restart()`` waits for
+it at most the load deadline.
+
 Detection never depends on timing: a dead child closes its end of the socket, so the
 blocked read returns EOF at once, and ``wait()`` reports the signal. A request that is
 interrupted midway (KeyboardInterrupt, a signal handler's exception) kills the worker
 too: its reply would otherwise be read as the answer to the next request.
 
-Workers get a minimal environment and die with this process (``PR_SET_PDEATHSIG``).
-The kernel sends that signal when the *thread* that forked the child exits, so every
-worker is spawned from one long-lived thread, never from a short-lived caller thread.
+Workers get a minimal environment and die with this process (see `runtime._processes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
-import signal
+import select
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from runtime import _wire
+from runtime import _processes, _wire
 from runtime._memfd import memfd
+from runtime._processes import EXIT_GRACE_S, child_env, kill, signal_name
 from runtime.backends import Backend, BackendConfig
 from runtime.errors import (
     BackendUnavailable,
+    DeadlineExceeded,
     ExecutorClosed,
     InferenceError,
     InvalidInput,
@@ -59,15 +69,8 @@ logger = logging.getLogger("runtime")
 
 DEFAULT_DEADLINE_S = 10.0
 LOAD_DEADLINE_S = 300.0  # loading (and GPU kernel tuning) of a big model is slow
-_EXIT_GRACE_S = 5.0
 _LOG_TAIL = 4096
 _LOG_LIMIT, _LOG_KEEP = 64 * 1024, 32 * 1024  # past the limit, only the last part is kept
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
-# What a worker inherits: enough to start Python and MNN, nothing of the app's secrets.
-# LD_LIBRARY_PATH: embedded interpreters (e.g. on Android) may need it to start at all.
-_ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONHOME", "LD_LIBRARY_PATH")
-# Never shut down: its thread must outlive every worker (see the module docstring).
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skiff-worker-spawner")
 
 
 @dataclass(frozen=True)
@@ -100,16 +103,24 @@ class WorkerExecutor:
         *,
         deadline_s: float = DEFAULT_DEADLINE_S,
         fault: Fault | None = None,
+        on_idle_death: Callable[[CrashEvent], None] | None = None,
     ) -> None:
         """Start a worker and load the model in it with `config`.
 
         Raises BackendUnavailable or ModelLoadError like `InProcessExecutor`, and
-        WorkerCrashed if the worker dies while loading.
+        WorkerCrashed if the worker dies while loading. `on_idle_death` is told about
+        workers found dead between requests (and replaced).
         """
         self.config = config
         self.deadline_s = deadline_s
         self._model_fd, self._fault = model_fd, fault
+        self._on_idle_death = on_idle_death
+        # Held by a request for its round trip (bounded by the deadline), and briefly for
+        # state changes; never while a restart loads (`_restarting` keeps requests off).
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a restart finished, or closed
+        self._restarting = False
+        self._restart_error: Exception | None = None
         self._proc: subprocess.Popen | None = None
         self._channel: _wire.Channel | None = None
         self._log_fd = -1
@@ -124,17 +135,22 @@ class WorkerExecutor:
         return self._proc.pid if self._proc else None
 
     def run(self, arrays: Sequence[np.ndarray], exact: bool) -> dict[str, np.ndarray]:
-        """Run validated inputs in the worker; see `InProcessExecutor.run`."""
-        with self._lock:
-            if self._closed:
-                raise ExecutorClosed(f"executor for {self.config.key} is closed")
-            if self._channel is None:  # nobody restarted it yet, or that failed: now
-                self.restarts += 1
-                self._start()
+        """Run validated inputs in the worker; see `InProcessExecutor.run`.
+
+        Raises DeadlineExceeded if no live worker was free within the deadline, and
+        ModelLoadError if the worker was down and restarting it failed.
+        """
+        deadline = time.monotonic() + self.deadline_s
+        if not self._lock.acquire(timeout=self.deadline_s):
+            raise DeadlineExceeded(self._late("requests ahead of this one held it"))
+        try:
+            self._await_worker(deadline)
             names = self.signature.input_names
             request = {"op": "run", "exact": exact}
             reply, outputs = self._call(request, dict(zip(names, arrays, strict=True)))
             self._trim_log()
+        finally:
+            self._lock.release()
         if not reply.get("ok"):
             kind, error = reply.get("kind"), str(reply.get("error", "worker error"))
             raise InvalidInput(error) if kind == "invalid_input" else InferenceError(error)
@@ -144,10 +160,66 @@ class WorkerExecutor:
         return outputs
 
     def close(self) -> None:
-        """Stop the worker: ask it to exit, then kill it if it does not."""
+        """Stop the worker: ask it to exit, then kill it if it does not.
+
+        A worker still being started by a restart is stopped when that restart ends.
+        """
         with self._lock:
             self._closed = True
-            self._stop(graceful=True)
+            self._changed.notify_all()
+            if not self._restarting:
+                self._stop(graceful=True)
+
+    def _await_worker(self, deadline: float) -> None:
+        """Return once a live worker is up; the caller holds the lock (released to wait).
+
+        A worker found dead here died between requests: it is reaped, reported and
+        replaced, and this request waits for the replacement like any other.
+        """
+        waited = False
+        while not self._closed:
+            if not self._restarting:
+                if self._channel is not None and self._proc is not None:
+                    if self._idle_and_alive():
+                        return
+                    self._note_idle_death(self._reap("died"))
+                elif waited and self._restart_error is not None:
+                    error = self._restart_error
+                    if isinstance(error, WorkerCrashed):  # the replacement died loading:
+                        raise WorkerCrashed(error.event)  # a crash, counted like any other
+                    raise ModelLoadError(str(error))  # MNN refused to load it again
+                self._begin_restart()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(self._late("it was restarting"))
+            self._changed.wait(remaining)
+            waited = True
+        raise ExecutorClosed(f"executor for {self.config.key} is closed")
+
+    def _idle_and_alive(self) -> bool:
+        """Tell whether the worker between requests is alive (two syscalls, no waiting).
+
+        A worker whose process is reapable is dead; so is one whose socket is readable:
+        an idle worker never writes, so that is the EOF of a dying process (its threads
+        may still be exiting, which keeps it from being reaped for a moment).
+        """
+        assert self._proc is not None and self._channel is not None
+        if self._proc.poll() is not None:
+            return False
+        poller = select.poll()
+        poller.register(self._channel.sock, select.POLLIN | select.POLLHUP)
+        return not poller.poll(0)
+
+    def _note_idle_death(self, event: CrashEvent) -> None:
+        """Report a worker that died between requests (not a crash: no request was lost)."""
+        event = dataclasses.replace(event, count=0, idle=True)
+        logger.warning("%s; restarting it", event.describe())
+        if self._on_idle_death is not None:
+            self._on_idle_death(event)
+
+    def _late(self, why: str) -> str:
+        """Explain a DeadlineExceeded."""
+        return f"no turn on the worker for {self.config.key} within {self.deadline_s:g} s: {why}"
 
     def _start(self) -> None:
         """Spawn a worker and load the model; leaves it down if anything fails."""
@@ -174,11 +246,11 @@ class WorkerExecutor:
             "stdout": log_fd,
             "stderr": log_fd,
             "pass_fds": (child.fileno(), self._model_fd),
-            "env": _child_env(),
+            "env": child_env(),
             "start_new_session": True,  # Ctrl-C in the app's terminal is not for us
         }
         try:
-            self._proc = _spawn(argv, options)
+            self._proc = _processes.spawn(argv, options)
         except BaseException:
             parent.close()
             os.close(log_fd)
@@ -248,33 +320,56 @@ class WorkerExecutor:
         code = None
         if how == "died":
             try:
-                code = proc.wait(timeout=_EXIT_GRACE_S)
+                code = proc.wait(timeout=EXIT_GRACE_S)
             except subprocess.TimeoutExpired:  # closed the socket yet lives on: end it
                 pass
         if code is None:  # still alive: hung, talking nonsense, or interrupted
-            code = _kill(proc)
+            code = kill(proc)
         detail = detail or self._log_tail()
         self._teardown()
         if how != "died":
             return CrashEvent(self.config, how, "SIGKILL", None, detail)
         if code is None or code < 0:
-            name = "SIGKILL" if code is None else _signal_name(-code)
+            name = "SIGKILL" if code is None else signal_name(-code)
             return CrashEvent(self.config, "signal", name, None, detail)
         return CrashEvent(self.config, "exit", None, code, detail)
 
     def restart(self) -> None:
         """Start a replacement for a crashed worker now, off the next request's path.
 
-        If that fails too, the next request tries again (and reports how it failed).
+        Joins a restart already under way; waits at most the load deadline. If the
+        restart fails, the next request tries again (and reports how it failed).
         """
         with self._lock:
-            if self._closed or self._channel is not None:
+            if self._closed or (self._channel is not None and not self._restarting):
                 return
-            self.restarts += 1
-            try:
-                self._start()
-            except Exception as exc:  # noqa: BLE001 - the next request retries and reports
-                logger.warning("restarting the worker for %s failed: %s", self.config.key, exc)
+            self._begin_restart()
+            bound = LOAD_DEADLINE_S + 2 * EXIT_GRACE_S
+            self._changed.wait_for(lambda: not self._restarting, timeout=bound)
+
+    def _begin_restart(self) -> None:
+        """Start a restart in its own thread, unless one runs; the caller holds the lock."""
+        if self._restarting or self._closed:
+            return
+        self._restarting, self._restart_error = True, None
+        self.restarts += 1
+        name = f"skiff-worker-restart-{self.config.key}"
+        threading.Thread(target=self._restart_body, name=name, daemon=True).start()
+
+    def _restart_body(self) -> None:
+        """Spawn and load a new worker (without the lock), then let the waiters in."""
+        error: Exception | None = None
+        try:
+            self._start()  # only this thread touches the worker while _restarting is set
+        except Exception as exc:  # noqa: BLE001 - waiting requests report it
+            error = exc
+            logger.warning("restarting the worker for %s failed: %s", self.config.key, exc)
+        finally:
+            with self._lock:
+                self._restarting, self._restart_error = False, error
+                if self._closed:
+                    self._stop(graceful=True)
+                self._changed.notify_all()
 
     def _stop(self, *, graceful: bool) -> None:
         """End the worker (exit request, then SIGKILL after a grace period)."""
@@ -284,11 +379,11 @@ class WorkerExecutor:
         if graceful and channel is not None:
             try:
                 channel.send({"op": "exit"})
-                proc.wait(timeout=_EXIT_GRACE_S)
+                proc.wait(timeout=EXIT_GRACE_S)
             except (OSError, subprocess.TimeoutExpired):
                 pass
         if proc.poll() is None:
-            _kill(proc)
+            kill(proc)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -318,40 +413,3 @@ class WorkerExecutor:
         text = os.pread(self._log_fd, _LOG_TAIL, max(0, size - _LOG_TAIL))
         lines = [line.strip() for line in text.decode(errors="replace").splitlines()]
         return next((line for line in reversed(lines) if line), "")[:300]
-
-
-def _signal_name(number: int) -> str:
-    """Return e.g. "SIGSEGV" for 11, or "signal N" for numbers Python does not know."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _spawn(argv: list[str], options: dict) -> subprocess.Popen:
-    """Start a worker from the spawner thread, so its death signal follows this process."""
-    future = _SPAWNER.submit(subprocess.Popen, argv, **options)
-    try:
-        return future.result()
-    except BaseException:
-        # Interrupted while waiting: the worker may still start; make sure it ends.
-        future.add_done_callback(lambda f: f.exception() is None and _kill(f.result()))
-        raise
-
-
-def _kill(proc: subprocess.Popen) -> int | None:
-    """SIGKILL a worker and reap it; return its status (None if it will not die)."""
-    proc.kill()
-    try:
-        return proc.wait(timeout=_EXIT_GRACE_S)
-    except subprocess.TimeoutExpired:  # stuck in the kernel (D state): nothing more to do
-        logger.warning("worker %d survived SIGKILL for %.0f s", proc.pid, _EXIT_GRACE_S)
-        return None
-
-
-def _child_env() -> dict[str, str]:
-    """Return the worker's environment: the few variables it needs, plus MNN's own."""
-    env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith("MNN_")}
-    path = os.environ.get("PYTHONPATH")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, path]))
-    return env

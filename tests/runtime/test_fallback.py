@@ -11,7 +11,13 @@ import pytest
 
 from runtime._memfd import fd_path, sealed_memfd
 from runtime.engine import InProcessExecutor
-from runtime.errors import InferenceError, InvalidInput, ModelFailed, ModelLoadError
+from runtime.errors import (
+    DeadlineExceeded,
+    InferenceError,
+    InvalidInput,
+    ModelFailed,
+    ModelLoadError,
+)
 from runtime.fallback import ConfigChain
 from runtime.golden import Golden
 from runtime.model import Isolation, Model
@@ -96,44 +102,76 @@ def test_a_request_that_fails_twice_reaches_the_caller_after_one_fallback():
         assert model.config == CPU_1_HIGH and len(model.fallbacks) == 2
 
 
-class _ContendedLock:
-    """A lock that tells when some thread has to wait for it."""
+class _WatchedCondition(threading.Condition):
+    """The chain's condition, telling when some request has to wait on it."""
 
-    def __init__(self) -> None:
-        self._lock, self.contended = threading.Lock(), threading.Event()
+    def __init__(self, lock) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
 
-    def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            self.contended.set()
-            self._lock.acquire()
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait(timeout)
 
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+
+def _watch_waits(model):
+    """Return an event set once a request waits on the chain (for a load to finish)."""
+    watched = model._chain._changed = _WatchedCondition(model._chain._lock)
+    return watched.waiting
 
 
 def test_a_request_during_a_slow_fallback_waits_for_it_instead_of_failing():
-    lock, loading = _ContendedLock(), threading.Event()
+    loading, waiting = threading.Event(), []
 
     def slow_load(config):
-        if config == CPU_1_LOW:  # the fallback's load: finishes once a request waits on it
+        if config == CPU_1_LOW and waiting:  # the fallback's load: ends once a request waits
             loading.set()
-            lock.contended.wait(timeout=60)
+            waiting[0].wait(timeout=60)
 
     faults = {CPU_1: "raise"}
     model = _model_with_chain([CPU_1, CPU_1_LOW], faults=faults, on_load=slow_load)
-    model._chain._lock = lock
+    waiting.append(_watch_waits(model))
     answers = []
     first = threading.Thread(target=lambda: answers.append(model.run(x16())))
     first.start()
     try:
         assert loading.wait(timeout=60)
         assert not model.failed  # mid-fallback: nothing is active, yet nothing failed
+        # Status reads answer at once mid-load: a health endpoint must not hang on it.
+        assert model.state == "loading" and model.config is None
+        assert model.telemetry()["state"] == "loading" and "config=loading" in repr(model)
         assert model.run(x16())["y"].shape == (1, 4)  # waits for CPU_1_LOW, then runs
     finally:
-        lock.contended.set()  # never leave the first request hanging
+        waiting[0].set()  # never leave the first request hanging
         first.join()
         model.close()
     assert len(answers) == 1 and model.fallbacks[0].to_config == CPU_1_LOW
+    assert model.state == "failed"  # closed
+
+
+def test_a_request_waits_for_a_fallback_only_until_its_deadline():
+    release, loading = threading.Event(), threading.Event()
+
+    def slow_load(config):
+        if config == CPU_1_LOW and not loading.is_set():
+            loading.set()
+            release.wait(timeout=60)
+
+    model = _model_with_chain([CPU_1, CPU_1_LOW], faults={CPU_1: "raise"}, on_load=slow_load)
+    model._deadline_s = 0.2
+    first = threading.Thread(target=model.run, args=(x16(),))
+    first.start()
+    try:
+        assert loading.wait(timeout=60)
+        with pytest.raises(DeadlineExceeded, match="loading its next backend config"):
+            model.run(x16())
+        assert model.fallbacks[0].to_config == CPU_1_LOW  # the wait counted against nothing
+        assert len(model.fallbacks) == 1
+    finally:
+        release.set()
+        first.join()
+    assert model.run(x16())["y"].shape == (1, 4) and model.config == CPU_1_LOW
+    model.close()
 
 
 def test_probing_closes_the_kept_executor_when_interrupted():

@@ -230,6 +230,62 @@ def test_stdout_stays_clean_and_nothing_is_written(tmp_path):
     assert list(work.iterdir()) == []
 
 
+def test_another_threads_stdout_is_not_lost_during_loads(tmp_path):
+    """Output an app writes to stdout while MNN loads reaches stdout, all of it, in order."""
+    model = tmp_path / "model.bin"
+    model.write_bytes(tiny_mnn())
+    script = textwrap.dedent(
+        f"""
+        import contextlib, os, sys, threading
+        from runtime import _mnn
+        from runtime.backends import BackendConfig
+        from runtime.model import Model
+        inside, wrote, stop = threading.Event(), threading.Event(), threading.Event()
+        real = _mnn.native_output
+
+        @contextlib.contextmanager
+        def held_open():  # hold every capture open until the app has written inside it
+            with real() as captured:
+                wrote.clear()
+                inside.set()
+                wrote.wait(30)
+                inside.clear()
+                yield captured
+
+        _mnn.native_output = held_open
+
+        def app():
+            n = 0
+            while not stop.is_set():
+                print(f"line {{n}}", flush=True)
+                os.write(1, f"raw {{n}}\\n".encode())
+                n += 1
+                if inside.is_set():
+                    wrote.set()
+            print(f"last {{n}}", flush=True)
+
+        writer = threading.Thread(target=app)
+        writer.start()
+        data = open({str(model)!r}, "rb").read()
+        keys = [{OPENCL.key!r}, {CPU_1.key!r}]  # OPENCL makes MNN print its fallback line
+        for _ in range(3):
+            Model.from_bytes(data, candidates=[BackendConfig.from_key(k) for k in keys]).close()
+        stop.set()
+        writer.join()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    count = int(lines[-1].removeprefix("last "))
+    assert count > 0
+    expected = [f"{kind} {n}" for n in range(count) for kind in ("line", "raw")]
+    assert lines[:-1] == expected  # nothing lost, nothing reordered, no MNN line among them
+
+
 def test_works_in_a_daemon_without_stdout(tmp_path):
     # With fd 1 closed, new descriptors could take its number; capturing MNN's stdout
     # must not clobber the model's memfd then.

@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from runtime.errors import ModelFailed
+from runtime import swap as swap_module
+from runtime.errors import ModelFailed, StaleSwap
 from runtime.model import Isolation, Model
 from runtime.swap import ModelSlot
 from tests.runtime._model_helpers import CPU_1, tiny_mnn, x16
@@ -122,3 +123,104 @@ def test_a_failed_load_keeps_the_old_version_serving():
         slot.load(b"\x00" * 64, version="v2", config=CPU_1)
     assert slot.version == "v1" and slot.run(INPUTS)["y"].shape == (2, 4)
     slot.close()
+
+
+def test_swapping_in_the_serving_model_is_a_no_op():
+    model = Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v1")
+    slot = ModelSlot(model)
+    slot.swap(slot.model)  # before: closed the model it then kept serving
+    slot.swap(model, sequence=7)
+    assert slot.model is model and not model.failed and slot.sequence == 7
+    assert slot.run(INPUTS)["y"].shape == (2, 4)
+    slot.close()
+    assert model.failed
+
+
+def test_a_stale_sequence_is_refused_and_closed(expected):
+    slot = ModelSlot()
+    v2 = Model.from_bytes(tiny_mnn(1), config=CPU_1, version="v2")
+    v1 = Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v1")
+    slot.swap(v2, sequence=2)
+    with pytest.raises(StaleSwap, match="sequence 1.* stale: sequence 2 serves") as info:
+        slot.swap(v1, sequence=1)
+    assert (info.value.sequence, info.value.serving) == (1, 2)
+    assert v1.failed and not v2.failed  # the slot owned v1: refused means closed
+    np.testing.assert_array_equal(slot.run_versioned(INPUTS)[1]["y"], expected["v2"])
+    slot.swap(v1 := Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v1"))  # going back
+    assert slot.version == "v1" and slot.sequence == 3 and v2.failed
+    slot.close()
+
+
+@pytest.fixture
+def held_loads(monkeypatch):
+    """Hold `Model.from_bytes` for the versions in the returned dict until their event is set.
+
+    `entered[version]` is set once that load is under way (its sequence already taken).
+    """
+    held: dict[str, threading.Event] = {}
+    entered = {version: threading.Event() for version in ("v2", "v3")}
+    real = Model.from_bytes
+
+    def from_bytes(data, **options):
+        version = options.get("version")
+        if version in entered:
+            entered[version].set()
+        gate = held.get(version)
+        if gate is not None:
+            assert gate.wait(timeout=60)
+        return real(data, **options)
+
+    monkeypatch.setattr(swap_module.Model, "from_bytes", from_bytes)
+    return held, entered
+
+
+@pytest.mark.parametrize("first_done", ["v2", "v3"])
+def test_concurrent_loads_end_on_the_one_called_last(held_loads, expected, first_done):
+    held_loads, entered = held_loads
+    slot = ModelSlot(Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v1"))
+    held_loads["v2"], held_loads["v3"] = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def load(version, seed):
+        try:
+            outcome[version] = slot.load(tiny_mnn(seed), version=version, config=CPU_1)
+        except StaleSwap as exc:
+            outcome[version] = exc
+
+    older = threading.Thread(target=load, args=("v2", 1))
+    older.start()
+    assert entered["v2"].wait(timeout=60)  # v2 took its sequence: only now is v3 asked for
+    newer = threading.Thread(target=load, args=("v3", 0))
+    newer.start()
+    order = [older, newer] if first_done == "v2" else [newer, older]
+    for thread in order:
+        held_loads["v2" if thread is older else "v3"].set()
+        thread.join(timeout=60)
+    assert slot.version == "v3"  # whichever finished first, the later call serves
+    if first_done == "v3":
+        assert isinstance(outcome["v2"], StaleSwap) and not isinstance(outcome["v3"], Exception)
+    else:
+        assert outcome["v2"].failed  # served, then retired by v3
+    assert slot.run_versioned(INPUTS)[0] == "v3"
+    slot.close()
+
+
+def test_a_load_that_finishes_after_close_is_stale(held_loads):
+    held_loads, entered = held_loads
+    slot = ModelSlot(Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v1"))
+    held_loads["v2"] = threading.Event()
+    errors = []
+
+    def load():
+        try:
+            slot.load(tiny_mnn(1), version="v2", config=CPU_1)
+        except StaleSwap as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    assert entered["v2"].wait(timeout=60)
+    slot.close()
+    held_loads["v2"].set()
+    thread.join(timeout=60)
+    assert len(errors) == 1 and slot.model is None

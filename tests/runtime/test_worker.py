@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import _mnn, _wire
+from runtime import _mnn, _wire, _worker_main
 from runtime import worker as worker_module
 from runtime._memfd import sealed_memfd
+from runtime._processes import child_env as _child_env
 from runtime.errors import (
     BackendUnavailable,
     InvalidInput,
@@ -34,7 +35,7 @@ from runtime.errors import (
     WorkerCrashed,
 )
 from runtime.model import Isolation, Model
-from runtime.worker import Fault, WorkerExecutor, _child_env
+from runtime.worker import Fault, WorkerExecutor
 from tests.runtime._model_helpers import (
     CPU_1,
     CPU_1_LOW,
@@ -477,3 +478,15 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.parametrize("text", ["segv@²", "segv@١", "segv@0", "segv@", "segv", "boom@1"])
+def test_a_bad_fault_argument_is_refused_cleanly(text):
+    # "²".isdigit() is True, yet int("²") raises: only ASCII digits may pass.
+    with pytest.raises(SystemExit, match="bad --fault"):
+        _worker_main._parse_fault(text)
+
+
+def test_a_good_fault_argument_parses():
+    assert _worker_main._parse_fault("segv@12") == ("segv", 12, "")
+    assert _worker_main._parse_fault(f"kill@1@{CPU_1.key}") == ("kill", 1, CPU_1.key)
