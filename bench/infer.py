@@ -21,6 +21,11 @@ taken per round against the bare MNN median of that same round, and the median o
 those is reported (machines are noisy). The last line is one JSON object: the main
 model's figures at the top level, every model's under "models".
 
+Then the real third-party models (PP-OCRv4 detector, recogniser and classifier, Silero
+VAD; see `bench/_real_models.py`): the runtime in process against onnxruntime on the
+same realistic inputs, outputs checked equal (cosine), under "real_models" as
+``{name: {mnn_p50_us, onnxruntime_p50_us, ratio_vs_onnxruntime, cosine}}``.
+
     python bench/infer.py            # more rounds
     python bench/infer.py --quick    # within a minute on 2 cores
 """
@@ -46,6 +51,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import _real_models  # noqa: E402
+from bench._real_models import time_block  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
 from runtime import _mnn  # noqa: E402
 from runtime.backends import BackendConfig  # noqa: E402
@@ -118,16 +125,6 @@ def ipc_floor(work_us: float, rounds: int, iters: int) -> float:
     finally:
         parent.close()
         proc.wait()
-
-
-def time_block(fn: Callable[[], object], iters: int) -> float:
-    """Median per-call latency of `iters` calls, in µs."""
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - start)
-    return statistics.median(samples) / 1000
 
 
 def measure(name: str, onnx_bytes: bytes, rounds: int, budget_s: float) -> dict:
@@ -210,6 +207,7 @@ def main() -> None:
     parser.add_argument("--model-mb", type=float, default=8.0, help="main model weights, MB")
     args = parser.parse_args()
     rounds, budget = (31, 5.0) if args.quick else (101, 20.0)
+    real_rounds, real_budget = (5, 2.0) if args.quick else (21, 10.0)
     command = shlex.join(["python", "bench/infer.py", *sys.argv[1:]])
     started = time.perf_counter()
     models = [
@@ -235,6 +233,14 @@ def main() -> None:
         f"process isolation floor here: {floor:.1f} µs per call (socket round trip to an idle "
         f"Python process doing the same {figures['bare_mnn']:.0f} µs of work)"
     )
+    real = _real_models.measure_all(CONFIG, rounds=real_rounds, budget_s=real_budget)
+    print(f"real models, {real_rounds} interleaved rounds; medians in µs per inference")
+    print(f"{'model':<18}{'runtime':>12}{'onnxrt':>12}{'ratio':>8}{'cosine':>10}")
+    for name, f in real.items():
+        print(
+            f"{name:<18}{f['mnn_p50_us']:>12.1f}{f['onnxruntime_p50_us']:>12.1f}"
+            f"{f['ratio_vs_onnxruntime']:>8.2f}{f['cosine']:>10.6f}"
+        )
     print(f"reproduce: {command}")
     summary = {
         "bench": "infer",
@@ -246,6 +252,7 @@ def main() -> None:
         "mnn": _mnn.load_mnn().version(),
         **figures,
         "models": all_figures,
+        "real_models": real,
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary))

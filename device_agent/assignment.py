@@ -117,6 +117,23 @@ class VerifiedModel:
     segment_size: int
     url: str
     wrapped_data_key: bytes
+    # The version's golden data (inputs and fp32 reference outputs, same data key), checked
+    # against the signed manifest; None for versions without it.
+    golden: GoldenArtifact | None = None
+    # Below the publisher's accuracy bar, served because the rollout named it.
+    degraded: bool = False
+
+
+@dataclass(frozen=True)
+class GoldenArtifact:
+    """Where a version's golden data is and what it decrypts to."""
+
+    ciphertext_sha256: str
+    ciphertext_size: int
+    plaintext_sha256: str
+    plaintext_size: int
+    segment_size: int
+    associated_data: bytes
 
 
 @dataclass(frozen=True)
@@ -190,8 +207,9 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         if m.wrapped_data_key
         else "",
     }
+    carried["golden_sha256"] = m.golden.ciphertext_sha256 if m.HasField("golden") else ""
     for key, value in carried.items():
-        if entry.get(key) != value:
+        if entry.get(key, "" if key == "golden_sha256" else None) != value:
             raise AssignmentRejected(f"{m.model}: {key} differs from the signed assignment")
     manifest = verify_signed(m.manifest, m.manifest_signature, keys)
     variant = manifest.get("variants", {}).get(m.variant, {})
@@ -203,6 +221,7 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         or variant.get("plaintext_sha256") != a.plaintext_sha256
     ):
         raise AssignmentRejected(f"{m.model}: manifest does not match the assignment")
+    golden = _verified_golden(m, manifest.get("golden") or {})
     return VerifiedModel(
         model=m.model,
         version=m.version,
@@ -217,4 +236,29 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         segment_size=a.segment_size,
         url=a.url,
         wrapped_data_key=m.wrapped_data_key,
+        golden=golden,
+        degraded=bool(variant.get("degraded", False)),
     )
+
+
+def _verified_golden(m, signed: dict) -> GoldenArtifact | None:
+    """Return the golden data descriptor if it matches what the manifest signs."""
+    if not m.HasField("golden"):
+        if signed:
+            raise AssignmentRejected(f"{m.model}: golden data signed but not offered")
+        return None
+    g = m.golden
+    found = GoldenArtifact(
+        ciphertext_sha256=g.ciphertext_sha256,
+        ciphertext_size=g.ciphertext_size,
+        plaintext_sha256=g.plaintext_sha256,
+        plaintext_size=g.plaintext_size,
+        segment_size=g.segment_size,
+        associated_data=g.associated_data.encode(),
+    )
+    for key in ("ciphertext_sha256", "ciphertext_size", "plaintext_sha256", "plaintext_size"):
+        if signed.get(key) != getattr(found, key):
+            raise AssignmentRejected(f"{m.model}: golden {key} differs from the signed manifest")
+    if signed.get("associated_data") != g.associated_data:
+        raise AssignmentRejected(f"{m.model}: golden associated_data differs from the manifest")
+    return found

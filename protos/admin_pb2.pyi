@@ -33,6 +33,11 @@ class PushHeader(_message.Message):
     FILENAME_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    GOLDEN_SIZE_FIELD_NUMBER: _builtins.int
+    INPUT_SHAPES_FIELD_NUMBER: _builtins.int
+    INPUT_RANGES_FIELD_NUMBER: _builtins.int
+    MIN_COSINE_FIELD_NUMBER: _builtins.int
+    ALLOW_DEGRADED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     notes: _builtins.str
     filename: _builtins.str
@@ -42,10 +47,26 @@ class PushHeader(_message.Message):
     upload over the limit before reading it, and one that arrives short or altered.
     """
     sha256: _builtins.str
+    golden_size: _builtins.int
+    """Golden inputs: an .npz of arrays named after the model's inputs, sent as golden_chunk
+    messages (golden_size bytes, 0 = none). Without them the server builds seeded random
+    inputs from the signature, with input_shapes for dynamic dimensions and input_ranges
+    for integer inputs.
+    """
+    min_cosine: _builtins.float
+    """Each derived variant must reach this cosine similarity with fp32 on every output
+    (0 = the server's default, 0.99).
+    """
+    allow_degraded: _builtins.bool
+    """Store variants below min_cosine marked degraded instead of refusing the push."""
     @_builtins.property
     def variants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Extra variants to derive: "fp16", "int8", "int4"."""
 
+    @_builtins.property
+    def input_shapes(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputShape]: ...
+    @_builtins.property
+    def input_ranges(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputRange]: ...
     def __init__(
         self,
         *,
@@ -55,14 +76,69 @@ class PushHeader(_message.Message):
         filename: _builtins.str = ...,
         size: _builtins.int = ...,
         sha256: _builtins.str = ...,
+        golden_size: _builtins.int = ...,
+        input_shapes: _abc.Iterable[Global___InputShape] | None = ...,
+        input_ranges: _abc.Iterable[Global___InputRange] | None = ...,
+        min_cosine: _builtins.float = ...,
+        allow_degraded: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["filename", b"filename", "name", b"name", "notes", b"notes", "sha256", b"sha256", "size", b"size", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "filename", b"filename", "golden_size", b"golden_size", "input_ranges", b"input_ranges", "input_shapes", b"input_shapes", "min_cosine", b"min_cosine", "name", b"name", "notes", b"notes", "sha256", b"sha256", "size", b"size", "variants", b"variants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushHeader: _TypeAlias = PushHeader  # noqa: Y015
+
+@_typing.final
+class InputShape(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputShape: _TypeAlias = InputShape  # noqa: Y015
+
+@_typing.final
+class InputRange(_message.Message):
+    """Inclusive bounds for the seeded random values of one input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LOW_FIELD_NUMBER: _builtins.int
+    HIGH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    low: _builtins.float
+    high: _builtins.float
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        low: _builtins.float = ...,
+        high: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["high", b"high", "low", b"low", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputRange: _TypeAlias = InputRange  # noqa: Y015
 
 @_typing.final
 class PushModelRequest(_message.Message):
@@ -70,7 +146,9 @@ class PushModelRequest(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    GOLDEN_CHUNK_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
+    golden_chunk: _builtins.bytes
     @_builtins.property
     def header(self) -> Global___PushHeader: ...
     def __init__(
@@ -78,12 +156,13 @@ class PushModelRequest(_message.Message):
         *,
         header: Global___PushHeader | None = ...,
         chunk: _builtins.bytes = ...,
+        golden_chunk: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "item", b"item"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "golden_chunk", b"golden_chunk", "header", b"header", "item", b"item"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "item", b"item"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "golden_chunk", b"golden_chunk", "header", b"header", "item", b"item"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["header", "chunk", "golden_chunk"]  # noqa: Y015
     _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 
@@ -200,21 +279,27 @@ class PullModelRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     VARIANT_FIELD_NUMBER: _builtins.int
+    GOLDEN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.int
     """0 = latest."""
     variant: _builtins.str
     """Empty = "fp32"."""
+    golden: _builtins.bool
+    """Stream the version's golden data (runtime's .npz: inputs and fp32 reference outputs)
+    instead of a variant; the header then carries no variant.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         version: _builtins.int = ...,
         variant: _builtins.str = ...,
+        golden: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["golden", b"golden", "name", b"name", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

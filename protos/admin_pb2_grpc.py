@@ -96,7 +96,8 @@ class AdminServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PushModel(self, request_iterator, context):
-        """Client stream: one header, then the model bytes in chunks.
+        """Client stream: one header, then the golden inputs (if any) in golden_chunk messages,
+        then the model bytes in chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -94,6 +94,8 @@ class Variant(_message.Message):
     CIPHERTEXT_SHA256_FIELD_NUMBER: _builtins.int
     SEGMENT_SIZE_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
+    ACCURACY_FIELD_NUMBER: _builtins.int
+    DEGRADED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     plaintext_size: _builtins.int
     plaintext_sha256: _builtins.str
@@ -101,8 +103,18 @@ class Variant(_message.Message):
     ciphertext_sha256: _builtins.str
     """Content address of the encrypted artifact in the blob store."""
     segment_size: _builtins.int
+    degraded: _builtins.bool
+    """Below the accuracy bar, kept because the publisher said --allow-degraded. Served only
+    to rollouts that name it.
+    """
     @_builtins.property
     def signature(self) -> Global___ModelSignature: ...
+    @_builtins.property
+    def accuracy(self) -> Global___VariantAccuracy:
+        """How this variant's outputs compare with fp32's on the version's golden inputs
+        (unset for fp32 itself).
+        """
+
     def __init__(
         self,
         *,
@@ -113,14 +125,122 @@ class Variant(_message.Message):
         ciphertext_sha256: _builtins.str = ...,
         segment_size: _builtins.int = ...,
         signature: Global___ModelSignature | None = ...,
+        accuracy: Global___VariantAccuracy | None = ...,
+        degraded: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["signature", b"signature"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accuracy", b"accuracy", "signature", b"signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertext_sha256", b"ciphertext_sha256", "ciphertext_size", b"ciphertext_size", "name", b"name", "plaintext_sha256", b"plaintext_sha256", "plaintext_size", b"plaintext_size", "segment_size", b"segment_size", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accuracy", b"accuracy", "ciphertext_sha256", b"ciphertext_sha256", "ciphertext_size", b"ciphertext_size", "degraded", b"degraded", "name", b"name", "plaintext_sha256", b"plaintext_sha256", "plaintext_size", b"plaintext_size", "segment_size", b"segment_size", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Variant: _TypeAlias = Variant  # noqa: Y015
+
+@_typing.final
+class OutputAccuracy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    COSINE_FIELD_NUMBER: _builtins.int
+    MAX_ABS_ERROR_FIELD_NUMBER: _builtins.int
+    RELATIVE_ERROR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    cosine: _builtins.float
+    max_abs_error: _builtins.float
+    relative_error: _builtins.float
+    """|variant - fp32| / |fp32| (L2): what cosine, blind to scale, cannot see."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        cosine: _builtins.float = ...,
+        max_abs_error: _builtins.float = ...,
+        relative_error: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cosine", b"cosine", "max_abs_error", b"max_abs_error", "name", b"name", "relative_error", b"relative_error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputAccuracy: _TypeAlias = OutputAccuracy  # noqa: Y015
+
+@_typing.final
+class VariantAccuracy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COSINE_FIELD_NUMBER: _builtins.int
+    MAX_ABS_ERROR_FIELD_NUMBER: _builtins.int
+    MIN_COSINE_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    RELATIVE_ERROR_FIELD_NUMBER: _builtins.int
+    cosine: _builtins.float
+    """The worst over all outputs."""
+    max_abs_error: _builtins.float
+    min_cosine: _builtins.float
+    """The bar it was held to at push (--min-cosine); the relative error allowed is
+    sqrt(2 * (1 - min_cosine)).
+    """
+    relative_error: _builtins.float
+    """The worst over all outputs."""
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___OutputAccuracy]: ...
+    def __init__(
+        self,
+        *,
+        cosine: _builtins.float = ...,
+        max_abs_error: _builtins.float = ...,
+        min_cosine: _builtins.float = ...,
+        outputs: _abc.Iterable[Global___OutputAccuracy] | None = ...,
+        relative_error: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cosine", b"cosine", "max_abs_error", b"max_abs_error", "min_cosine", b"min_cosine", "outputs", b"outputs", "relative_error", b"relative_error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VariantAccuracy: _TypeAlias = VariantAccuracy  # noqa: Y015
+
+@_typing.final
+class GoldenData(_message.Message):
+    """A version's golden data: inputs and the fp32 reference outputs MNN's reference config
+    gives for them, encrypted under the version's data key like its variants. Agents run it
+    to test a model before activating it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CIPHERTEXT_SHA256_FIELD_NUMBER: _builtins.int
+    CIPHERTEXT_SIZE_FIELD_NUMBER: _builtins.int
+    PLAINTEXT_SHA256_FIELD_NUMBER: _builtins.int
+    PLAINTEXT_SIZE_FIELD_NUMBER: _builtins.int
+    SEGMENT_SIZE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    ciphertext_sha256: _builtins.str
+    ciphertext_size: _builtins.int
+    plaintext_sha256: _builtins.str
+    plaintext_size: _builtins.int
+    segment_size: _builtins.int
+    source: _builtins.str
+    """"publisher" (--golden) or "seeded" (random inputs built from the signature)."""
+    def __init__(
+        self,
+        *,
+        ciphertext_sha256: _builtins.str = ...,
+        ciphertext_size: _builtins.int = ...,
+        plaintext_sha256: _builtins.str = ...,
+        plaintext_size: _builtins.int = ...,
+        segment_size: _builtins.int = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertext_sha256", b"ciphertext_sha256", "ciphertext_size", b"ciphertext_size", "plaintext_sha256", b"plaintext_sha256", "plaintext_size", b"plaintext_size", "segment_size", b"segment_size", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GoldenData: _TypeAlias = GoldenData  # noqa: Y015
 
 @_typing.final
 class ModelVersion(_message.Message):
@@ -139,6 +259,7 @@ class ModelVersion(_message.Message):
     MANIFEST_FIELD_NUMBER: _builtins.int
     MANIFEST_SIGNATURE_FIELD_NUMBER: _builtins.int
     SIGNING_KEY_ID_FIELD_NUMBER: _builtins.int
+    GOLDEN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     created_by: _builtins.str
@@ -155,6 +276,10 @@ class ModelVersion(_message.Message):
     def signature(self) -> Global___ModelSignature: ...
     @_builtins.property
     def variants(self) -> _containers.RepeatedCompositeFieldContainer[Global___Variant]: ...
+    @_builtins.property
+    def golden(self) -> Global___GoldenData:
+        """Unset for versions pushed before golden data existed."""
+
     def __init__(
         self,
         *,
@@ -169,10 +294,11 @@ class ModelVersion(_message.Message):
         manifest: _builtins.bytes = ...,
         manifest_signature: _builtins.bytes = ...,
         signing_key_id: _builtins.str = ...,
+        golden: Global___GoldenData | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "signature", b"signature"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "golden", b"golden", "signature", b"signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "created_by", b"created_by", "manifest", b"manifest", "manifest_signature", b"manifest_signature", "model", b"model", "notes", b"notes", "signature", b"signature", "signing_key_id", b"signing_key_id", "source_format", b"source_format", "variants", b"variants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "created_by", b"created_by", "golden", b"golden", "manifest", b"manifest", "manifest_signature", b"manifest_signature", "model", b"model", "notes", b"notes", "signature", b"signature", "signing_key_id", b"signing_key_id", "source_format", b"source_format", "variants", b"variants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

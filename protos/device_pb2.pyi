@@ -275,6 +275,7 @@ class ModelAssignment(_message.Message):
     WRAPPED_DATA_KEY_FIELD_NUMBER: _builtins.int
     MANIFEST_FIELD_NUMBER: _builtins.int
     MANIFEST_SIGNATURE_FIELD_NUMBER: _builtins.int
+    GOLDEN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -289,6 +290,12 @@ class ModelAssignment(_message.Message):
     manifest_signature: _builtins.bytes
     @_builtins.property
     def artifact(self) -> Global___ArtifactDescriptor: ...
+    @_builtins.property
+    def golden(self) -> Global___ArtifactDescriptor:
+        """The version's golden data (inputs and fp32 reference outputs, encrypted under the same
+        data key; download it like the model). Unset for versions without golden data.
+        """
+
     def __init__(
         self,
         *,
@@ -300,10 +307,11 @@ class ModelAssignment(_message.Message):
         wrapped_data_key: _builtins.bytes = ...,
         manifest: _builtins.bytes = ...,
         manifest_signature: _builtins.bytes = ...,
+        golden: Global___ArtifactDescriptor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "golden", b"golden"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "manifest", b"manifest", "manifest_signature", b"manifest_signature", "model", b"model", "rollout", b"rollout", "variant", b"variant", "version", b"version", "wrapped_data_key", b"wrapped_data_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "golden", b"golden", "manifest", b"manifest", "manifest_signature", b"manifest_signature", "model", b"model", "rollout", b"rollout", "variant", b"variant", "version", b"version", "wrapped_data_key", b"wrapped_data_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -14,13 +15,15 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from control_plane import errors, paging
 from control_plane.api.access import caller
 from control_plane.api.auth import ApiTokens, Authenticator
-from control_plane.api.grpc_errors import mapped, mapped_async, mapped_stream
+from control_plane.api.golden_convert import accuracy_pb, golden_pb, golden_request
+from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.signing_convert import chain_pb, signing_key_pb
 from control_plane.registry import memfd
+from control_plane.registry.golden import MAX_GOLDEN_UPLOAD
 from control_plane.registry.keys import KekRotation
-from control_plane.registry.registry import (
+from control_plane.registry.registry import Registry
+from control_plane.registry.requests import (
     PushRequest,
-    Registry,
     check_request,
     validate_name,
     validate_positive_version,
@@ -58,6 +61,8 @@ def variant_pb(v: VariantRecord) -> common_pb2.Variant:
         ciphertext_sha256=v.ciphertext_sha256,
         segment_size=v.segment_size,
         signature=signature_pb(v.signature),
+        accuracy=accuracy_pb(v.accuracy),
+        degraded=v.degraded,
     )
 
 
@@ -75,6 +80,7 @@ def version_pb(r: VersionRecord) -> common_pb2.ModelVersion:
         manifest=r.manifest,
         manifest_signature=r.manifest_signature,
         signing_key_id=r.signing_key_id,
+        golden=golden_pb(r.golden),
     )
 
 
@@ -108,16 +114,46 @@ class _Upload:
             raise errors.TooLarge(
                 f"model is {first.header.size} bytes, over the {limit}-byte limit"
             )
+        if first.header.golden_size < 0:
+            raise errors.InvalidArgument(
+                f"declared golden size {first.header.golden_size} is negative"
+            )
+        if first.header.golden_size > MAX_GOLDEN_UPLOAD:
+            raise errors.TooLarge(
+                f"golden inputs of {first.header.golden_size} bytes: the limit is "
+                f"{MAX_GOLDEN_UPLOAD} bytes"
+            )
         return first.header
 
-    async def spool(self, limit: int) -> memfd.Spooled:
+    async def golden(self, size: int) -> tuple[bytes, admin_pb2.PushModelRequest | None]:
+        """Read exactly `size` bytes of golden_chunk messages; return them and what follows."""
+        golden = bytearray()
+        while (request := await self._next()) is not None:
+            if request.WhichOneof("item") != "golden_chunk":
+                break
+            golden += request.golden_chunk
+            if len(golden) > size:
+                raise errors.InvalidArgument(
+                    f"PushModel: more golden bytes than the {size} the header declared"
+                )
+        if len(golden) != size:
+            raise errors.InvalidArgument(
+                f"PushModel: {len(golden)} golden bytes, the header declared {size}"
+            )
+        return bytes(golden), request
+
+    async def spool(self, limit: int, first: admin_pb2.PushModelRequest | None) -> memfd.Spooled:
         """Copy the remaining chunks into a memfd (hashing in a thread, off the event loop)."""
         spooler = memfd.Spooler(limit=limit)
         try:
-            while (request := await self._next()) is not None:
+            request = first
+            while request is not None:
                 if request.WhichOneof("item") != "chunk":
-                    raise errors.InvalidArgument("PushModel: only the first message is a header")
+                    raise errors.InvalidArgument(
+                        "PushModel: a header, then golden chunks, then model chunks"
+                    )
                 await asyncio.to_thread(spooler.write, request.chunk)
+                request = await self._next()
             return spooler.finish()
         except BaseException:
             spooler.discard()
@@ -211,13 +247,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             filename=header.filename,
             size=header.size,
             sha256=header.sha256,
+            golden=golden_request(header, b""),
         )
         check_request(request)
         with ExitStack() as stack:
             # Spool first, under an upload slot only: the push slot is taken once every
             # byte is here, so stalled uploads cannot keep other pushes waiting.
             stack.enter_context(self._registry.upload_slot())
-            spooled = await upload.spool(limit)
+            golden, first = await upload.golden(header.golden_size)
+            request = replace(request, golden=replace(request.golden, golden=golden))
+            spooled = await upload.spool(limit, first)
             # An upload may take long: a token revoked meanwhile stores nothing.
             await asyncio.to_thread(self._recheck)
             # Send the response headers now: on a stream the client reset after it looked
@@ -273,18 +312,34 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             model=model_pb(model), versions=versions, next_page_token=token
         )
 
-    @mapped_stream
-    def PullModel(self, request, context):  # noqa: D102, N802
-        self._actor(context)
+    def _open_pull(self, request) -> tuple[admin_pb2.PullHeader, Iterator[bytes]]:
+        """Return the pull's header and its plaintext chunks (blocking: run in a thread)."""
+        if request.golden:
+            if request.variant:
+                raise errors.InvalidArgument("pull either a variant or the golden data, not both")
+            record, data = self._registry.golden(request.name, request.version or None)
+            header = admin_pb2.PullHeader(version=version_pb(record))
+            return header, (data[i : i + PULL_CHUNK] for i in range(0, len(data), PULL_CHUNK))
         record, variant, plaintext = self._registry.pull(
             request.name, request.version or None, request.variant
         )
-        yield admin_pb2.PullModelResponse(
-            header=admin_pb2.PullHeader(version=version_pb(record), variant=variant_pb(variant))
-        )
-        for n, chunk in enumerate(plaintext, 1):
+        return admin_pb2.PullHeader(
+            version=version_pb(record), variant=variant_pb(variant)
+        ), plaintext
+
+    # On the event loop, not a handler thread: a client that stops reading (or goes away)
+    # cancels this coroutine at its next yield, where a thread blocked on flow control
+    # stayed blocked, and a server stop could not get it back.
+    @mapped_async_stream
+    async def PullModel(self, request, context):  # noqa: D102, N802
+        self._actor(context)
+        header, plaintext = await asyncio.to_thread(self._open_pull, request)
+        yield admin_pb2.PullModelResponse(header=header)
+        n = 0
+        while (chunk := await asyncio.to_thread(next, plaintext, None)) is not None:
+            n += 1
             if n % RECHECK_CHUNKS == 0:
-                self._recheck()
+                await asyncio.to_thread(self._recheck)
             yield admin_pb2.PullModelResponse(chunk=chunk)
 
     @mapped

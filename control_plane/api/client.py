@@ -7,11 +7,12 @@ a retried push would append a second version.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -19,12 +20,18 @@ import grpc
 from control_plane import errors
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.api.grpc_errors import error_for
-from control_plane.api.trust import signed_variant, verify_version
+from control_plane.api.transfer import (
+    Progress,
+    push_requests,
+    read_golden,
+    size_and_digest,
+    write_verified,
+)
+from control_plane.api.trust import signed_golden, signed_variant, verify_version
 from device_agent.signing_keys import KeyRing
 from device_agent.transport import ClientTls, channel_credentials
 from protos import admin_pb2, admin_pb2_grpc, common_pb2, fleet_pb2, fleet_pb2_grpc
 
-CHUNK = 1 << 20
 UNARY_DEADLINE_S = 30.0
 # Streams move up to gigabytes; the deadline guards against a stalled peer, not a slow one.
 STREAM_DEADLINE_S = 6 * 3600.0
@@ -42,9 +49,6 @@ CHANNEL_OPTIONS = [
     # A peer that misses a ping for this long is gone; fail the call instead of hanging.
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
-
-# Called with (bytes done, bytes in all).
-Progress = Callable[[int, int], None]
 
 
 # gRPC reports a failed TLS handshake as UNAVAILABLE, with the TLS library's reason deep
@@ -309,10 +313,21 @@ class AdminClient:
         notes: str = "",
         variants: tuple[str, ...] = (),
         progress: Progress | None = None,
+        golden: str | os.PathLike | None = None,
+        input_shapes: Mapping[str, Sequence[int]] | None = None,
+        input_ranges: Mapping[str, tuple[float, float]] | None = None,
+        min_cosine: float = 0.0,
+        allow_degraded: bool = False,
     ) -> common_pb2.ModelVersion:
-        """Stream a model file to the registry; returns the new version."""
+        """Stream a model file (and golden inputs, if given) to the registry.
+
+        Returns the new version. `input_shapes` and `input_ranges` shape the seeded golden
+        inputs the server builds when `golden` is None; `min_cosine` (0 = the server's
+        default) is the bar derived variants must reach, unless `allow_degraded`.
+        """
         path = Path(path)
-        size, digest = _size_and_digest(path)
+        size, digest = size_and_digest(path)
+        golden_data = read_golden(Path(golden)) if golden is not None else b""
         header = admin_pb2.PushHeader(
             name=name,
             notes=notes,
@@ -320,10 +335,20 @@ class AdminClient:
             filename=path.name,
             size=size,
             sha256=digest,
+            golden_size=len(golden_data),
+            input_shapes=[
+                admin_pb2.InputShape(name=k, shape=list(v)) for k, v in (input_shapes or {}).items()
+            ],
+            input_ranges=[
+                admin_pb2.InputRange(name=k, low=lo, high=hi)
+                for k, (lo, hi) in (input_ranges or {}).items()
+            ],
+            min_cosine=min_cosine,
+            allow_degraded=allow_degraded,
         )
         try:
             return self._stub.PushModel(
-                _push_requests(path, header, progress),
+                push_requests(path, header, progress, golden_data),
                 timeout=STREAM_DEADLINE_S,
                 metadata=self._metadata,
             )
@@ -339,24 +364,76 @@ class AdminClient:
         pins: KeyRing,
         variant: str = "",
         progress: Progress | None = None,
+        golden: bool = False,
     ) -> admin_pb2.PullHeader:
         """Download a decrypted variant to `out`: verified, then renamed into place.
 
         The version's manifest must verify under `pins` and name what was asked for; the
-        bytes written must match the size and digest that manifest signs.
+        bytes written must match the size and digest that manifest signs. With `golden`,
+        the version's golden data is pulled instead of a variant.
         """
-        request = admin_pb2.PullModelRequest(name=name, version=version or 0, variant=variant)
         try:
-            responses = self._stub.PullModel(
-                request, timeout=STREAM_DEADLINE_S, metadata=self._metadata
-            )
-            header = next(responses).header
-            verified = verify_version(pins, header.version, model=name, number=version)
-            expected = signed_variant(verified, variant, header.variant.name)
-            _write_verified(responses, Path(out), expected, progress)
+            header, expected, responses = self._open_pull(name, version, pins, variant, golden)
+            with _cancelled_on_error(responses):
+                write_verified(responses, Path(out), expected, progress)
             return header
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+
+    def pull_bytes(
+        self,
+        name: str,
+        version: int | None,
+        *,
+        pins: KeyRing,
+        variant: str = "",
+        golden: bool = False,
+    ) -> tuple[admin_pb2.PullHeader, bytes]:
+        """Like `pull`, into memory: for callers that must not put plaintext on disk."""
+        try:
+            header, (want_size, want_sha256), responses = self._open_pull(
+                name, version, pins, variant, golden
+            )
+            with _cancelled_on_error(responses):
+                data = b"".join(r.chunk for r in responses)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        if len(data) != want_size or hashlib.sha256(data).hexdigest() != want_sha256:
+            raise errors.IntegrityError(
+                f"downloaded data does not match its signed manifest ({len(data)} bytes)"
+            )
+        return header, data
+
+    def _open_pull(self, name, version, pins, variant, golden):
+        """Start a pull; return its verified header, the signed (size, SHA-256), the rest."""
+        request = admin_pb2.PullModelRequest(
+            name=name, version=version or 0, variant=variant, golden=golden
+        )
+        responses = self._stub.PullModel(
+            request, timeout=STREAM_DEADLINE_S, metadata=self._metadata
+        )
+        with _cancelled_on_error(responses):
+            header = next(responses).header
+            verified = verify_version(pins, header.version, model=name, number=version)
+            if golden:
+                expected = signed_golden(verified)
+            else:
+                expected = signed_variant(verified, variant, header.variant.name)
+        return header, expected, responses
+
+
+@contextlib.contextmanager
+def _cancelled_on_error(call) -> Iterator[None]:
+    """Cancel a server stream the caller stops reading because something went wrong.
+
+    Left open, the server's handler would wait on flow control until the deadline (hours)
+    and keep one of its threads, which a server stop then cannot get back.
+    """
+    try:
+        yield
+    except BaseException:
+        call.cancel()
+        raise
 
 
 def _page_size(limit: int | None, have: int) -> int:
@@ -366,64 +443,3 @@ def _page_size(limit: int | None, have: int) -> int:
 
 def _full(limit: int | None, have: int) -> bool:
     return limit is not None and have >= limit
-
-
-def _size_and_digest(path: Path) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-        return path.stat().st_size, digest.hexdigest()
-    except OSError as exc:
-        raise errors.InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
-
-
-def _push_requests(
-    path: Path, header: admin_pb2.PushHeader, progress: Progress | None
-) -> Iterator[admin_pb2.PushModelRequest]:
-    yield admin_pb2.PushModelRequest(header=header)
-    sent = 0
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            sent += len(chunk)
-            if progress:
-                progress(sent, header.size)
-            yield admin_pb2.PushModelRequest(chunk=chunk)
-
-
-def _write_verified(
-    chunks, out: Path, expected: tuple[int, str], progress: Progress | None
-) -> None:
-    """Write to a new 0600 temp file beside `out`, check it, then rename it into place.
-
-    The temp file is created with O_EXCL|O_NOFOLLOW, so a file or symlink planted at its
-    name is never written through; `out` itself, if a symlink, is replaced, not followed.
-    """
-    want_size, want_sha256 = expected
-    out = Path(out).absolute()
-    out = out.parent.resolve() / out.name
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o600)
-    except FileExistsError:
-        raise errors.AlreadyExists(f"{tmp} already exists: remove it and pull again") from None
-    digest, size = hashlib.sha256(), 0
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for response in chunks:
-                digest.update(response.chunk)
-                size += len(response.chunk)
-                f.write(response.chunk)
-                if progress:
-                    progress(size, want_size)
-            f.flush()
-            os.fsync(f.fileno())
-        if size != want_size or digest.hexdigest() != want_sha256:
-            raise errors.IntegrityError(
-                f"downloaded model does not match its signed manifest ({size} bytes)"
-            )
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)

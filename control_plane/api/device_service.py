@@ -17,12 +17,8 @@ from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_str
 from control_plane.api.signing_convert import chain_pb
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
-from control_plane.registry.registry import (
-    MAX_VERSION,
-    VARIANT_NAME,
-    associated_data,
-    validate_name,
-)
+from control_plane.registry.registry import associated_data
+from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
@@ -75,6 +71,21 @@ def _assignment_pb(a: Assignment) -> device_pb2.ModelAssignment:
         wrapped_data_key=a.wrapped_data_key,
         manifest=a.version.manifest,
         manifest_signature=a.version.manifest_signature,
+        golden=_golden_pb(a.version.golden),
+    )
+
+
+def _golden_pb(golden: dict) -> device_pb2.ArtifactDescriptor | None:
+    """Describe a version's golden data for download (None for versions without it)."""
+    if not golden:
+        return None
+    return device_pb2.ArtifactDescriptor(
+        ciphertext_sha256=golden["ciphertext_sha256"],
+        ciphertext_size=golden["ciphertext_size"],
+        segment_size=golden["segment_size"],
+        plaintext_sha256=golden["plaintext_sha256"],
+        plaintext_size=golden["plaintext_size"],
+        associated_data=golden["associated_data"],
     )
 
 

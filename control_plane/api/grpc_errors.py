@@ -66,19 +66,6 @@ def mapped(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def mapped_stream(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Like `mapped`, for methods that yield a response stream."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            yield from method(self, request, context)
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
-
-    return wrapper
-
-
 async def _abort_async(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, errors.SkiffError):
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -103,7 +90,7 @@ def mapped_async(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def mapped_async_stream(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Like `mapped_stream`, for async generator handlers of the asyncio server."""
+    """Like `mapped`, for async generator handlers (response streams) of the asyncio server."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):

@@ -59,6 +59,17 @@ def verify_version(
     return VerifiedManifest(key_id, manifest)
 
 
+def signed_golden(verified: VerifiedManifest) -> tuple[int, str]:
+    """Return (plaintext size, SHA-256) of the version's golden data, from its manifest."""
+    entry = verified.body.get("golden")
+    if not isinstance(entry, dict) or not entry:
+        raise errors.NotFound("this version has no golden data (pushed before golden data)")
+    size, digest = entry.get("plaintext_size"), entry.get("plaintext_sha256")
+    if not isinstance(size, int) or not isinstance(digest, str):
+        raise errors.IntegrityError("signed manifest lacks the digest of the golden data")
+    return size, digest
+
+
 def signed_variant(verified: VerifiedManifest, asked: str, got: str) -> tuple[int, str]:
     """Return (plaintext size, SHA-256) of the variant pulled, from the signed manifest."""
     if got != (asked or BASE_VARIANT):

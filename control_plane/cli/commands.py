@@ -11,11 +11,12 @@ from control_plane import errors
 from control_plane.api.trust import verify_version
 from control_plane.cli import views
 from control_plane.cli.connect import admin_client as _client
+from control_plane.cli.golden_flags import golden_options
 from control_plane.cli.listing import limit_of, say_more
 from control_plane.cli.progress import ProgressBar
 from control_plane.cli.signing_commands import trusted_pins
 from control_plane.home import init_home
-from control_plane.registry.registry import parse_ref
+from control_plane.registry.requests import parse_ref
 from control_plane.settings import Config
 
 Output = tuple[object, str] | None
@@ -49,7 +50,12 @@ def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
     bar = ProgressBar(f"push {args.file.name}", after="  - server validating with MNN")
     with _client(config) as client:
         version = client.push(
-            args.file, name=args.name, notes=args.notes, variants=tuple(args.variant), progress=bar
+            args.file,
+            name=args.name,
+            notes=args.notes,
+            variants=tuple(args.variant),
+            progress=bar,
+            **golden_options(args),
         )
     bar.finish()
     return views.version_dict(version), f"{version.model}:{version.version}"
@@ -106,23 +112,32 @@ def start_model_pull(*, config: Config, args: argparse.Namespace) -> Output:
         pins = trusted_pins(config, client)
         bar = ProgressBar(f"pull {args.ref}")
         header = client.pull(
-            name, number, args.output, pins=pins, variant=args.variant, progress=bar
+            name,
+            number,
+            args.output,
+            pins=pins,
+            variant=args.variant,
+            progress=bar,
+            golden=args.golden,
         )
     bar.finish()
     v, var = header.version, header.variant
     signed_by = verify_version(pins, v, model=name, number=number).key_id  # checked by pull
+    what, size, digest = var.name, var.plaintext_size, var.plaintext_sha256
+    if args.golden:
+        what, size, digest = "golden", v.golden.plaintext_size, v.golden.plaintext_sha256
     body = {
         "model": v.model,
         "version": v.version,
-        "variant": var.name,
+        "variant": what,
         "path": str(args.output.resolve()),
-        "size": var.plaintext_size,
-        "sha256": var.plaintext_sha256,
+        "size": size,
+        "sha256": digest,
         "signature_verified": True,
         "signed_by": signed_by,
     }
     return body, (
-        f"wrote {v.model}:{v.version} ({var.name}, {var.plaintext_size:,} bytes) to "
+        f"wrote {v.model}:{v.version} ({what}, {size:,} bytes) to "
         f"{args.output}, verified against its manifest signed by {signed_by}"
     )
 
@@ -157,5 +172,5 @@ def start_demo(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the end-to-end demo."""
     from control_plane.demo.walkthrough import run_demo
 
-    run_demo(home=args.home)
+    run_demo(home=args.home, real_models=args.real_models)
     return None

@@ -238,7 +238,7 @@ def start_fleet_revoke(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_rollout_create(*, config: Config, args: argparse.Namespace) -> Output:
     """Create a rollout; prints its id."""
-    from control_plane.registry.registry import parse_ref
+    from control_plane.registry.requests import parse_ref
     from protos import fleet_pb2
 
     name, version = parse_ref(args.ref)

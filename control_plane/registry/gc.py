@@ -44,12 +44,15 @@ def longest_push_s(*, mnn_timeout_s: float, max_model_bytes: int) -> float:
 
     After the first blob is written, a push stores every variant (the base and each
     derivable one, none bigger than the largest upload) and waits for each variant's
-    MNN inspection (counted one after another, though two run at once):
+    golden run (counted one after another, though two run at once), plus one more MNN
+    timeout of slack:
 
-        variants * (mnn_timeout_s + max_model_bytes / MIN_STORE_RATE) + COMMIT_ALLOWANCE_S
+        variants * (mnn_timeout_s + max_model_bytes / MIN_STORE_RATE)
+            + mnn_timeout_s + COMMIT_ALLOWANCE_S
     """
     variants = 1 + len(mnn_tools.VARIANTS)
-    return variants * (mnn_timeout_s + max_model_bytes / MIN_STORE_RATE) + COMMIT_ALLOWANCE_S
+    stores = variants * (mnn_timeout_s + max_model_bytes / MIN_STORE_RATE)
+    return stores + mnn_timeout_s + COMMIT_ALLOWANCE_S
 
 
 def default_grace_s(*, mnn_timeout_s: float, max_model_bytes: int) -> float:

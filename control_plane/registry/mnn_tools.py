@@ -14,6 +14,7 @@ user when we are root, capped memory and CPU, seccomp; a breached limit is named
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,8 +24,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from control_plane import errors
 from control_plane.registry.mnn_sandbox import Sandbox, child_env, default_sandbox
+from runtime.golden import MAX_GOLDEN_BYTES
+from runtime.npz import read_npz
 
 __all__ = [
     "VARIANTS",
@@ -34,6 +39,8 @@ __all__ = [
     "convert_onnx",
     "inspect_model",
     "make_variant",
+    "GoldenRun",
+    "run_golden",
     "sniff_format",
 ]
 
@@ -149,6 +156,83 @@ def make_variant(
     return _convert("variant", ["--variant", variant], src_fd, timeout, prefix, sandbox)
 
 
+@dataclass(frozen=True)
+class GoldenRun:
+    """What one golden run produced: outputs by name, and for a recipe run its inputs."""
+
+    outputs: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray] | None = None  # built by the child (recipe runs)
+    input_specs: tuple[TensorSpec, ...] = ()  # the model's declared inputs (recipe runs)
+    mnn_version: str = ""
+
+
+def run_golden(
+    fd: int,
+    inputs_fd: int,
+    *,
+    recipe: str | None = None,
+    prefix: str = "golden inputs could not be run",
+    timeout: float = INSPECT_TIMEOUT_S,
+    sandbox: Sandbox | None = None,
+) -> GoldenRun:
+    """Run golden inputs through the .mnn in `fd` with the reference config, in a child.
+
+    Without `recipe`, `inputs_fd` holds the ``.npz`` of inputs. With `recipe` (JSON
+    ``{"input_shapes": ..., "input_ranges": ...}``), the child inspects the model and
+    builds the inputs itself from its signature, the hints and the publisher's ``.npz``
+    in `inputs_fd` (empty: seeded), so one child does what took two. Raises
+    errors.InvalidArgument for inputs or hints the model cannot take, and
+    errors.InvalidModel with `prefix` if MNN cannot load or run it or its outputs exceed
+    MAX_GOLDEN_BYTES.
+    """
+    _require_content(fd)
+    with contextlib.ExitStack() as stack:
+        out = _scratch(stack, "skiff-golden-outputs")
+        argv = ["--model-fd", str(fd), "--inputs-fd", str(inputs_fd), "--outputs-fd", str(out)]
+        fds = [fd, inputs_fd, out]
+        if recipe is not None:
+            recipe_fd, built = (
+                _scratch(stack, "skiff-golden-recipe"),
+                _scratch(stack, "skiff-golden-built"),
+            )
+            os.pwrite(recipe_fd, recipe.encode(), 0)
+            argv += ["--recipe-fd", str(recipe_fd), "--built-fd", str(built)]
+            fds += [recipe_fd, built]
+        result = _run_worker("golden", argv, tuple(fds), timeout, prefix, sandbox)
+        outputs = _read_arrays(out, prefix, "outputs")
+        order = [str(spec["name"]) for spec in result["outputs"]]
+        if sorted(order) != sorted(outputs):
+            raise errors.InvalidModel(f"{prefix}: the worker's outputs do not match its report")
+        run = GoldenRun({name: outputs[name] for name in order})
+        if recipe is None:
+            return run
+        inputs = _read_arrays(built, prefix, "inputs")
+        specs = tuple(_spec_from(item) for item in result["inputs"])
+        if sorted(inputs) != sorted(spec.name for spec in specs):
+            raise errors.InvalidModel(f"{prefix}: the worker's inputs do not match its report")
+        ordered = {spec.name: inputs[spec.name] for spec in specs}
+        return GoldenRun(run.outputs, ordered, specs, str(result["mnn_version"]))
+
+
+def _scratch(stack: contextlib.ExitStack, name: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    stack.callback(os.close, fd)
+    return fd
+
+
+def _read_arrays(fd: int, prefix: str, what: str) -> dict[str, np.ndarray]:
+    """Read an ``.npz`` the child wrote, refusing one over MAX_GOLDEN_BYTES unread."""
+    size = os.fstat(fd).st_size
+    if size > MAX_GOLDEN_BYTES:
+        raise errors.InvalidModel(
+            f"{prefix}: its {what} take {size >> 20} MiB (limit {MAX_GOLDEN_BYTES >> 20} MiB)"
+        )
+    try:
+        return read_npz(os.pread(fd, size, 0), f"the worker's {what}", MAX_GOLDEN_BYTES)
+    except ValueError as exc:
+        raise errors.InvalidModel(f"{prefix}: {exc}") from None
+
+
 def sniff_format(fd: int) -> str:
     """Return "onnx" or "mnn" judging by the content of `fd`, without moving its offset."""
     size = _require_content(fd)
@@ -238,6 +322,8 @@ class _Outcome:
             raise self._error(f"MNN used more than {sandbox.describe_limit('cpu')}")
         if any(marker in self.log or marker in self.result for marker in _OUT_OF_MEMORY):
             raise self._error(f"MNN ran out of {sandbox.describe_limit('memory')}")
+        if payload is not None and not payload["ok"] and payload.get("caller_error"):
+            raise errors.InvalidArgument(_one_line(str(payload["error"])))
         if payload is not None and not payload["ok"]:
             raise self._error(payload["error"])
         lines = self.log.splitlines()

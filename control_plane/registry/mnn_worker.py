@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from control_plane import errors
 from control_plane.registry.mnn_flatbuffer import MalformedModel, external_paths
 from control_plane.registry.mnn_tools import VARIANT_FLAGS
 from runtime._memfd import fd_path
@@ -84,7 +85,18 @@ def _preload(op: str) -> None:
 
     if op == "convert":
         import onnx  # noqa: F401
-    if op != "inspect":
+    if op == "golden":
+        import encodings.cp437  # noqa: F401 - zipfile decodes .npz member names with it
+        import secrets  # noqa: F401
+        import zipfile  # noqa: F401
+
+        import numpy.random  # noqa: F401 - seeded inputs; it imports `secrets` lazily
+
+        import control_plane.registry.golden  # noqa: F401
+        import runtime.engine  # noqa: F401
+        import runtime.golden  # noqa: F401
+        import runtime.npz  # noqa: F401
+    if op not in ("inspect", "golden"):
         import _tools  # noqa: F401
 
 
@@ -94,6 +106,8 @@ def _run_op(args: argparse.Namespace) -> dict[str, Any]:
         payload: dict[str, Any] = {"ok": True, **_OPS[args.op](args)}
     except WorkerError as exc:
         payload = {"ok": False, "error": str(exc)}
+    except errors.InvalidArgument as exc:  # the publisher's inputs or hints, not the model
+        payload = {"ok": False, "error": str(exc), "caller_error": True}
     except Exception as exc:  # noqa: BLE001 - any failure must reach the parent as a result
         payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     payload["forbidden_modules"] = forbidden_loaded()
@@ -183,6 +197,67 @@ def _spec(name: str, var: Any) -> dict[str, Any]:
     if shape is None:
         raise WorkerError(f"MNN cannot infer the shape of {name!r}")
     return {"name": name, "shape": list(shape), "dtype": dtype_name(var)}
+
+
+def _golden(args: argparse.Namespace) -> dict[str, Any]:
+    """Run golden inputs through the model with the reference config.
+
+    With --recipe-fd (the base model of a push), the inputs are built here from the
+    model's signature, the recipe's hints and the publisher's ``.npz`` in --inputs-fd
+    (`control_plane.registry.golden.golden_inputs`), written to --built-fd, and the input
+    signature is reported: one child both inspects the model and runs it. Otherwise
+    --inputs-fd holds the inputs to run. The outputs go to --outputs-fd as an
+    uncompressed ``.npz``; their specs are what this run produced (real shapes).
+    """
+    from runtime.backends import REFERENCE_CONFIG
+    from runtime.engine import InProcessExecutor
+    from runtime.errors import RuntimeFailure
+    from runtime.golden import MAX_GOLDEN_BYTES
+    from runtime.npz import read_npz, write_npz
+
+    _reject_external_weights(args.model_fd)
+    given = os.pread(args.inputs_fd, os.fstat(args.inputs_fd).st_size, 0)
+    try:
+        executor = InProcessExecutor(fd_path(args.model_fd), REFERENCE_CONFIG)
+    except RuntimeFailure as exc:
+        raise WorkerError(f"MNN refused to load it ({exc})") from None
+    specs = executor.signature.inputs
+    result: dict[str, Any] = {}
+    if args.recipe_fd is not None:
+        feeds = _built_inputs(specs, given, args.recipe_fd)
+        os.pwrite(args.built_fd, write_npz(feeds), 0)
+        result["inputs"] = [_spec_of(s.name, s.shape, s.dtype) for s in specs]
+        result["mnn_version"] = executor.mnn_version
+    else:
+        feeds = read_npz(given, "golden inputs", MAX_GOLDEN_BYTES)
+    missing = [s.name for s in specs if s.name not in feeds]
+    if missing:
+        raise WorkerError(f"no golden input for {missing[0]!r}")
+    try:
+        outputs = executor.run([feeds[s.name] for s in specs], exact=False)
+    except RuntimeFailure as exc:
+        raise WorkerError(f"the reference config cannot run the golden inputs ({exc})") from None
+    os.pwrite(args.outputs_fd, write_npz(outputs), 0)
+    result["outputs"] = [_spec_of(n, a.shape, a.dtype.name) for n, a in outputs.items()]
+    return result
+
+
+def _built_inputs(specs: Any, publisher: bytes, recipe_fd: int) -> dict[str, Any]:
+    """Build the golden inputs for `specs` (errors.InvalidArgument: the publisher's fault)."""
+    from control_plane.registry.golden import GoldenRequest, golden_inputs
+    from control_plane.registry.mnn_tools import TensorSpec
+
+    recipe = json.loads(os.pread(recipe_fd, os.fstat(recipe_fd).st_size, 0))
+    request = GoldenRequest(
+        golden=publisher,
+        input_shapes={k: tuple(v) for k, v in recipe["input_shapes"].items()},
+        input_ranges={k: (float(lo), float(hi)) for k, (lo, hi) in recipe["input_ranges"].items()},
+    )
+    return golden_inputs([TensorSpec(s.name, s.shape, s.dtype) for s in specs], request)
+
+
+def _spec_of(name: str, shape: Any, dtype: str) -> dict[str, Any]:
+    return {"name": name, "shape": [int(d) for d in shape], "dtype": dtype}
 
 
 def _convert(args: argparse.Namespace) -> dict[str, Any]:
@@ -339,6 +414,7 @@ def _flush_all() -> None:
 
 _OPS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "inspect": _inspect,
+    "golden": _golden,
     "convert": _convert,
     "variant": _variant,
 }
@@ -352,6 +428,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-fd", type=int)
     parser.add_argument("--src-fd", type=int)
     parser.add_argument("--dst-fd", type=int)
+    parser.add_argument("--inputs-fd", type=int, help="golden op: .npz of inputs by name")
+    parser.add_argument("--outputs-fd", type=int, help="golden op: .npz of outputs, written")
+    parser.add_argument("--recipe-fd", type=int, help="golden op: JSON hints; build inputs")
+    parser.add_argument("--built-fd", type=int, help="golden op: .npz of built inputs, written")
     parser.add_argument("--variant", choices=sorted(VARIANT_FLAGS))
     parser.add_argument("--memory-limit", type=int, required=True, help="RLIMIT_AS, bytes")
     parser.add_argument("--cpu-limit", type=int, required=True, help="RLIMIT_CPU, seconds")

@@ -16,13 +16,12 @@ import functools
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from control_plane import errors
 from control_plane.blobs import BlobStore
@@ -34,9 +33,15 @@ from control_plane.crypto import (
     new_data_key,
 )
 from control_plane.crypto.keyring import Keyring
-from control_plane.limits import MAX_NOTES, check_text
-from control_plane.registry import gc, memfd, mnn_tools
+from control_plane.registry import evaluation, gc, memfd, mnn_tools
 from control_plane.registry.mnn_sandbox import Sandbox
+from control_plane.registry.requests import (
+    PushRequest,
+    check_request,
+    check_upload,
+    validate_name,
+    validate_version,
+)
 from control_plane.registry.signing_keys import SigningKeys
 from control_plane.store.base import (
     ModelRecord,
@@ -49,99 +54,16 @@ from control_plane.store.base import (
 
 log = logging.getLogger(__name__)
 
-MODEL_NAME = re.compile(r"[a-z0-9_-]{1,64}")
-# What a variant name and a version number may be anywhere they arrive from outside
-# (rollouts, device reports): versions are int32 columns.
-VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
-MAX_VERSION = 2**31 - 1
 BASE_VARIANT = "fp32"
 AEAD_NAME = "AES256_GCM_HKDF_1MB"
 MANIFEST_SCHEMA = "skiff.manifest/v1"
 # Concurrent MNN children per push; each holds a copy of a variant's weights.
 INSPECT_WORKERS = 2
+# What golden data's ciphertext is bound to in place of a variant name (variant names are
+# fp16/int8/int4 only, so it cannot collide).
+GOLDEN_LABEL = "golden"
 # Times a push re-wraps its data key after a rotation on some replica switched the KEK.
 STALE_KEK_RETRIES = 3
-
-
-@dataclass(frozen=True)
-class PushRequest:
-    """What a caller asks for when pushing a model."""
-
-    name: str
-    actor: str
-    notes: str = ""
-    variants: tuple[str, ...] = ()
-    filename: str = ""
-    # What the client says it sent (0 / "" = not declared); checked after the upload.
-    size: int = 0
-    sha256: str = ""
-
-
-def check_request(request: PushRequest) -> tuple[str, ...]:
-    """Validate everything a push names before any byte is read; return the extra variants."""
-    validate_name(request.name)
-    check_text("notes", request.notes, MAX_NOTES, multiline=True)
-    if request.size < 0:
-        raise errors.InvalidArgument(f"declared size {request.size} is negative")
-    return _validate_variants(request.variants)
-
-
-def _check_upload(request: PushRequest, upload: memfd.Spooled) -> None:
-    if upload.size == 0:
-        raise errors.InvalidArgument("model file is empty")
-    if request.size and upload.size != request.size:
-        raise errors.InvalidArgument(
-            f"upload has {upload.size} bytes, header declared {request.size}"
-        )
-    if request.sha256 and upload.sha256 != request.sha256.lower():
-        raise errors.IntegrityError("upload does not match the SHA-256 the client declared")
-
-
-def validate_name(name: str) -> str:
-    """Return a valid model name or raise InvalidArgument naming the rule."""
-    if not MODEL_NAME.fullmatch(name or ""):
-        raise errors.InvalidArgument(
-            f"invalid model name {name!r:.80}: use 1-64 of lowercase letters, digits, '-', '_'"
-        )
-    return name
-
-
-def validate_version(number: int | None) -> int | None:
-    """Return a version number (None = latest) if it is 1 to MAX_VERSION (an int32 column)."""
-    if number is not None and not 1 <= number <= MAX_VERSION:
-        raise errors.InvalidArgument(f"invalid version {number}: use 1 to {MAX_VERSION}")
-    return number
-
-
-def validate_positive_version(number: object) -> int:
-    """Return `number` if it is an int from 1 to MAX_VERSION (a page token's key)."""
-    if isinstance(number, bool) or not isinstance(number, int):
-        raise errors.InvalidArgument(f"invalid version {number!r:.20}")
-    validate_version(number)
-    return number
-
-
-def parse_ref(ref: str) -> tuple[str, int | None]:
-    """Split NAME[:VERSION] into its parts; InvalidArgument when malformed."""
-    name, sep, version = ref.partition(":")
-    validate_name(name)
-    if not sep:
-        return name, None
-    # ASCII digits only: str.isdigit() also accepts '²', which int() then refuses.
-    if not (version.isascii() and version.isdecimal()) or not 1 <= int(version) <= MAX_VERSION:
-        raise errors.InvalidArgument(
-            f"invalid version {version!r:.20} in {ref!r:.100}: use 1 to {MAX_VERSION}"
-        )
-    return name, int(version)
-
-
-def _validate_variants(variants: Iterable[str]) -> tuple[str, ...]:
-    chosen = tuple(dict.fromkeys(variants))
-    unknown = [v for v in chosen if v not in mnn_tools.VARIANTS]
-    if unknown:
-        allowed = ", ".join(mnn_tools.VARIANTS)
-        raise errors.InvalidArgument(f"unknown variant {unknown[0]!r}: choose from {allowed}")
-    return chosen
 
 
 def associated_data(uid: str, variant: str) -> bytes:
@@ -220,7 +142,7 @@ class Registry:
         client went away may have been cut short, and is never stored.
         """
         extra = check_request(request)
-        _check_upload(request, upload)
+        check_upload(request, upload)
         stored: list[str] = []
         with self._push_slots, contextlib.ExitStack() as stack:
             try:
@@ -259,23 +181,35 @@ class Registry:
     ) -> VersionRecord:
         uid, data_key = uuid.uuid4().hex, new_data_key()
         first_write = time.monotonic()
-        # MNN loads each variant in a child process while this thread encrypts and stores:
-        # the two dominate a push, and neither needs the other's result until the end.
-        with ThreadPoolExecutor(INSPECT_WORKERS, thread_name_prefix="skiff-inspect") as pool:
-            pending = {
-                name: pool.submit(mnn_tools.inspect_model, fd, **self._mnn_limits())
-                for name, fd in fds.items()
-            }
-            try:
-                sealed = [
-                    self._encrypt_variant(uid, n, fd, data_key, stored) for n, fd in fds.items()
-                ]
-                signatures = {name: future.result().to_dict() for name, future in pending.items()}
-            except BaseException:
-                for future in pending.values():
-                    future.cancel()
-                raise
-        variants = tuple(replace(v, signature=signatures[v.name]) for v in sealed)
+        # MNN inspects and runs each variant in child processes while this thread encrypts
+        # and stores: the two dominate a push, and neither needs the other's result until
+        # the end. The coordinating thread only waits on the children.
+        with (
+            ThreadPoolExecutor(INSPECT_WORKERS, thread_name_prefix="skiff-inspect") as pool,
+            ThreadPoolExecutor(1, thread_name_prefix="skiff-golden") as coordinator,
+        ):
+            judged = coordinator.submit(
+                evaluation.evaluate,
+                fds,
+                BASE_VARIANT,
+                request.golden,
+                pool=pool,
+                limits=self._mnn_limits(),
+            )
+            sealed = [self._encrypt_variant(uid, n, fd, data_key, stored) for n, fd in fds.items()]
+            found = judged.result()
+        signatures = found.signatures
+        variants = tuple(
+            replace(
+                v,
+                signature=signatures[v.name],
+                accuracy=found.accuracy.get(v.name, {}),
+                degraded=found.degraded.get(v.name, False),
+            )
+            for v in sealed
+        )
+        golden_blob = self._encrypt_golden(uid, found.golden, data_key, stored)
+        golden_blob["source"] = request.golden.source
         created_at = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
         def build(wrapped: WrappedKey, number: int) -> NewVersion:
@@ -295,6 +229,7 @@ class Registry:
                 "source_format": fmt,
                 "signature": signatures[BASE_VARIANT],
                 "variants": {v.name: _manifest_variant(uid, v) for v in variants},
+                "golden": golden_blob,
             }
             signed = self.signer.sign(manifest)
             return NewVersion(
@@ -309,6 +244,7 @@ class Registry:
                 manifest=signed.body,
                 manifest_signature=signed.signature,
                 signing_key_id=signed.key_id,
+                golden=golden_blob,
             )
 
         if abandoned():
@@ -369,6 +305,22 @@ class Registry:
             signature={},
         )
 
+    def _encrypt_golden(self, uid: str, data: bytes, data_key: bytes, stored: list[str]) -> dict:
+        """Encrypt the golden data under the version's data key; return its blob record."""
+        ciphertext = encrypt_chunks(
+            data_key, iter((data,)), associated_data=associated_data(uid, GOLDEN_LABEL)
+        )
+        info = self.blobs.put_stream(ciphertext)
+        stored.append(info.key)
+        return {
+            "ciphertext_sha256": info.key,
+            "ciphertext_size": info.size,
+            "plaintext_sha256": hashlib.sha256(data).hexdigest(),
+            "plaintext_size": len(data),
+            "segment_size": SEGMENT_SIZE,
+            "associated_data": associated_data(uid, GOLDEN_LABEL).decode(),
+        }
+
     def _delete_blobs(self, keys: list[str]) -> None:
         for key in keys:
             try:
@@ -416,6 +368,28 @@ class Registry:
         )
         return record, chosen, plaintext
 
+    def golden(self, name: str, number: int | None) -> tuple[VersionRecord, bytes]:
+        """Return a version and its decrypted golden data (runtime.golden's .npz)."""
+        validate_name(name)
+        validate_version(number)
+        record = self.store.get_version(name, number)
+        blob = record.golden
+        if not blob:
+            raise errors.NotFound(
+                f"{name}:{record.number} has no golden data (pushed before golden data existed)"
+            )
+        data_key = self.kek.unwrap(record.data_key, context=record.uid)
+        data = b"".join(
+            decrypt_stream(
+                data_key,
+                self.blobs.open_read(blob["ciphertext_sha256"]),
+                associated_data=associated_data(record.uid, GOLDEN_LABEL),
+            )
+        )
+        if hashlib.sha256(data).hexdigest() != blob["plaintext_sha256"]:
+            raise errors.IntegrityError(f"{name}:{record.number}: golden data does not match")
+        return record, data
+
     # -- garbage ------------------------------------------------------------------------
 
     def collect_garbage(self, *, dry_run: bool = False) -> gc.GcResult:
@@ -433,4 +407,6 @@ def _manifest_variant(uid: str, v: VariantRecord) -> dict:
         "aead": AEAD_NAME,
         "associated_data": associated_data(uid, v.name).decode(),
         "signature": v.signature,
+        "accuracy": v.accuracy,
+        "degraded": v.degraded,
     }

@@ -185,14 +185,19 @@ class Delivery:
             raise errors.InvalidArgument(f"offset must not be negative, got {offset}")
         _, desired = self.desired(device_id, attrs)
         for model, d in desired.items():
-            variant = self.version(model, d.version).variant(d.variant)
-            if variant is not None and variant.ciphertext_sha256 == artifact:
-                if offset > variant.ciphertext_size:
+            version = self.version(model, d.version)
+            variant = version.variant(d.variant)
+            # What an assignment lets a device fetch: its variant and the version's golden data.
+            sizes = {version.golden.get("ciphertext_sha256"): version.golden.get("ciphertext_size")}
+            if variant is not None:
+                sizes[variant.ciphertext_sha256] = variant.ciphertext_size
+            size = sizes.get(artifact)
+            if artifact and size is not None:
+                if offset > size:
                     raise errors.OutOfRange(
-                        f"offset {offset} is past the end of the artifact "
-                        f"({variant.ciphertext_size} bytes)"
+                        f"offset {offset} is past the end of the artifact ({size} bytes)"
                     )
-                return variant.ciphertext_size, self._blobs.open_read(artifact, offset=offset)
+                return size, self._blobs.open_read(artifact, offset=offset)
         raise errors.PermissionDenied("artifact is not assigned to this device")
 
 
@@ -208,6 +213,8 @@ def _document_entry(a: Assignment) -> dict:
         "plaintext_sha256": a.variant.plaintext_sha256,
         "plaintext_size": a.variant.plaintext_size,
         "associated_data": associated_data(a.version.uid, a.variant.name).decode(),
+        "degraded": a.variant.degraded,
+        "golden_sha256": a.version.golden.get("ciphertext_sha256", ""),
         "manifest_sha256": hashlib.sha256(a.version.manifest).hexdigest(),
         "wrapped_key_sha256": hashlib.sha256(a.wrapped_data_key).hexdigest()
         if a.wrapped_data_key

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from control_plane import errors
 from control_plane.fleet.selector import parse_selector
 from control_plane.limits import MAX_REASON, check_text
-from control_plane.registry.registry import MAX_VERSION, VARIANT_NAME, validate_name
+from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
     MAX_PRIORITY,

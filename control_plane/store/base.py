@@ -10,7 +10,7 @@ import abc
 import contextlib
 import datetime as dt
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from control_plane import errors
 from control_plane.crypto.kek import WrappedKey
@@ -27,6 +27,12 @@ class VariantRecord:
     ciphertext_sha256: str
     segment_size: int
     signature: dict
+    # How this variant's outputs compare with fp32's on the golden inputs: worst cosine
+    # and max abs error, and per output ({} for fp32 itself and older versions).
+    accuracy: dict = field(default_factory=dict)
+    # Below the accuracy bar but kept on the publisher's word (--allow-degraded): shown
+    # everywhere, and served only to rollouts that name it.
+    degraded: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class NewVersion:
     manifest: bytes
     manifest_signature: bytes
     signing_key_id: str
+    # The encrypted golden data blob (inputs + fp32 reference outputs): see registry/golden.py.
+    golden: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class VersionRecord:
     manifest: bytes
     manifest_signature: bytes
     signing_key_id: str
+    golden: dict = field(default_factory=dict)
 
     def variant(self, name: str) -> VariantRecord | None:
         """Return the named variant, or None."""

@@ -6,6 +6,7 @@ import datetime as dt
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     ForeignKey,
     Index,
@@ -63,6 +64,7 @@ class VersionRow(Base):
     manifest: Mapped[bytes] = mapped_column(LargeBinary)
     manifest_signature: Mapped[bytes] = mapped_column(LargeBinary)
     signing_key_id: Mapped[str] = mapped_column(String(64))
+    golden: Mapped[dict] = mapped_column(JSON, default=dict)
 
     model: Mapped[ModelRow] = relationship(back_populates="versions")
     variants: Mapped[list[VariantRow]] = relationship(
@@ -86,6 +88,8 @@ class VariantRow(Base):
     ciphertext_sha256: Mapped[str] = mapped_column(String(64))
     segment_size: Mapped[int] = mapped_column(Integer)
     signature: Mapped[dict] = mapped_column(JSON)
+    accuracy: Mapped[dict] = mapped_column(JSON, default=dict)
+    degraded: Mapped[bool] = mapped_column(Boolean, default=False)
 
     version: Mapped[VersionRow] = relationship(back_populates="variants")
 

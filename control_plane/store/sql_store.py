@@ -96,6 +96,8 @@ def _variant(row: orm.VariantRow) -> VariantRecord:
         ciphertext_sha256=row.ciphertext_sha256,
         segment_size=row.segment_size,
         signature=dict(row.signature),
+        accuracy=dict(row.accuracy or {}),
+        degraded=bool(row.degraded),
     )
 
 
@@ -114,6 +116,7 @@ def _version(row: orm.VersionRow, model: str) -> VersionRecord:
         manifest=row.manifest,
         manifest_signature=row.manifest_signature,
         signing_key_id=row.signing_key_id,
+        golden=dict(row.golden or {}),
     )
 
 
@@ -224,6 +227,7 @@ class SqlStore(
                 manifest=new.manifest,
                 manifest_signature=new.manifest_signature,
                 signing_key_id=new.signing_key_id,
+                golden=new.golden,
                 variants=[orm.VariantRow(**v.__dict__) for v in new.variants],
             )
             session.add(row)
@@ -292,9 +296,13 @@ class SqlStore(
             return _version(row, name)
 
     def referenced_blobs(self) -> set[str]:
-        """Return every ciphertext digest a variant points at."""
+        """Return every ciphertext digest a variant or a version's golden data points at."""
         with self._read() as session:
-            return set(session.scalars(select(orm.VariantRow.ciphertext_sha256)))
+            found = set(session.scalars(select(orm.VariantRow.ciphertext_sha256)))
+            for golden in session.scalars(select(orm.VersionRow.golden)):
+                if golden and golden.get("ciphertext_sha256"):
+                    found.add(golden["ciphertext_sha256"])
+            return found
 
     def has_schema(self) -> bool:
         """Return whether the database holds Skiff's tables (for tools run without migrating)."""

@@ -19,12 +19,14 @@ from tests.control_plane.helpers import spawn_server
 SKIFF = [sys.executable, "-m", "control_plane.cli"]
 
 
-def skiff(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def skiff(
+    *args: str, env: dict | None = None, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [*SKIFF, *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
     )
     if check and result.returncode != 0:

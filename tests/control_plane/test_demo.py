@@ -8,7 +8,9 @@ from tests.control_plane.test_cli import skiff
 
 
 def test_demo_runs_the_whole_loop(tmp_path):
-    result = skiff("demo", "--home", str(tmp_path / "demo"))
+    # `make demo` adds --real-models; what that shows is tested in test_real_models.py
+    # (registry) and tests/runtime/test_real_models.py, without a minute of CI for the demo.
+    result = skiff("demo", "--home", str(tmp_path / "demo"), timeout=600)
     out = result.stdout
     assert "sha256 verified = True" in out
     assert "push of random bytes rejected" in out

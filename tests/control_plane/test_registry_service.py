@@ -96,12 +96,15 @@ def test_blob_store_holds_only_ciphertext(cp, tmp_path, mnn_bytes):
     with cp.client() as client:
         version = client.push(_write(tmp_path, "m.mnn", mnn_bytes), name="det")
     keys = set(cp.registry.blobs.keys())
-    assert keys == {v.ciphertext_sha256 for v in version.variants}
-    stored = b"".join(cp.registry.blobs.open_read(next(iter(keys))))
-    assert len(stored) > len(mnn_bytes)
-    # No 64-byte window of the model appears in what the blob store holds.
-    for offset in range(0, len(mnn_bytes) - 64, 4096):
-        assert mnn_bytes[offset : offset + 64] not in stored
+    golden = version.golden.ciphertext_sha256
+    assert keys == {v.ciphertext_sha256 for v in version.variants} | {golden}
+    _, plain_golden = cp.registry.golden("det", version.version)
+    stored = {key: b"".join(cp.registry.blobs.open_read(key)) for key in keys}
+    assert len(stored[version.variants[0].ciphertext_sha256]) > len(mnn_bytes)
+    # No 64-byte window of the model or of the golden data appears in the blob store.
+    for plaintext in (mnn_bytes, plain_golden):
+        for offset in range(0, len(plaintext) - 64, 1024):
+            assert all(plaintext[offset : offset + 64] not in blob for blob in stored.values())
 
 
 def _assert_nothing_stored(cp):

@@ -9,11 +9,13 @@ import grpc
 import pytest
 
 from control_plane.api.fleet_convert import attributes_pb
+from control_plane.crypto import decrypt_stream
 from device_agent.assignment import AssignmentRejected, load_public_keys, verify_sync
 from device_agent.connection import DeviceCallError
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.signing_keys import KeyRing
 from protos import fleet_pb2
+from runtime.golden import Golden
 from tests.control_plane.api.device_helpers import Device, run
 
 ANDROID = {"platform": "android", "app_version": "5.3", "soc": "sm8650"}
@@ -120,6 +122,57 @@ def test_only_the_assigned_device_gets_key_and_bytes(published, enroll_token):
     # Nor does the right key under another device's or version's context.
     with pytest.raises(KeyUnwrapError):
         android.keys.unwrap(model.wrapped_data_key, device_id=ios.id, version_uid=model.uid)
+
+
+def test_assigned_device_gets_the_versions_golden_data_and_no_other(published, enroll_token):
+    cp = published
+    android = Device.enroll(cp.address, enroll_token, ANDROID)
+    ios = Device.enroll(cp.address, enroll_token, IOS)
+    rollout(cp, version=2, variant="int8", selector="platform=android")
+    verified = android.sync()
+    m = verified.models["det"]
+    assert m.golden is not None and m.degraded is False
+    ciphertext = android.download(m.golden.ciphertext_sha256, m.golden.ciphertext_size)
+    key = android.keys.unwrap(m.wrapped_data_key, device_id=android.id, version_uid=m.uid)
+    data = b"".join(decrypt_stream(key, [ciphertext], associated_data=m.golden.associated_data))
+    assert hashlib.sha256(data).hexdigest() == m.golden.plaintext_sha256
+    golden = Golden.from_npz(data)
+    assert list(golden.inputs) == ["x"] and list(golden.outputs) == ["y"]
+    # The unassigned device cannot fetch it, nor version 1's golden data.
+    with pytest.raises(DeviceCallError) as denied:
+        ios.download(m.golden.ciphertext_sha256, m.golden.ciphertext_size)
+    assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+    v1 = cp.registry.store.get_version("det", 1).golden
+    assert code_of(lambda: android.download(v1["ciphertext_sha256"], 10)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    # A golden descriptor swapped for another version's fails the signed checks.
+    keys = load_public_keys(android.signing_keys)
+    response = android.sync_raw()
+    swapped = type(response)()
+    swapped.CopyFrom(response)
+    swapped.models[0].golden.ciphertext_sha256 = v1["ciphertext_sha256"]
+    with pytest.raises(AssignmentRejected, match="golden_sha256"):
+        verify_sync(
+            swapped,
+            device_id=android.id,
+            nonce=NONCE,
+            keys=keys,
+            last_revision=0,
+            now=dt.datetime.now(dt.UTC),
+        )
+    dropped = type(response)()
+    dropped.CopyFrom(response)
+    dropped.models[0].ClearField("golden")
+    with pytest.raises(AssignmentRejected, match="golden"):
+        verify_sync(
+            dropped,
+            device_id=android.id,
+            nonce=NONCE,
+            keys=keys,
+            last_revision=0,
+            now=dt.datetime.now(dt.UTC),
+        )
 
 
 def test_download_resumes_and_refuses_offsets_past_the_end(published, enroll_token):

@@ -42,15 +42,16 @@ def _referenced(cp) -> set[str]:
 
 
 def test_grace_is_twice_the_longest_push():
-    # 4 variants x (600 s of MNN + 2 GiB at 16 MiB/s) + 300 s to commit, doubled.
-    assert gc.longest_push_s(mnn_timeout_s=600, max_model_bytes=2 << 30) == 4 * 728 + 300
-    assert gc.default_grace_s(mnn_timeout_s=600, max_model_bytes=2 << 30) == 2 * 3212
+    # 4 variants x (600 s of MNN + 2 GiB at 16 MiB/s) + 600 s of slack + 300 s to commit,
+    # doubled.
+    assert gc.longest_push_s(mnn_timeout_s=600, max_model_bytes=2 << 30) == 4 * 728 + 900
+    assert gc.default_grace_s(mnn_timeout_s=600, max_model_bytes=2 << 30) == 2 * 3812
 
 
 def test_old_orphans_go_young_and_referenced_blobs_stay(published):
     cp = published
     referenced = _referenced(cp)
-    assert len(referenced) == 3  # det:1 fp32, det:2 fp32 + int8
+    assert len(referenced) == 5  # det:1 fp32 + golden, det:2 fp32 + int8 + golden
     for key in referenced:  # however old, a referenced blob is never collected
         _backdate(cp.registry.blobs, key, 30 * DAY)
     content = b"crashed between blob write and commit"
@@ -67,6 +68,8 @@ def test_old_orphans_go_young_and_referenced_blobs_stay(published):
         assert set(cp.registry.blobs.keys()) == referenced | {young}
         for version in (1, 2):
             client.pull("det", version, cp.config.home / f"det{version}.mnn", pins=cp.pins)
+            # Golden data is referenced too: the sweep kept it.
+            client.pull("det", version, cp.config.home / f"g{version}", pins=cp.pins, golden=True)
         assert list(client.collect_garbage().blobs) == []
 
 
@@ -88,8 +91,9 @@ def test_a_sweep_on_another_replica_mid_push_keeps_the_push_s_blobs(cp, onnx_pat
         with cp.client() as client:
             version = client.push(onnx_path, name="det", variants=("int8",))
             pushed = {v.ciphertext_sha256 for v in version.variants}
+            pushed.add(version.golden.ciphertext_sha256)
             assert seen["blobs"] == pushed  # the sweep ran in the window
-            assert seen["sweep"].blobs == () and seen["sweep"].kept_young == 2
+            assert seen["sweep"].blobs == () and seen["sweep"].kept_young == 3
             client.pull("det", 1, cp.config.home / "det.mnn", variant="int8", pins=cp.pins)
     finally:
         replica_a.store.close()
@@ -125,7 +129,7 @@ def test_concurrent_sweeps_and_pushes_lose_nothing(cp, onnx_path):
         assert failures == []
         assert not any(cp.registry.blobs.exists(key) for key in olds)
         assert set(cp.registry.blobs.keys()) == _referenced(cp)
-        assert len(_referenced(cp)) == 2
+        assert len(_referenced(cp)) == 4  # two versions: fp32 + golden data each
         for version in (1, 2):
             client.pull("det", version, cp.config.home / f"det{version}.mnn", pins=cp.pins)
 

@@ -1,0 +1,97 @@
+"""What the admin client reads and writes locally for pushes and pulls.
+
+Model files are hashed before upload (the server checks size and SHA-256), streamed as
+1 MiB chunks after any golden inputs, and pulled models are written beside their
+destination, checked against the signed manifest, and only then renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from control_plane import errors
+from control_plane.registry.golden import MAX_GOLDEN_UPLOAD
+from protos import admin_pb2
+
+CHUNK = 1 << 20
+# Called with (bytes done, bytes in all) as a transfer goes.
+Progress = Callable[[int, int], None]
+
+
+def size_and_digest(path: Path) -> tuple[int, str]:
+    """Return a file's size and SHA-256, read once; InvalidArgument if it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+        return path.stat().st_size, digest.hexdigest()
+    except OSError as exc:
+        raise errors.InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+
+
+def read_golden(path: Path) -> bytes:
+    """Read a golden-inputs file, refusing one over the server's limit before sending it."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_GOLDEN_UPLOAD:
+            raise errors.TooLarge(
+                f"{path}: {size} bytes of golden inputs, over the {MAX_GOLDEN_UPLOAD}-byte limit"
+            )
+        return path.read_bytes()
+    except OSError as exc:
+        raise errors.InvalidArgument(f"cannot read golden inputs {path}: {exc.strerror}") from None
+
+
+def push_requests(
+    path: Path, header: admin_pb2.PushHeader, progress: Progress | None, golden: bytes = b""
+) -> Iterator[admin_pb2.PushModelRequest]:
+    """Yield a push: the header, the golden inputs' chunks, then the model's chunks."""
+    yield admin_pb2.PushModelRequest(header=header)
+    for start in range(0, len(golden), CHUNK):
+        yield admin_pb2.PushModelRequest(golden_chunk=golden[start : start + CHUNK])
+    sent = 0
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            sent += len(chunk)
+            if progress:
+                progress(sent, header.size)
+            yield admin_pb2.PushModelRequest(chunk=chunk)
+
+
+def write_verified(chunks, out: Path, expected: tuple[int, str], progress: Progress | None) -> None:
+    """Write to a new 0600 temp file beside `out`, check it, then rename it into place.
+
+    The temp file is created with O_EXCL|O_NOFOLLOW, so a file or symlink planted at its
+    name is never written through; `out` itself, if a symlink, is replaced, not followed.
+    """
+    want_size, want_sha256 = expected
+    out = Path(out).absolute()
+    out = out.parent.resolve() / out.name
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileExistsError:
+        raise errors.AlreadyExists(f"{tmp} already exists: remove it and pull again") from None
+    digest, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for response in chunks:
+                digest.update(response.chunk)
+                size += len(response.chunk)
+                f.write(response.chunk)
+                if progress:
+                    progress(size, want_size)
+            f.flush()
+            os.fsync(f.fileno())
+        if size != want_size or digest.hexdigest() != want_sha256:
+            raise errors.IntegrityError(
+                f"downloaded model does not match its signed manifest ({size} bytes)"
+            )
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,344 @@
+"""Golden data and accuracy gates at push.
+
+Every version carries golden data: inputs, and the outputs MNN's reference config gives
+for them with the fp32 model. The inputs are the publisher's (``--golden``, an ``.npz``
+of arrays named after the model's inputs) or, failing that, seeded random values built
+from the signature: dynamic dimensions come from ``--input-shape``, integer inputs (a
+sample rate, token ids) from ``--input-range``, because no default would be honest for
+them. Each derived variant runs the same inputs and is compared with fp32 output by
+output; one below the cosine bar is refused with the figures, or kept marked degraded
+when the publisher says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from control_plane import errors
+from control_plane.registry.mnn_tools import TensorSpec
+from runtime.golden import MAX_GOLDEN_BYTES, Golden, Tolerance, output_errors
+from runtime.npz import read_npz, write_npz
+
+__all__ = [
+    "AccuracyBar",
+    "GoldenRequest",
+    "DEFAULT_MIN_COSINE",
+    "MAX_GOLDEN_UPLOAD",
+    "accuracy",
+    "golden_inputs",
+    "reference_golden",
+]
+
+DEFAULT_MIN_COSINE = 0.99
+MAX_GOLDEN_UPLOAD = 64 << 20  # compressed; golden inputs are a handful of samples
+# All golden inputs together, in the model's dtypes: what the server holds (a few times
+# over) while a push runs, and what every device receives.
+MAX_GOLDEN_INPUT_BYTES = 64 << 20
+# How far a device's run of a variant may fall below what the registry measured for it
+# (other backends, other kernels) before its self-test fails.
+SELF_TEST_SLACK = 0.005
+MAX_HINTS = 256  # --input-shape / --input-range entries per push
+SEED = 0  # seeded inputs are reproducible: the same model and flags give the same data
+_FLOAT_DTYPES = ("float16", "float32", "float64")
+_INT_DTYPES = ("int8", "uint8", "int16", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class GoldenRequest:
+    """What a push says about golden inputs and the accuracy bar."""
+
+    golden: bytes = b""  # the publisher's .npz; b"" = build seeded inputs
+    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    input_ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    min_cosine: float = DEFAULT_MIN_COSINE
+    allow_degraded: bool = False
+
+    def check(self) -> None:
+        """Validate everything that does not need the model; InvalidArgument names it."""
+        if not 0.0 < self.min_cosine <= 1.0 or math.isnan(self.min_cosine):
+            raise errors.InvalidArgument(f"min cosine {self.min_cosine} must be in (0, 1]")
+        if len(self.golden) > MAX_GOLDEN_UPLOAD:
+            raise errors.InvalidArgument(
+                f"golden inputs take {len(self.golden) >> 20} MiB "
+                f"(limit {MAX_GOLDEN_UPLOAD >> 20} MiB)"
+            )
+        if len(self.input_shapes) + len(self.input_ranges) > MAX_HINTS:
+            raise errors.InvalidArgument(f"more than {MAX_HINTS} input shapes and ranges")
+        for name, shape in self.input_shapes.items():
+            if not shape or any(d < 1 for d in shape):
+                raise errors.InvalidArgument(
+                    f"input shape for {name!r:.64} must be positive dimensions, got {list(shape)}"
+                )
+        for name, (low, high) in self.input_ranges.items():
+            if not (math.isfinite(high - low) and low <= high):
+                raise errors.InvalidArgument(
+                    f"input range for {name!r:.64} must be finite with low <= high, "
+                    f"got {low}:{high}"
+                )
+
+    @property
+    def source(self) -> str:
+        """Say where the golden inputs come from: "publisher" or "seeded"."""
+        return "publisher" if self.golden else "seeded"
+
+
+@dataclass(frozen=True)
+class AccuracyBar:
+    """The outcome of comparing one variant with fp32: figures, and whether it passed.
+
+    `self_test` is what a device holds the variant to against fp32's golden outputs: the
+    figures measured here, less a little slack for other backends.
+    """
+
+    figures: dict[str, Any]
+    degraded: bool
+    self_test: Tolerance
+
+
+def golden_inputs(inputs: Sequence[TensorSpec], request: GoldenRequest) -> dict[str, np.ndarray]:
+    """Return the golden inputs for a model with `inputs`, in the model's dtypes.
+
+    InvalidArgument says which input is missing, unknown, mis-shaped or needs a shape or
+    a range.
+    """
+    request.check()
+    _refuse_unknown(inputs, request)
+    if request.golden:
+        return _publisher_inputs(inputs, request)
+    shapes = {spec.name: _seeded_shape(spec, request) for spec in inputs}
+    _check_total({spec.name: (shapes[spec.name], spec.dtype) for spec in inputs}, "seeded")
+    rng = np.random.default_rng(SEED)
+    return {spec.name: _seeded(spec, shapes[spec.name], request, rng) for spec in inputs}
+
+
+def _check_total(arrays: Mapping[str, tuple[tuple[int, ...], str]], kind: str) -> None:
+    """Refuse golden inputs that would take more than MAX_GOLDEN_INPUT_BYTES in all."""
+    total = 0
+    for shape, dtype in arrays.values():
+        size = np.dtype(dtype).itemsize if dtype in _FLOAT_DTYPES + _INT_DTYPES else 8
+        total += math.prod(shape) * size
+    if total > MAX_GOLDEN_INPUT_BYTES:
+        raise errors.InvalidArgument(
+            f"{kind} golden inputs would take {total:,} bytes in the model's dtypes; the "
+            f"limit is {MAX_GOLDEN_INPUT_BYTES:,}: use smaller shapes"
+        )
+
+
+def reference_golden(
+    inputs: Mapping[str, np.ndarray],
+    outputs: Mapping[str, np.ndarray],
+    variant_tolerances: Mapping[str, Tolerance] | None = None,
+) -> bytes:
+    """Return the golden data to store: the inputs and fp32's outputs, as runtime reads it."""
+    for name, array in outputs.items():
+        if not np.isfinite(array).all():
+            raise errors.InvalidModel(
+                f"fp32 output {name!r:.64} is not finite on the golden inputs: "
+                "pass realistic inputs with --golden"
+            )
+    total = sum(a.nbytes for a in inputs.values()) + sum(a.nbytes for a in outputs.values())
+    if total > MAX_GOLDEN_BYTES:  # what runtime.golden (a device) would refuse to read
+        raise errors.InvalidModel(
+            f"golden inputs and outputs take {total:,} bytes; the limit is "
+            f"{MAX_GOLDEN_BYTES:,}: use smaller golden inputs"
+        )
+    golden = Golden(dict(inputs), dict(outputs), variant_tolerances=dict(variant_tolerances or {}))
+    return golden.to_npz()
+
+
+def accuracy(
+    variant: str,
+    reference: Mapping[str, np.ndarray],
+    outputs: Mapping[str, np.ndarray],
+    request: GoldenRequest,
+) -> AccuracyBar:
+    """Compare a variant's outputs with fp32's; refuse it below the bar unless allowed.
+
+    The bar is `request.min_cosine` on every output, and the relative error that cosine
+    allows at the right scale, sqrt(2 * (1 - min_cosine)): cosine alone would pass an
+    output 15 times too small.
+    """
+    per_output = output_errors(reference, outputs)
+    cosine = min(e.cosine for e in per_output.values())
+    max_abs = max(e.max_abs_error for e in per_output.values())
+    relative = max(e.relative_error for e in per_output.values())
+    max_relative = math.sqrt(2.0 * (1.0 - request.min_cosine))
+    figures = {
+        "cosine": cosine,
+        "max_abs_error": max_abs,
+        "relative_error": relative,
+        "min_cosine": request.min_cosine,
+        "outputs": [{"name": name, **e._asdict()} for name, e in per_output.items()],
+    }
+    self_test = Tolerance(
+        min_cosine=max(0.0, min(Tolerance().min_cosine, cosine) - SELF_TEST_SLACK)
+    )
+    passed = cosine >= request.min_cosine and relative <= max_relative
+    if passed or request.allow_degraded:
+        return AccuracyBar(_json_safe(figures), degraded=not passed, self_test=self_test)
+    if cosine < request.min_cosine:
+        worst = min(per_output, key=lambda name: per_output[name].cosine)
+        what = f"cosine {per_output[worst].cosine:.4f} with fp32, below {request.min_cosine}"
+    else:
+        worst = max(per_output, key=lambda name: per_output[name].relative_error)
+        what = (
+            f"relative error {per_output[worst].relative_error:.3g} from fp32 (cosine "
+            f"{per_output[worst].cosine:.4f}), above the {max_relative:.3g} that cosine "
+            f"{request.min_cosine} allows"
+        )
+    raise errors.InvalidModel(
+        f"{variant} variant is degraded: output {worst!r:.64} has {what} (max abs error "
+        f"{max_abs:.3g}); pass --allow-degraded to keep it marked degraded, or drop the variant"
+    )
+
+
+def _refuse_unknown(inputs: Sequence[TensorSpec], request: GoldenRequest) -> None:
+    names = {spec.name for spec in inputs}
+    for flag, given in (
+        ("--input-shape", request.input_shapes),
+        ("--input-range", request.input_ranges),
+    ):
+        for name in given:
+            if name not in names:
+                raise errors.InvalidArgument(
+                    f"{flag} names {name!r:.64}, which is not an input of the model "
+                    f"(inputs: {', '.join(sorted(names))})"
+                )
+
+
+def _publisher_inputs(
+    inputs: Sequence[TensorSpec], request: GoldenRequest
+) -> dict[str, np.ndarray]:
+    try:
+        arrays = read_npz(request.golden, "--golden", MAX_GOLDEN_INPUT_BYTES)
+    except ValueError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
+    names = [spec.name for spec in inputs]
+    extra = sorted(set(arrays) - set(names))
+    if extra:
+        raise errors.InvalidArgument(
+            f"--golden has {extra[0]!r:.64}, which is not an input of the model "
+            f"(inputs: {', '.join(names)})"
+        )
+    missing = next((spec.name for spec in inputs if spec.name not in arrays), None)
+    if missing is not None:
+        raise errors.InvalidArgument(f"--golden has no array for input {missing!r}")
+    # Checked before casting: a bool array cast to float64 grows eightfold.
+    _check_total({s.name: (arrays[s.name].shape, s.dtype) for s in inputs}, "--golden")
+    found = {}
+    for spec in inputs:
+        found[spec.name] = _cast(spec, arrays[spec.name])
+        _publisher_shape(spec, found[spec.name].shape, request)
+    return found
+
+
+def _publisher_shape(spec: TensorSpec, shape: tuple[int, ...], request: GoldenRequest) -> None:
+    hint = request.input_shapes.get(spec.name)
+    if hint is not None and tuple(hint) != tuple(shape):
+        raise errors.InvalidArgument(
+            f"--golden input {spec.name!r} has shape {list(shape)}, "
+            f"but --input-shape says {list(hint)}"
+        )
+    _check_shape(spec, tuple(shape), "--golden input")
+
+
+def _check_shape(spec: TensorSpec, shape: tuple[int, ...], what: str) -> None:
+    declared = spec.shape
+    fits = len(declared) == len(shape) and all(
+        d < 0 or d == s for d, s in zip(declared, shape, strict=True)
+    )
+    if declared and not fits:  # () = MNN could not say; the run will judge
+        raise errors.InvalidArgument(
+            f"{what} {spec.name!r} has shape {list(shape)}; the model takes {_shape_text(declared)}"
+        )
+
+
+def _cast(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
+    """Return `array` in the input's dtype, refusing conversions that change values."""
+    want = spec.dtype
+    if array.dtype.kind not in "biuf":
+        raise errors.InvalidArgument(f"--golden input {spec.name!r} is {array.dtype}, not numeric")
+    if want in _FLOAT_DTYPES:
+        return np.ascontiguousarray(array, dtype=want)
+    if want in _INT_DTYPES:
+        converted = array.astype(want)
+        if array.dtype.kind == "f" or not np.array_equal(converted, array):
+            raise errors.InvalidArgument(
+                f"--golden input {spec.name!r} is {array.dtype}; the model takes {want} "
+                "and these values do not fit"
+            )
+        return np.ascontiguousarray(converted)
+    raise errors.InvalidArgument(f"input {spec.name!r} has unsupported dtype {want}")
+
+
+def _seeded(
+    spec: TensorSpec, shape: tuple[int, ...], request: GoldenRequest, rng: np.random.Generator
+) -> np.ndarray:
+    bounds = request.input_ranges.get(spec.name)
+    if spec.dtype in _FLOAT_DTYPES:
+        if bounds is None:
+            return rng.standard_normal(shape).astype(spec.dtype)
+        return rng.uniform(bounds[0], bounds[1], shape).astype(spec.dtype)
+    if spec.dtype in _INT_DTYPES:
+        if bounds is None:
+            raise errors.InvalidArgument(
+                f"input {spec.name!r} is {spec.dtype}: random values would be meaningless "
+                f"(a sample rate, token ids...): pass --golden INPUTS.npz, or declare "
+                f"its values with --input-range {spec.name}=LOW:HIGH"
+            )
+        low, high = math.ceil(bounds[0]), math.floor(bounds[1])
+        info = np.iinfo(spec.dtype)
+        if low > high or low < info.min or high > info.max:
+            raise errors.InvalidArgument(
+                f"--input-range {spec.name}={bounds[0]:g}:{bounds[1]:g} holds no {spec.dtype} value"
+            )
+        return rng.integers(low, high, shape, dtype=spec.dtype, endpoint=True)
+    raise errors.InvalidArgument(f"input {spec.name!r} has unsupported dtype {spec.dtype}")
+
+
+def _seeded_shape(spec: TensorSpec, request: GoldenRequest) -> tuple[int, ...]:
+    hint = request.input_shapes.get(spec.name)
+    if hint is not None:
+        shape = tuple(hint)
+        _check_shape(spec, shape, "--input-shape for")
+    elif spec.shape and all(d >= 0 for d in spec.shape):
+        shape = spec.shape
+    elif spec.shape or spec.dtype == "unknown":
+        raise errors.InvalidArgument(
+            f"input {spec.name!r} has dynamic shape {_shape_text(spec.shape)}: pass "
+            f"--input-shape {spec.name}="
+            + ",".join("N" if d < 0 else str(d) for d in spec.shape)
+            + " or golden inputs with --golden"
+        )
+    else:
+        shape = ()  # a scalar
+    return shape
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "[" + ", ".join("?" if d < 0 else str(d) for d in shape) + "]"
+
+
+def _json_safe(figures: dict[str, Any]) -> dict[str, Any]:
+    """Replace infinities (a missing or non-finite output) with None: JSON has no inf."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(figures)
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Serialise arrays as an uncompressed ``.npz`` (what the MNN worker reads)."""
+    return write_npz(arrays)

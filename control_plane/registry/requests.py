@@ -1,0 +1,107 @@
+"""What a push or a lookup names, checked before anything is read or run.
+
+Model names, version numbers, variant lists and ``NAME[:VERSION]`` references arrive from
+clients, rollouts and devices; each is validated here once, with an error that names the
+rule it broke.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from control_plane import errors
+from control_plane.limits import MAX_NOTES, check_text
+from control_plane.registry import memfd, mnn_tools
+from control_plane.registry.golden import GoldenRequest
+
+MODEL_NAME = re.compile(r"[a-z0-9_-]{1,64}")
+# What a variant name and a version number may be anywhere they arrive from outside
+# (rollouts, device reports): versions are int32 columns.
+VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
+MAX_VERSION = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """What a caller asks for when pushing a model."""
+
+    name: str
+    actor: str
+    notes: str = ""
+    variants: tuple[str, ...] = ()
+    filename: str = ""
+    # What the client says it sent (0 / "" = not declared); checked after the upload.
+    size: int = 0
+    sha256: str = ""
+    golden: GoldenRequest = GoldenRequest()
+
+
+def check_request(request: PushRequest) -> tuple[str, ...]:
+    """Validate everything a push names before any byte is read; return the extra variants."""
+    validate_name(request.name)
+    check_text("notes", request.notes, MAX_NOTES, multiline=True)
+    if request.size < 0:
+        raise errors.InvalidArgument(f"declared size {request.size} is negative")
+    request.golden.check()
+    return _validate_variants(request.variants)
+
+
+def check_upload(request: PushRequest, upload: memfd.Spooled) -> None:
+    """Check a spooled upload against what its request declared."""
+    if upload.size == 0:
+        raise errors.InvalidArgument("model file is empty")
+    if request.size and upload.size != request.size:
+        raise errors.InvalidArgument(
+            f"upload has {upload.size} bytes, header declared {request.size}"
+        )
+    if request.sha256 and upload.sha256 != request.sha256.lower():
+        raise errors.IntegrityError("upload does not match the SHA-256 the client declared")
+
+
+def validate_name(name: str) -> str:
+    """Return a valid model name or raise InvalidArgument naming the rule."""
+    if not MODEL_NAME.fullmatch(name or ""):
+        raise errors.InvalidArgument(
+            f"invalid model name {name!r:.80}: use 1-64 of lowercase letters, digits, '-', '_'"
+        )
+    return name
+
+
+def validate_version(number: int | None) -> int | None:
+    """Return a version number (None = latest) if it is 1 to MAX_VERSION (an int32 column)."""
+    if number is not None and not 1 <= number <= MAX_VERSION:
+        raise errors.InvalidArgument(f"invalid version {number}: use 1 to {MAX_VERSION}")
+    return number
+
+
+def validate_positive_version(number: object) -> int:
+    """Return `number` if it is an int from 1 to MAX_VERSION (a page token's key)."""
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise errors.InvalidArgument(f"invalid version {number!r:.20}")
+    validate_version(number)
+    return number
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    """Split NAME[:VERSION] into its parts; InvalidArgument when malformed."""
+    name, sep, version = ref.partition(":")
+    validate_name(name)
+    if not sep:
+        return name, None
+    # ASCII digits only: str.isdigit() also accepts '²', which int() then refuses.
+    if not (version.isascii() and version.isdecimal()) or not 1 <= int(version) <= MAX_VERSION:
+        raise errors.InvalidArgument(
+            f"invalid version {version!r:.20} in {ref!r:.100}: use 1 to {MAX_VERSION}"
+        )
+    return name, int(version)
+
+
+def _validate_variants(variants: Iterable[str]) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(variants))
+    unknown = [v for v in chosen if v not in mnn_tools.VARIANTS]
+    if unknown:
+        allowed = ", ".join(mnn_tools.VARIANTS)
+        raise errors.InvalidArgument(f"unknown variant {unknown[0]!r}: choose from {allowed}")
+    return chosen
