@@ -30,8 +30,11 @@ demo: install
 	rm -rf $(DEMO_HOME)
 	$(BIN)/skiff demo --home $(DEMO_HOME) --real-models
 
+# Two workers (2 cores; most tests wait on servers and subprocesses), then the tests that
+# load the whole machine on their own.
 test: install system-deps lint check-protos sanitize
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 -m 'not serial'
+	$(BIN)/python -m pytest -m serial
 
 # Tools the tests drive from outside Python (Debian packages).
 system-deps:

@@ -226,7 +226,8 @@ class FleetSimulator:
                 what = "installed" if installed else "synced"
                 raise errors.Unavailable(
                     f"{len(pending)} of {len(wanted)} devices have not {what} "
-                    f"{model}:{version} ({variant}) after {timeout:g}s"
+                    f"{model}:{version} ({variant}) after {timeout:g}s "
+                    f"({_describe([by_id[i] for i in sorted(pending)[:3]])})"
                 ) from None
 
     def sync_counts(self) -> dict[str, int]:
@@ -262,3 +263,12 @@ def _enroll_error(exc: BaseException, address: str, *, enrolled: int) -> errors.
     if exc.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return errors.Unauthenticated(f"enrollment refused: {exc.message}{note}")
     return errors.SkiffError(f"enrollment failed: {exc}{note}")
+
+
+def _describe(devices: Sequence[SimDevice]) -> str:
+    """Say where a few lagging devices are, for a timeout's message."""
+    return "; ".join(
+        f"{d.id}: revision {d.revision}, {'watching' if d.watching else 'not watching'}, "
+        f"{d.syncs} syncs, failed calls {dict(d.failures) or 'none'}"
+        for d in devices
+    )

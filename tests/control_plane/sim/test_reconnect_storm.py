@@ -1,4 +1,9 @@
-"""10,000 watching devices reconnect at once after a server restart: no device fails."""
+"""10,000 watching devices reconnect at once after a server restart: no device fails.
+
+A device may see a call time out while 10,000 of them sync at once on a shared 2-core
+machine; it retries, as an agent does. What must never happen is a device refused, an
+artifact that does not verify, or a device left behind.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +34,10 @@ from tests.control_plane.helpers import home_tls
 from tests.control_plane.sim.conftest import MODEL
 
 DEVICES = 10_000
-pytestmark = pytest.mark.slow
+# Run alone (make test runs `serial` tests after the parallel part): it loads the machine.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+# Call failures another attempt fixes; every other kind fails the test.
+TRANSIENT = {"deadline_exceeded", "unavailable", "cancelled", "resource_exhausted"}
 
 
 def _bulk_enroll(home, n: int) -> list[Identity]:
@@ -141,8 +149,9 @@ def test_ten_thousand_devices_reconnect_after_a_restart(template_home, tmp_path)
                 )
             await sim.wait_synced(MODEL, 1, installed=True, timeout=180)
             after = sim.stats()
-            assert after.rejected == 0 and after.failures == {}
-            assert after.converged == DEVICES
+            assert after.rejected == 0 and after.converged == DEVICES
+            assert set(after.failures) <= TRANSIENT, after.failures
+            print(f"retried call failures: {after.failures or 'none'}")
 
     try:
         asyncio.run(scenario())
