@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from control_plane import errors
-from control_plane.cli import fleet_commands, signing_commands, sim_commands
+from control_plane.cli import agent_commands, fleet_commands, signing_commands, sim_commands
 from control_plane.cli.golden_flags import add_golden_flags
 from control_plane.cli.listing import add_limit_flag
 from control_plane.settings import SETTINGS, default_home, load_config
@@ -28,6 +28,7 @@ EXIT_CONFLICT = 7
 EXIT_INTEGRITY = 8
 
 EXIT_BY_ERROR: tuple[tuple[type[errors.SkiffError], int], ...] = (
+    (agent_commands.NotConverged, agent_commands.EXIT_NOT_CONVERGED),
     (errors.InvalidArgument, EXIT_INVALID),
     (errors.TooLarge, EXIT_INVALID),
     (errors.NotFound, EXIT_NOT_FOUND),
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fleet_commands.add_parsers(sub, _common)
     sim_commands.add_parsers(sub, _common)
+    agent_commands.add_parsers(sub, _common)
 
     p = sub.add_parser("demo", help="run the end-to-end demo on a throwaway home")
     _common(p, json_flag=False, remote=False)
@@ -144,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
 
     config = load_config(args.home, _overrides(args))
     name = f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_").replace("-", "_")
-    modules = (commands, fleet_commands, sim_commands, signing_commands)
+    modules = (commands, fleet_commands, sim_commands, signing_commands, agent_commands)
     module = next(m for m in modules if hasattr(m, name))
     result = getattr(module, name)(config=config, args=args)
     if result is not None:

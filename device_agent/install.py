@@ -1,0 +1,358 @@
+"""Download, verify, self-test and atomically activate assigned model versions.
+
+Artifacts stay encrypted at rest (`artifacts/SHA256`, named by ciphertext digest). Each
+model has an install pointer, `models/NAME.json`, with two slots: `active` (what serves)
+and `previous` (kept for fallback). Activating a version is one atomic replace of that
+file (written beside it, fsynced, renamed, directory fsynced), so a power cut at any
+instant leaves the old pointer or the new one, and both name artifacts that were fully
+downloaded and verified before the pointer could name them.
+
+Before activation a self-test decrypts the artifact in memory, loads it in `runtime`
+(MNN in a worker process, plaintext in a sealed memfd only), probes the backend configs
+against the version's golden data and keeps the fastest config whose outputs match. A
+version whose self-test fails is never activated; it is recorded under `failed` and not
+tried again until its assignment changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from control_plane.crypto import decrypt_stream
+from control_plane.registry.requests import MODEL_NAME  # a network name becomes a path
+from device_agent.assignment import GoldenArtifact, VerifiedModel
+from device_agent.connection import DeviceConnection
+from device_agent.state import AgentError, StateDir, fsync_dir, read_json, write_json
+
+log = logging.getLogger("skiff.agent")
+
+# Free space kept beyond an artifact's size, so a download never fills the disk.
+DISK_MARGIN_BYTES = 64 << 20
+POINTER_SCHEMA = "skiff.install-pointer/v1"
+
+
+class IntegrityFailure(AgentError):
+    """Downloaded bytes or keys do not match what the signed assignment promises."""
+
+
+class SelfTestFailed(AgentError):
+    """The version does not load or does not reproduce its golden outputs here."""
+
+
+@dataclass
+class InstallTimings:
+    """Seconds spent in each step of one install (reported with its outcome)."""
+
+    download_s: float = 0.0
+    verify_s: float = 0.0
+    self_test_s: float = 0.0
+    downloaded_bytes: int = 0
+    resumed_from: int = 0
+
+
+@dataclass
+class InstallOutcome:
+    """What happened to one assigned version: activated, already active, or failed."""
+
+    model: str
+    version: int
+    variant: str
+    result: str  # "activated", "active", "failed"
+    reason: str = ""
+    config: str = ""
+    timings: InstallTimings = field(default_factory=InstallTimings)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _slot(m: VerifiedModel, config: str, probes: list[dict]) -> dict:
+    """Return the pointer entry of an installed version: what a later load needs, no secret."""
+    golden = m.golden
+    return {
+        "version": m.version,
+        "variant": m.variant,
+        "uid": m.uid,
+        "rollout": m.rollout,
+        "artifact": m.ciphertext_sha256,
+        "ciphertext_size": m.ciphertext_size,
+        "plaintext_sha256": m.plaintext_sha256,
+        "plaintext_size": m.plaintext_size,
+        "associated_data": m.associated_data.decode(),
+        # Wrapped to this device's key: useless without the private key set.
+        "wrapped_data_key": _b64(m.wrapped_data_key),
+        "golden": None
+        if golden is None
+        else {
+            "artifact": golden.ciphertext_sha256,
+            "plaintext_sha256": golden.plaintext_sha256,
+            "plaintext_size": golden.plaintext_size,
+            "associated_data": golden.associated_data.decode(),
+        },
+        "degraded": m.degraded,
+        "config": config,
+        "probes": probes,
+        "activated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def same_target(slot: dict | None, m: VerifiedModel) -> bool:
+    """Return whether a pointer slot holds exactly the assigned artifact."""
+    return bool(slot) and (
+        slot["uid"],
+        slot["variant"],
+        slot["artifact"],
+    ) == (m.uid, m.variant, m.ciphertext_sha256)
+
+
+class Installer:
+    """Installs verified assignments into a state directory."""
+
+    def __init__(self, state: StateDir, unwrap: Callable[[VerifiedModel], bytes]) -> None:
+        self._state = state
+        self._unwrap = unwrap
+
+    # -- pointers -----------------------------------------------------------------------------
+
+    def pointer_path(self, model: str) -> Path:
+        """Return where `model`'s install pointer lives (the name is checked, not trusted)."""
+        if not MODEL_NAME.fullmatch(model):
+            raise IntegrityFailure(f"model name {model!r:.80} is not a valid name")
+        return self._state.models / f"{model}.json"
+
+    def pointer(self, model: str) -> dict:
+        """Return `model`'s install pointer ({} if it has none)."""
+        body = read_json(self.pointer_path(model)) or {}
+        if body and body.get("schema") != POINTER_SCHEMA:
+            raise AgentError(f"{self.pointer_path(model)}: unknown schema {body.get('schema')!r}")
+        return body
+
+    def pointers(self) -> dict[str, dict]:
+        """Return every model's install pointer, by model name."""
+        out = {}
+        for path in sorted(self._state.models.glob("*.json")):
+            out[path.stem] = self.pointer(path.stem)
+        return out
+
+    def active(self) -> dict[str, tuple[int, str]]:
+        """Return (version, variant) of each model's active slot."""
+        return {
+            name: (p["active"]["version"], p["active"]["variant"])
+            for name, p in self.pointers().items()
+            if p.get("active")
+        }
+
+    def _write_pointer(self, model: str, body: dict) -> None:
+        write_json(self.pointer_path(model), {"schema": POINTER_SCHEMA, "model": model, **body})
+
+    # -- install ------------------------------------------------------------------------------
+
+    async def install(self, conn: DeviceConnection, m: VerifiedModel) -> InstallOutcome:
+        """Bring `m` to active, or leave the current version serving and say why not."""
+        current = self.pointer(m.model)
+        if same_target(current.get("active"), m):
+            return InstallOutcome(m.model, m.version, m.variant, "active")
+        failed = current.get("failed") or {}
+        if failed.get("uid") == m.uid and failed.get("artifact") == m.ciphertext_sha256:
+            return InstallOutcome(m.model, m.version, m.variant, "failed", failed["reason"])
+        timings = InstallTimings()
+        try:
+            await self._fetch(conn, m.ciphertext_sha256, m.ciphertext_size, timings)
+            if m.golden is not None:
+                await self._fetch(conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None)
+            config, probes = await self._self_test(m, timings)
+        except (IntegrityFailure, SelfTestFailed) as exc:
+            self._write_pointer(
+                m.model,
+                {
+                    **_without_schema(current),
+                    "failed": {
+                        "version": m.version,
+                        "variant": m.variant,
+                        "uid": m.uid,
+                        "artifact": m.ciphertext_sha256,
+                        "reason": str(exc),
+                        "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                    },
+                },
+            )
+            log.warning("%s v%d (%s) not installed: %s", m.model, m.version, m.variant, exc)
+            return InstallOutcome(m.model, m.version, m.variant, "failed", str(exc), "", timings)
+        previous = current.get("active") or current.get("previous")
+        self._write_pointer(
+            m.model, {"active": _slot(m, config, probes), "previous": previous, "failed": None}
+        )
+        self.collect_garbage()
+        log.info("%s v%d (%s) active on %s", m.model, m.version, m.variant, config)
+        return InstallOutcome(m.model, m.version, m.variant, "activated", "", config, timings)
+
+    def remove(self, model: str) -> None:
+        """Stop serving a model that is no longer assigned (its pointer goes first)."""
+        path = self.pointer_path(model)
+        if path.exists():
+            path.unlink()
+            fsync_dir(path.parent)
+            self.collect_garbage()
+            log.info("%s removed: no longer assigned", model)
+
+    def collect_garbage(self) -> None:
+        """Delete artifacts no pointer slot names (downloads in progress are kept)."""
+        keep = set()
+        for p in self.pointers().values():
+            for slot in (p.get("active"), p.get("previous")):
+                if slot:
+                    keep.add(slot["artifact"])
+                    if slot.get("golden"):
+                        keep.add(slot["golden"]["artifact"])
+        for path in self._state.artifacts.iterdir():
+            if path.suffix != ".part" and path.name not in keep:
+                path.unlink(missing_ok=True)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def artifact_path(self, digest: str) -> Path:
+        """Return where the artifact with this ciphertext digest is kept."""
+        if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+            raise IntegrityFailure(f"artifact digest {digest!r} is not a SHA-256")
+        return self._state.artifacts / digest
+
+    async def _fetch(
+        self, conn: DeviceConnection, digest: str, size: int, timings: InstallTimings | None
+    ) -> Path:
+        """Download an artifact (resuming a partial one), check its digest, keep it."""
+        final = self.artifact_path(digest)
+        if final.exists():
+            return final  # verified when it was stored; decryption authenticates it again
+        part = final.with_name(final.name + ".part")
+        offset = part.stat().st_size if part.exists() else 0
+        if offset > size:
+            part.unlink()
+            offset = 0
+        free = shutil.disk_usage(self._state.artifacts).free
+        if free < size - offset + DISK_MARGIN_BYTES:
+            raise AgentError(
+                f"not enough disk space for a {size}-byte artifact in "
+                f"{self._state.artifacts}: {free} bytes free"
+            )
+        started = time.monotonic()
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            async for _, data in conn.download(digest, size=size, offset=offset):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        checked = time.monotonic()
+        got = _sha256_file(part)
+        if part.stat().st_size != size or got != digest:
+            part.unlink()  # start over next time: these bytes are not the artifact
+            raise IntegrityFailure(f"artifact {digest[:12]}: downloaded bytes do not match")
+        os.replace(part, final)
+        fsync_dir(final.parent)
+        if timings is not None:
+            timings.download_s = checked - started
+            timings.verify_s = time.monotonic() - checked
+            timings.downloaded_bytes = size - offset
+            timings.resumed_from = offset
+        return final
+
+    async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple[str, list]:
+        started = time.monotonic()
+        try:
+            return await asyncio.to_thread(self._self_test_blocking, m)
+        finally:
+            timings.self_test_s = time.monotonic() - started
+
+    def _self_test_blocking(self, m: VerifiedModel) -> tuple[str, list]:
+        # Deferred: `skiff agent status` never needs the runtime.
+        from runtime import Golden, Model, ModelFailed, ModelLoadError, RuntimeFailure
+
+        key = self._unwrap(m)
+        plain = decrypt_artifact(
+            self.artifact_path(m.ciphertext_sha256),
+            key,
+            m.associated_data,
+            m.plaintext_sha256,
+            m.plaintext_size,
+        )
+        golden = None
+        if m.golden is not None:
+            golden = Golden.from_npz(self._golden_bytes(m.golden, key)).for_variant(m.variant)
+        try:
+            model = Model.from_bytes(
+                plain, golden=golden, isolation="worker", version=f"{m.model}:{m.version}"
+            )
+        except (ModelFailed, ModelLoadError, RuntimeFailure, ValueError) as exc:
+            raise SelfTestFailed(f"self-test failed: {_one_line(exc)}") from None
+        finally:
+            del plain
+        try:
+            config = model.config.key if model.config is not None else ""
+            probes = [_probe_json(p) for p in model.probe_results]
+        finally:
+            model.close()
+        return config, probes
+
+    def _golden_bytes(self, g: GoldenArtifact, key: bytes) -> bytes:
+        return decrypt_artifact(
+            self.artifact_path(g.ciphertext_sha256),
+            key,
+            g.associated_data,
+            g.plaintext_sha256,
+            g.plaintext_size,
+        )
+
+
+def decrypt_artifact(
+    path: Path, key: bytes, associated_data: bytes, plaintext_sha256: str, plaintext_size: int
+) -> bytes:
+    """Decrypt an artifact into memory and check it against its signed digest and size."""
+    out, digest = bytearray(), hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in decrypt_stream(key, f, associated_data=associated_data):
+                out += chunk
+                digest.update(chunk)
+                if len(out) > plaintext_size:
+                    break
+    except Exception as exc:  # noqa: BLE001 - Tink raises its own errors for bad segments
+        raise IntegrityFailure(f"artifact {path.name[:12]} does not decrypt: {exc}") from None
+    if len(out) != plaintext_size or digest.hexdigest() != plaintext_sha256:
+        raise IntegrityFailure(f"artifact {path.name[:12]}: plaintext does not match its digest")
+    return bytes(out)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _probe_json(p) -> dict:
+    body = p.to_dict()
+    body.pop("samples_us", None)  # the summary is enough for status and reports
+    return body
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def _without_schema(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("schema", "model")}

@@ -1,0 +1,217 @@
+"""The device agent against a real control plane: enroll, sync, verify, install, refuse."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from device_agent.agent import Agent
+from device_agent.assignment import AssignmentRejected
+from device_agent.signing_keys import KeyRing
+from device_agent.state import Identity, StateDir
+from protos import fleet_pb2
+from tests.device_agent.conftest import MODEL, blob_path
+
+SKIFF = [sys.executable, "-m", "control_plane.cli"]
+
+
+def rollout(cp, version: int, selector: str = "") -> fleet_pb2.Rollout:
+    with cp.client() as client:
+        return client.create_rollout(
+            fleet_pb2.CreateRolloutRequest(model=MODEL, version=version, selector=selector)
+        )
+
+
+def token(cp) -> str:
+    with cp.client() as client:
+        return client.create_enrollment_token(uses=0).token
+
+
+def agent(cp, state_dir, **kw) -> Agent:
+    return Agent(StateDir(state_dir), f"127.0.0.1:{cp.port}", tls=cp.tls, **kw)
+
+
+async def once(cp, state_dir, **kw):
+    async with agent(cp, state_dir, **kw) as a:
+        return await a.sync_once()
+
+
+def run_agent_cli(cp, state_dir, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `skiff agent run --once` against `cp`."""
+    ca = cp.config.home / "tls" / "ca.pem"
+    return subprocess.run(
+        [*SKIFF, "agent", "run", "--server", f"127.0.0.1:{cp.port}", "--ca", str(ca)]
+        + ["--state", str(state_dir), "--once", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def status(state_dir) -> dict:
+    out = subprocess.run(
+        [*SKIFF, "agent", "status", "--state", str(state_dir), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def test_once_enrolls_installs_then_reuses_its_identity(cp, tmp_path):
+    rollout(cp, 1)
+    state = tmp_path / "state"
+    first = run_agent_cli(cp, state, "--enroll-token", token(cp), "--attr", "platform=android")
+    assert first.returncode == 0, first.stderr
+    body = status(state)
+    assert body["models"][MODEL]["active"]["version"] == 1
+    assert body["models"][MODEL]["active"]["config"]  # picked by probing against golden data
+    assert body["attributes"] == {"platform": "android"} and not body["running"]
+    # The identity is private to the device: 0700 directory, 0600 files, never printed.
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    for path in state.rglob("*"):
+        if path.is_file():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    identity = json.loads((state / "identity.json").read_text())
+    for secret in (identity["credential"], identity["private_keyset"]):
+        assert secret not in first.stderr + first.stdout
+        assert secret not in json.dumps(body)
+    # Artifacts stay encrypted at rest: no file holds the model's plaintext digest's bytes.
+    again = run_agent_cli(cp, state)  # no token: the stored identity is used
+    assert again.returncode == 0, again.stderr
+    assert status(state)["device_id"] == body["device_id"]
+    with cp.client() as client:
+        assert [d.id for d in client.list_devices()] == [body["device_id"]]
+
+
+def test_a_second_agent_on_the_same_state_is_refused(cp, tmp_path):
+    state = StateDir(tmp_path / "state")
+    with state.locked():
+        result = run_agent_cli(cp, state.path, "--enroll-token", token(cp))
+    assert result.returncode == 7
+    assert result.stderr.strip().splitlines() == [
+        f"skiff: error: another agent (pid {os.getpid()}) is running on {state.path}"
+    ]
+    assert not (state.path / "identity.json").exists()
+
+
+def test_without_identity_or_token_it_says_what_to_do(cp, tmp_path):
+    result = run_agent_cli(cp, tmp_path / "state")
+    assert result.returncode == 7
+    assert "holds no device identity: pass --enroll-token" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_rollout_and_its_rollback_move_the_active_version(cp, tmp_path):
+    state = tmp_path / "state"
+    rollout(cp, 1)
+    assert asyncio.run(once(cp, state, enroll_token=token(cp))).converged
+    second = rollout(cp, 2)
+    outcome = asyncio.run(once(cp, state))
+    assert outcome.converged and [o.result for o in outcome.installs] == ["activated"]
+    model = status(state)["models"][MODEL]
+    assert (model["active"]["version"], model["previous"]["version"]) == (2, 1)
+    with cp.client() as client:
+        client.transition_rollout(second.id, "rollback", "")
+    outcome = asyncio.run(once(cp, state))
+    timings = outcome.installs[0].timings
+    assert outcome.converged and timings.downloaded_bytes == 0  # v1 was kept for fallback
+    model = status(state)["models"][MODEL]
+    assert (model["active"]["version"], model["previous"]["version"]) == (1, 2)
+
+
+def test_a_flipped_byte_in_the_blob_store_is_refused_and_v1_keeps_serving(cp, tmp_path):
+    state = tmp_path / "state"
+    rollout(cp, 1)
+    asyncio.run(once(cp, state, enroll_token=token(cp)))
+    _, [v2] = cp.registry.show(MODEL, 2)
+    blob = blob_path(cp, v2.variant("fp32").ciphertext_sha256)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    blob.write_bytes(bytes(data))
+    rollout(cp, 2)
+    outcome = asyncio.run(once(cp, state))
+    assert not outcome.converged
+    assert "downloaded bytes do not match" in outcome.installs[0].reason
+    body = status(state)
+    assert body["models"][MODEL]["active"]["version"] == 1
+    assert body["models"][MODEL]["failed"]["version"] == 2
+    assert "do not match" in body["last_error"]
+    assert not list((state / "artifacts").glob("*.part"))  # nothing half-kept
+    # --once says so: exit 9, one line naming the version and the reason.
+    result = run_agent_cli(cp, state)
+    assert result.returncode == 9
+    assert "det v2: artifact" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_cut_download_resumes_where_it_stopped(cp, tmp_path):
+    state = tmp_path / "state"
+    asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled, nothing assigned
+    _, [v1] = cp.registry.show(MODEL, 1)
+    fp32 = v1.variant("fp32")
+    ciphertext = blob_path(cp, fp32.ciphertext_sha256).read_bytes()
+    half = len(ciphertext) // 2
+    (state / "artifacts" / f"{fp32.ciphertext_sha256}.part").write_bytes(ciphertext[:half])
+    rollout(cp, 1)
+    outcome = asyncio.run(once(cp, state))
+    timings = outcome.installs[0].timings
+    assert outcome.converged
+    assert (timings.resumed_from, timings.downloaded_bytes) == (half, len(ciphertext) - half)
+
+
+def test_an_answer_signed_by_another_key_is_refused(cp, tmp_path):
+    state_dir = StateDir(tmp_path / "state")
+    rollout(cp, 1)
+    asyncio.run(once(cp, state_dir.path, enroll_token=token(cp)))
+    other = (
+        Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    identity = state_dir.load_identity()
+    state_dir.save_identity(Identity(**{**identity.__dict__, "pinned": KeyRing.from_pems([other])}))
+    rollout(cp, 2)
+    with pytest.raises(AssignmentRejected):
+        asyncio.run(once(cp, state_dir.path))
+    body = status(state_dir.path)
+    assert body["models"][MODEL]["active"]["version"] == 1 and body["last_error"]
+
+
+def test_the_daemon_follows_the_watch_stream_and_stops_on_sigterm(cp, tmp_path):
+    state = tmp_path / "state"
+    ca = cp.config.home / "tls" / "ca.pem"
+    proc = subprocess.Popen(
+        [*SKIFF, "agent", "run", "--server", f"127.0.0.1:{cp.port}", "--ca", str(ca)]
+        + ["--state", str(state), "--enroll-token", token(cp), "--json-log"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "sync.json").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        rollout(cp, 2)  # pushed over Watch: no poll is due for minutes
+        while (status(state)["models"].get(MODEL) or {}).get("active") is None:
+            assert time.monotonic() < deadline, "the agent never installed v2"
+            time.sleep(0.2)
+        assert status(state)["running"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    lines = [json.loads(line) for line in stderr.strip().splitlines()]
+    assert lines[-1]["message"] == "stopped"
+    credential = json.loads((state / "identity.json").read_text())["credential"]
+    assert credential not in stderr
+    assert not status(state)["running"]
