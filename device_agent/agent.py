@@ -33,6 +33,8 @@ log = logging.getLogger("skiff.agent")
 AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 # A Watch stream that stayed up this long was healthy: the next failure starts backoff over.
 STABLE_S = 10.0
+# After a failed sync the next try comes after 10 s, 20 s, ... up to the poll interval.
+RETRY_BASE_S = 5.0
 
 
 class Refused(AgentError):
@@ -87,10 +89,15 @@ class Agent:
         try:
             self._channel = open_channel(self.server, self._tls)
             self.identity = await self._identity()
+            try:
+                self._keys = DeviceKeyPair.from_private(self.identity.private_keyset)
+            except Exception:  # noqa: BLE001 - Tink's own error types
+                raise AgentError(
+                    f"{self.state.identity_file}: the device key set is damaged"
+                ) from None
         except BaseException:
             await self.close()
             raise
-        self._keys = DeviceKeyPair.from_private(self.identity.private_keyset)
         self._conn = DeviceConnection(self._channel, self.identity.credential)
         self.installer = Installer(self.state, self._unwrap)
         return self
@@ -162,15 +169,26 @@ class Agent:
             try:
                 outcome = await self._sync(sync.revision)
             except DeviceCallError as exc:
-                self.state.save_sync(sync.failed(f"{exc.code.name.lower()}: {exc.message}"))
+                self._record(sync.failed(f"{exc.code.name.lower()}: {exc.message}"))
                 if exc.code in AUTH_CODES:
                     raise Refused(f"the control plane refuses this device: {exc.message}") from None
                 raise
             except (AssignmentRejected, AgentError) as exc:
-                self.state.save_sync(sync.failed(str(exc)))
+                self._record(sync.failed(str(exc)))
                 raise
+            except OSError as exc:  # the state directory's disk: full, read-only, gone
+                error = AgentError(f"state directory error: {exc.strerror or exc}")
+                self._record(sync.failed(str(error)))
+                raise error from None
             self.last = outcome
             return outcome
+
+    def _record(self, sync) -> None:
+        """Keep a failure for `agent status`, unless the disk refuses that too."""
+        try:
+            self.state.save_sync(sync)
+        except OSError as exc:
+            log.warning("cannot record the sync state: %s", exc.strerror or exc)
 
     async def _sync(self, last_revision: int) -> SyncOutcome:
         installed = [
@@ -204,6 +222,12 @@ class Agent:
             outcome.installs.append(await self.installer.install(self._conn, m))
         for name in set(self.installer.pointers()) - set(assignment.models):
             self.installer.remove(name)
+        assigned = set()
+        for m in assignment.models.values():
+            assigned.add(m.ciphertext_sha256)
+            if m.golden is not None:
+                assigned.add(m.golden.ciphertext_sha256)
+        self.installer.collect_garbage(assigned)
         sync = self.state.load_sync()
         failures = [f"{o.model}: {o.reason}" for o in outcome.installs if o.result == "failed"]
         sync = sync.synced(assignment.revision, response.poll_interval_s)
@@ -231,26 +255,34 @@ class Agent:
                 task.cancel()
             await asyncio.gather(stopper, *tasks, return_exceptions=True)
 
-    async def _try_sync(self) -> None:
+    async def _try_sync(self) -> bool:
+        """Sync; False (logged and recorded) if it failed or left the device behind."""
         try:
             outcome = await self.sync_once()
         except Refused:
             raise
         except (DeviceCallError, AssignmentRejected, AgentError) as exc:
             log.warning("sync failed: %s", exc)
-            return
+            return False
+        except Exception as exc:  # noqa: BLE001 - the daemon outlives a bug in one sync
+            log.error("sync failed unexpectedly: %s: %s", type(exc).__name__, exc)
+            self._record(self.state.load_sync().failed(f"{type(exc).__name__}: {exc}"))
+            return False
         log.info(
             "synced revision %d: %s",
             outcome.revision,
             "running the desired state" if outcome.converged else "not converged",
         )
+        return outcome.converged
 
     async def _poll_loop(self) -> None:
-        await self._try_sync()
+        failures = 0
         while True:
-            sync = self.state.load_sync()
-            await asyncio.sleep(_jittered(sync.poll_interval_s))
-            await self._try_sync()
+            failures = 0 if await self._try_sync() else failures + 1
+            interval = self.state.load_sync().poll_interval_s
+            if failures:  # try again sooner than the poll interval, backing off
+                interval = min(interval, RETRY_BASE_S * 2 ** min(failures, 10))
+            await asyncio.sleep(_jittered(interval))
 
     async def _watch_loop(self) -> None:
         attempt = 0

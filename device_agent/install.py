@@ -41,6 +41,10 @@ DISK_MARGIN_BYTES = 64 << 20
 POINTER_SCHEMA = "skiff.install-pointer/v1"
 
 
+_SLOT = (("version", int), ("variant", str), ("uid", str), ("artifact", str))
+_SLOT_KEYS = {"active": _SLOT, "previous": _SLOT, "failed": (*_SLOT, ("reason", str))}
+
+
 class IntegrityFailure(AgentError):
     """Downloaded bytes or keys do not match what the signed assignment promises."""
 
@@ -133,16 +137,26 @@ class Installer:
 
     def pointer(self, model: str) -> dict:
         """Return `model`'s install pointer ({} if it has none)."""
-        body = read_json(self.pointer_path(model)) or {}
+        path = self.pointer_path(model)
+        body = read_json(path) or {}
         if body and body.get("schema") != POINTER_SCHEMA:
-            raise AgentError(f"{self.pointer_path(model)}: unknown schema {body.get('schema')!r}")
+            raise AgentError(f"{path}: unknown schema {body.get('schema')!r}")
+        for name, needs in _SLOT_KEYS.items():
+            slot = body.get(name)
+            if slot is not None and (
+                not isinstance(slot, dict) or any(not isinstance(slot.get(k), t) for k, t in needs)
+            ):
+                raise AgentError(f"{path}: damaged {name!r} slot: restore it or delete the file")
         return body
 
     def pointers(self) -> dict[str, dict]:
         """Return every model's install pointer, by model name."""
         out = {}
         for path in sorted(self._state.models.glob("*.json")):
-            out[path.stem] = self.pointer(path.stem)
+            if MODEL_NAME.fullmatch(path.stem):
+                out[path.stem] = self.pointer(path.stem)
+            else:
+                log.warning("ignoring %s: not an install pointer", path)
         return out
 
     def active(self) -> dict[str, tuple[int, str]]:
@@ -164,7 +178,11 @@ class Installer:
         if same_target(current.get("active"), m):
             return InstallOutcome(m.model, m.version, m.variant, "active")
         failed = current.get("failed") or {}
-        if failed.get("uid") == m.uid and failed.get("artifact") == m.ciphertext_sha256:
+        if (
+            failed.get("kind") == "self-test"  # deterministic: the same bytes fail again
+            and failed.get("uid") == m.uid
+            and failed.get("artifact") == m.ciphertext_sha256
+        ):
             return InstallOutcome(m.model, m.version, m.variant, "failed", failed["reason"])
         timings = InstallTimings()
         try:
@@ -183,6 +201,9 @@ class Installer:
                         "uid": m.uid,
                         "artifact": m.ciphertext_sha256,
                         "reason": str(exc),
+                        # A bad download is tried again at the next sync; a failed
+                        # self-test is not, until the assignment changes.
+                        "kind": "self-test" if isinstance(exc, SelfTestFailed) else "integrity",
                         "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                     },
                 },
@@ -206,9 +227,12 @@ class Installer:
             self.collect_garbage()
             log.info("%s removed: no longer assigned", model)
 
-    def collect_garbage(self) -> None:
-        """Delete artifacts no pointer slot names (downloads in progress are kept)."""
-        keep = set()
+    def collect_garbage(self, assigned: set[str] | None = None) -> None:
+        """Delete artifacts no pointer slot names, and partial downloads not `assigned`.
+
+        Partial downloads of what is still assigned are kept, to be resumed.
+        """
+        keep = set(assigned or ())
         for p in self.pointers().values():
             for slot in (p.get("active"), p.get("previous")):
                 if slot:
@@ -216,7 +240,10 @@ class Installer:
                     if slot.get("golden"):
                         keep.add(slot["golden"]["artifact"])
         for path in self._state.artifacts.iterdir():
-            if path.suffix != ".part" and path.name not in keep:
+            if path.suffix == ".part":
+                if assigned is not None and path.stem not in keep:
+                    path.unlink(missing_ok=True)
+            elif path.name not in keep:
                 path.unlink(missing_ok=True)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -278,7 +305,15 @@ class Installer:
 
     def _self_test_blocking(self, m: VerifiedModel) -> tuple[str, list]:
         # Deferred: `skiff agent status` never needs the runtime.
-        from runtime import Golden, Model, ModelFailed, ModelLoadError, RuntimeFailure
+        from runtime import (
+            DeadlineExceeded,
+            Golden,
+            Model,
+            ModelFailed,
+            ModelLoadError,
+            RuntimeFailure,
+            WorkerCrashed,
+        )
 
         key = self._unwrap(m)
         plain = decrypt_artifact(
@@ -288,13 +323,17 @@ class Installer:
             m.plaintext_sha256,
             m.plaintext_size,
         )
-        golden = None
-        if m.golden is not None:
-            golden = Golden.from_npz(self._golden_bytes(m.golden, key)).for_variant(m.variant)
         try:
+            golden = None
+            if m.golden is not None:
+                data = self._golden_bytes(m.golden, key)
+                golden = Golden.from_npz(data).for_variant(m.variant)
             model = Model.from_bytes(
                 plain, golden=golden, isolation="worker", version=f"{m.model}:{m.version}"
             )
+        except (DeadlineExceeded, WorkerCrashed) as exc:
+            # The machine, not the version: a busy or memory-starved device. Tried again.
+            raise AgentError(f"self-test interrupted: {_one_line(exc)}") from None
         except (ModelFailed, ModelLoadError, RuntimeFailure, ValueError) as exc:
             raise SelfTestFailed(f"self-test failed: {_one_line(exc)}") from None
         finally:

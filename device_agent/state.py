@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 from device_agent.signing_keys import KeyRing
 
 IDENTITY_SCHEMA = "skiff.agent-identity/v1"
+LOCK_TRIES = 20  # 50 ms apart
 
 
 class AgentError(Exception):
@@ -177,7 +179,15 @@ class StateDir:
         self.create()
         fd = os.open(self.path / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # `agent status` holds a shared lock for an instant: wait that out, briefly.
+            for _ in range(LOCK_TRIES - 1):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.05)
+            else:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
@@ -193,6 +203,7 @@ class StateDir:
     def unlock(self) -> None:
         """Let go of the state directory."""
         if self._lock_fd is not None:
+            os.ftruncate(self._lock_fd, 0)  # no stale pid for the next reader
             os.close(self._lock_fd)  # closing drops the flock
             self._lock_fd = None
 
@@ -224,11 +235,12 @@ class StateDir:
     def load_sync(self) -> SyncState:
         """Return the stored sync position (defaults before the first sync)."""
         body = read_json(self.path / "sync.json") or {}
-        known = SyncState.__dataclass_fields__
-        try:
-            return SyncState(**{k: v for k, v in body.items() if k in known})
-        except TypeError as exc:
-            raise AgentError(f"{self.path / 'sync.json'}: damaged ({exc})") from None
+        types = {"revision": int, "poll_interval_s": (int, float)}
+        values = {k: v for k, v in body.items() if k in SyncState.__dataclass_fields__}
+        for key, value in values.items():
+            if not isinstance(value, types.get(key, str)) or isinstance(value, bool):
+                raise AgentError(f"{self.path / 'sync.json'}: damaged {key!r}: delete the file")
+        return SyncState(**values)
 
     def save_sync(self, state: SyncState) -> None:
         """Store the sync position atomically."""

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -35,7 +36,13 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     p.set_defaults(home=None, json=False)
     p.add_argument("--server", required=True, metavar="HOST:PORT", help="control plane")
     p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
-    p.add_argument("--enroll-token", default="", metavar="T", help="enroll with this token")
+    p.add_argument(
+        "--enroll-token",
+        default=os.environ.get("SKIFF_ENROLL_TOKEN", ""),
+        metavar="T",
+        help="enroll with this token (SKIFF_ENROLL_TOKEN keeps it out of the process list); "
+        "only the first start needs it",
+    )
     p.add_argument(
         "--attr",
         action="append",

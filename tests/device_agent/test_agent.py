@@ -152,6 +152,11 @@ def test_a_flipped_byte_in_the_blob_store_is_refused_and_v1_keeps_serving(cp, tm
     result = run_agent_cli(cp, state)
     assert result.returncode == 9
     assert "det v2: artifact" in result.stderr.strip().splitlines()[-1]
+    # A bad download is not held against the version: once the store is repaired, it installs.
+    data[len(data) // 2] ^= 0x01
+    blob.write_bytes(bytes(data))
+    assert asyncio.run(once(cp, state)).converged
+    assert status(state)["models"][MODEL]["active"]["version"] == 2
 
 
 def test_a_cut_download_resumes_where_it_stopped(cp, tmp_path):
@@ -215,3 +220,75 @@ def test_the_daemon_follows_the_watch_stream_and_stops_on_sigterm(cp, tmp_path):
     credential = json.loads((state / "identity.json").read_text())["credential"]
     assert credential not in stderr
     assert not status(state)["running"]
+
+
+def test_a_version_failing_its_self_test_is_never_activated(cp, tmp_path, monkeypatch):
+    import dataclasses
+
+    import runtime
+
+    state = tmp_path / "state"
+    rollout(cp, 1)
+    asyncio.run(once(cp, state, enroll_token=token(cp)))
+    real = runtime.Golden.from_npz
+
+    def wrong_outputs(data: bytes) -> runtime.Golden:
+        # This device's MNN gives outputs other than those recorded at push: every
+        # candidate config fails the real probe.
+        golden = real(data)
+        negated = {name: -(out + 1) for name, out in golden.outputs.items()}
+        return dataclasses.replace(golden, outputs=negated)
+
+    monkeypatch.setattr(runtime.Golden, "from_npz", staticmethod(wrong_outputs))
+    rollout(cp, 2)
+    outcome = asyncio.run(once(cp, state))
+    assert not outcome.converged and "self-test failed" in outcome.installs[0].reason
+    model = status(state)["models"][MODEL]
+    assert model["active"]["version"] == 1 and model["failed"]["version"] == 2
+    # Not tried again (the same bytes would fail the same way) until the assignment changes.
+    again = asyncio.run(once(cp, state))
+    assert again.installs[0].timings.self_test_s == 0.0
+
+
+def test_a_disk_error_fails_one_sync_and_the_daemon_goes_on(cp, tmp_path):
+    state = tmp_path / "state"
+    asyncio.run(once(cp, state, enroll_token=token(cp)))
+    _, [v1] = cp.registry.show(MODEL, 1)
+    part = state / "artifacts" / f"{v1.variant('fp32').ciphertext_sha256}.part"
+    part.mkdir()  # the download cannot open its file
+    rollout(cp, 1)
+
+    async def scenario() -> None:
+        async with agent(cp, state) as a:
+            assert await a._try_sync() is False
+            assert "state directory error" in a.state.load_sync().last_error
+            part.rmdir()
+            assert await a._try_sync() is True
+
+    asyncio.run(scenario())
+
+
+def test_damaged_state_files_are_named_in_one_line(cp, tmp_path):
+    state = tmp_path / "state"
+    rollout(cp, 1)
+    asyncio.run(once(cp, state, enroll_token=token(cp)))
+    (state / "models" / "det.old.json").write_text("{}")  # a stray file is ignored
+    assert status(state)["models"][MODEL]["active"]["version"] == 1
+    pointer = state / "models" / f"{MODEL}.json"
+    good = pointer.read_text()
+    damaged = {
+        pointer: json.dumps({"schema": "skiff.install-pointer/v1", "active": "x"}),
+        state / "sync.json": json.dumps({"poll_interval_s": "x"}),
+        state / "identity.json": "{not json",
+    }
+    for path, text in damaged.items():
+        saved = path.read_text()
+        path.write_text(text)
+        result = subprocess.run(
+            [*SKIFF, "agent", "status", "--state", str(state)], capture_output=True, text=True
+        )
+        assert result.returncode == 7, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("skiff: error: ") and str(path) in line
+        path.write_text(saved)
+    assert pointer.read_text() == good
