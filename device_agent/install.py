@@ -32,7 +32,14 @@ from control_plane.crypto import decrypt_stream
 from control_plane.registry.requests import MODEL_NAME  # a network name becomes a path
 from device_agent.assignment import GoldenArtifact, VerifiedModel
 from device_agent.connection import DeviceConnection
-from device_agent.state import AgentError, StateDir, fsync_dir, read_json, write_json
+from device_agent.state import (
+    AgentError,
+    StateDir,
+    fsync_dir,
+    read_json,
+    write_all,
+    write_json,
+)
 
 log = logging.getLogger("skiff.agent")
 
@@ -276,9 +283,7 @@ class Installer:
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             async for _, data in conn.download(digest, size=size, offset=offset):
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
