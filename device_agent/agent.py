@@ -6,6 +6,12 @@ what changed (device_agent.install) and says whether the device now runs its des
 state. `Agent.run()` does that on start, on every revision the Watch stream pushes and
 whenever the poll interval runs out, reconnecting with exponential backoff and full
 jitter, until `stop` is set.
+
+With `serve=True`, `run()` also serves the installed models to apps on the device
+(device_agent.local_api), swaps each newly activated version in, goes back to the
+previous version when the active one fails at run time, and reports telemetry
+(device_agent.telemetry): install outcomes as they happen, serving stats every
+`report_interval_s`, queued on disk while the control plane is unreachable.
 """
 
 from __future__ import annotations
@@ -14,19 +20,22 @@ import asyncio
 import datetime as dt
 import logging
 import random
+import sqlite3
 from dataclasses import dataclass, field
 
 import grpc
 
 from control_plane.api.fleet_convert import attributes_pb
-from device_agent.assignment import AssignmentRejected, VerifiedModel, new_nonce, verify_sync
+from device_agent.assignment import AssignmentRejected, new_nonce, verify_sync
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s, open_channel
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
+from device_agent.serving import Serving
 from device_agent.signing_keys import KeyRing
 from device_agent.state import AgentError, Identity, StateDir
+from device_agent.telemetry import Collector, Outbox, clip, install_batch, timestamp
 from device_agent.transport import ClientTls
-from protos import device_pb2
+from protos import agent_pb2, device_pb2
 
 log = logging.getLogger("skiff.agent")
 
@@ -35,6 +44,10 @@ AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
 STABLE_S = 10.0
 # After a failed sync the next try comes after 10 s, 20 s, ... up to the poll interval.
 RETRY_BASE_S = 5.0
+REPORT_INTERVAL_S = 60.0
+# On SIGTERM: how long in-flight local requests may finish, and reports may be sent.
+DRAIN_S = 10.0
+FLUSH_ON_STOP_S = 5.0
 
 
 class Refused(AgentError):
@@ -68,18 +81,29 @@ class Agent:
         tls: ClientTls | None = None,
         enroll_token: str = "",
         attributes: dict | None = None,
+        serve: bool = False,
+        report_interval_s: float = REPORT_INTERVAL_S,
     ) -> None:
         self.state = state
         self.server = server
         self._tls = tls
         self._enroll_token = enroll_token
         self._attributes = attributes
+        self._serve = serve
+        self.report_interval_s = report_interval_s
         self._channel: grpc.aio.Channel | None = None
         self._conn: DeviceConnection | None = None
         self._keys: DeviceKeyPair | None = None
         self.identity: Identity | None = None
         self.installer: Installer | None = None
+        self.outbox: Outbox | None = None
+        self.collector = Collector()
+        self.serving: Serving | None = None
+        self.reachable = False
         self._sync_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._report_now = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
         self.last: SyncOutcome | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -99,14 +123,28 @@ class Agent:
             await self.close()
             raise
         self._conn = DeviceConnection(self._channel, self.identity.credential)
-        self.installer = Installer(self.state, self._unwrap)
+        self._loop = asyncio.get_running_loop()
+        try:
+            self.outbox = Outbox(self.state.path / "telemetry.db")
+        except OSError as exc:
+            await self.close()
+            raise AgentError(f"telemetry queue: {exc}") from None
+        if self._serve:
+            self.serving = Serving(self.collector, self._failing)
+        on_activated = self.serving.put if self.serving else None
+        self.installer = Installer(self.state, self._unwrap, on_activated)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel and let go of the state directory."""
+        """Stop serving, close the channel and let go of the state directory."""
+        if self.serving is not None:
+            await asyncio.to_thread(self.serving.close)
+        if self.outbox is not None:
+            self.outbox.close()
+            self.outbox = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -152,13 +190,15 @@ class Agent:
         log.info("enrolled as %s", identity.device_id)
         return identity
 
-    def _unwrap(self, m: VerifiedModel) -> bytes:
+    def _unwrap(self, wrapped: bytes, version_uid: str) -> bytes:
         try:
             return self._keys.unwrap(
-                m.wrapped_data_key, device_id=self.identity.device_id, version_uid=m.uid
+                wrapped, device_id=self.identity.device_id, version_uid=version_uid
             )
         except KeyUnwrapError as exc:
-            raise IntegrityFailure(f"{m.model}: data key does not unwrap ({exc})") from None
+            raise IntegrityFailure(
+                f"version {version_uid}: data key does not unwrap ({exc})"
+            ) from None
 
     # -- sync --------------------------------------------------------------------------------
 
@@ -169,6 +209,7 @@ class Agent:
             try:
                 outcome = await self._sync(sync.revision)
             except DeviceCallError as exc:
+                self.reachable = False
                 self._record(sync.failed(f"{exc.code.name.lower()}: {exc.message}"))
                 if exc.code in AUTH_CODES:
                     raise Refused(f"the control plane refuses this device: {exc.message}") from None
@@ -199,6 +240,7 @@ class Agent:
         response = await self._conn.sync(
             attributes_pb(self.identity.attributes), installed, last_revision, nonce=nonce
         )
+        self.reachable = True
         now = dt.datetime.now(dt.UTC)
         pinned = self.identity.pinned.update(response.signing_keys, now)
         try:
@@ -220,8 +262,11 @@ class Agent:
         outcome = SyncOutcome(assignment.revision, desired)
         for _, m in sorted(assignment.models.items()):
             outcome.installs.append(await self.installer.install(self._conn, m))
+        self.queue_installs([_install_pb(o) for o in outcome.installs if o.new])
         for name in set(self.installer.pointers()) - set(assignment.models):
             self.installer.remove(name)
+            if self.serving is not None:
+                await asyncio.to_thread(self.serving.drop, name)
         assigned = set()
         for m in assignment.models.values():
             assigned.add(m.ciphertext_sha256)
@@ -239,10 +284,23 @@ class Agent:
     # -- daemon ------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Stay in sync until `stop` is set; Refused ends it (revoked device)."""
+        """Stay in sync (and serve) until `stop` is set; Refused ends it (revoked device).
+
+        On stop, in-flight local requests get DRAIN_S to finish and queued reports
+        FLUSH_ON_STOP_S to reach the control plane before the agent lets go.
+        """
+        api = None
+        if self.serving is not None:
+            from device_agent.local_api import AgentServicer, start_local_api
+
+            api, _ = await start_local_api(
+                self.state.path, AgentServicer(self.serving, self.status)
+            )
+            self._spawn(self._load_installed())
         tasks = [
             asyncio.create_task(self._watch_loop(), name="watch"),
             asyncio.create_task(self._poll_loop(), name="poll"),
+            asyncio.create_task(self._report_loop(), name="report"),
         ]
         stopper = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -251,9 +309,194 @@ class Agent:
                 if task is not stopper:
                     task.result()  # a loop ends only by raising Refused
         finally:
-            for task in [stopper, *tasks]:
+            for task in [stopper, *tasks, *self._background]:
                 task.cancel()
-            await asyncio.gather(stopper, *tasks, return_exceptions=True)
+            await asyncio.gather(stopper, *tasks, *self._background, return_exceptions=True)
+            if api is not None:
+                await api.stop(DRAIN_S)  # refuses new requests, lets running ones finish
+            await self._final_report()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- serving ------------------------------------------------------------------------------
+
+    async def _load_installed(self) -> None:
+        """Load every installed model's active version to serve (at start)."""
+        async with self._sync_lock:
+            pointers = {
+                name: p["active"]
+                for name, p in self.installer.pointers().items()
+                if p.get("active") and not _same_slot(self.serving.serving(name), p["active"])
+            }
+            for name in pointers:
+                self.serving.loading(name)
+            for name, slot in sorted(pointers.items()):
+                await self._serve_slot(name, slot)
+
+    async def _serve_slot(self, name: str, slot: dict) -> None:
+        """Load one installed version and serve it; on failure, go back a version."""
+        from runtime import RuntimeFailure
+
+        try:
+            model = await asyncio.to_thread(self.installer.load, name, slot)
+        except (RuntimeFailure, IntegrityFailure, OSError) as exc:
+            reason = f"v{slot['version']} does not load: {str(exc).splitlines()[0][:300]}"
+            log.error("%s %s", name, reason)
+            await self._roll_back_locked(name, reason)
+            return
+        self.serving.put(name, slot, model)
+
+    def _failing(self, name: str, reason: str) -> None:
+        """Roll back `name` (called from any thread when its active version fails for good)."""
+        self._loop.call_soon_threadsafe(self._spawn, self._roll_back(name, reason))
+
+    async def _roll_back(self, name: str, reason: str) -> None:
+        async with self._sync_lock:
+            await self._roll_back_locked(name, reason)
+
+    async def _roll_back_locked(self, name: str, reason: str) -> None:
+        current = self.installer.pointer(name).get("active")
+        previous = self.installer.roll_back(name, reason)
+        if previous is None:
+            log.error("%s: no previous version to go back to (%s)", name, reason)
+            return
+        now = timestamp(dt.datetime.now(dt.UTC))
+        self.queue_installs(
+            [
+                device_pb2.InstallReport(
+                    at=now,
+                    model=name,
+                    version=current["version"],
+                    variant=current["variant"],
+                    rollout=current.get("rollout", ""),
+                    result="rolled_back",
+                    reason=clip(reason),
+                ),
+                device_pb2.InstallReport(
+                    at=now,
+                    model=name,
+                    version=previous["version"],
+                    variant=previous["variant"],
+                    rollout=previous.get("rollout", ""),
+                    result="activated",
+                    reason=clip(f"rolled back from v{current['version']}"),
+                    config=previous.get("config", ""),
+                ),
+            ]
+        )
+        await self._serve_slot(name, previous)
+
+    def status(self) -> agent_pb2.StatusResponse:
+        """Return what the local API's Status answers."""
+        from device_agent.status import read_status
+
+        body = read_status(self.state.path)
+        live = self.serving.status() if self.serving is not None else {}
+        counts = self.collector.totals()
+        msg = agent_pb2.StatusResponse(
+            device_id=body["device_id"],
+            server=body["server"],
+            server_reachable=self.reachable,
+            revision=body["revision"],
+            last_sync=body["last_sync"] or "",
+            last_error=body["last_error"] or "",
+            queued_reports=len(self.outbox) if self.outbox is not None else 0,
+        )
+        for name, m in sorted(body["models"].items()):
+            active, previous, failed = m["active"], m["previous"], m["failed"]
+            serving = live.get(name, {})
+            total = counts.get(name, (0, 0))
+            msg.models.append(
+                agent_pb2.ModelStatus(
+                    model=name,
+                    active_version=active["version"] if active else 0,
+                    active_variant=active["variant"] if active else "",
+                    previous_version=previous["version"] if previous else 0,
+                    config=serving.get("config", ""),
+                    serving=bool(serving.get("version")),
+                    probes=[
+                        agent_pb2.ProbeStatus(
+                            config=p.get("config", ""),
+                            accepted=bool(p.get("accepted")),
+                            p50_us=p.get("p50_us") or 0.0,
+                            error=p.get("error") or "",
+                        )
+                        for p in (active or {}).get("probes") or ()
+                    ],
+                    failed_version=failed["version"] if failed else 0,
+                    failed_reason=failed["reason"] if failed else "",
+                    inferences=total[0],
+                    errors=total[1],
+                )
+            )
+        return msg
+
+    # -- telemetry ----------------------------------------------------------------------------
+
+    def queue_installs(self, reports: list[device_pb2.InstallReport]) -> None:
+        """Queue install outcomes for the control plane and send them soon."""
+        if not reports or self.outbox is None:
+            return
+        try:
+            self.outbox.put(install_batch(reports))
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("cannot queue install reports: %s", exc)
+            return
+        self._report_now.set()
+
+    def cut_report(self) -> None:
+        """Queue the serving stats gathered since the last cut."""
+        if self.serving is not None:
+            self.serving.collect_events()
+        batch = self.collector.cut()
+        if batch is not None and self.outbox is not None:
+            try:
+                self.outbox.put(batch)
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("cannot queue a telemetry batch: %s", exc)
+
+    async def flush_reports(self) -> int:
+        """Send queued batches, oldest first; return how many the control plane took."""
+        sent = 0
+        while self.outbox is not None and (pending := self.outbox.pending(limit=20)):
+            for batch in pending:
+                try:
+                    await self._conn.report(batch)
+                except DeviceCallError as exc:
+                    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                        # It will never be accepted: drop it rather than block the queue.
+                        log.error("control plane refused a telemetry batch: %s", exc.message)
+                    else:
+                        self.reachable = exc.code in AUTH_CODES and self.reachable
+                        log.info("reports wait for the control plane: %s", exc.message)
+                        return sent
+                else:
+                    sent += 1
+                    self.reachable = True
+                self.outbox.ack(batch)
+        return sent
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
+            except TimeoutError:
+                self.cut_report()
+            self._report_now.clear()
+            try:
+                await self.flush_reports()
+            except Exception as exc:  # noqa: BLE001 - reporting never stops the agent
+                log.error("reporting failed: %s: %s", type(exc).__name__, exc)
+
+    async def _final_report(self) -> None:
+        self.cut_report()
+        try:
+            await asyncio.wait_for(self.flush_reports(), FLUSH_ON_STOP_S)
+        except (TimeoutError, DeviceCallError, OSError, sqlite3.Error):
+            log.info("reports left queued for the next start")
 
     async def _try_sync(self) -> bool:
         """Sync; False (logged and recorded) if it failed or left the device behind."""
@@ -292,16 +535,51 @@ class Agent:
             try:
                 async for revision in self._conn.watch(self.state.load_sync().revision):
                     attempt = 0
+                    self.reachable = True
                     if revision > self.state.load_sync().revision:
                         await self._try_sync()
             except DeviceCallError as exc:
                 if exc.code in AUTH_CODES:
                     raise Refused(f"the control plane refuses this device: {exc.message}") from None
+                self.reachable = False
                 log.info("watch stream ended: %s", exc.message)
             if loop.time() - started > STABLE_S:
                 attempt = 0
             await asyncio.sleep(backoff_s(attempt))
             attempt += 1
+
+
+def _same_slot(a: dict | None, b: dict) -> bool:
+    return bool(a) and (a["uid"], a["artifact"]) == (b["uid"], b["artifact"])
+
+
+def _install_pb(o: InstallOutcome) -> device_pb2.InstallReport:
+    t = o.timings
+    return device_pb2.InstallReport(
+        at=timestamp(dt.datetime.now(dt.UTC)),
+        model=o.model,
+        version=o.version,
+        variant=o.variant,
+        rollout=o.rollout,
+        result="activated" if o.result == "activated" else "failed",
+        reason=clip(o.reason),
+        config=o.config,
+        download_s=t.download_s,
+        verify_s=t.verify_s,
+        self_test_s=t.self_test_s,
+        downloaded_bytes=t.downloaded_bytes,
+        resumed_from=t.resumed_from,
+        probes=[
+            device_pb2.ProbeReport(
+                config=p.get("config") or "",
+                accepted=bool(p.get("accepted")),
+                p50_us=p.get("p50_us") or 0.0,
+                cosine=p["cosine"] if p.get("cosine") is not None else float("nan"),
+                error=clip(p.get("error") or ""),
+            )
+            for p in o.probes[:32]
+        ],
+    )
 
 
 def _jittered(interval_s: float) -> float:

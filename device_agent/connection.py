@@ -109,6 +109,10 @@ class DeviceConnection:
         )
         return await self._unary(self._stub.Sync, request)
 
+    async def report(self, batch: device_pb2.ReportRequest) -> device_pb2.ReportResponse:
+        """Send one telemetry batch (sending it again is harmless: applied once)."""
+        return await self._unary(self._stub.Report, batch, retries=1)
+
     async def watch(self, revision: int) -> AsyncIterator[int]:
         """Yield revisions the server pushes; ends (or raises) when the stream does."""
         call = self._stub.Watch(device_pb2.WatchRequest(revision=revision), metadata=self._metadata)

@@ -82,6 +82,11 @@ class InstallOutcome:
     reason: str = ""
     config: str = ""
     timings: InstallTimings = field(default_factory=InstallTimings)
+    rollout: str = ""
+    probes: list = field(default_factory=list)
+    # Whether this outcome is news (worth a report): a version that failed before and is
+    # skipped again, or one already active, is not.
+    new: bool = True
 
 
 def _b64(data: bytes) -> str:
@@ -127,12 +132,31 @@ def same_target(slot: dict | None, m: VerifiedModel) -> bool:
     ) == (m.uid, m.variant, m.ciphertext_sha256)
 
 
-class Installer:
-    """Installs verified assignments into a state directory."""
+# Failures that come back with the same bytes: not retried until the assignment changes.
+DETERMINISTIC = ("self-test", "runtime")
 
-    def __init__(self, state: StateDir, unwrap: Callable[[VerifiedModel], bytes]) -> None:
+# Called with (model name, pointer slot, loaded runtime.Model) when a version activates;
+# the callee owns the model from then on.
+Activated = Callable[[str, dict, object], None]
+
+
+class Installer:
+    """Installs verified assignments into a state directory.
+
+    `unwrap(wrapped_data_key, version_uid)` returns a version's data key (in memory only).
+    With `on_activated`, the model the self-test loaded is handed over to serve instead of
+    being closed: the new version serves without loading twice.
+    """
+
+    def __init__(
+        self,
+        state: StateDir,
+        unwrap: Callable[[bytes, str], bytes],
+        on_activated: Activated | None = None,
+    ) -> None:
         self._state = state
         self._unwrap = unwrap
+        self.on_activated = on_activated
 
     # -- pointers -----------------------------------------------------------------------------
 
@@ -183,20 +207,22 @@ class Installer:
         """Bring `m` to active, or leave the current version serving and say why not."""
         current = self.pointer(m.model)
         if same_target(current.get("active"), m):
-            return InstallOutcome(m.model, m.version, m.variant, "active")
+            return InstallOutcome(m.model, m.version, m.variant, "active", new=False)
         failed = current.get("failed") or {}
         if (
-            failed.get("kind") == "self-test"  # deterministic: the same bytes fail again
+            failed.get("kind") in DETERMINISTIC  # the same bytes would fail again
             and failed.get("uid") == m.uid
             and failed.get("artifact") == m.ciphertext_sha256
         ):
-            return InstallOutcome(m.model, m.version, m.variant, "failed", failed["reason"])
+            return InstallOutcome(
+                m.model, m.version, m.variant, "failed", failed["reason"], new=False
+            )
         timings = InstallTimings()
         try:
             await self._fetch(conn, m.ciphertext_sha256, m.ciphertext_size, timings)
             if m.golden is not None:
                 await self._fetch(conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None)
-            config, probes = await self._self_test(m, timings)
+            model, config, probes = await self._self_test(m, timings)
         except (IntegrityFailure, SelfTestFailed) as exc:
             self._write_pointer(
                 m.model,
@@ -216,14 +242,73 @@ class Installer:
                 },
             )
             log.warning("%s v%d (%s) not installed: %s", m.model, m.version, m.variant, exc)
-            return InstallOutcome(m.model, m.version, m.variant, "failed", str(exc), "", timings)
+            return InstallOutcome(
+                m.model, m.version, m.variant, "failed", str(exc), "", timings, m.rollout
+            )
         previous = current.get("active") or current.get("previous")
-        self._write_pointer(
-            m.model, {"active": _slot(m, config, probes), "previous": previous, "failed": None}
-        )
+        slot = _slot(m, config, probes)
+        try:
+            self._write_pointer(m.model, {"active": slot, "previous": previous, "failed": None})
+        except BaseException:
+            model.close()
+            raise
+        if self.on_activated is not None:
+            self.on_activated(m.model, slot, model)
+        else:
+            model.close()
         self.collect_garbage()
         log.info("%s v%d (%s) active on %s", m.model, m.version, m.variant, config)
-        return InstallOutcome(m.model, m.version, m.variant, "activated", "", config, timings)
+        return InstallOutcome(
+            m.model, m.version, m.variant, "activated", "", config, timings, m.rollout, probes
+        )
+
+    def roll_back(self, model: str, reason: str) -> dict | None:
+        """Make the previous version active again; the active one is recorded as failed.
+
+        Returns the slot now active (None when no previous version is kept: nothing
+        changes then). The failed version is not installed again until its assignment
+        changes.
+        """
+        current = self.pointer(model)
+        active, previous = current.get("active"), current.get("previous")
+        if not active or not previous:
+            return None
+        failed = {
+            **{k: active[k] for k in ("version", "variant", "uid", "artifact")},
+            "reason": reason,
+            "kind": "runtime",
+            "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        }
+        self._write_pointer(model, {"active": previous, "previous": None, "failed": failed})
+        log.warning(
+            "%s v%d rolled back to v%d: %s", model, active["version"], previous["version"], reason
+        )
+        return previous
+
+    def load(self, model: str, slot: dict):
+        """Decrypt an installed version in memory and load it on its recorded config.
+
+        Returns a `runtime.Model` running in a worker process (the caller closes it).
+        """
+        from runtime import Model  # deferred: `skiff agent status` never needs the runtime
+
+        key = self._unwrap(base64.b64decode(slot["wrapped_data_key"]), slot["uid"])
+        plain = decrypt_artifact(
+            self.artifact_path(slot["artifact"]),
+            key,
+            slot["associated_data"].encode(),
+            slot["plaintext_sha256"],
+            slot["plaintext_size"],
+        )
+        try:
+            return Model.from_bytes(
+                plain,
+                config=slot.get("config") or None,
+                isolation="worker",
+                version=f"{model}:{slot['version']}",
+            )
+        finally:
+            del plain
 
     def remove(self, model: str) -> None:
         """Stop serving a model that is no longer assigned (its pointer goes first)."""
@@ -301,14 +386,18 @@ class Installer:
             timings.resumed_from = offset
         return final
 
-    async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple[str, list]:
+    async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple:
         started = time.monotonic()
         try:
             return await asyncio.to_thread(self._self_test_blocking, m)
         finally:
             timings.self_test_s = time.monotonic() - started
 
-    def _self_test_blocking(self, m: VerifiedModel) -> tuple[str, list]:
+    def _self_test_blocking(self, m: VerifiedModel) -> tuple:
+        """Load the version in a worker, probing configs against golden data.
+
+        Returns (the loaded runtime.Model, its config key, the probe summaries).
+        """
         # Deferred: `skiff agent status` never needs the runtime.
         from runtime import (
             DeadlineExceeded,
@@ -320,7 +409,7 @@ class Installer:
             WorkerCrashed,
         )
 
-        key = self._unwrap(m)
+        key = self._unwrap(m.wrapped_data_key, m.uid)
         plain = decrypt_artifact(
             self.artifact_path(m.ciphertext_sha256),
             key,
@@ -343,12 +432,9 @@ class Installer:
             raise SelfTestFailed(f"self-test failed: {_one_line(exc)}") from None
         finally:
             del plain
-        try:
-            config = model.config.key if model.config is not None else ""
-            probes = [_probe_json(p) for p in model.probe_results]
-        finally:
-            model.close()
-        return config, probes
+        config = model.config.key if model.config is not None else ""
+        probes = [_probe_json(p) for p in model.probe_results]
+        return model, config, probes
 
     def _golden_bytes(self, g: GoldenArtifact, key: bytes) -> bytes:
         return decrypt_artifact(

@@ -44,7 +44,7 @@ def read_status(path: Path) -> dict:
     identity = state.load_identity()
     sync = state.load_sync()
     pid = _holder(state)
-    installer = Installer(state, unwrap=lambda m: b"")  # reads pointers only
+    installer = Installer(state, unwrap=lambda wrapped, uid: b"")  # reads pointers only
     models = {}
     for name, p in installer.pointers().items():
         failed = p.get("failed")

@@ -449,3 +449,337 @@ class DownloadChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DownloadChunk: _TypeAlias = DownloadChunk  # noqa: Y015
+
+@_typing.final
+class LatencyHistogram(_message.Message):
+    """A mergeable latency histogram (runtime.LatencyHistogram): every device uses the same
+    fixed buckets, so the control plane adds them bucket by bucket.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEME_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    SUM_NS_FIELD_NUMBER: _builtins.int
+    MIN_NS_FIELD_NUMBER: _builtins.int
+    MAX_NS_FIELD_NUMBER: _builtins.int
+    BUCKET_INDEX_FIELD_NUMBER: _builtins.int
+    BUCKET_COUNT_FIELD_NUMBER: _builtins.int
+    scheme: _builtins.str
+    """runtime.histogram.SCHEME; a histogram with another scheme is refused."""
+    count: _builtins.int
+    sum_ns: _builtins.int
+    min_ns: _builtins.int
+    """Unset when count is 0."""
+    max_ns: _builtins.int
+    @_builtins.property
+    def bucket_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The non-empty buckets: bucket_index[i] holds bucket_count[i] samples."""
+
+    @_builtins.property
+    def bucket_count(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        scheme: _builtins.str = ...,
+        count: _builtins.int = ...,
+        sum_ns: _builtins.int = ...,
+        min_ns: _builtins.int | None = ...,
+        max_ns: _builtins.int | None = ...,
+        bucket_index: _abc.Iterable[_builtins.int] | None = ...,
+        bucket_count: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_ns", b"_max_ns", "_min_ns", b"_min_ns", "max_ns", b"max_ns", "min_ns", b"min_ns"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_ns", b"_max_ns", "_min_ns", b"_min_ns", "bucket_count", b"bucket_count", "bucket_index", b"bucket_index", "count", b"count", "max_ns", b"max_ns", "min_ns", b"min_ns", "scheme", b"scheme", "sum_ns", b"sum_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_ns: _TypeAlias = _typing.Literal["max_ns"]  # noqa: Y015
+    _WhichOneofArgType__max_ns: _TypeAlias = _typing.Literal["_max_ns", b"_max_ns"]  # noqa: Y015
+    _WhichOneofReturnType__min_ns: _TypeAlias = _typing.Literal["min_ns"]  # noqa: Y015
+    _WhichOneofArgType__min_ns: _TypeAlias = _typing.Literal["_min_ns", b"_min_ns"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_ns) -> _WhichOneofReturnType__max_ns | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_ns) -> _WhichOneofReturnType__min_ns | None: ...
+
+Global___LatencyHistogram: _TypeAlias = LatencyHistogram  # noqa: Y015
+
+@_typing.final
+class CrashReport(_message.Message):
+    """A worker process running the model died or hung and was killed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SIGNAL_FIELD_NUMBER: _builtins.int
+    IDLE_FIELD_NUMBER: _builtins.int
+    config: _builtins.str
+    reason: _builtins.str
+    """"signal", "exit", "deadline" or "protocol" (runtime.CrashEvent)."""
+    signal: _builtins.str
+    """e.g. "SIGSEGV"; empty unless a signal ended it."""
+    idle: _builtins.bool
+    """Found dead between requests: no request was lost."""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        config: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        signal: _builtins.str = ...,
+        idle: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "config", b"config", "idle", b"idle", "reason", b"reason", "signal", b"signal"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CrashReport: _TypeAlias = CrashReport  # noqa: Y015
+
+@_typing.final
+class FallbackReport(_message.Message):
+    """A backend config was marked bad and the model moved to the next one."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_FIELD_NUMBER: _builtins.int
+    FROM_CONFIG_FIELD_NUMBER: _builtins.int
+    TO_CONFIG_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    from_config: _builtins.str
+    to_config: _builtins.str
+    """Empty: no config was left."""
+    reason: _builtins.str
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        from_config: _builtins.str = ...,
+        to_config: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "from_config", b"from_config", "reason", b"reason", "to_config", b"to_config"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FallbackReport: _TypeAlias = FallbackReport  # noqa: Y015
+
+@_typing.final
+class ProbeReport(_message.Message):
+    """One backend config's probe during a self-test."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_FIELD_NUMBER: _builtins.int
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    P50_US_FIELD_NUMBER: _builtins.int
+    COSINE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    config: _builtins.str
+    accepted: _builtins.bool
+    p50_us: _builtins.float
+    cosine: _builtins.float
+    error: _builtins.str
+    def __init__(
+        self,
+        *,
+        config: _builtins.str = ...,
+        accepted: _builtins.bool = ...,
+        p50_us: _builtins.float = ...,
+        cosine: _builtins.float = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "config", b"config", "cosine", b"cosine", "error", b"error", "p50_us", b"p50_us"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeReport: _TypeAlias = ProbeReport  # noqa: Y015
+
+@_typing.final
+class ModelStats(_message.Message):
+    """Serving stats of one model version on one backend config over the batch's period."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
+    INFERENCES_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    CRASHES_FIELD_NUMBER: _builtins.int
+    FALLBACKS_FIELD_NUMBER: _builtins.int
+    PIPELINE_FIRINGS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    version: _builtins.int
+    variant: _builtins.str
+    config: _builtins.str
+    inferences: _builtins.int
+    errors: _builtins.int
+    """Requests that failed (invalid input excluded: that is the caller's fault)."""
+    pipeline_firings: _builtins.int
+    @_builtins.property
+    def latency(self) -> Global___LatencyHistogram: ...
+    @_builtins.property
+    def crashes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CrashReport]: ...
+    @_builtins.property
+    def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___FallbackReport]: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        variant: _builtins.str = ...,
+        config: _builtins.str = ...,
+        latency: Global___LatencyHistogram | None = ...,
+        inferences: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        crashes: _abc.Iterable[Global___CrashReport] | None = ...,
+        fallbacks: _abc.Iterable[Global___FallbackReport] | None = ...,
+        pipeline_firings: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "crashes", b"crashes", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "latency", b"latency", "model", b"model", "pipeline_firings", b"pipeline_firings", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStats: _TypeAlias = ModelStats  # noqa: Y015
+
+@_typing.final
+class InstallReport(_message.Message):
+    """What happened when the agent installed (or gave up) one version."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_S_FIELD_NUMBER: _builtins.int
+    VERIFY_S_FIELD_NUMBER: _builtins.int
+    SELF_TEST_S_FIELD_NUMBER: _builtins.int
+    DOWNLOADED_BYTES_FIELD_NUMBER: _builtins.int
+    RESUMED_FROM_FIELD_NUMBER: _builtins.int
+    PROBES_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    version: _builtins.int
+    variant: _builtins.str
+    rollout: _builtins.str
+    result: _builtins.str
+    """"activated"; "failed" (never activated: download, integrity or self-test);
+    "rolled_back" (failed at run time; the previous version serves again).
+    """
+    reason: _builtins.str
+    config: _builtins.str
+    """The backend config the self-test picked (activated only)."""
+    download_s: _builtins.float
+    verify_s: _builtins.float
+    self_test_s: _builtins.float
+    downloaded_bytes: _builtins.int
+    resumed_from: _builtins.int
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def probes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeReport]: ...
+    def __init__(
+        self,
+        *,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        variant: _builtins.str = ...,
+        rollout: _builtins.str = ...,
+        result: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        config: _builtins.str = ...,
+        download_s: _builtins.float = ...,
+        verify_s: _builtins.float = ...,
+        self_test_s: _builtins.float = ...,
+        downloaded_bytes: _builtins.int = ...,
+        resumed_from: _builtins.int = ...,
+        probes: _abc.Iterable[Global___ProbeReport] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "config", b"config", "download_s", b"download_s", "downloaded_bytes", b"downloaded_bytes", "model", b"model", "probes", b"probes", "reason", b"reason", "result", b"result", "resumed_from", b"resumed_from", "rollout", b"rollout", "self_test_s", b"self_test_s", "variant", b"variant", "verify_s", b"verify_s", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstallReport: _TypeAlias = InstallReport  # noqa: Y015
+
+@_typing.final
+class ReportRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    PERIOD_START_FIELD_NUMBER: _builtins.int
+    PERIOD_END_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    INSTALLS_FIELD_NUMBER: _builtins.int
+    DROPPED_BATCHES_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.str
+    """Chosen by the device, unique among its batches: [A-Za-z0-9_-]{8,64}."""
+    dropped_batches: _builtins.int
+    """Batches the device's offline queue dropped (oldest first) since its last report."""
+    @_builtins.property
+    def period_start(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def period_end(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelStats]: ...
+    @_builtins.property
+    def installs(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstallReport]: ...
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.str = ...,
+        period_start: _timestamp_pb2.Timestamp | None = ...,
+        period_end: _timestamp_pb2.Timestamp | None = ...,
+        models: _abc.Iterable[Global___ModelStats] | None = ...,
+        installs: _abc.Iterable[Global___InstallReport] | None = ...,
+        dropped_batches: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["period_end", b"period_end", "period_start", b"period_start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "dropped_batches", b"dropped_batches", "installs", b"installs", "models", b"models", "period_end", b"period_end", "period_start", b"period_start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportRequest: _TypeAlias = ReportRequest  # noqa: Y015
+
+@_typing.final
+class ReportResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DUPLICATE_FIELD_NUMBER: _builtins.int
+    duplicate: _builtins.bool
+    """The batch had been applied before; nothing changed."""
+    def __init__(
+        self,
+        *,
+        duplicate: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportResponse: _TypeAlias = ReportResponse  # noqa: Y015

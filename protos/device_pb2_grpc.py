@@ -54,6 +54,11 @@ class DeviceServiceStub:
                 request_serializer=protos_dot_device__pb2.DownloadRequest.SerializeToString,
                 response_deserializer=protos_dot_device__pb2.DownloadChunk.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/skiff.v1.DeviceService/Report',
+                request_serializer=protos_dot_device__pb2.ReportRequest.SerializeToString,
+                response_deserializer=protos_dot_device__pb2.ReportResponse.FromString,
+                _registered_method=True)
 
 
 class DeviceServiceServicer:
@@ -89,6 +94,14 @@ class DeviceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Report(self, request, context):
+        """Telemetry: a batch of per-model stats and install outcomes. Each batch id is applied
+        once per device: a batch sent again (a retry after a lost reply) changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeviceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_DeviceServiceServicer_to_server(servicer, server):
                     servicer.Download,
                     request_deserializer=protos_dot_device__pb2.DownloadRequest.FromString,
                     response_serializer=protos_dot_device__pb2.DownloadChunk.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=protos_dot_device__pb2.ReportRequest.FromString,
+                    response_serializer=protos_dot_device__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class DeviceService:
             '/skiff.v1.DeviceService/Download',
             protos_dot_device__pb2.DownloadRequest.SerializeToString,
             protos_dot_device__pb2.DownloadChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.DeviceService/Report',
+            protos_dot_device__pb2.ReportRequest.SerializeToString,
+            protos_dot_device__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from protos import device_pb2 as protos_dot_device__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/fleet.proto\x12\x08skiff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x13protos/device.proto\"y\n\x1c\x43reateEnrollmentTokenRequest\x12\r\n\x05ttl_s\x18\x01 \x01(\x03\x12\x0c\n\x04uses\x18\x02 \x01(\x03\x12.\n\nattributes\x18\x03 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12\x0c\n\x04name\x18\x04 \x01(\t\"x\n\x1d\x43reateEnrollmentTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12.\n\nexpires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04uses\x18\x04 \x01(\x03\"A\n\x0c\x44\x65siredModel\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\x0f\n\x07rollout\x18\x03 \x01(\t\"\x94\x03\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\nattributes\x18\x02 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12/\n\x0b\x65nrolled_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tlast_seen\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06online\x18\x05 \x01(\x08\x12\x0f\n\x07revoked\x18\x06 \x01(\x08\x12+\n\tinstalled\x18\x07 \x03(\x0b\x32\x18.skiff.v1.InstalledModel\x12.\n\x07\x64\x65sired\x18\x08 \x03(\x0b\x32\x1d.skiff.v1.Device.DesiredEntry\x12(\n\x06synced\x18\t \x03(\x0b\x32\x18.skiff.v1.InstalledModel\x1a\x46\n\x0c\x44\x65siredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.skiff.v1.DesiredModel:\x02\x38\x01\"M\n\x12ListDevicesRequest\x12\x10\n\x08selector\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"Q\n\x13ListDevicesResponse\x12!\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x10.skiff.v1.Device\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x10GetDeviceRequest\x12\n\n\x02id\x18\x01 \x01(\t\"1\n\x13RevokeDeviceRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x9a\x01\n\x0cRolloutEvent\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x12\n\nfrom_state\x18\x04 \x01(\t\x12\x10\n\x08to_state\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\x05\x12\x0e\n\x06reason\x18\x07 \x01(\t\"V\n\rRolloutCounts\x12\x10\n\x08selected\x18\x01 \x01(\x03\x12\x10\n\x08in_stage\x18\x02 \x01(\x03\x12\x0e\n\x06synced\x18\x03 \x01(\x03\x12\x11\n\tinstalled\x18\x04 \x01(\x03\"\xf2\x02\n\x07Rollout\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12\x10\n\x08selector\x18\x05 \x01(\t\x12\x0e\n\x06stages\x18\x06 \x03(\x01\x12\r\n\x05stage\x18\x07 \x01(\x05\x12\r\n\x05state\x18\x08 \x01(\t\x12\x0e\n\x06\x62\x61ke_s\x18\t \x01(\x03\x12\x10\n\x08priority\x18\n \x01(\x05\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ncreated_by\x18\x0c \x01(\t\x12\x34\n\x10stage_started_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x05\x61udit\x18\x0e \x03(\x0b\x32\x16.skiff.v1.RolloutEvent\x12\'\n\x06\x63ounts\x18\x0f \x01(\x0b\x32\x17.skiff.v1.RolloutCounts\"\x9b\x01\n\x14\x43reateRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x10\n\x08selector\x18\x04 \x01(\t\x12\x0e\n\x06stages\x18\x05 \x03(\x01\x12\x0e\n\x06\x62\x61ke_s\x18\x06 \x01(\x03\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\"$\n\x13ListRolloutsRequest\x12\r\n\x05model\x18\x01 \x01(\t\";\n\x14ListRolloutsResponse\x12#\n\x08rollouts\x18\x01 \x03(\x0b\x32\x11.skiff.v1.Rollout\"\x1f\n\x11GetRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\"v\n\x18TransitionRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1b\n\x0e\x65xpected_stage\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x11\n\x0f_expected_stage2\xc0\x02\n\x0c\x46leetService\x12h\n\x15\x43reateEnrollmentToken\x12&.skiff.v1.CreateEnrollmentTokenRequest\x1a\'.skiff.v1.CreateEnrollmentTokenResponse\x12J\n\x0bListDevices\x12\x1c.skiff.v1.ListDevicesRequest\x1a\x1d.skiff.v1.ListDevicesResponse\x12\x39\n\tGetDevice\x12\x1a.skiff.v1.GetDeviceRequest\x1a\x10.skiff.v1.Device\x12?\n\x0cRevokeDevice\x12\x1d.skiff.v1.RevokeDeviceRequest\x1a\x10.skiff.v1.Device2\xad\x02\n\x0eRolloutService\x12\x42\n\rCreateRollout\x12\x1e.skiff.v1.CreateRolloutRequest\x1a\x11.skiff.v1.Rollout\x12M\n\x0cListRollouts\x12\x1d.skiff.v1.ListRolloutsRequest\x1a\x1e.skiff.v1.ListRolloutsResponse\x12<\n\nGetRollout\x12\x1b.skiff.v1.GetRolloutRequest\x1a\x11.skiff.v1.Rollout\x12J\n\x11TransitionRollout\x12\".skiff.v1.TransitionRolloutRequest\x1a\x11.skiff.v1.Rolloutb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/fleet.proto\x12\x08skiff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x13protos/device.proto\"y\n\x1c\x43reateEnrollmentTokenRequest\x12\r\n\x05ttl_s\x18\x01 \x01(\x03\x12\x0c\n\x04uses\x18\x02 \x01(\x03\x12.\n\nattributes\x18\x03 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12\x0c\n\x04name\x18\x04 \x01(\t\"x\n\x1d\x43reateEnrollmentTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12.\n\nexpires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04uses\x18\x04 \x01(\x03\"A\n\x0c\x44\x65siredModel\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\x0f\n\x07rollout\x18\x03 \x01(\t\"\xf0\x03\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\nattributes\x18\x02 \x01(\x0b\x32\x1a.skiff.v1.DeviceAttributes\x12/\n\x0b\x65nrolled_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tlast_seen\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06online\x18\x05 \x01(\x08\x12\x0f\n\x07revoked\x18\x06 \x01(\x08\x12+\n\tinstalled\x18\x07 \x03(\x0b\x32\x18.skiff.v1.InstalledModel\x12.\n\x07\x64\x65sired\x18\x08 \x03(\x0b\x32\x1d.skiff.v1.Device.DesiredEntry\x12(\n\x06synced\x18\t \x03(\x0b\x32\x18.skiff.v1.InstalledModel\x12\x30\n\x0frecent_installs\x18\n \x03(\x0b\x32\x17.skiff.v1.InstallReport\x12(\n\x07latency\x18\x0b \x03(\x0b\x32\x17.skiff.v1.DeviceLatency\x1a\x46\n\x0c\x44\x65siredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.skiff.v1.DesiredModel:\x02\x38\x01\"\x90\x02\n\rDeviceLatency\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x0e\n\x06\x63onfig\x18\x04 \x01(\t\x12\x12\n\ninferences\x18\x05 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x06 \x01(\x03\x12\x0f\n\x07\x63rashes\x18\x07 \x01(\x03\x12\x13\n\x06p50_us\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06p95_us\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06p99_us\x18\n \x01(\x01H\x02\x88\x01\x01\x12)\n\x05since\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.TimestampB\t\n\x07_p50_usB\t\n\x07_p95_usB\t\n\x07_p99_us\"M\n\x12ListDevicesRequest\x12\x10\n\x08selector\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"Q\n\x13ListDevicesResponse\x12!\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x10.skiff.v1.Device\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1e\n\x10GetDeviceRequest\x12\n\n\x02id\x18\x01 \x01(\t\"1\n\x13RevokeDeviceRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x9a\x01\n\x0cRolloutEvent\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x12\n\nfrom_state\x18\x04 \x01(\t\x12\x10\n\x08to_state\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\x05\x12\x0e\n\x06reason\x18\x07 \x01(\t\"f\n\rRolloutCounts\x12\x10\n\x08selected\x18\x01 \x01(\x03\x12\x10\n\x08in_stage\x18\x02 \x01(\x03\x12\x0e\n\x06synced\x18\x03 \x01(\x03\x12\x11\n\tinstalled\x18\x04 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x03\"\xf2\x02\n\x07Rollout\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12\x10\n\x08selector\x18\x05 \x01(\t\x12\x0e\n\x06stages\x18\x06 \x03(\x01\x12\r\n\x05stage\x18\x07 \x01(\x05\x12\r\n\x05state\x18\x08 \x01(\t\x12\x0e\n\x06\x62\x61ke_s\x18\t \x01(\x03\x12\x10\n\x08priority\x18\n \x01(\x05\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ncreated_by\x18\x0c \x01(\t\x12\x34\n\x10stage_started_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x05\x61udit\x18\x0e \x03(\x0b\x32\x16.skiff.v1.RolloutEvent\x12\'\n\x06\x63ounts\x18\x0f \x01(\x0b\x32\x17.skiff.v1.RolloutCounts\"\x9b\x01\n\x14\x43reateRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x10\n\x08selector\x18\x04 \x01(\t\x12\x0e\n\x06stages\x18\x05 \x03(\x01\x12\x0e\n\x06\x62\x61ke_s\x18\x06 \x01(\x03\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\"$\n\x13ListRolloutsRequest\x12\r\n\x05model\x18\x01 \x01(\t\";\n\x14ListRolloutsResponse\x12#\n\x08rollouts\x18\x01 \x03(\x0b\x32\x11.skiff.v1.Rollout\"\x1f\n\x11GetRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\"v\n\x18TransitionRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1b\n\x0e\x65xpected_stage\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x11\n\x0f_expected_stage2\xc0\x02\n\x0c\x46leetService\x12h\n\x15\x43reateEnrollmentToken\x12&.skiff.v1.CreateEnrollmentTokenRequest\x1a\'.skiff.v1.CreateEnrollmentTokenResponse\x12J\n\x0bListDevices\x12\x1c.skiff.v1.ListDevicesRequest\x1a\x1d.skiff.v1.ListDevicesResponse\x12\x39\n\tGetDevice\x12\x1a.skiff.v1.GetDeviceRequest\x1a\x10.skiff.v1.Device\x12?\n\x0cRevokeDevice\x12\x1d.skiff.v1.RevokeDeviceRequest\x1a\x10.skiff.v1.Device2\xad\x02\n\x0eRolloutService\x12\x42\n\rCreateRollout\x12\x1e.skiff.v1.CreateRolloutRequest\x1a\x11.skiff.v1.Rollout\x12M\n\x0cListRollouts\x12\x1d.skiff.v1.ListRolloutsRequest\x1a\x1e.skiff.v1.ListRolloutsResponse\x12<\n\nGetRollout\x12\x1b.skiff.v1.GetRolloutRequest\x1a\x11.skiff.v1.Rollout\x12J\n\x11TransitionRollout\x12\".skiff.v1.TransitionRolloutRequest\x1a\x11.skiff.v1.Rolloutb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,35 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESIREDMODEL']._serialized_start=331
   _globals['_DESIREDMODEL']._serialized_end=396
   _globals['_DEVICE']._serialized_start=399
-  _globals['_DEVICE']._serialized_end=803
-  _globals['_DEVICE_DESIREDENTRY']._serialized_start=733
-  _globals['_DEVICE_DESIREDENTRY']._serialized_end=803
-  _globals['_LISTDEVICESREQUEST']._serialized_start=805
-  _globals['_LISTDEVICESREQUEST']._serialized_end=882
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=884
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=965
-  _globals['_GETDEVICEREQUEST']._serialized_start=967
-  _globals['_GETDEVICEREQUEST']._serialized_end=997
-  _globals['_REVOKEDEVICEREQUEST']._serialized_start=999
-  _globals['_REVOKEDEVICEREQUEST']._serialized_end=1048
-  _globals['_ROLLOUTEVENT']._serialized_start=1051
-  _globals['_ROLLOUTEVENT']._serialized_end=1205
-  _globals['_ROLLOUTCOUNTS']._serialized_start=1207
-  _globals['_ROLLOUTCOUNTS']._serialized_end=1293
-  _globals['_ROLLOUT']._serialized_start=1296
-  _globals['_ROLLOUT']._serialized_end=1666
-  _globals['_CREATEROLLOUTREQUEST']._serialized_start=1669
-  _globals['_CREATEROLLOUTREQUEST']._serialized_end=1824
-  _globals['_LISTROLLOUTSREQUEST']._serialized_start=1826
-  _globals['_LISTROLLOUTSREQUEST']._serialized_end=1862
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=1864
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=1923
-  _globals['_GETROLLOUTREQUEST']._serialized_start=1925
-  _globals['_GETROLLOUTREQUEST']._serialized_end=1956
-  _globals['_TRANSITIONROLLOUTREQUEST']._serialized_start=1958
-  _globals['_TRANSITIONROLLOUTREQUEST']._serialized_end=2076
-  _globals['_FLEETSERVICE']._serialized_start=2079
-  _globals['_FLEETSERVICE']._serialized_end=2399
-  _globals['_ROLLOUTSERVICE']._serialized_start=2402
-  _globals['_ROLLOUTSERVICE']._serialized_end=2703
+  _globals['_DEVICE']._serialized_end=895
+  _globals['_DEVICE_DESIREDENTRY']._serialized_start=825
+  _globals['_DEVICE_DESIREDENTRY']._serialized_end=895
+  _globals['_DEVICELATENCY']._serialized_start=898
+  _globals['_DEVICELATENCY']._serialized_end=1170
+  _globals['_LISTDEVICESREQUEST']._serialized_start=1172
+  _globals['_LISTDEVICESREQUEST']._serialized_end=1249
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=1251
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=1332
+  _globals['_GETDEVICEREQUEST']._serialized_start=1334
+  _globals['_GETDEVICEREQUEST']._serialized_end=1364
+  _globals['_REVOKEDEVICEREQUEST']._serialized_start=1366
+  _globals['_REVOKEDEVICEREQUEST']._serialized_end=1415
+  _globals['_ROLLOUTEVENT']._serialized_start=1418
+  _globals['_ROLLOUTEVENT']._serialized_end=1572
+  _globals['_ROLLOUTCOUNTS']._serialized_start=1574
+  _globals['_ROLLOUTCOUNTS']._serialized_end=1676
+  _globals['_ROLLOUT']._serialized_start=1679
+  _globals['_ROLLOUT']._serialized_end=2049
+  _globals['_CREATEROLLOUTREQUEST']._serialized_start=2052
+  _globals['_CREATEROLLOUTREQUEST']._serialized_end=2207
+  _globals['_LISTROLLOUTSREQUEST']._serialized_start=2209
+  _globals['_LISTROLLOUTSREQUEST']._serialized_end=2245
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=2247
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=2306
+  _globals['_GETROLLOUTREQUEST']._serialized_start=2308
+  _globals['_GETROLLOUTREQUEST']._serialized_end=2339
+  _globals['_TRANSITIONROLLOUTREQUEST']._serialized_start=2341
+  _globals['_TRANSITIONROLLOUTREQUEST']._serialized_end=2459
+  _globals['_FLEETSERVICE']._serialized_start=2462
+  _globals['_FLEETSERVICE']._serialized_end=2782
+  _globals['_ROLLOUTSERVICE']._serialized_start=2785
+  _globals['_ROLLOUTSERVICE']._serialized_end=3086
 # @@protoc_insertion_point(module_scope)

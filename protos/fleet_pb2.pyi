@@ -141,6 +141,8 @@ class Device(_message.Message):
     INSTALLED_FIELD_NUMBER: _builtins.int
     DESIRED_FIELD_NUMBER: _builtins.int
     SYNCED_FIELD_NUMBER: _builtins.int
+    RECENT_INSTALLS_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     online: _builtins.bool
     """A Watch stream is open."""
@@ -159,6 +161,14 @@ class Device(_message.Message):
     def synced(self) -> _containers.RepeatedCompositeFieldContainer[_device_pb2.InstalledModel]:
         """What the device last fetched through Sync."""
 
+    @_builtins.property
+    def recent_installs(self) -> _containers.RepeatedCompositeFieldContainer[_device_pb2.InstallReport]:
+        """Its latest install outcomes, newest first (GetDevice only)."""
+
+    @_builtins.property
+    def latency(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceLatency]:
+        """Per model version and backend config: latency over its recent reports (GetDevice only)."""
+
     def __init__(
         self,
         *,
@@ -171,14 +181,78 @@ class Device(_message.Message):
         installed: _abc.Iterable[_device_pb2.InstalledModel] | None = ...,
         desired: _abc.Mapping[_builtins.str, Global___DesiredModel] | None = ...,
         synced: _abc.Iterable[_device_pb2.InstalledModel] | None = ...,
+        recent_installs: _abc.Iterable[_device_pb2.InstallReport] | None = ...,
+        latency: _abc.Iterable[Global___DeviceLatency] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "enrolled_at", b"enrolled_at", "last_seen", b"last_seen"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "desired", b"desired", "enrolled_at", b"enrolled_at", "id", b"id", "installed", b"installed", "last_seen", b"last_seen", "online", b"online", "revoked", b"revoked", "synced", b"synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "desired", b"desired", "enrolled_at", b"enrolled_at", "id", b"id", "installed", b"installed", "last_seen", b"last_seen", "latency", b"latency", "online", b"online", "recent_installs", b"recent_installs", "revoked", b"revoked", "synced", b"synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Device: _TypeAlias = Device  # noqa: Y015
+
+@_typing.final
+class DeviceLatency(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    INFERENCES_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    CRASHES_FIELD_NUMBER: _builtins.int
+    P50_US_FIELD_NUMBER: _builtins.int
+    P95_US_FIELD_NUMBER: _builtins.int
+    P99_US_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    version: _builtins.int
+    variant: _builtins.str
+    config: _builtins.str
+    inferences: _builtins.int
+    errors: _builtins.int
+    crashes: _builtins.int
+    p50_us: _builtins.float
+    """Microseconds; unset without samples."""
+    p95_us: _builtins.float
+    p99_us: _builtins.float
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        variant: _builtins.str = ...,
+        config: _builtins.str = ...,
+        inferences: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        crashes: _builtins.int = ...,
+        p50_us: _builtins.float | None = ...,
+        p95_us: _builtins.float | None = ...,
+        p99_us: _builtins.float | None = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us", "since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "config", b"config", "crashes", b"crashes", "errors", b"errors", "inferences", b"inferences", "model", b"model", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us", "since", b"since", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__p50_us: _TypeAlias = _typing.Literal["p50_us"]  # noqa: Y015
+    _WhichOneofArgType__p50_us: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us"]  # noqa: Y015
+    _WhichOneofReturnType__p95_us: _TypeAlias = _typing.Literal["p95_us"]  # noqa: Y015
+    _WhichOneofArgType__p95_us: _TypeAlias = _typing.Literal["_p95_us", b"_p95_us"]  # noqa: Y015
+    _WhichOneofReturnType__p99_us: _TypeAlias = _typing.Literal["p99_us"]  # noqa: Y015
+    _WhichOneofArgType__p99_us: _TypeAlias = _typing.Literal["_p99_us", b"_p99_us"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p50_us) -> _WhichOneofReturnType__p50_us | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p95_us) -> _WhichOneofReturnType__p95_us | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p99_us) -> _WhichOneofReturnType__p99_us | None: ...
+
+Global___DeviceLatency: _TypeAlias = DeviceLatency  # noqa: Y015
 
 @_typing.final
 class ListDevicesRequest(_message.Message):
@@ -320,10 +394,13 @@ class RolloutCounts(_message.Message):
     IN_STAGE_FIELD_NUMBER: _builtins.int
     SYNCED_FIELD_NUMBER: _builtins.int
     INSTALLED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
     selected: _builtins.int
     in_stage: _builtins.int
     synced: _builtins.int
     installed: _builtins.int
+    failed: _builtins.int
+    """Devices whose last report says this version failed to install or was rolled back."""
     def __init__(
         self,
         *,
@@ -331,10 +408,11 @@ class RolloutCounts(_message.Message):
         in_stage: _builtins.int = ...,
         synced: _builtins.int = ...,
         installed: _builtins.int = ...,
+        failed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_stage", b"in_stage", "installed", b"installed", "selected", b"selected", "synced", b"synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "in_stage", b"in_stage", "installed", b"installed", "selected", b"selected", "synced", b"synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,6 +15,7 @@ from control_plane import errors
 from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.signing_convert import chain_pb
+from control_plane.api.telemetry_convert import report_batch
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import associated_data
@@ -23,6 +24,7 @@ from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
+from control_plane.telemetry import Telemetry
 from protos import device_pb2, device_pb2_grpc
 
 MAX_INSTALLED = 256
@@ -102,8 +104,10 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         writer: DeviceWriter,
         signing_keys: SigningKeys,
         poll_interval_s: int,
+        telemetry: Telemetry,
     ) -> None:
         self._fleet, self._store, self._delivery = fleet, store, delivery
+        self._telemetry = telemetry
         self._watchers, self._writer = watchers, writer
         self._signing_keys, self._poll = signing_keys, poll_interval_s
         # The chain's messages, converted once per re-read of the chain (not per Sync).
@@ -204,3 +208,13 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             await asyncio.to_thread(self._fleet.authenticate, authorization)
             yield device_pb2.DownloadChunk(offset=offset, data=chunk)
             offset += len(chunk)
+
+    def _report(self, authorization: str | None, request) -> device_pb2.ReportResponse:
+        device = self._fleet.authenticate(authorization)
+        batch = report_batch(device.id, request, dt.datetime.now(dt.UTC))
+        fresh = self._telemetry.report(batch)
+        return device_pb2.ReportResponse(duplicate=not fresh)
+
+    @mapped_async
+    async def Report(self, request, context):  # noqa: D102, N802
+        return await asyncio.to_thread(self._report, _authorization(context), request)

@@ -9,12 +9,14 @@ from control_plane import paging
 from control_plane.api.access import caller
 from control_plane.api.fleet_convert import attributes_dict, device_pb, rollout_pb, timestamp
 from control_plane.api.grpc_errors import mapped
+from control_plane.api.telemetry_convert import install_pb, latency_pb
 from control_plane.fleet.devices import Fleet, validate_device_id
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.rollouts.resolver import Resolver, Snapshot
 from control_plane.rollouts.service import Rollouts, RolloutSpec
 from control_plane.rollouts.watchers import Watchers
 from control_plane.store.fleet import DeviceRecord
+from control_plane.telemetry import Telemetry
 from protos import fleet_pb2, fleet_pb2_grpc
 
 
@@ -27,10 +29,16 @@ class FleetView:
     """Devices as operators see them: stored state plus derived desired state and online."""
 
     def __init__(
-        self, fleet: Fleet, resolver: Resolver, watchers: Watchers, writer: DeviceWriter
+        self,
+        fleet: Fleet,
+        resolver: Resolver,
+        watchers: Watchers,
+        writer: DeviceWriter,
+        telemetry: Telemetry,
     ) -> None:
         self.fleet = fleet
         self._resolver, self._watchers, self._writer = resolver, watchers, writer
+        self._telemetry = telemetry
 
     def device_pb(self, d: DeviceRecord, snap: Snapshot | None = None) -> fleet_pb2.Device:
         """Return one device's message (pass `snap` when rendering many)."""
@@ -41,6 +49,13 @@ class FleetView:
         )
         desired = {} if d.revoked_at else snap.desired(d.id, d.attributes)
         return device_pb(d, online=online, desired=desired)
+
+    def device_detail_pb(self, d: DeviceRecord) -> fleet_pb2.Device:
+        """Return one device's message with its recent installs and latency per model."""
+        msg = self.device_pb(d)
+        msg.recent_installs.extend(install_pb(i) for i in self._telemetry.recent_installs(d.id))
+        msg.latency.extend(latency_pb(x) for x in self._telemetry.latency(d.id))
+        return msg
 
     def snapshot(self) -> Snapshot:
         """Return the current desired-state snapshot."""
@@ -107,7 +122,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
     @mapped
     def GetDevice(self, request, context):  # noqa: D102, N802
         _actor()
-        return self._view.device_pb(self._view.get(request.id))
+        return self._view.device_detail_pb(self._view.get(request.id))
 
     @mapped
     def RevokeDevice(self, request, context):  # noqa: D102, N802

@@ -47,6 +47,7 @@ from control_plane.rollouts.service import Rollouts
 from control_plane.rollouts.watchers import Watchers
 from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
+from control_plane.telemetry import Telemetry
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
 
@@ -344,7 +345,8 @@ async def _add_services(
     server: grpc.aio.Server, app: App, auth: Authenticator
 ) -> tuple[object, tuple[str, ...]]:
     """Register every service; returns the health servicer and the names it reports on."""
-    view = FleetView(app.fleet, app.resolver, app.watchers, app.writer)
+    telemetry = Telemetry(app.store)
+    view = FleetView(app.fleet, app.resolver, app.watchers, app.writer, telemetry)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(
             app.registry,
@@ -366,6 +368,7 @@ async def _add_services(
             writer=app.writer,
             signing_keys=app.registry.signer,
             poll_interval_s=app.config.poll_interval_s,
+            telemetry=telemetry,
         ),
         server,
     )

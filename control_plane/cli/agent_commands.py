@@ -21,6 +21,8 @@ Output = tuple[object, object] | None
 # `agent run --once`: synced, but the device does not run its whole desired state (a
 # version failed its self-test or its download); the error line says which and why.
 EXIT_NOT_CONVERGED = 9
+# `skiff infer`: inputs and outputs travel in one local gRPC message each.
+MAX_INFER_BYTES = 60 << 20
 
 
 class NotConverged(errors.SkiffError):
@@ -53,11 +55,37 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     p.add_argument("--once", action="store_true", help="sync and install once, then exit")
     p.add_argument("--json-log", action="store_true", help="log JSON lines to stderr")
     p.add_argument("--ca", dest="tls_ca", metavar="PEM", help="CA to verify the server")
+    p.add_argument(
+        "--report-interval",
+        type=_positive_seconds,
+        default=float(os.environ.get("SKIFF_REPORT_INTERVAL_S", "60")),
+        metavar="S",
+        help="seconds between telemetry reports (SKIFF_REPORT_INTERVAL_S; default 60)",
+    )
 
     p = asub.add_parser("status", help="show the agent's identity and installed models")
     p.set_defaults(home=None)
     p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("infer", help="run a model through the local agent")
+    p.set_defaults(home=None)
+    p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--input", type=Path, required=True, metavar="FILE.npz", help="named inputs")
+    p.add_argument("-o", "--output", type=Path, metavar="OUT.npz", help="write the outputs here")
+    p.add_argument("--timeout", type=_positive_seconds, default=60.0, metavar="S")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 86400]")
+    return value
 
 
 class _JsonLines(logging.Formatter):
@@ -123,12 +151,17 @@ def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
         tls=client_tls(config),
         enroll_token=args.enroll_token,
         attributes=attributes,
+        serve=not args.once,
+        report_interval_s=args.report_interval,
     )
 
     async def main() -> object:
         async with agent:
             if args.once:
-                return await agent.sync_once()
+                outcome = await agent.sync_once()
+                with contextlib.suppress(Exception):  # best effort: the next start retries
+                    await asyncio.wait_for(agent.flush_reports(), 10)
+                return outcome
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -179,4 +212,83 @@ def _status_text(body: dict) -> str:
         )
         if m["failed"]:
             lines.append(f"         v{m['failed']['version']} failed: {m['failed']['reason']}")
+    return "\n".join(lines)
+
+
+def start_infer(*, config: Config, args: argparse.Namespace) -> Output:
+    """Run MODEL on the inputs in an .npz through the agent's local API."""
+    import grpc
+
+    from device_agent.local_api import socket_path, to_array, to_tensor
+    from device_agent.state import AgentError
+    from protos import agent_pb2, agent_pb2_grpc
+    from runtime.npz import read_npz, write_npz
+
+    try:
+        path = socket_path(args.state)
+    except AgentError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
+    if not path.exists():
+        raise errors.Unavailable(f"no agent is serving {args.state} (no socket {path})")
+    try:
+        inputs = read_npz(args.input.read_bytes(), str(args.input), limit=MAX_INFER_BYTES)
+    except ValueError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
+    request = agent_pb2.InferRequest(
+        model=args.model, inputs=[to_tensor(k, v) for k, v in inputs.items()]
+    )
+    with grpc.insecure_channel(
+        f"unix:{path}", options=[("grpc.max_receive_message_length", 64 << 20)]
+    ) as channel:
+        try:
+            reply = agent_pb2_grpc.AgentServiceStub(channel).Infer(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            raise _infer_error(exc) from None
+    outputs = {t.name: to_array(t) for t in reply.outputs}
+    if args.output is not None:
+        from control_plane.files import write_private_file
+
+        write_private_file(args.output, write_npz(outputs), replace=True)
+    body = {
+        "model": reply.model,
+        "version": reply.version,
+        "variant": reply.variant,
+        "config": reply.config,
+        "latency_us": round(reply.latency_us, 1),
+        "outputs": {
+            name: {"dtype": a.dtype.name, "shape": list(a.shape)}
+            | ({} if args.output is not None else {"values": a.tolist()})
+            for name, a in outputs.items()
+        },
+        "output_file": str(args.output) if args.output is not None else None,
+    }
+    return body, _infer_text(body, outputs)
+
+
+def _infer_error(exc) -> errors.SkiffError:
+    import grpc
+
+    code, message = exc.code(), exc.details() or exc.code().name.lower()
+    kinds = {
+        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+        grpc.StatusCode.NOT_FOUND: errors.NotFound,
+        grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
+    }
+    if code == grpc.StatusCode.UNAVAILABLE and "connect" in message.lower():
+        return errors.Unavailable(f"the agent does not answer: {message}")
+    return kinds.get(code, errors.Unavailable)(message)
+
+
+def _infer_text(body: dict, outputs: dict) -> str:
+    import numpy as np
+
+    lines = [
+        f"{body['model']} v{body['version']} ({body['variant']}) on {body['config'] or '?'}"
+        f"  {body['latency_us'] / 1000:.2f} ms"
+    ]
+    for name, a in outputs.items():
+        preview = np.array2string(a.reshape(-1)[:6], precision=4, separator=", ")
+        lines.append(f"  {name}  {a.dtype.name}{list(a.shape)}  {preview}")
+    if body["output_file"]:
+        lines.append(f"outputs written to {body['output_file']}")
     return "\n".join(lines)

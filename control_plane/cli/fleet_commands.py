@@ -226,7 +226,7 @@ def start_fleet_show(*, config: Config, args: argparse.Namespace) -> Output:
     """Show one device."""
     with _client(config) as client:
         device = client.get_device(args.device)
-    return views.device_dict(device), views.device_text(device)
+    return views.device_dict(device, telemetry=True), views.device_text(device)
 
 
 def start_fleet_revoke(*, config: Config, args: argparse.Namespace) -> Output:

@@ -32,9 +32,12 @@ def _states(items) -> dict:
     return {s.model: {"version": s.version, "variant": s.variant} for s in items}
 
 
-def device_dict(d: fleet_pb2.Device) -> dict:
-    """JSON-ready form of a device (the shape `skiff sim --json` prints too)."""
-    return {
+def device_dict(d: fleet_pb2.Device, *, telemetry: bool = False) -> dict:
+    """JSON-ready form of a device (the shape `skiff sim --json` prints too).
+
+    With `telemetry` (`fleet show`), also its recent install outcomes and latency.
+    """
+    body = {
         "id": d.id,
         "attributes": attributes_dict(d.attributes),
         "enrolled_at": _ts(d.enrolled_at),
@@ -47,6 +50,52 @@ def device_dict(d: fleet_pb2.Device) -> dict:
             m: {"version": x.version, "variant": x.variant, "rollout": x.rollout}
             for m, x in sorted(d.desired.items())
         },
+    }
+    if telemetry:
+        body["recent_installs"] = [install_dict(i) for i in d.recent_installs]
+        body["latency"] = [latency_dict(x) for x in d.latency]
+    return body
+
+
+def install_dict(i) -> dict:
+    """JSON-ready form of one reported install outcome."""
+    return {
+        "at": _ts(i.at),
+        "model": i.model,
+        "version": i.version,
+        "variant": i.variant,
+        "rollout": i.rollout,
+        "result": i.result,
+        "reason": i.reason,
+        "config": i.config,
+        "timings": {
+            "download_s": round(i.download_s, 4),
+            "verify_s": round(i.verify_s, 4),
+            "self_test_s": round(i.self_test_s, 4),
+            "downloaded_bytes": i.downloaded_bytes,
+            "resumed_from": i.resumed_from,
+        },
+    }
+
+
+def latency_dict(x) -> dict:
+    """JSON-ready form of one model version's latency on a device."""
+
+    def pct(name: str) -> float | None:
+        return round(getattr(x, name), 1) if x.HasField(name) else None
+
+    return {
+        "model": x.model,
+        "version": x.version,
+        "variant": x.variant,
+        "config": x.config,
+        "inferences": x.inferences,
+        "errors": x.errors,
+        "crashes": x.crashes,
+        "p50_us": pct("p50_us"),
+        "p95_us": pct("p95_us"),
+        "p99_us": pct("p99_us"),
+        "since": _ts(x.since),
     }
 
 
@@ -78,8 +127,8 @@ def devices_table(devices: list[fleet_pb2.Device]) -> Table | str:
 
 
 def device_text(d: fleet_pb2.Device) -> str:
-    """Describe one device for people."""
-    body = device_dict(d)
+    """Describe one device for people, with its recent installs and latency per model."""
+    body = device_dict(d, telemetry=True)
     attrs = ", ".join(f"{k}={v}" for k, v in body["attributes"].items())
     lines = [
         d.id + ("  (revoked)" if d.revoked else ""),
@@ -90,7 +139,33 @@ def device_text(d: fleet_pb2.Device) -> str:
         f"  synced      {_models(body['synced'])}",
         f"  installed   {_models(body['installed'])}",
     ]
+    if body["latency"]:
+        lines.append("  latency (recent reports)")
+        for x in body["latency"]:
+            p = [_us(x[k]) for k in ("p50_us", "p95_us", "p99_us")]
+            lines.append(
+                f"    {x['model']}:{x['version']} ({x['variant']}, {x['config'] or '-'})"
+                f"  p50 {p[0]}  p95 {p[1]}  p99 {p[2]}  runs {x['inferences']}"
+                f"  errors {x['errors']}  crashes {x['crashes']}"
+            )
+    if body["recent_installs"]:
+        lines.append("  recent installs")
+        for i in body["recent_installs"]:
+            t = i["timings"]
+            took = (
+                f"  download {t['download_s']:.2f}s  self-test {t['self_test_s']:.2f}s"
+                if i["result"] == "activated"
+                else ""
+            )
+            why = f"  ({i['reason']})" if i["reason"] else ""
+            lines.append(f"    {i['at']}  {i['model']}:{i['version']}  {i['result']}{took}{why}")
     return "\n".join(lines)
+
+
+def _us(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1000:.2f}ms" if value >= 1000 else f"{value:.0f}us"
 
 
 def _desired_text(desired: dict) -> str:
@@ -131,6 +206,7 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
             "in_stage": r.counts.in_stage,
             "synced": r.counts.synced,
             "installed": r.counts.installed,
+            "failed": r.counts.failed,
         },
     }
 
@@ -167,7 +243,7 @@ def rollout_text(r: fleet_pb2.Rollout) -> str:
         f"  selector  {r.selector or '(whole fleet)'}",
         f"  stages    {_stages(r)}  bake {r.bake_s}s  priority {r.priority}",
         f"  devices   selected {c.selected}  in stage {c.in_stage}  synced {c.synced}"
-        f"  installed {c.installed}",
+        f"  installed {c.installed}  failed {c.failed}",
         "  audit",
     ]
     for e in r.audit:

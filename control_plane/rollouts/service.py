@@ -63,6 +63,7 @@ class Counts:
     in_stage: int
     synced: int
     installed: int
+    failed: int = 0  # devices whose telemetry says this version failed or was rolled back
 
 
 def utcnow() -> dt.datetime:
@@ -204,7 +205,7 @@ class Rollouts:
         return result
 
     def counts(self, record: RolloutRecord) -> Counts:
-        """Count selected, in-stage, synced and installed live devices for one rollout."""
+        """Count selected, in-stage, synced, installed and failed live devices for one rollout."""
         snapshot = self._resolver.snapshot()
         selector = parse_selector(record.selector)
         selected = in_stage = 0
@@ -214,7 +215,7 @@ class Rollouts:
             selected += 1
             desired = snapshot.desired_model(record.model, device_id, attrs)
             in_stage += desired is not None and desired.rollout == record.id
-        synced, installed = self._store.count_model_states(
+        synced, installed, failed = self._store.count_model_states(
             record.model, record.version, record.variant
         )
-        return Counts(selected, in_stage, synced, installed)
+        return Counts(selected, in_stage, synced, installed, failed)

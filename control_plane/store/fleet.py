@@ -136,8 +136,8 @@ class FleetStore(abc.ABC):
         """Mark devices' Watch streams open until `until` (None: closed)."""
 
     @abc.abstractmethod
-    def count_model_states(self, model: str, version: int, variant: str) -> tuple[int, int]:
-        """Return how many live (not revoked) devices synced and report installed this version."""
+    def count_model_states(self, model: str, version: int, variant: str) -> tuple[int, int, int]:
+        """Return how many live devices synced, report installed, and report failed this version."""
 
     @abc.abstractmethod
     def revision(self) -> int:

@@ -188,6 +188,7 @@ class DeviceModelRow(Base):
         # Serve a rollout's `synced` and `installed` counts (devices on model X version N).
         Index("ix_device_models_synced", "model", "synced_version"),
         Index("ix_device_models_installed", "model", "installed_version"),
+        Index("ix_device_models_failed", "model", "failed_version"),
     )
 
     device_id: Mapped[str] = mapped_column(
@@ -200,6 +201,12 @@ class DeviceModelRow(Base):
     installed_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     installed_variant: Mapped[str | None] = mapped_column(String(16), nullable=True)
     reported_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The version the device's telemetry last said failed to install or was rolled back
+    # (cleared when it reports that version activated after all).
+    failed_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    failed_variant: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    failed_reason: Mapped[str] = mapped_column(Text, default="")
+    failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class RolloutRow(Base):
@@ -264,3 +271,78 @@ class SigningKeyRow(Base):
     endorsement: Mapped[bytes] = mapped_column(LargeBinary)
     endorsement_signature: Mapped[bytes] = mapped_column(LargeBinary)
     endorsed_by: Mapped[str] = mapped_column(String(64))
+
+
+class TelemetryBatchRow(Base):
+    """One telemetry batch a device sent; its key makes a batch sent twice apply once."""
+
+    __tablename__ = "telemetry_batches"
+
+    device_id: Mapped[str] = mapped_column(
+        ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True
+    )
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # Serves pruning by age.
+    received_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), index=True)
+    period_start: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    period_end: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    dropped_batches: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class ModelStatsRow(Base):
+    """Serving stats of one model version and backend config in one telemetry batch.
+
+    Raw and per batch, so fleet-wide rollups can merge them any way (histograms add).
+    """
+
+    __tablename__ = "telemetry_model_stats"
+    __table_args__ = (
+        # Serves rollups of one model version over a time range.
+        Index("ix_telemetry_model_stats_version", "model", "version", "period_end"),
+        # Serves `fleet show`: one device's recent stats.
+        Index("ix_telemetry_model_stats_device", "device_id", "period_end"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    batch_id: Mapped[str] = mapped_column(String(64))
+    period_start: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    period_end: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    variant: Mapped[str] = mapped_column(String(16))
+    config: Mapped[str] = mapped_column(String(128))
+    inferences: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    crashes: Mapped[int] = mapped_column(Integer)
+    fallbacks: Mapped[int] = mapped_column(Integer)
+    pipeline_firings: Mapped[int] = mapped_column(BigInteger)
+    # runtime.LatencyHistogram.to_dict(): mergeable.
+    latency: Mapped[dict] = mapped_column(JSON)
+    # The crash and fallback reports themselves.
+    events: Mapped[dict] = mapped_column(JSON)
+
+
+class InstallReportRow(Base):
+    """One install outcome a device reported: activated, failed or rolled back."""
+
+    __tablename__ = "install_reports"
+    __table_args__ = (
+        Index("ix_install_reports_device", "device_id", "at"),
+        Index("ix_install_reports_version", "model", "version", "at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    batch_id: Mapped[str] = mapped_column(String(64))
+    at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    variant: Mapped[str] = mapped_column(String(16))
+    rollout: Mapped[str] = mapped_column(String(32))
+    result: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+    config: Mapped[str] = mapped_column(String(128))
+    # Seconds per step and bytes: download_s, verify_s, self_test_s, downloaded_bytes, ...
+    timings: Mapped[dict] = mapped_column(JSON)
+    probes: Mapped[list] = mapped_column(JSON)

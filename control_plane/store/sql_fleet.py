@@ -291,24 +291,24 @@ class SqlFleetStore(FleetStore):
                     .values(online_until=until)
                 )
 
-    def count_model_states(self, model: str, version: int, variant: str) -> tuple[int, int]:
-        """Return (synced, installed) device counts for one model version and variant."""
+    def count_model_states(self, model: str, version: int, variant: str) -> tuple[int, int, int]:
+        """Return (synced, installed, failed) live-device counts for one version and variant."""
         m, d = orm.DeviceModelRow, orm.DeviceRow
         live = select(func.count()).select_from(m).join(d).where(d.revoked_at.is_(None))
+        counts = []
         with self._read() as session:
-            synced = session.scalar(
-                live.where(
-                    m.model == model, m.synced_version == version, m.synced_variant == variant
+            for kind in ("synced", "installed", "failed"):
+                version_col, variant_col = (
+                    getattr(m, f"{kind}_version"),
+                    getattr(m, f"{kind}_variant"),
                 )
-            )
-            installed = session.scalar(
-                live.where(
-                    m.model == model,
-                    m.installed_version == version,
-                    m.installed_variant == variant,
+                counts.append(
+                    session.scalar(
+                        live.where(m.model == model, version_col == version, variant_col == variant)
+                    )
+                    or 0
                 )
-            )
-        return synced or 0, installed or 0
+        return counts[0], counts[1], counts[2]
 
     def revision(self) -> int:
         """Return the current fleet revision."""

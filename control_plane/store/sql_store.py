@@ -28,6 +28,7 @@ from control_plane.store.sql_fleet import SqlFleetStore, aware
 from control_plane.store.sql_keks import SqlKekStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
 from control_plane.store.sql_signing_keys import SqlSigningKeyStore
+from control_plane.store.sql_telemetry import SqlTelemetryStore
 from control_plane.store.sql_tokens import SqlTokenStore
 
 # A concurrent push that takes the same number loses on the unique constraint and retries.
@@ -121,9 +122,15 @@ def _version(row: orm.VersionRow, model: str) -> VersionRecord:
 
 
 class SqlStore(
-    SqlFleetStore, SqlRolloutStore, SqlTokenStore, SqlSigningKeyStore, SqlKekStore, RegistryStore
+    SqlFleetStore,
+    SqlRolloutStore,
+    SqlTelemetryStore,
+    SqlTokenStore,
+    SqlSigningKeyStore,
+    SqlKekStore,
+    RegistryStore,
 ):
-    """Registry, fleet, rollout, token and signing-key store over any SQLAlchemy URL."""
+    """Registry, fleet, rollout, telemetry, token and signing-key store over any SQLAlchemy URL."""
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         self.url = url

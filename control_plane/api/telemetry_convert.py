@@ -1,0 +1,248 @@
+"""Telemetry messages to records and back; every field a device sends is checked here.
+
+A device's report is its own word about itself, stored and later rolled up: each field
+is bounded so one device cannot bloat the database or break a rollup.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+
+from control_plane import errors
+from control_plane.api.fleet_convert import timestamp
+from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
+from control_plane.store.telemetry import (
+    INSTALL_RESULTS,
+    InstallRecord,
+    ModelStatsRecord,
+    ReportBatch,
+)
+from control_plane.telemetry.reports import DeviceLatency
+from protos import device_pb2, fleet_pb2
+from runtime.histogram import LatencyHistogram
+
+BATCH_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+MAX_MODEL_STATS = 256
+MAX_INSTALLS = 256
+MAX_EVENTS = 64  # crashes or fallbacks per model stats entry
+MAX_PROBES = 32
+MAX_TEXT = 1000  # reasons and crash details
+MAX_CONFIG = 128
+# A device clock may run ahead a little; a period ending further in the future is refused.
+CLOCK_SKEW = dt.timedelta(hours=1)
+MAX_COUNT = 1 << 53
+
+
+def _text(value: str, what: str, limit: int = MAX_TEXT) -> str:
+    if len(value) > limit:
+        raise errors.InvalidArgument(f"{what} is longer than {limit} characters")
+    if "\x00" in value:
+        raise errors.InvalidArgument(f"{what} contains a NUL character")
+    return value
+
+
+def _count(value: int, what: str) -> int:
+    if not 0 <= value <= MAX_COUNT:
+        raise errors.InvalidArgument(f"{what} must be between 0 and 2^53, not {value}")
+    return value
+
+
+def _seconds(value: float, what: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise errors.InvalidArgument(f"{what} must be a finite number >= 0, not {value}")
+    return value
+
+
+def _when(ts, what: str, now: dt.datetime) -> dt.datetime:
+    if not ts.seconds and not ts.nanos:
+        raise errors.InvalidArgument(f"{what} is not set")
+    try:
+        value = ts.ToDatetime(tzinfo=dt.UTC)
+    except (ValueError, OverflowError):
+        raise errors.InvalidArgument(f"{what} is not a valid time") from None
+    if value > now + CLOCK_SKEW:
+        raise errors.InvalidArgument(f"{what} {value.isoformat()} is in the future")
+    return value
+
+
+def _version(model: str, version: int, variant: str, what: str) -> None:
+    validate_name(model)
+    if not 1 <= version <= MAX_VERSION:
+        raise errors.InvalidArgument(f"{what} {model}: version {version} out of range")
+    if not VARIANT_NAME.fullmatch(variant):
+        raise errors.InvalidArgument(f"{what} {model}: invalid variant {variant!r:.40}")
+
+
+def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
+    """Return a histogram message as `LatencyHistogram.to_dict()` data, checked."""
+    if len(msg.bucket_index) != len(msg.bucket_count):
+        raise errors.InvalidArgument(f"{what}: bucket_index and bucket_count differ in length")
+    pairs = zip(msg.bucket_index, msg.bucket_count, strict=True)
+    body = {
+        "scheme": msg.scheme,
+        "count": _count(msg.count, f"{what} count"),
+        "sum_ns": _count(msg.sum_ns, f"{what} sum_ns"),
+        "min_ns": msg.min_ns if msg.HasField("min_ns") else None,
+        "max_ns": msg.max_ns if msg.HasField("max_ns") else None,
+        "buckets": [[int(i), int(n)] for i, n in pairs],
+    }
+    try:
+        histogram = LatencyHistogram.from_dict(body)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise errors.InvalidArgument(f"{what}: {exc}") from None
+    if histogram.count and (body["min_ns"] is None or body["max_ns"] is None):
+        raise errors.InvalidArgument(f"{what}: min_ns and max_ns are required with samples")
+    return histogram.to_dict()  # canonical: merged duplicate buckets, sorted
+
+
+def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
+    what = f"model stats {msg.model!r:.70}"
+    _version(msg.model, msg.version, msg.variant, "model stats")
+    if len(msg.crashes) > MAX_EVENTS or len(msg.fallbacks) > MAX_EVENTS:
+        raise errors.InvalidArgument(f"{what}: at most {MAX_EVENTS} crashes and fallbacks each")
+    crashes = tuple(
+        {
+            "at": _when(c.at, f"{what} crash time", now).isoformat(),
+            "config": _text(c.config, f"{what} crash config", MAX_CONFIG),
+            "reason": _text(c.reason, f"{what} crash reason", 16),
+            "signal": _text(c.signal, f"{what} crash signal", 16),
+            "idle": c.idle,
+        }
+        for c in msg.crashes
+    )
+    fallbacks = tuple(
+        {
+            "at": _when(f.at, f"{what} fallback time", now).isoformat(),
+            "from_config": _text(f.from_config, f"{what} fallback config", MAX_CONFIG),
+            "to_config": _text(f.to_config, f"{what} fallback config", MAX_CONFIG),
+            "reason": _text(f.reason, f"{what} fallback reason"),
+        }
+        for f in msg.fallbacks
+    )
+    return ModelStatsRecord(
+        model=msg.model,
+        version=msg.version,
+        variant=msg.variant,
+        config=_text(msg.config, f"{what} config", MAX_CONFIG),
+        inferences=_count(msg.inferences, f"{what} inferences"),
+        errors=_count(msg.errors, f"{what} errors"),
+        pipeline_firings=_count(msg.pipeline_firings, f"{what} pipeline_firings"),
+        latency=histogram_dict(msg.latency, f"{what} latency"),
+        crashes=crashes,
+        fallbacks=fallbacks,
+    )
+
+
+def _install(msg: device_pb2.InstallReport, now: dt.datetime) -> InstallRecord:
+    what = f"install report {msg.model!r:.70}"
+    _version(msg.model, msg.version, msg.variant, "install report")
+    if msg.result not in INSTALL_RESULTS:
+        raise errors.InvalidArgument(
+            f"{what}: result {msg.result!r:.40} is not one of {', '.join(INSTALL_RESULTS)}"
+        )
+    if len(msg.probes) > MAX_PROBES:
+        raise errors.InvalidArgument(f"{what}: at most {MAX_PROBES} probes")
+    probes = tuple(
+        {
+            "config": _text(p.config, f"{what} probe config", MAX_CONFIG),
+            "accepted": p.accepted,
+            "p50_us": _seconds(p.p50_us, f"{what} probe p50_us"),
+            "cosine": p.cosine if math.isfinite(p.cosine) else None,
+            "error": _text(p.error, f"{what} probe error"),
+        }
+        for p in msg.probes
+    )
+    return InstallRecord(
+        at=_when(msg.at, f"{what} time", now),
+        model=msg.model,
+        version=msg.version,
+        variant=msg.variant,
+        rollout=_text(msg.rollout, f"{what} rollout", 32),
+        result=msg.result,
+        reason=_text(msg.reason, f"{what} reason"),
+        config=_text(msg.config, f"{what} config", MAX_CONFIG),
+        timings={
+            "download_s": _seconds(msg.download_s, f"{what} download_s"),
+            "verify_s": _seconds(msg.verify_s, f"{what} verify_s"),
+            "self_test_s": _seconds(msg.self_test_s, f"{what} self_test_s"),
+            "downloaded_bytes": _count(msg.downloaded_bytes, f"{what} downloaded_bytes"),
+            "resumed_from": _count(msg.resumed_from, f"{what} resumed_from"),
+        },
+        probes=probes,
+    )
+
+
+def report_batch(device_id: str, msg: device_pb2.ReportRequest, now: dt.datetime) -> ReportBatch:
+    """Check a ReportRequest from `device_id` and return it as a batch to store."""
+    if not BATCH_ID.fullmatch(msg.batch_id):
+        raise errors.InvalidArgument(
+            f"batch_id {msg.batch_id!r:.80} must be 8 to 64 of A-Z a-z 0-9 _ -"
+        )
+    if len(msg.models) > MAX_MODEL_STATS or len(msg.installs) > MAX_INSTALLS:
+        raise errors.InvalidArgument(
+            f"a batch holds at most {MAX_MODEL_STATS} model stats and {MAX_INSTALLS} installs"
+        )
+    start = _when(msg.period_start, "period_start", now)
+    end = _when(msg.period_end, "period_end", now)
+    if end < start:
+        raise errors.InvalidArgument("period_end is before period_start")
+    return ReportBatch(
+        device_id=device_id,
+        batch_id=msg.batch_id,
+        received_at=now,
+        period_start=start,
+        period_end=end,
+        dropped_batches=_count(msg.dropped_batches, "dropped_batches"),
+        models=tuple(_stats(m, now) for m in msg.models),
+        installs=tuple(_install(i, now) for i in msg.installs),
+    )
+
+
+def install_pb(i: InstallRecord) -> device_pb2.InstallReport:
+    """Return a stored install outcome as its message."""
+    t = i.timings
+    return device_pb2.InstallReport(
+        at=timestamp(i.at),
+        model=i.model,
+        version=i.version,
+        variant=i.variant,
+        rollout=i.rollout,
+        result=i.result,
+        reason=i.reason,
+        config=i.config,
+        download_s=t.get("download_s", 0.0),
+        verify_s=t.get("verify_s", 0.0),
+        self_test_s=t.get("self_test_s", 0.0),
+        downloaded_bytes=t.get("downloaded_bytes", 0),
+        resumed_from=t.get("resumed_from", 0),
+        probes=[
+            device_pb2.ProbeReport(
+                config=p["config"],
+                accepted=p["accepted"],
+                p50_us=p["p50_us"],
+                cosine=p["cosine"] if p["cosine"] is not None else float("nan"),
+                error=p["error"],
+            )
+            for p in i.probes
+        ],
+    )
+
+
+def latency_pb(x: DeviceLatency) -> fleet_pb2.DeviceLatency:
+    """Return one model version's merged latency as its message."""
+    msg = fleet_pb2.DeviceLatency(
+        model=x.model,
+        version=x.version,
+        variant=x.variant,
+        config=x.config,
+        inferences=x.inferences,
+        errors=x.errors,
+        crashes=x.crashes,
+        since=timestamp(x.since),
+    )
+    for name, value in x.histogram.percentiles().items():
+        if value is not None:
+            setattr(msg, name, value)
+    return msg

@@ -1,0 +1,83 @@
+"""The telemetry store interface: the raw batches devices report, kept for rollups."""
+
+from __future__ import annotations
+
+import abc
+import datetime as dt
+from dataclasses import dataclass, field
+
+INSTALL_RESULTS = ("activated", "failed", "rolled_back")
+
+
+@dataclass(frozen=True)
+class ModelStatsRecord:
+    """One model version's serving stats on one backend config over a batch's period."""
+
+    model: str
+    version: int
+    variant: str
+    config: str
+    inferences: int
+    errors: int
+    pipeline_firings: int
+    latency: dict  # runtime.LatencyHistogram.to_dict()
+    crashes: tuple[dict, ...] = ()
+    fallbacks: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class InstallRecord:
+    """One install outcome: activated, failed (never activated) or rolled back."""
+
+    at: dt.datetime
+    model: str
+    version: int
+    variant: str
+    rollout: str
+    result: str  # one of INSTALL_RESULTS
+    reason: str = ""
+    config: str = ""
+    timings: dict = field(default_factory=dict)
+    probes: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReportBatch:
+    """A validated telemetry batch from one device."""
+
+    device_id: str
+    batch_id: str
+    received_at: dt.datetime
+    period_start: dt.datetime
+    period_end: dt.datetime
+    dropped_batches: int
+    models: tuple[ModelStatsRecord, ...]
+    installs: tuple[InstallRecord, ...]
+
+
+@dataclass(frozen=True)
+class StatsRow:
+    """A stored ModelStatsRecord with the period it covers."""
+
+    period_start: dt.datetime
+    period_end: dt.datetime
+    stats: ModelStatsRecord
+
+
+class TelemetryStore(abc.ABC):
+    """Where device telemetry is kept."""
+
+    @abc.abstractmethod
+    def add_report(self, batch: ReportBatch) -> bool:
+        """Store a batch and apply its install outcomes; False if it was stored before.
+
+        In one transaction: a batch id is applied once per device, whoever sends it twice.
+        """
+
+    @abc.abstractmethod
+    def recent_installs(self, device_id: str, *, limit: int) -> list[InstallRecord]:
+        """Return a device's latest install outcomes, newest first."""
+
+    @abc.abstractmethod
+    def device_stats(self, device_id: str, *, since: dt.datetime) -> list[StatsRow]:
+        """Return a device's model stats whose period ended after `since`, oldest first."""

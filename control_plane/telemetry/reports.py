@@ -1,0 +1,66 @@
+"""Device telemetry: store validated batches; summarise one device's recent reports.
+
+Batches are stored raw (per device, per batch, per model version and backend config),
+so fleet-wide rollups can merge them in any grouping later: latency histograms add
+bucket by bucket (runtime.LatencyHistogram).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from control_plane.store.telemetry import InstallRecord, ReportBatch, TelemetryStore
+from runtime.histogram import LatencyHistogram
+
+# `fleet show` merges a device's reports over this window.
+SUMMARY_WINDOW = dt.timedelta(hours=24)
+RECENT_INSTALLS = 10
+
+
+@dataclass(frozen=True)
+class DeviceLatency:
+    """One model version on one backend config of a device, over its recent reports."""
+
+    model: str
+    version: int
+    variant: str
+    config: str
+    inferences: int
+    errors: int
+    crashes: int
+    histogram: LatencyHistogram
+    since: dt.datetime
+
+
+class Telemetry:
+    """What devices report, and one device's summary of it."""
+
+    def __init__(self, store: TelemetryStore) -> None:
+        self._store = store
+
+    def report(self, batch: ReportBatch) -> bool:
+        """Store a batch; False when this device sent the same batch id before."""
+        return self._store.add_report(batch)
+
+    def recent_installs(self, device_id: str) -> list[InstallRecord]:
+        """Return the device's latest install outcomes, newest first."""
+        return self._store.recent_installs(device_id, limit=RECENT_INSTALLS)
+
+    def latency(self, device_id: str, *, now: dt.datetime | None = None) -> list[DeviceLatency]:
+        """Merge the device's stats of the last 24 hours per model version and config."""
+        since = (now or dt.datetime.now(dt.UTC)) - SUMMARY_WINDOW
+        merged: dict[tuple, list] = {}
+        for row in self._store.device_stats(device_id, since=since):
+            s = row.stats
+            key = (s.model, s.version, s.variant, s.config)
+            acc = merged.setdefault(key, [0, 0, 0, LatencyHistogram(), row.period_start])
+            acc[0] += s.inferences
+            acc[1] += s.errors
+            acc[2] += len(s.crashes)
+            acc[3].update(LatencyHistogram.from_dict(s.latency))
+            acc[4] = min(acc[4], row.period_start)
+        return [
+            DeviceLatency(*key, inferences, errors, crashes, histogram, first)
+            for key, (inferences, errors, crashes, histogram, first) in sorted(merged.items())
+        ]

@@ -1,0 +1,173 @@
+"""The agent's local API: `AgentService` on a Unix socket in the state directory.
+
+Apps on the device call it; nothing here crosses the network. The socket is created
+mode 0660 inside the agent's 0700 state directory: who may call is who may reach the
+socket (the agent's user, or its group once an operator opens the directory to it).
+Every request is checked before it reaches the runtime: a malformed tensor is an
+INVALID_ARGUMENT naming the problem, never a crash of the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from device_agent.serving import NotServing, Serving
+from device_agent.state import AgentError
+from protos import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger("skiff.agent")
+
+SOCKET_NAME = "agent.sock"
+# sockaddr_un.sun_path holds 108 bytes with its NUL.
+MAX_SOCKET_PATH = 107
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_TENSORS = 64
+MAX_RANK = 8
+DTYPES = frozenset(
+    {
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "bool",
+    }
+)
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class BadTensor(ValueError):
+    """A tensor in a request cannot be read as an array."""
+
+
+def socket_path(state_dir: Path) -> Path:
+    """Return the local API socket of a state directory (its length checked)."""
+    path = Path(os.path.abspath(state_dir)) / SOCKET_NAME
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise AgentError(
+            f"{path}: a Unix socket path must be at most {MAX_SOCKET_PATH} bytes; "
+            "use a shorter --state path"
+        )
+    return path
+
+
+def to_array(t: agent_pb2.Tensor) -> np.ndarray:
+    """Return a Tensor message as a numpy array; BadTensor names what is wrong."""
+    name = t.name or "(unnamed)"
+    if t.dtype not in DTYPES:
+        raise BadTensor(
+            f"tensor {name!r:.60}: dtype {t.dtype!r:.30} is not one of {sorted(DTYPES)}"
+        )
+    if len(t.shape) > MAX_RANK or any(d < 0 for d in t.shape):
+        raise BadTensor(f"tensor {name!r:.60}: shape {list(t.shape)[:10]} is not a valid shape")
+    dtype = np.dtype(t.dtype).newbyteorder("<")
+    count = 1
+    for d in t.shape:
+        count *= d
+    if count * dtype.itemsize != len(t.data):
+        raise BadTensor(
+            f"tensor {name!r:.60}: {len(t.data)} bytes do not hold shape {list(t.shape)} "
+            f"of {t.dtype} ({count * dtype.itemsize} bytes)"
+        )
+    return np.frombuffer(t.data, dtype=dtype).reshape(tuple(t.shape)).astype(t.dtype, copy=False)
+
+
+def to_tensor(name: str, array: np.ndarray) -> agent_pb2.Tensor:
+    """Return an array as a Tensor message (C order, little-endian)."""
+    array = np.asarray(array)
+    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return agent_pb2.Tensor(
+        name=name, dtype=array.dtype.name, shape=list(array.shape), data=little.tobytes()
+    )
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    """Infer and Status for apps on the device."""
+
+    def __init__(self, serving: Serving, status: Callable[[], agent_pb2.StatusResponse]) -> None:
+        self._serving, self._status = serving, status
+
+    async def Infer(self, request, context):  # noqa: D102, N802
+        from runtime import (
+            DeadlineExceeded,
+            InvalidInput,
+            ModelFailed,
+            RuntimeFailure,
+            WorkerCrashed,
+        )
+
+        if not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        if len(request.inputs) > MAX_TENSORS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_TENSORS} inputs")
+        inputs = {}
+        try:
+            for t in request.inputs:
+                if t.name in inputs:
+                    raise BadTensor(f"input {t.name!r:.60} is given twice")
+                inputs[t.name] = to_array(t)
+        except BadTensor as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            info, config, outputs, latency_ns = await asyncio.to_thread(
+                self._serving.infer, request.model, inputs
+            )
+        except NotServing as exc:
+            code = grpc.StatusCode.UNAVAILABLE if exc.loading else grpc.StatusCode.NOT_FOUND
+            await context.abort(code, str(exc))
+        except InvalidInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _line(exc))
+        except DeadlineExceeded as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _line(exc))
+        except (WorkerCrashed, ModelFailed) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _line(exc))
+        except RuntimeFailure as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, _line(exc))
+        return agent_pb2.InferResponse(
+            model=request.model,
+            version=info["version"],
+            variant=info["variant"],
+            config=config,
+            outputs=[to_tensor(k, v) for k, v in outputs.items()],
+            latency_us=latency_ns / 1000,
+        )
+
+    async def Status(self, request, context):  # noqa: D102, N802
+        return self._status()
+
+
+def _line(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0][:500]
+
+
+async def start_local_api(state_dir: Path, servicer: AgentServicer) -> tuple[grpc.aio.Server, Path]:
+    """Serve `servicer` on the state directory's socket (mode 0660); return server, path."""
+    path = socket_path(state_dir)
+    path.unlink(missing_ok=True)  # left by a killed agent; the state lock is ours
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+    old = os.umask(0o117)  # the socket is born 0660: never briefly open to others
+    try:
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o660)
+    log.info("local API on %s", path)
+    return server, path

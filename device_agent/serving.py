@@ -1,0 +1,207 @@
+"""The models this device serves: one hot-swappable slot per model, with its stats.
+
+Each installed model serves from a `runtime.ModelSlot`. A newly activated version is
+swapped in between requests (none fails because of an install). Every request is
+counted for telemetry (device_agent.telemetry.Collector). When the active version keeps
+failing at run time, its fallback chain exhausted (`ModelFailed`) or its worker crashing
+`ROLLBACK_CRASHES` times in a row, `on_failure(model, reason)` is called once; the agent
+answers by going back to the previous version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from device_agent.telemetry import Collector
+
+log = logging.getLogger("skiff.agent")
+
+ROLLBACK_CRASHES = 3
+
+
+class NotServing(Exception):
+    """The model is not installed here, or is still loading (`loading`)."""
+
+    def __init__(self, message: str, *, loading: bool = False) -> None:
+        super().__init__(message)
+        self.loading = loading
+
+
+@dataclass
+class _Served:
+    slot: object  # runtime.ModelSlot
+    # Runtime version string ("name:version") -> the install pointer slot it came from.
+    infos: dict[str, dict] = field(default_factory=dict)
+    crashes_in_row: int = 0
+    failing: bool = False
+    # id(runtime.Model) -> (crashes, fallbacks, idle deaths) already reported.
+    seen: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+
+class Serving:
+    """Serve installed models; thread-safe."""
+
+    def __init__(
+        self,
+        collector: Collector,
+        on_failure: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._collector = collector
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._served: dict[str, _Served] = {}
+        self._loading: set[str] = set()
+
+    # -- what serves ------------------------------------------------------------------------
+
+    def loading(self, name: str) -> None:
+        """Mark `name` as being loaded (requests get "loading" instead of "not installed")."""
+        with self._lock:
+            self._loading.add(name)
+
+    def put(self, name: str, info: dict, model) -> None:
+        """Serve `model` (a runtime.Model, now owned here) for `name` from now on."""
+        from runtime import ModelSlot
+
+        with self._lock:
+            served = self._served.get(name)
+            if served is None:
+                served = self._served[name] = _Served(ModelSlot())
+            self._loading.discard(name)
+            old = served.slot.model
+            served.infos[model.version] = info
+            served.crashes_in_row, served.failing = 0, False
+        if old is not None and old is not model:
+            self._take_events(name, served, old)
+        served.slot.swap(model)
+        log.info("%s v%d serving on %s", name, info["version"], info.get("config") or "?")
+
+    def drop(self, name: str) -> None:
+        """Stop serving `name` (in-flight requests finish first)."""
+        with self._lock:
+            served = self._served.pop(name, None)
+            self._loading.discard(name)
+        if served is not None:
+            if served.slot.model is not None:
+                self._take_events(name, served, served.slot.model)
+            served.slot.close()
+
+    def close(self) -> None:
+        """Stop serving everything."""
+        for name in list(self._served):
+            self.drop(name)
+
+    def serving(self, name: str) -> dict | None:
+        """Return the pointer slot of the version serving `name` now (None if none)."""
+        with self._lock:
+            served = self._served.get(name)
+        model = served.slot.model if served else None
+        return served.infos.get(model.version) if model is not None else None
+
+    def names(self) -> list[str]:
+        """Return the models being served."""
+        with self._lock:
+            return sorted(self._served)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def infer(
+        self, name: str, inputs: Mapping[str, np.ndarray]
+    ) -> tuple[dict, str, dict[str, np.ndarray], int]:
+        """Run `name`'s serving version; return its pointer slot, config, outputs, latency (ns).
+
+        Raises NotServing, or the runtime's errors (InvalidInput for bad inputs).
+        """
+        from runtime import InvalidInput, ModelFailed, RuntimeFailure, WorkerCrashed
+
+        with self._lock:
+            served = self._served.get(name)
+            loading = name in self._loading
+        if served is None or served.slot.model is None:
+            if loading:
+                raise NotServing(f"model {name} is loading: try again shortly", loading=True)
+            raise NotServing(f"model {name} is not installed on this device")
+        start = time.perf_counter_ns()
+        model = served.slot.model
+        try:
+            version, outputs = served.slot.run_versioned(inputs)
+        except InvalidInput:
+            raise  # the caller's inputs: not the version's fault, not counted
+        except RuntimeFailure as exc:
+            info = served.infos.get(model.version)
+            self._count(name, info, model, time.perf_counter_ns() - start, False)
+            reason = ""
+            with self._lock:
+                if isinstance(exc, WorkerCrashed):
+                    served.crashes_in_row += 1
+                    if served.crashes_in_row >= ROLLBACK_CRASHES:
+                        reason = f"worker crashed {served.crashes_in_row} times in a row: {exc}"
+                elif isinstance(exc, ModelFailed):
+                    reason = f"no backend config left: {exc}"
+                if reason and served.failing:
+                    reason = ""  # asked once already
+                if reason:
+                    served.failing = True
+            if reason and self._on_failure is not None:
+                self._on_failure(name, reason.splitlines()[0][:500])
+            raise
+        latency = time.perf_counter_ns() - start
+        with self._lock:
+            served.crashes_in_row = 0
+            info = served.infos[version]
+        answered = model if model.version == version else served.slot.model or model
+        config = self._count(name, info, answered, latency, True)
+        return info, config, outputs, latency
+
+    def _count(self, name: str, info: dict | None, model, ns: int, ok: bool) -> str:
+        """Count one request; return the backend config it ran on."""
+        if info is None:
+            return ""
+        config = model.config.key if model.config is not None else info.get("config", "")
+        self._collector.inference((name, info["version"], info["variant"], config), ns, ok)
+        return config
+
+    # -- telemetry ---------------------------------------------------------------------------
+
+    def collect_events(self) -> None:
+        """Hand the runtime's new crash and fallback events to the collector."""
+        with self._lock:
+            items = list(self._served.items())
+        for name, served in items:
+            model = served.slot.model
+            if model is not None:
+                self._take_events(name, served, model)
+
+    def _take_events(self, name: str, served: _Served, model) -> None:
+        info = served.infos.get(model.version)
+        if info is None:
+            return
+        crashes, fallbacks, idle = model.crashes, model.fallbacks, model.idle_deaths
+        with self._lock:
+            seen = served.seen.get(id(model), (0, 0, 0))
+            served.seen[id(model)] = (len(crashes), len(fallbacks), len(idle))
+        new_crashes = list(crashes[seen[0] :]) + list(idle[seen[2] :])
+        config = model.config.key if model.config is not None else info.get("config", "")
+        key = (name, info["version"], info["variant"], config)
+        self._collector.events(key, new_crashes, list(fallbacks[seen[1] :]))
+
+    def status(self) -> dict[str, dict]:
+        """Return, per served model, its version, config and runtime state."""
+        out = {}
+        with self._lock:
+            items = list(self._served.items())
+        for name, served in items:
+            model = served.slot.model
+            info = served.infos.get(model.version) if model is not None else None
+            out[name] = {
+                "version": info["version"] if info else 0,
+                "config": (model.config.key if model and model.config else ""),
+                "state": model.state if model is not None else "closed",
+            }
+        return out

@@ -1,0 +1,313 @@
+"""What the agent reports, and the queue that holds it while the control plane is away.
+
+`Outbox` is a SQLite file in the state directory (`telemetry.db`): each batch is a
+serialized `ReportRequest` with its own batch id, kept until the control plane has
+acknowledged it. The queue is bounded by size and by age; when either bound is hit the
+oldest batches go first and are counted, and the next batch sent carries that count
+(`dropped_batches`). A batch sent twice (its reply lost) is applied once by the server.
+
+`Collector` gathers serving stats between reports: per model version and backend config,
+a mergeable latency histogram, inference and error counts, the worker crashes and
+backend fallbacks the runtime recorded, and pipeline firings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from protos import device_pb2
+from runtime.histogram import LatencyHistogram
+
+log = logging.getLogger("skiff.agent")
+
+MAX_QUEUE_BYTES = 4 << 20
+MAX_QUEUE_AGE_S = 7 * 24 * 3600.0
+MAX_TEXT = 1000  # what the control plane accepts for a reason or error line
+MAX_EVENTS = 64
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    batch_id TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    body BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+
+def new_batch_id() -> str:
+    """Return a fresh batch id: random, so two agents never collide."""
+    return "b" + secrets.token_hex(12)
+
+
+def timestamp(value: float | dt.datetime) -> Timestamp:
+    """Return a protobuf timestamp for a Unix time or an aware datetime."""
+    ts = Timestamp()
+    if isinstance(value, dt.datetime):
+        ts.FromDatetime(value)
+    else:
+        ts.FromNanoseconds(int(value * 1e9))
+    return ts
+
+
+def clip(text: str) -> str:
+    """Return `text` cut to what a report may carry."""
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
+
+
+class Outbox:
+    """A bounded, durable queue of report batches. Thread-safe."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_bytes: int = MAX_QUEUE_BYTES,
+        max_age_s: float = MAX_QUEUE_AGE_S,
+    ) -> None:
+        self.path, self.max_bytes, self.max_age_s = path, max_bytes, max_age_s
+        self._lock = threading.Lock()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise OSError(f"{path}: {exc}") from None
+
+    def close(self) -> None:
+        """Close the database file."""
+        with self._lock:
+            self._db.close()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def put(self, batch: device_pb2.ReportRequest, *, now: float | None = None) -> None:
+        """Queue a batch; drop the oldest ones if the queue is over its bounds."""
+        now = time.time() if now is None else now
+        body = batch.SerializeToString()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO batches (batch_id, created_at, body) VALUES (?, ?, ?)",
+                (batch.batch_id, now, body),
+            )
+            self._enforce(db, now)
+
+    def _enforce(self, db: sqlite3.Connection, now: float) -> None:
+        dropped = db.execute(
+            "DELETE FROM batches WHERE created_at < ?", (now - self.max_age_s,)
+        ).rowcount
+        total = db.execute("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM batches").fetchone()[0]
+        if total > self.max_bytes:
+            rows = db.execute("SELECT seq, LENGTH(body) FROM batches ORDER BY seq").fetchall()
+            cut = []
+            for seq, size in rows[:-1]:  # the newest batch always stays
+                if total <= self.max_bytes:
+                    break
+                cut.append(seq)
+                total -= size
+            db.executemany("DELETE FROM batches WHERE seq = ?", [(s,) for s in cut])
+            dropped += len(cut)
+        if dropped:
+            log.warning("telemetry queue full or stale: dropped the %d oldest batches", dropped)
+            db.execute(
+                "INSERT INTO counters VALUES ('dropped', ?) "
+                "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+                (dropped,),
+            )
+
+    def pending(self, limit: int = 100) -> list[device_pb2.ReportRequest]:
+        """Return the oldest queued batches, the first carrying the dropped count."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT body FROM batches ORDER BY seq LIMIT ?", (limit,)
+            ).fetchall()
+            dropped = self._dropped()
+        out = []
+        for (body,) in rows:
+            batch = device_pb2.ReportRequest()
+            batch.ParseFromString(body)
+            out.append(batch)
+        if out:
+            out[0].dropped_batches = dropped
+        return out
+
+    def _dropped(self) -> int:
+        row = self._db.execute("SELECT value FROM counters WHERE name = 'dropped'").fetchone()
+        return row[0] if row else 0
+
+    @property
+    def dropped(self) -> int:
+        """Return how many batches were dropped and not yet reported as dropped."""
+        with self._lock:
+            return self._dropped()
+
+    def ack(self, batch: device_pb2.ReportRequest) -> None:
+        """Forget a batch the control plane acknowledged (and the drops it reported)."""
+        with self._tx() as db:
+            db.execute("DELETE FROM batches WHERE batch_id = ?", (batch.batch_id,))
+            if batch.dropped_batches:
+                db.execute(
+                    "UPDATE counters SET value = MAX(0, value - ?) WHERE name = 'dropped'",
+                    (batch.dropped_batches,),
+                )
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
+
+
+@dataclass
+class _Stats:
+    histogram: LatencyHistogram = field(default_factory=LatencyHistogram)
+    inferences: int = 0
+    errors: int = 0
+    pipeline_firings: int = 0
+    crashes: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)
+
+
+class Collector:
+    """Serving stats since the last report, per (model, version, variant, config)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: dict[tuple[str, int, str, str], _Stats] = {}
+        self._since = time.time()
+        self._totals: dict[str, list[int]] = {}
+
+    def totals(self) -> dict[str, tuple[int, int]]:
+        """Return (inferences, errors) per model since the agent started."""
+        with self._lock:
+            return {name: (t[0], t[1]) for name, t in self._totals.items()}
+
+    def _entry(self, key: tuple[str, int, str, str]) -> _Stats:
+        entry = self._stats.get(key)
+        if entry is None:
+            entry = self._stats[key] = _Stats()
+        return entry
+
+    def inference(self, key: tuple[str, int, str, str], latency_ns: int, ok: bool) -> None:
+        """Count one request (its latency only when it succeeded)."""
+        with self._lock:
+            entry = self._entry(key)
+            entry.inferences += 1
+            total = self._totals.setdefault(key[0], [0, 0])
+            total[0] += 1
+            if ok:
+                entry.histogram.record_ns(latency_ns)
+            else:
+                entry.errors += 1
+                total[1] += 1
+
+    def firings(self, key: tuple[str, int, str, str], n: int) -> None:
+        """Count pipeline firings that ran the model."""
+        with self._lock:
+            self._entry(key).pipeline_firings += n
+
+    def events(self, key: tuple[str, int, str, str], crashes: list, fallbacks: list) -> None:
+        """Add runtime crash and fallback events (runtime.CrashEvent / FallbackEvent)."""
+        if not crashes and not fallbacks:
+            return
+        with self._lock:
+            entry = self._entry(key)
+            entry.crashes.extend(crashes)
+            entry.fallbacks.extend(fallbacks)
+
+    def cut(self) -> device_pb2.ReportRequest | None:
+        """Return the stats since the last cut as a batch (None if nothing happened)."""
+        now = time.time()
+        with self._lock:
+            stats, self._stats = self._stats, {}
+            since, self._since = self._since, now
+        if not stats:
+            return None
+        batch = device_pb2.ReportRequest(
+            batch_id=new_batch_id(), period_start=timestamp(since), period_end=timestamp(now)
+        )
+        for (model, version, variant, config), s in sorted(stats.items()):
+            batch.models.append(
+                device_pb2.ModelStats(
+                    model=model,
+                    version=version,
+                    variant=variant,
+                    config=config,
+                    latency=histogram_pb(s.histogram),
+                    inferences=s.inferences,
+                    errors=s.errors,
+                    pipeline_firings=s.pipeline_firings,
+                    crashes=[_crash_pb(c) for c in s.crashes[-MAX_EVENTS:]],
+                    fallbacks=[_fallback_pb(f) for f in s.fallbacks[-MAX_EVENTS:]],
+                )
+            )
+        return batch
+
+
+def histogram_pb(h: LatencyHistogram) -> device_pb2.LatencyHistogram:
+    """Return a histogram as its message."""
+    body = h.to_dict()
+    msg = device_pb2.LatencyHistogram(
+        scheme=body["scheme"],
+        count=body["count"],
+        sum_ns=body["sum_ns"],
+        bucket_index=[i for i, _ in body["buckets"]],
+        bucket_count=[n for _, n in body["buckets"]],
+    )
+    if body["min_ns"] is not None:
+        msg.min_ns, msg.max_ns = body["min_ns"], body["max_ns"]
+    return msg
+
+
+def _crash_pb(c) -> device_pb2.CrashReport:
+    return device_pb2.CrashReport(
+        at=timestamp(c.time),
+        config=c.config.key,
+        reason=c.reason,
+        signal=c.signal or "",
+        idle=c.idle,
+    )
+
+
+def _fallback_pb(f) -> device_pb2.FallbackReport:
+    return device_pb2.FallbackReport(
+        at=timestamp(f.time),
+        from_config=f.from_config.key,
+        to_config=f.to_config.key if f.to_config else "",
+        reason=clip(f.reason),
+    )
+
+
+def install_batch(reports: list[device_pb2.InstallReport]) -> device_pb2.ReportRequest:
+    """Return a batch carrying install outcomes only (queued as soon as they happen)."""
+    now = time.time()
+    return device_pb2.ReportRequest(
+        batch_id=new_batch_id(),
+        period_start=timestamp(now),
+        period_end=timestamp(now),
+        installs=reports,
+    )
