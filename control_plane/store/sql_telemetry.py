@@ -33,7 +33,7 @@ class SqlTelemetryStore(TelemetryStore):
                 # Claim the batch id first: a concurrent copy of the same batch waits on
                 # this row and then finds it taken (nothing else of it is written).
                 claimed = session.execute(
-                    dialect.insert(orm.TelemetryBatchRow)
+                    dialect.insert(orm.TelemetryBatchRow.__table__)
                     .values(
                         device_id=batch.device_id,
                         batch_id=batch.batch_id,
@@ -43,8 +43,9 @@ class SqlTelemetryStore(TelemetryStore):
                         dropped_batches=batch.dropped_batches,
                     )
                     .on_conflict_do_nothing(index_elements=["device_id", "batch_id"])
-                )
-                if claimed.rowcount == 0:
+                    .returning(orm.TelemetryBatchRow.__table__.c.batch_id)
+                ).first()
+                if claimed is None:
                     return False
                 session.add_all(_stats_row(batch, s) for s in batch.models)
                 session.add_all(_install_row(batch, i) for i in batch.installs)

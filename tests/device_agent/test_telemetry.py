@@ -1,0 +1,208 @@
+"""Telemetry: the Report RPC refuses what does not fit, and the agent's queue survives outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from device_agent.connection import DeviceCallError, DeviceConnection
+from device_agent.telemetry import Outbox, install_batch, new_batch_id, timestamp
+from protos import device_pb2
+from runtime.histogram import LatencyHistogram
+from tests.control_plane.sim.conftest import restart
+from tests.device_agent.conftest import MODEL
+from tests.device_agent.test_agent import agent, rollout, run_agent_cli, token
+from tests.device_agent.test_serving import fleet_show, infer
+
+
+def report(**kw) -> device_pb2.ReportRequest:
+    now = time.time()
+    h = LatencyHistogram()
+    h.record_ns(250_000)
+    stats = device_pb2.ModelStats(
+        model=MODEL, version=1, variant="fp32", config="CPU/normal/t1/mem-normal", inferences=1
+    )
+    body = h.to_dict()
+    stats.latency.scheme, stats.latency.count, stats.latency.sum_ns = (
+        body["scheme"],
+        body["count"],
+        body["sum_ns"],
+    )
+    stats.latency.min_ns, stats.latency.max_ns = body["min_ns"], body["max_ns"]
+    stats.latency.bucket_index.extend(i for i, _ in body["buckets"])
+    stats.latency.bucket_count.extend(n for _, n in body["buckets"])
+    msg = device_pb2.ReportRequest(
+        batch_id=new_batch_id(),
+        period_start=timestamp(now - 60),
+        period_end=timestamp(now),
+        models=[stats],
+    )
+    for key, value in kw.items():
+        setattr(msg, key, value) if not callable(value) else value(msg)
+    return msg
+
+
+def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path):
+    async def main():
+        async with agent(cp, tmp_path / "s", enroll_token=token(cp)) as a:
+            conn: DeviceConnection = a._conn
+            good = report()
+            assert (await conn.report(good)).duplicate is False
+            assert (await conn.report(good)).duplicate is True
+
+            def bad_scheme(m):
+                m.models[0].latency.scheme = "linear"
+
+            def uneven(m):
+                m.models[0].latency.bucket_count.append(1)
+
+            def miscounted(m):
+                m.models[0].latency.count = 7
+
+            def future(m):
+                m.period_end.FromSeconds(int(time.time()) + 86400 * 30)
+
+            def bad_result(m):
+                m.installs.append(
+                    device_pb2.InstallReport(
+                        at=timestamp(time.time()),
+                        model=MODEL,
+                        version=1,
+                        variant="fp32",
+                        result="exploded",
+                    )
+                )
+
+            def nul(m):
+                m.installs.append(
+                    device_pb2.InstallReport(
+                        at=timestamp(time.time()),
+                        model=MODEL,
+                        version=1,
+                        variant="fp32",
+                        result="failed",
+                        reason="a\x00b",
+                    )
+                )
+
+            def negative(m):
+                m.installs.append(
+                    device_pb2.InstallReport(
+                        at=timestamp(time.time()),
+                        model=MODEL,
+                        version=1,
+                        variant="fp32",
+                        result="activated",
+                        download_s=float("nan"),
+                    )
+                )
+
+            def many(m):
+                m.models.extend([m.models[0]] * 300)
+
+            cases = {
+                "must be 8 to 64": lambda m: setattr(m, "batch_id", "x"),
+                "is not 'log2": bad_scheme,
+                "differ in length": uneven,
+                "do not add up": miscounted,
+                "is in the future": future,
+                "is not one of activated": bad_result,
+                "NUL": nul,
+                "finite number": negative,
+                "at most 256": many,
+                "invalid model name": lambda m: setattr(m.models[0], "model", "../x"),
+            }
+            for expected, mutate in cases.items():
+                msg = report()
+                mutate(msg)
+                with pytest.raises(DeviceCallError) as info:
+                    await conn.report(msg)
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, expected
+                assert expected in info.value.message, (expected, info.value.message)
+            anonymous = DeviceConnection(a._channel, "")
+            with pytest.raises(DeviceCallError) as info:
+                await anonymous.report(report())
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+            return a.identity.device_id
+
+    device = asyncio.run(main())
+    shown = fleet_show(cp, device)
+    assert [x["inferences"] for x in shown["latency"]] == [1]  # the good batch, once
+
+
+def test_the_outbox_is_bounded_drops_oldest_first_and_counts_them(tmp_path):
+    path = tmp_path / "telemetry.db"
+    box = Outbox(path, max_bytes=2000, max_age_s=3600)
+    sent = []
+    for i in range(10):
+        b = install_batch([device_pb2.InstallReport(model=MODEL, version=i + 1, reason="x" * 300)])
+        box.put(b, now=1000.0 + i)
+        sent.append(b.batch_id)
+    kept = [b.batch_id for b in box.pending()]
+    assert kept == sent[-len(kept) :] and 3 <= len(kept) < 10
+    assert box.pending()[0].dropped_batches == 10 - len(kept) == box.dropped
+    box.close()
+    box = Outbox(path, max_bytes=2000, max_age_s=3600)  # survives a restart
+    assert [b.batch_id for b in box.pending()] == kept
+    first = box.pending()[0]
+    box.ack(first)
+    assert box.dropped == 0 and len(box) == len(kept) - 1
+    # Too old: dropped at the next put, and counted.
+    box.put(install_batch([]), now=1000.0 + 7200)
+    assert len(box) == 1 and box.dropped == len(kept) - 1
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_damaged_queue_file_is_named_in_one_line(cp, tmp_path):
+    state = tmp_path / "s"
+    first = run_agent_cli(cp, state, "--enroll-token", token(cp))
+    assert first.returncode == 0, first.stderr
+    (state / "telemetry.db").unlink()
+    for suffix in ("-wal", "-shm"):
+        (state / f"telemetry.db{suffix}").unlink(missing_ok=True)
+    (state / "telemetry.db").write_bytes(b"this is not sqlite" * 100)
+    done = run_agent_cli(cp, state)
+    assert done.returncode == 7 and done.stderr.count("\n") == 1, done.stderr
+    assert "telemetry.db" in done.stderr
+
+
+def test_reports_wait_out_a_control_plane_outage_then_land_once(cp, tmp_path):
+    """The control plane goes away: the agent keeps serving and queueing, then catches up."""
+    state = tmp_path / "s"
+    holder = {"cp": cp}
+    rollout(cp, 1)
+
+    async def main():
+        async with agent(cp, state, enroll_token=token(cp), serve=True, report_interval_s=0.5) as a:
+            stop = asyncio.Event()
+            runner = asyncio.create_task(a.run(stop))
+            try:
+                while (a.serving.serving(MODEL) or {}).get("version") != 1:
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.5)  # the install report goes out
+                holder["cp"].stop()
+                for _ in range(20):
+                    assert (await asyncio.to_thread(infer, state)).version == 1
+                await asyncio.sleep(2)  # a few report intervals with nowhere to go
+                assert len(a.outbox) >= 1 and not a.reachable
+                holder["cp"] = await asyncio.to_thread(restart, holder["cp"])
+                deadline = time.monotonic() + 60
+                while len(a.outbox):
+                    assert time.monotonic() < deadline, "the queue never drained"
+                    await asyncio.sleep(0.2)
+            finally:
+                stop.set()
+                await runner
+            return a.identity.device_id
+
+    try:
+        device = asyncio.run(main())
+        shown = fleet_show(holder["cp"], device)
+    finally:
+        if holder["cp"] is not cp:
+            holder["cp"].stop()
+    assert sum(x["inferences"] for x in shown["latency"]) == 20
+    assert [i["result"] for i in shown["recent_installs"]] == ["activated"]
