@@ -172,10 +172,14 @@ class StateDir:
         self._lock_fd: int | None = None
 
     def create(self) -> None:
-        """Make the directory tree (0700), fixing the mode of an existing top directory."""
+        """Make the directory tree (0700), fixing the mode of an existing top directory.
+
+        Group traversal (0710), if an operator granted it so that the agent's group can
+        reach the local API socket, is kept; every other permission is taken away.
+        """
         for d in (self.path, self.artifacts, self.models):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path, 0o700)
+        os.chmod(self.path, 0o700 | (self.path.stat().st_mode & 0o010))
 
     # -- one agent at a time ----------------------------------------------------------------
 

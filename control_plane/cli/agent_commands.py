@@ -25,6 +25,15 @@ EXIT_NOT_CONVERGED = 9
 MAX_INFER_BYTES = 60 << 20
 
 
+# The environment `skiff agent run` reads beyond the SKIFF_* settings (SKIFF_CA is one):
+# infra/systemd/skiff-agent.env.example lists each.
+AGENT_ENV = {
+    "SKIFF_AGENT_SERVER": "--server",
+    "SKIFF_ENROLL_TOKEN": "--enroll-token",
+    "SKIFF_REPORT_INTERVAL_S": "--report-interval",
+}
+
+
 class NotConverged(errors.SkiffError):
     """The device synced but does not run its desired state."""
 
@@ -36,7 +45,12 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
 
     p = asub.add_parser("run", help="run the agent (until SIGTERM, or once with --once)")
     p.set_defaults(home=None, json=False)
-    p.add_argument("--server", required=True, metavar="HOST:PORT", help="control plane")
+    p.add_argument(
+        "--server",
+        default=os.environ.get("SKIFF_AGENT_SERVER", ""),
+        metavar="HOST:PORT",
+        help="control plane (SKIFF_AGENT_SERVER); required",
+    )
     p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
     p.add_argument(
         "--enroll-token",
@@ -143,6 +157,8 @@ def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
     from device_agent.agent import Agent
     from device_agent.state import StateDir
 
+    if not args.server:
+        raise errors.InvalidArgument("--server HOST:PORT (or SKIFF_AGENT_SERVER) is required")
     _configure_logging(args.json_log)
     attributes = None if args.attr is None else parse_attr_flags(args.attr)
     agent = Agent(

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from control_plane.cli.agent_commands import AGENT_ENV
 from control_plane.cli.main import build_parser
 from control_plane.settings import SETTINGS
 
@@ -44,11 +45,11 @@ class Problem:
 
 
 def check_env_names(text: str, where: str) -> list[Problem]:
-    """Report every SKIFF_* name in `text` that is not the env of a declared Setting."""
+    """Report every SKIFF_* name in `text` that is neither a Setting's nor the agent's."""
     problems = []
     for number, line in enumerate(text.splitlines(), 1):
         for name in _SKIFF_NAME.findall(line):
-            if name not in SETTINGS_BY_ENV:
+            if name not in SETTINGS_BY_ENV and name not in AGENT_ENV:
                 problems.append(Problem(f"{where}:{number}", f"{name} is not a Skiff setting"))
     return problems
 

@@ -61,6 +61,32 @@ def check_unit(text: str, where: str) -> list[Problem]:
     return problems
 
 
+_AGENT_REQUIRED = {**_UNIT_REQUIRED, "User": "skiff-agent"}
+
+
+def check_agent_unit(text: str, where: str) -> list[Problem]:
+    """Check the agent unit: its command parses, runs the agent, and hardening is on."""
+    entries = parse_unit(text).get("Service", [])
+    service = dict(entries)
+    argvs = [shlex.split(v.lstrip("-@:+!|")) for k, v in entries if k.startswith("Exec")]
+    problems = check_commands(argvs, where)
+    for key, want in _AGENT_REQUIRED.items():
+        have = service.get(key)
+        if ("yes" if str(have).lower() in _TRUE else have) != want:
+            problems.append(Problem(where, f"{key}={have}; want {want}"))
+    agents = [a for argv in argvs for a in runs(argv, "agent")]
+    if not agents:
+        problems.append(Problem(where, "no Exec line runs `skiff agent run`"))
+    writable = service.get("ReadWritePaths", "").split()
+    for argv in agents:
+        state = argv[argv.index("--state") + 1] if "--state" in argv else None
+        if state is None:
+            problems.append(Problem(where, "`skiff agent run` without --state"))
+        elif not any(PurePosixPath(state).is_relative_to(p) for p in writable):
+            problems.append(Problem(where, f"state {state} is not in ReadWritePaths {writable}"))
+    return problems
+
+
 def env_file_entries(text: str) -> dict[str, str]:
     """Return the VAR=value lines of an env file, commented-out examples included."""
     return {m[1]: m[2] for line in text.splitlines() if (m := _ENV_LINE.match(line.strip()))}

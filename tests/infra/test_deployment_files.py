@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from control_plane.cli.agent_commands import AGENT_ENV
 from control_plane.settings import SETTINGS
 from tests.infra._commands import (
     check_env_names,
@@ -28,7 +29,7 @@ from tests.infra._commands import (
 )
 from tests.infra._compose import check_compose, dockerfile_argv
 from tests.infra._kubernetes import check_kubernetes
-from tests.infra._unit import check_unit, env_file_entries, readme_argvs
+from tests.infra._unit import check_agent_unit, check_unit, env_file_entries, readme_argvs
 
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
@@ -36,6 +37,8 @@ COMPOSE_FILE = INFRA / "compose" / "compose.yaml"
 K8S_DIR = INFRA / "k8s"
 UNIT_FILE = INFRA / "systemd" / "skiff-server.service"
 ENV_EXAMPLE = INFRA / "systemd" / "skiff.env.example"
+AGENT_UNIT = INFRA / "systemd" / "skiff-agent.service"
+AGENT_ENV_EXAMPLE = INFRA / "systemd" / "skiff-agent.env.example"
 IMAGE_ARGV = dockerfile_argv((INFRA / "Dockerfile").read_text())
 
 
@@ -164,10 +167,26 @@ def test_systemd_unit():
     _fail_on(check_unit(UNIT_FILE.read_text(), "skiff-server.service"))
 
 
+def test_agent_systemd_unit_and_env_example():
+    _fail_on(check_agent_unit(AGENT_UNIT.read_text(), "skiff-agent.service"))
+    entries = env_file_entries(AGENT_ENV_EXAMPLE.read_text())
+    missing = (set(AGENT_ENV) | {"SKIFF_CA"}) - set(entries)
+    assert not missing, f"skiff-agent.env.example does not mention {sorted(missing)}"
+    settings = {k: v for k, v in entries.items() if k not in AGENT_ENV}
+    _fail_on(check_env_values(settings, "skiff-agent.env.example"))
+
+
+def test_the_agent_checker_catches_a_broken_unit():
+    text = AGENT_UNIT.read_text().replace("LimitCORE=0\n", "").replace("agent run", "agent go")
+    found = str(check_agent_unit(text, "u"))
+    assert "LimitCORE=None" in found and "agent go" in found
+
+
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is missing")
-def test_systemd_unit_as_systemd_reads_it():
+@pytest.mark.parametrize("unit", [UNIT_FILE, AGENT_UNIT], ids=lambda p: p.name)
+def test_systemd_unit_as_systemd_reads_it(unit):
     out = subprocess.run(
-        ["systemd-analyze", "verify", str(UNIT_FILE)], capture_output=True, text=True, timeout=60
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
     )
     # The unit names /opt/skiff/bin/skiff, which this machine need not have; anything
     # else (an unknown key or section, a value systemd cannot parse) is a mistake.
