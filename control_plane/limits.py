@@ -13,6 +13,13 @@ import re
 
 from control_plane import errors
 
+# What a model name, a variant name and a version number may be anywhere they arrive
+# from outside (pushes, rollouts, device reports); a model name also names files on
+# devices. Versions are int32 columns.
+MODEL_NAME = re.compile(r"[a-z0-9_-]{1,64}")
+VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
+MAX_VERSION = 2**31 - 1
+
 # Characters, not bytes: UTF-8 takes at most 4 bytes a character, so 4096 characters of
 # notes are at most 16 KiB, and a full page of versions stays well under 8 MiB.
 MAX_NOTES = 4096

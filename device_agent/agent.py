@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from control_plane.api.fleet_convert import attributes_pb
+from control_plane.fleet.wire import attributes_pb
 from device_agent.assignment import AssignmentRejected, new_nonce, verify_sync
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s, open_channel
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError

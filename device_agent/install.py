@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from control_plane.crypto import decrypt_stream
-from control_plane.registry.requests import MODEL_NAME  # a network name becomes a path
+from control_plane.limits import MODEL_NAME  # a network name becomes a path
 from device_agent.assignment import GoldenArtifact, VerifiedModel
 from device_agent.connection import DeviceConnection
 from device_agent.state import (

@@ -27,9 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-import boto3
-import botocore.config
-import botocore.exceptions
 import tink
 from tink import aead, cleartext_keyset_handle
 from tink.proto import tink_pb2
@@ -47,9 +44,31 @@ _CHECK_CONTEXT = "skiff/kek-check"
 
 # Short timeouts and few retries: a publish waits on this call, and an unreachable KMS
 # should surface as Unavailable within seconds, not after botocore's 60 s defaults.
-_KMS_CONFIG = botocore.config.Config(
-    connect_timeout=2, read_timeout=5, retries={"max_attempts": 2, "mode": "standard"}
-)
+# (boto3 loads only when a KMS key is used: ~30 MB the agent and most CLI calls never need.)
+_KMS_CONFIG = {
+    "connect_timeout": 2,
+    "read_timeout": 5,
+    "retries": {"max_attempts": 2, "mode": "standard"},
+}
+
+
+def kms_client(endpoint_url: str | None, region: str | None, *, what: str = "KMS KEK"):
+    """Return a boto3 KMS client with Skiff's timeouts (InvalidArgument without a region)."""
+    import boto3
+    import botocore.config
+    import botocore.exceptions
+
+    try:
+        return boto3.client(
+            "kms",
+            endpoint_url=endpoint_url,
+            region_name=region,
+            config=botocore.config.Config(**_KMS_CONFIG),
+        )
+    except botocore.exceptions.NoRegionError:
+        raise errors.InvalidArgument(f"no AWS region configured for the {what}") from None
+
+
 # KMS error codes sorted once into domain errors; anything else propagates unchanged.
 _KMS_ERRORS: Mapping[str, type[errors.SkiffError]] = {
     "InvalidCiphertextException": errors.IntegrityError,
@@ -298,12 +317,7 @@ class AwsKmsKek(KeyEncryptionKey):
         # An ARN names its region; use it so that one URL is enough.
         if region is None and key_id.startswith("arn:"):
             region = key_id.split(":")[3] or None
-        try:
-            self._kms = boto3.client(
-                "kms", endpoint_url=endpoint_url, region_name=region, config=_KMS_CONFIG
-            )
-        except botocore.exceptions.NoRegionError:
-            raise errors.InvalidArgument("no AWS region configured for the KMS KEK") from None
+        self._kms = kms_client(endpoint_url, region)
 
     @property
     def kek_id(self) -> str:
@@ -357,6 +371,8 @@ def call_kms(kms, operation: str, *, subject: str, integrity: str, **kwargs: obj
     caller's token was fine, the server's KMS access is not.
     botocore's body dumps are hidden for the duration (they carry plaintext data keys).
     """
+    import botocore.exceptions  # loaded already: `kms` is a botocore client
+
     token = _in_kms_call.set(True)
     try:
         return getattr(kms, operation)(**kwargs)

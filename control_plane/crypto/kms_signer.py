@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import hashlib
 
-import boto3
-import botocore.exceptions
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from control_plane import errors
-from control_plane.crypto.kek import _KMS_CONFIG, call_kms  # one KMS client policy
+from control_plane.crypto.kek import call_kms, kms_client  # one KMS client policy
 from control_plane.crypto.signing import Signer
 from device_agent.assignment import key_id_of, signature_valid
 
@@ -47,15 +45,7 @@ class KmsSigner(Signer):
         self._kms_key = key_id
         if not region and key_id.startswith("arn:"):
             region = key_id.split(":")[3]  # an ARN names its region
-        try:
-            self._kms = boto3.client(
-                "kms",
-                endpoint_url=endpoint_url or None,
-                region_name=region or None,
-                config=_KMS_CONFIG,
-            )
-        except botocore.exceptions.NoRegionError:
-            raise errors.InvalidArgument("no AWS region configured for the KMS key") from None
+        self._kms = kms_client(endpoint_url or None, region or None, what="KMS key")
         self._public_key = self._checked_public_key()
         self._key_id = key_id_of(self._public_key)
 

@@ -7,20 +7,19 @@ rule it broke.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from control_plane import errors
-from control_plane.limits import MAX_NOTES, check_text
+from control_plane.limits import (  # noqa: F401 - re-exported: the names' old home
+    MAX_NOTES,
+    MAX_VERSION,
+    MODEL_NAME,
+    VARIANT_NAME,
+    check_text,
+)
 from control_plane.registry import memfd, mnn_tools
 from control_plane.registry.golden import GoldenRequest
-
-MODEL_NAME = re.compile(r"[a-z0-9_-]{1,64}")
-# What a variant name and a version number may be anywhere they arrive from outside
-# (rollouts, device reports): versions are int32 columns.
-VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
-MAX_VERSION = 2**31 - 1
 
 
 @dataclass(frozen=True)

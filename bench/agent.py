@@ -1,0 +1,249 @@
+"""The device agent: promote-to-serving time, idle cost, local API overhead.
+
+One control plane (embedded default) and one real agent process (`skiff agent run`) on
+this machine. Reported:
+
+* `promote_to_serving_vs_raw`: from creating the rollout of v2 (a model of `--mb` MB) to
+  the agent's local API answering with v2 (download, digest check, decrypt, self-test
+  against golden data with backend probing, atomic activation, hot swap), divided by
+  the raw time to copy the same ciphertext on this disk and decrypt it in memory
+  (what any installer must do at least), measured in the same run. Aim: <= 3.
+* `idle_cpu_percent`: the agent's CPU over `--idle` seconds with its Watch stream open
+  and nothing to do (utime + stime from /proc). Aim: < 0.5.
+* `idle_rss_mb`: its resident memory then, no model loaded. Aim: <= 80.
+* `local_api_overhead_us`: median `Infer` latency through the Unix-socket API (a gRPC
+  client in this process) minus the median in-process `runtime.Model.run` on the same
+  (small) model: the price of the socket, protobuf and the worker process.
+* `pipeline_events_per_s` is not measured: event pipelines are not built yet.
+
+    python bench/agent.py            # 100 MB model, 60 s idle
+    python bench/agent.py --quick    # 10 MB model, 10 s idle; under a minute
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+from propagation import CLI, start_servers, stop_servers  # noqa: E402
+
+from control_plane.api.client import AdminClient  # noqa: E402
+from control_plane.api.transport import client_tls  # noqa: E402
+from control_plane.demo import sample_models  # noqa: E402
+from control_plane.home import read_token  # noqa: E402
+from control_plane.settings import load_config  # noqa: E402
+from device_agent.identity import DeviceKeyPair  # noqa: E402
+from device_agent.install import decrypt_artifact  # noqa: E402
+from device_agent.local_api import socket_path, to_tensor  # noqa: E402
+from device_agent.state import StateDir  # noqa: E402
+from protos import agent_pb2, agent_pb2_grpc, fleet_pb2  # noqa: E402
+
+BIG, SMALL = "big", "small"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+
+
+def push(client: AdminClient, tmp: Path, name: str, seed: int, size: int) -> None:
+    path = tmp / f"{name}-{seed}.onnx"
+    with open(path, "wb") as f:
+        if size:
+            sample_models.write_sized_mlp_onnx(f.fileno(), size, seed=seed)
+        else:
+            f.write(sample_models.tiny_mlp_onnx(seed=seed))
+    client.push(path, name=name)
+    path.unlink()
+
+
+def wait_serving(stub, name: str, x: np.ndarray, version: int, timeout: float = 600) -> float:
+    """Poll Infer until `version` answers; return when it did (monotonic)."""
+    deadline = time.monotonic() + timeout
+    request = agent_pb2.InferRequest(model=name, inputs=[to_tensor("x", x)])
+    while time.monotonic() < deadline:
+        try:
+            if stub.Infer(request, timeout=30).version == version:
+                return time.monotonic()
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+        time.sleep(0.02)
+    raise RuntimeError(f"{name} v{version} never served")
+
+
+def raw_copy_and_decrypt(state: Path, name: str, scratch: Path) -> float:
+    """Copy the installed ciphertext on this disk and decrypt it in memory; return seconds."""
+    s = StateDir(state)
+    identity = s.load_identity()
+    slot = json.loads((s.models / f"{name}.json").read_text())["active"]
+    keys = DeviceKeyPair.from_private(identity.private_keyset)
+    key = keys.unwrap(
+        base64.b64decode(slot["wrapped_data_key"]),
+        device_id=identity.device_id,
+        version_uid=slot["uid"],
+    )
+    source = s.artifacts / slot["artifact"]
+    best = float("inf")
+    for _ in range(3):
+        copy = scratch / "copy"
+        start = time.perf_counter()
+        shutil.copyfile(source, copy)
+        with open(copy, "rb+") as f:
+            os.fsync(f.fileno())
+        plain = decrypt_artifact(
+            copy,
+            key,
+            slot["associated_data"].encode(),
+            slot["plaintext_sha256"],
+            slot["plaintext_size"],
+        )
+        best = min(best, time.perf_counter() - start)
+        del plain
+        copy.unlink()
+    return best
+
+
+def in_process_us(data_path: Path, x: np.ndarray, runs: int) -> float:
+    from runtime import Model
+
+    with Model.from_bytes(data_path.read_bytes(), isolation="in_process") as model:
+        for _ in range(20):
+            model.run({"x": x})
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter_ns()
+            model.run({"x": x})
+            times.append((time.perf_counter_ns() - start) / 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10 MB model, 10 s idle")
+    parser.add_argument("--mb", type=int, default=0, help="size of the big model in MB")
+    parser.add_argument("--idle", type=float, default=0, help="seconds of idle to measure")
+    args = parser.parse_args()
+    mb = args.mb or (10 if args.quick else 100)
+    idle_s = args.idle or (10.0 if args.quick else 60.0)
+    results: dict = {"model_mb": mb, "idle_s": idle_s, "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="skiff-bench-agent-") as tmp_name:
+        tmp = Path(tmp_name)
+        home, state = tmp / "home", tmp / "s"
+        servers = start_servers(home, 1)
+        agent = None
+        try:
+            address = servers[0][1]
+            config = load_config(home, environ={})
+            tls = client_tls(config)
+            client = AdminClient(address, read_token(home), tls)
+            print(f"pushing {SMALL} and {BIG} ({mb} MB) v1 and v2 ...", flush=True)
+            push(client, tmp, SMALL, 1, 0)
+            push(client, tmp, BIG, 1, mb << 20)
+            push(client, tmp, BIG, 2, mb << 20)
+            token = client.create_enrollment_token(uses=1).token
+            agent = subprocess.Popen(
+                [*CLI, "agent", "run", "--server", address, "--state", str(state)]
+                + ["--ca", str(home / "tls" / "ca.pem"), "--report-interval", "3600"],
+                env={**os.environ, "SKIFF_ENROLL_TOKEN": token},
+                stderr=(tmp / "agent.log").open("w"),
+            )
+            while not socket_path(state).exists():
+                if agent.poll() is not None:
+                    raise RuntimeError((tmp / "agent.log").read_text())
+                time.sleep(0.1)
+            time.sleep(2)  # enrolled, first Sync done, Watch open
+            cpu0, t0 = cpu_s(agent.pid), time.monotonic()
+            time.sleep(idle_s)
+            cpu = cpu_s(agent.pid) - cpu0
+            results["idle_cpu_percent"] = round(100 * cpu / (time.monotonic() - t0), 3)
+            results["idle_rss_mb"] = round(rss_mb(agent.pid), 1)
+            print(
+                f"idle {idle_s:.0f} s, Watch open, no model: CPU {results['idle_cpu_percent']}%"
+                f" (aim < 0.5), RSS {results['idle_rss_mb']} MB (aim <= 80)",
+                flush=True,
+            )
+
+            stub = agent_pb2_grpc.AgentServiceStub(
+                grpc.insecure_channel(f"unix:{socket_path(state)}")
+            )
+            width = sample_models._sized_dims(mb << 20)[0]
+            big_x = np.ones((1, width), np.float32)
+            client.create_rollout(fleet_pb2.CreateRolloutRequest(model=BIG, version=1))
+            wait_serving(stub, BIG, big_x, 1)
+            start = time.monotonic()
+            client.create_rollout(fleet_pb2.CreateRolloutRequest(model=BIG, version=2))
+            serving = wait_serving(stub, BIG, big_x, 2) - start
+            raw = raw_copy_and_decrypt(state, BIG, tmp)
+            results["promote_to_serving_s"] = round(serving, 3)
+            results["raw_copy_decrypt_s"] = round(raw, 3)
+            results["promote_to_serving_vs_raw"] = round(serving / raw, 2)
+            print(
+                f"{mb} MB: rollout to v2 serving {serving:.2f} s; raw copy + decrypt "
+                f"{raw:.2f} s: ratio {serving / raw:.2f} (aim <= 3)",
+                flush=True,
+            )
+
+            small_x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+            client.create_rollout(fleet_pb2.CreateRolloutRequest(model=SMALL, version=1))
+            wait_serving(stub, SMALL, small_x, 1)
+            request = agent_pb2.InferRequest(model=SMALL, inputs=[to_tensor("x", small_x)])
+            runs = 300 if args.quick else 2000
+            for _ in range(50):
+                stub.Infer(request, timeout=30)
+            times = []
+            for _ in range(runs):
+                t = time.perf_counter_ns()
+                stub.Infer(request, timeout=30)
+                times.append((time.perf_counter_ns() - t) / 1000)
+            api_us = statistics.median(times)
+            mnn = tmp / "small.mnn"
+            mnn.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=1)))
+            local_us = in_process_us(mnn, small_x, runs)
+            results["local_api_infer_p50_us"] = round(api_us, 1)
+            results["in_process_run_p50_us"] = round(local_us, 1)
+            results["local_api_overhead_us"] = round(api_us - local_us, 1)
+            print(
+                f"Infer through the local API p50 {api_us:.0f} us; in-process run p50 "
+                f"{local_us:.0f} us: overhead {api_us - local_us:.0f} us",
+                flush=True,
+            )
+            client.close()
+        finally:
+            if agent is not None:
+                agent.send_signal(signal.SIGTERM)
+                agent.wait(timeout=60)
+            stop_servers(servers)
+    results["pipeline_events_per_s"] = None
+    results["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    print(f"reproduce: {results['command']}")
+    print(json.dumps(results, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
