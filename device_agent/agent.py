@@ -33,7 +33,7 @@ from device_agent.install import Installer, InstallOutcome, IntegrityFailure
 from device_agent.serving import Serving
 from device_agent.signing_keys import KeyRing
 from device_agent.state import AgentError, Identity, StateDir
-from device_agent.telemetry import Collector, Outbox, clip, install_batch, timestamp
+from device_agent.telemetry import Collector, Outbox, clip, install_batch, open_outbox, timestamp
 from device_agent.transport import ClientTls
 from protos import agent_pb2, device_pb2
 
@@ -48,6 +48,8 @@ REPORT_INTERVAL_S = 60.0
 # On SIGTERM: how long in-flight local requests may finish, and reports may be sent.
 DRAIN_S = 10.0
 FLUSH_ON_STOP_S = 5.0
+# A version that could not load for a passing reason (busy machine) is tried again.
+LOAD_RETRY_S = 30.0
 
 
 class Refused(AgentError):
@@ -125,7 +127,7 @@ class Agent:
         self._conn = DeviceConnection(self._channel, self.identity.credential)
         self._loop = asyncio.get_running_loop()
         try:
-            self.outbox = Outbox(self.state.path / "telemetry.db")
+            self.outbox = open_outbox(self.state.path / "telemetry.db")
         except OSError as exc:
             await self.close()
             raise AgentError(f"telemetry queue: {exc}") from None
@@ -261,8 +263,10 @@ class Agent:
         desired = {name: (m.version, m.variant) for name, m in assignment.models.items()}
         outcome = SyncOutcome(assignment.revision, desired)
         for _, m in sorted(assignment.models.items()):
-            outcome.installs.append(await self.installer.install(self._conn, m))
-        self.queue_installs([_install_pb(o) for o in outcome.installs if o.new])
+            done = await self.installer.install(self._conn, m)
+            outcome.installs.append(done)
+            if done.new:  # queued at once: a later model's failure must not lose it
+                self.queue_installs([_install_pb(done)])
         for name in set(self.installer.pointers()) - set(assignment.models):
             self.installer.remove(name)
             if self.serving is not None:
@@ -326,39 +330,64 @@ class Agent:
     async def _load_installed(self) -> None:
         """Load every installed model's active version to serve (at start)."""
         async with self._sync_lock:
-            pointers = {
-                name: p["active"]
-                for name, p in self.installer.pointers().items()
-                if p.get("active") and not _same_slot(self.serving.serving(name), p["active"])
-            }
+            try:
+                pointers = {
+                    name: p["active"]
+                    for name, p in self.installer.pointers().items()
+                    if p.get("active") and not _same_slot(self.serving.serving(name), p["active"])
+                }
+            except AgentError as exc:
+                log.error("cannot read the installed models: %s", exc)
+                return
             for name in pointers:
                 self.serving.loading(name)
             for name, slot in sorted(pointers.items()):
                 await self._serve_slot(name, slot)
 
     async def _serve_slot(self, name: str, slot: dict) -> None:
-        """Load one installed version and serve it; on failure, go back a version."""
-        from runtime import RuntimeFailure
+        """Load one installed version and serve it.
+
+        A version that cannot load here (no config left, damaged artifact or pointer) is
+        rolled back; a busy or memory-starved machine (deadline, worker crash, I/O error)
+        is not the version's fault: the load is tried again later.
+        """
+        from runtime import DeadlineExceeded, RuntimeFailure, WorkerCrashed
 
         try:
             model = await asyncio.to_thread(self.installer.load, name, slot)
-        except (RuntimeFailure, IntegrityFailure, OSError) as exc:
-            reason = f"v{slot['version']} does not load: {str(exc).splitlines()[0][:300]}"
+        except (DeadlineExceeded, WorkerCrashed, OSError) as exc:
+            log.error("%s v%s did not load (will retry): %s", name, slot.get("version"), exc)
+            self.serving.loading(name, False)
+            self._spawn(self._retry_load(name, slot["uid"]))
+            return
+        except (RuntimeFailure, IntegrityFailure, KeyError, ValueError, TypeError) as exc:
+            reason = f"v{slot.get('version')} does not load: {_one_line(exc)}"
             log.error("%s %s", name, reason)
-            await self._roll_back_locked(name, reason)
+            self.serving.loading(name, False)
+            await self._roll_back_locked(name, reason, slot.get("uid"))
             return
         self.serving.put(name, slot, model)
 
-    def _failing(self, name: str, reason: str) -> None:
-        """Roll back `name` (called from any thread when its active version fails for good)."""
-        self._loop.call_soon_threadsafe(self._spawn, self._roll_back(name, reason))
-
-    async def _roll_back(self, name: str, reason: str) -> None:
+    async def _retry_load(self, name: str, uid: str) -> None:
+        await asyncio.sleep(LOAD_RETRY_S)
         async with self._sync_lock:
-            await self._roll_back_locked(name, reason)
+            slot = (self.installer.pointer(name) or {}).get("active")
+            if slot and slot["uid"] == uid and not _same_slot(self.serving.serving(name), slot):
+                await self._serve_slot(name, slot)
 
-    async def _roll_back_locked(self, name: str, reason: str) -> None:
+    def _failing(self, name: str, uid: str, reason: str) -> None:
+        """Roll `name` back from version `uid` (called from any thread when it fails)."""
+        self._loop.call_soon_threadsafe(self._spawn, self._roll_back(name, uid, reason))
+
+    async def _roll_back(self, name: str, uid: str, reason: str) -> None:
+        async with self._sync_lock:
+            await self._roll_back_locked(name, reason, uid)
+
+    async def _roll_back_locked(self, name: str, reason: str, uid: str | None) -> None:
         current = self.installer.pointer(name).get("active")
+        if not current or (uid is not None and current["uid"] != uid):
+            log.info("%s: not rolling back, the failing version is no longer active", name)
+            return
         previous = self.installer.roll_back(name, reason)
         if previous is None:
             log.error("%s: no previous version to go back to (%s)", name, reason)
@@ -467,8 +496,10 @@ class Agent:
                     await self._conn.report(batch)
                 except DeviceCallError as exc:
                     if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                        # It will never be accepted: drop it rather than block the queue.
+                        # It will never be accepted: drop it (counted) rather than block.
                         log.error("control plane refused a telemetry batch: %s", exc.message)
+                        self.outbox.discard(batch)
+                        continue
                     else:
                         self.reachable = exc.code in AUTH_CODES and self.reachable
                         log.info("reports wait for the control plane: %s", exc.message)
@@ -547,6 +578,10 @@ class Agent:
                 attempt = 0
             await asyncio.sleep(backoff_s(attempt))
             attempt += 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0][:300]
 
 
 def _same_slot(a: dict | None, b: dict) -> bool:

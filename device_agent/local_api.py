@@ -77,9 +77,12 @@ def to_array(t: agent_pb2.Tensor) -> np.ndarray:
     if len(t.shape) > MAX_RANK or any(d < 0 for d in t.shape):
         raise BadTensor(f"tensor {name!r:.60}: shape {list(t.shape)[:10]} is not a valid shape")
     dtype = np.dtype(t.dtype).newbyteorder("<")
-    count = 1
+    count = nonzero = 1
     for d in t.shape:
         count *= d
+        nonzero *= max(d, 1)
+    if nonzero > MAX_MESSAGE_BYTES:  # a zero dim must not let huge others through to numpy
+        raise BadTensor(f"tensor {name!r:.60}: shape {list(t.shape)[:10]} is too large")
     if count * dtype.itemsize != len(t.data):
         raise BadTensor(
             f"tensor {name!r:.60}: {len(t.data)} bytes do not hold shape {list(t.shape)} "
@@ -139,6 +142,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _line(exc))
         except RuntimeFailure as exc:
             await context.abort(grpc.StatusCode.INTERNAL, _line(exc))
+        except Exception as exc:  # noqa: BLE001 - never UNKNOWN, never the agent down
+            log.error("Infer %s failed: %s: %s", request.model[:64], type(exc).__name__, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
         return agent_pb2.InferResponse(
             model=request.model,
             version=info["version"],

@@ -4,8 +4,9 @@ Each installed model serves from a `runtime.ModelSlot`. A newly activated versio
 swapped in between requests (none fails because of an install). Every request is
 counted for telemetry (device_agent.telemetry.Collector). When the active version keeps
 failing at run time, its fallback chain exhausted (`ModelFailed`) or its worker crashing
-`ROLLBACK_CRASHES` times in a row, `on_failure(model, reason)` is called once; the agent
-answers by going back to the previous version.
+`ROLLBACK_CRASHES` times in a row, `on_failure(model, uid, reason)` is called once for
+that version (`uid`); the agent goes back to the previous version if that one is still
+active. Failures of a version already swapped out count for nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -40,8 +42,8 @@ class _Served:
     infos: dict[str, dict] = field(default_factory=dict)
     crashes_in_row: int = 0
     failing: bool = False
-    # id(runtime.Model) -> (crashes, fallbacks, idle deaths) already reported.
-    seen: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # runtime.Model -> (crashes, fallbacks, idle deaths) already reported.
+    seen: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
 
 class Serving:
@@ -50,7 +52,7 @@ class Serving:
     def __init__(
         self,
         collector: Collector,
-        on_failure: Callable[[str, str], None] | None = None,
+        on_failure: Callable[[str, str, str], None] | None = None,
     ) -> None:
         self._collector = collector
         self._on_failure = on_failure
@@ -60,10 +62,13 @@ class Serving:
 
     # -- what serves ------------------------------------------------------------------------
 
-    def loading(self, name: str) -> None:
+    def loading(self, name: str, loading: bool = True) -> None:
         """Mark `name` as being loaded (requests get "loading" instead of "not installed")."""
         with self._lock:
-            self._loading.add(name)
+            if loading:
+                self._loading.add(name)
+            else:
+                self._loading.discard(name)
 
     def put(self, name: str, info: dict, model) -> None:
         """Serve `model` (a runtime.Model, now owned here) for `name` from now on."""
@@ -75,11 +80,15 @@ class Serving:
                 served = self._served[name] = _Served(ModelSlot())
             self._loading.discard(name)
             old = served.slot.model
+            # Keep what in-flight requests on the old version still need, nothing older.
+            keep = {model.version, old.version} if old is not None else {model.version}
+            served.infos = {k: v for k, v in served.infos.items() if k in keep}
             served.infos[model.version] = info
             served.crashes_in_row, served.failing = 0, False
-        if old is not None and old is not model:
-            self._take_events(name, served, old)
-        served.slot.swap(model)
+            # Under the lock: a drop() cannot slip in and orphan the new version.
+            if old is not None and old is not model:
+                self._take_events(name, served, old, locked=True)
+            served.slot.swap(model)
         log.info("%s v%d serving on %s", name, info["version"], info.get("config") or "?")
 
     def drop(self, name: str) -> None:
@@ -87,9 +96,9 @@ class Serving:
         with self._lock:
             served = self._served.pop(name, None)
             self._loading.discard(name)
+            if served is not None and served.slot.model is not None:
+                self._take_events(name, served, served.slot.model, locked=True)
         if served is not None:
-            if served.slot.model is not None:
-                self._take_events(name, served, served.slot.model)
             served.slot.close()
 
     def close(self) -> None:
@@ -138,7 +147,9 @@ class Serving:
             self._count(name, info, model, time.perf_counter_ns() - start, False)
             reason = ""
             with self._lock:
-                if isinstance(exc, WorkerCrashed):
+                if served.slot.model is not model:
+                    pass  # a version already swapped out: its failures count for nothing
+                elif isinstance(exc, WorkerCrashed):
                     served.crashes_in_row += 1
                     if served.crashes_in_row >= ROLLBACK_CRASHES:
                         reason = f"worker crashed {served.crashes_in_row} times in a row: {exc}"
@@ -148,8 +159,8 @@ class Serving:
                     reason = ""  # asked once already
                 if reason:
                     served.failing = True
-            if reason and self._on_failure is not None:
-                self._on_failure(name, reason.splitlines()[0][:500])
+            if reason and self._on_failure is not None and info is not None:
+                self._on_failure(name, info["uid"], reason.splitlines()[0][:500])
             raise
         latency = time.perf_counter_ns() - start
         with self._lock:
@@ -178,14 +189,19 @@ class Serving:
             if model is not None:
                 self._take_events(name, served, model)
 
-    def _take_events(self, name: str, served: _Served, model) -> None:
+    def _take_events(self, name: str, served: _Served, model, *, locked: bool = False) -> None:
         info = served.infos.get(model.version)
         if info is None:
             return
         crashes, fallbacks, idle = model.crashes, model.fallbacks, model.idle_deaths
-        with self._lock:
-            seen = served.seen.get(id(model), (0, 0, 0))
-            served.seen[id(model)] = (len(crashes), len(fallbacks), len(idle))
+        if not locked:
+            self._lock.acquire()
+        try:
+            seen = served.seen.get(model, (0, 0, 0))
+            served.seen[model] = (len(crashes), len(fallbacks), len(idle))
+        finally:
+            if not locked:
+                self._lock.release()
         new_crashes = list(crashes[seen[0] :]) + list(idle[seen[2] :])
         config = model.config.key if model.config is not None else info.get("config", "")
         key = (name, info["version"], info["variant"], config)

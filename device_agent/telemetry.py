@@ -17,6 +17,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import re
 import secrets
 import sqlite3
 import threading
@@ -64,7 +65,8 @@ def timestamp(value: float | dt.datetime) -> Timestamp:
 
 
 def clip(text: str) -> str:
-    """Return `text` cut to what a report may carry."""
+    """Return `text` as a report may carry it: no control characters, cut to length."""
+    text = _CONTROL.sub("?", text)
     return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
 
 
@@ -167,6 +169,16 @@ class Outbox:
         with self._lock:
             return self._dropped()
 
+    def discard(self, batch: device_pb2.ReportRequest) -> None:
+        """Forget a batch the control plane refused for good; count it as dropped."""
+        with self._tx() as db:
+            gone = db.execute("DELETE FROM batches WHERE batch_id = ?", (batch.batch_id,)).rowcount
+            if gone:
+                db.execute(
+                    "INSERT INTO counters VALUES ('dropped', 1) "
+                    "ON CONFLICT(name) DO UPDATE SET value = value + 1"
+                )
+
     def ack(self, batch: device_pb2.ReportRequest) -> None:
         """Forget a batch the control plane acknowledged (and the drops it reported)."""
         with self._tx() as db:
@@ -180,6 +192,27 @@ class Outbox:
     def __len__(self) -> int:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
+
+
+def open_outbox(path: Path) -> Outbox:
+    """Open the queue; a damaged file is set aside (kept for a look) and a new one started.
+
+    Telemetry never stops a device from serving its models.
+    """
+    try:
+        return Outbox(path)
+    except OSError as exc:
+        if not path.exists():
+            raise
+        aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+        log.error("%s is damaged (%s): moved to %s, starting a new queue", path, exc, aside.name)
+        os.replace(path, aside)
+        for suffix in ("-wal", "-shm"):
+            path.with_name(path.name + suffix).unlink(missing_ok=True)
+        return Outbox(path)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from control_plane.store.telemetry import (
 )
 from control_plane.telemetry.reports import DeviceLatency
 from protos import device_pb2, fleet_pb2
-from runtime.histogram import LatencyHistogram
+from runtime.histogram import N_BUCKETS, LatencyHistogram
 
 BATCH_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 MAX_MODEL_STATS = 256
@@ -30,22 +30,29 @@ MAX_EVENTS = 64  # crashes or fallbacks per model stats entry
 MAX_PROBES = 32
 MAX_TEXT = 1000  # reasons and crash details
 MAX_CONFIG = 128
-# A device clock may run ahead a little; a period ending further in the future is refused.
+# A device clock may run ahead a little; a period ending further in the future is refused,
+# and so is anything older than the queue a device keeps (7 days) with a margin.
 CLOCK_SKEW = dt.timedelta(hours=1)
-MAX_COUNT = 1 << 53
+MAX_AGE = dt.timedelta(days=30)
+# Counts per batch: summed over many batches they must still fit int64 (fleet show).
+MAX_COUNT = 1 << 40
+MAX_DROPPED = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Control characters (ESC above all) would reach operators' terminals through fleet show.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def _text(value: str, what: str, limit: int = MAX_TEXT) -> str:
     if len(value) > limit:
         raise errors.InvalidArgument(f"{what} is longer than {limit} characters")
-    if "\x00" in value:
-        raise errors.InvalidArgument(f"{what} contains a NUL character")
+    if _CONTROL.search(value):
+        raise errors.InvalidArgument(f"{what} contains a control character")
     return value
 
 
-def _count(value: int, what: str) -> int:
-    if not 0 <= value <= MAX_COUNT:
-        raise errors.InvalidArgument(f"{what} must be between 0 and 2^53, not {value}")
+def _count(value: int, what: str, limit: int = MAX_COUNT) -> int:
+    if not 0 <= value <= limit:
+        raise errors.InvalidArgument(f"{what} must be between 0 and {limit}, not {value}")
     return value
 
 
@@ -64,6 +71,8 @@ def _when(ts, what: str, now: dt.datetime) -> dt.datetime:
         raise errors.InvalidArgument(f"{what} is not a valid time") from None
     if value > now + CLOCK_SKEW:
         raise errors.InvalidArgument(f"{what} {value.isoformat()} is in the future")
+    if value < now - MAX_AGE:
+        raise errors.InvalidArgument(f"{what} {value.isoformat()} is more than 30 days old")
     return value
 
 
@@ -77,15 +86,22 @@ def _version(model: str, version: int, variant: str, what: str) -> None:
 
 def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
     """Return a histogram message as `LatencyHistogram.to_dict()` data, checked."""
+    # Bounded before anything is built from them: a histogram has N_BUCKETS buckets.
+    if len(msg.bucket_index) > N_BUCKETS or len(msg.bucket_count) > N_BUCKETS:
+        raise errors.InvalidArgument(f"{what}: more than {N_BUCKETS} buckets")
     if len(msg.bucket_index) != len(msg.bucket_count):
         raise errors.InvalidArgument(f"{what}: bucket_index and bucket_count differ in length")
     pairs = zip(msg.bucket_index, msg.bucket_count, strict=True)
+    low = _count(msg.min_ns, f"{what} min_ns", 1 << 62) if msg.HasField("min_ns") else None
+    high = _count(msg.max_ns, f"{what} max_ns", 1 << 62) if msg.HasField("max_ns") else None
+    if low is not None and high is not None and low > high:
+        raise errors.InvalidArgument(f"{what}: min_ns is above max_ns")
     body = {
         "scheme": msg.scheme,
         "count": _count(msg.count, f"{what} count"),
-        "sum_ns": _count(msg.sum_ns, f"{what} sum_ns"),
-        "min_ns": msg.min_ns if msg.HasField("min_ns") else None,
-        "max_ns": msg.max_ns if msg.HasField("max_ns") else None,
+        "sum_ns": _count(msg.sum_ns, f"{what} sum_ns", 1 << 62),
+        "min_ns": low,
+        "max_ns": high,
         "buckets": [[int(i), int(n)] for i, n in pairs],
     }
     try:
@@ -194,7 +210,7 @@ def report_batch(device_id: str, msg: device_pb2.ReportRequest, now: dt.datetime
         received_at=now,
         period_start=start,
         period_end=end,
-        dropped_batches=_count(msg.dropped_batches, "dropped_batches"),
+        dropped_batches=_count(msg.dropped_batches, "dropped_batches", MAX_DROPPED),
         models=tuple(_stats(m, now) for m in msg.models),
         installs=tuple(_install(i, now) for i in msg.installs),
     )
@@ -237,9 +253,9 @@ def latency_pb(x: DeviceLatency) -> fleet_pb2.DeviceLatency:
         version=x.version,
         variant=x.variant,
         config=x.config,
-        inferences=x.inferences,
-        errors=x.errors,
-        crashes=x.crashes,
+        inferences=min(x.inferences, INT64_MAX),
+        errors=min(x.errors, INT64_MAX),
+        crashes=min(x.crashes, INT64_MAX),
         since=timestamp(x.since),
     )
     for name, value in x.histogram.percentiles().items():

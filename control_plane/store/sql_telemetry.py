@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -67,15 +67,22 @@ class SqlTelemetryStore(TelemetryStore):
             ).all()
             return [_install(row) for row in rows]
 
-    def device_stats(self, device_id: str, *, since: dt.datetime) -> list[StatsRow]:
-        """Return a device's model stats whose period ended after `since`, oldest first."""
+    def device_stats(
+        self, device_id: str, *, since: dt.datetime, limit: int = 5000
+    ) -> list[StatsRow]:
+        """Return a device's latest model stats (at most `limit`) ending after `since`.
+
+        Oldest first.
+        """
         r = orm.ModelStatsRow
         with self._read() as session:
             rows = session.scalars(
                 select(r)
                 .where(r.device_id == device_id, r.period_end > since)
-                .order_by(r.period_end, r.id)
+                .order_by(r.period_end.desc(), r.id.desc())
+                .limit(limit)
             ).all()
+            rows.reverse()
             return [StatsRow(aware(x.period_start), aware(x.period_end), _stats(x)) for x in rows]
 
 
@@ -164,8 +171,17 @@ def _apply_install(session: Session, dialect, device_id: str, i: InstallRecord) 
             "failed_reason": i.reason,
             "failed_at": i.at,
         }
+    # Reports may arrive out of order (a queue drained after a newer Sync): an outcome
+    # older than what is recorded changes nothing.
+    stamp = table.c.reported_at if i.result == "activated" else table.c.failed_at
     insert = dialect.insert(table).values({**key, **values})
-    session.execute(insert.on_conflict_do_update(index_elements=list(key), set_=values))
+    session.execute(
+        insert.on_conflict_do_update(
+            index_elements=list(key),
+            set_=values,
+            where=or_(stamp.is_(None), stamp <= i.at),
+        )
+    )
     if i.result == "activated":  # it made it after all: no longer failed
         session.execute(
             table.update()

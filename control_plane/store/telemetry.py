@@ -79,5 +79,7 @@ class TelemetryStore(abc.ABC):
         """Return a device's latest install outcomes, newest first."""
 
     @abc.abstractmethod
-    def device_stats(self, device_id: str, *, since: dt.datetime) -> list[StatsRow]:
-        """Return a device's model stats whose period ended after `since`, oldest first."""
+    def device_stats(
+        self, device_id: str, *, since: dt.datetime, limit: int = 5000
+    ) -> list[StatsRow]:
+        """Return a device's latest model stats (at most `limit`) ending after `since`."""

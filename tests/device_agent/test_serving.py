@@ -195,6 +195,9 @@ def test_malformed_local_requests_get_clear_errors_and_the_agent_stays_up(cp, tm
                 name="x", dtype="float32", shape=[-1, 16], data=bytes(64)
             ),
             "object": agent_pb2.Tensor(name="x", dtype="object", shape=[1], data=bytes(8)),
+            "is too large": agent_pb2.Tensor(
+                name="x", dtype="float32", shape=[0, 2**62, 2**62], data=b""
+            ),
         }
         for expected, tensor in cases.items():
             with pytest.raises(grpc.RpcError) as info:
@@ -306,6 +309,9 @@ def test_a_version_crashing_at_run_time_rolls_back_to_the_previous(cp, tmp_path)
                 assert reply.version == 1
                 pointer = a.installer.pointer(MODEL)
                 assert pointer["active"]["version"] == 1
+                # A late failure report about v2 (no longer active) changes nothing.
+                await a._roll_back(MODEL, slot["uid"], "late report")
+                assert a.installer.pointer(MODEL) == pointer
                 assert pointer["failed"]["version"] == 2 and pointer["failed"]["kind"] == "runtime"
                 # The next sync does not install v2 again: it failed deterministically.
                 again = await a.sync_once()

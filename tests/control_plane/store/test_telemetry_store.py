@@ -129,3 +129,12 @@ def test_fleet_show_merges_a_devices_recent_histograms(store):
     assert (merged.inferences, merged.errors, merged.histogram.count) == (6, 2, 4)
     assert merged.histogram.max_ns == 1_000_000 and merged.since == NOW - dt.timedelta(minutes=1)
     assert 95 <= merged.histogram.quantile(0.5) <= 105
+
+
+def test_an_outcome_older_than_the_recorded_one_changes_nothing(store):
+    device = enroll(store)
+    store.add_report(batch(device, "o-000001", installs=(install(5, "activated"),)))
+    old = NOW - dt.timedelta(days=1)  # drained from a queue after the newer report
+    store.add_report(batch(device, "o-000002", installs=(install(1, "activated", at=old),)))
+    assert store.count_model_states("det", 5, "fp32") == (0, 1, 0)
+    assert store.count_model_states("det", 1, "fp32") == (0, 0, 0)
