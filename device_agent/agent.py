@@ -111,6 +111,10 @@ class Agent:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> Agent:
+        from runtime.hardening import forbid_core_dumps
+
+        # Before any artifact is decrypted: no core file may ever carry a plaintext model.
+        forbid_core_dumps()
         self.state.lock()
         try:
             self._channel = open_channel(self.server, self._tls)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -86,9 +88,16 @@ def fleet_show(cp, device: str) -> dict:
 
 def test_serves_hot_swaps_without_failing_a_request_and_reports(cp, tmp_path):
     state = tmp_path / "s"
-    rollout(cp, 1)
     proc = start_daemon(cp, state)
     try:
+        deadline = time.monotonic() + 60
+        while not socket_path(state).exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        # It will hold plaintext models in memory: no core dump, from before the first.
+        limits = (Path("/proc") / str(proc.pid) / "limits").read_text()
+        assert re.search(r"Max core file size\s+0\s+0", limits), limits
+        rollout(cp, 1)
         first = wait_serving(state, 1, proc)
         assert stat.S_IMODE(os.stat(socket_path(state)).st_mode) == 0o660
         assert first.config and first.latency_us > 0
