@@ -36,6 +36,11 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _CONTROL_MULTILINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
+def strip_control(text: str, replacement: str = "?") -> str:
+    """Return `text` with every control character but newline and tab replaced."""
+    return _CONTROL_MULTILINE.sub(replacement, text)
+
+
 def check_text(field: str, value: object, limit: int, *, multiline: bool = False) -> str:
     """Return `value` if it is a string of at most `limit` characters without control ones.
 

@@ -32,8 +32,15 @@ from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
 from device_agent.serving import Serving
 from device_agent.signing_keys import KeyRing
-from device_agent.state import AgentError, Identity, StateDir
-from device_agent.telemetry import Collector, Outbox, clip, install_batch, open_outbox, timestamp
+from device_agent.state import AgentError, Identity, StateDir, one_line
+from device_agent.telemetry import (
+    Collector,
+    Outbox,
+    install_batch,
+    install_report,
+    open_outbox,
+    rollback_reports,
+)
 from device_agent.transport import ClientTls
 from protos import agent_pb2, device_pb2
 
@@ -270,7 +277,7 @@ class Agent:
             done = await self.installer.install(self._conn, m)
             outcome.installs.append(done)
             if done.new:  # queued at once: a later model's failure must not lose it
-                self.queue_installs([_install_pb(done)])
+                self.queue_installs([install_report(done)])
         for name in set(self.installer.pointers()) - set(assignment.models):
             self.installer.remove(name)
             if self.serving is not None:
@@ -365,7 +372,7 @@ class Agent:
             self._spawn(self._retry_load(name, slot["uid"]))
             return
         except (RuntimeFailure, IntegrityFailure, KeyError, ValueError, TypeError) as exc:
-            reason = f"v{slot.get('version')} does not load: {_one_line(exc)}"
+            reason = f"v{slot.get('version')} does not load: {one_line(exc)}"
             log.error("%s %s", name, reason)
             self.serving.loading(name, False)
             await self._roll_back_locked(name, reason, slot.get("uid"))
@@ -396,30 +403,7 @@ class Agent:
         if previous is None:
             log.error("%s: no previous version to go back to (%s)", name, reason)
             return
-        now = timestamp(dt.datetime.now(dt.UTC))
-        self.queue_installs(
-            [
-                device_pb2.InstallReport(
-                    at=now,
-                    model=name,
-                    version=current["version"],
-                    variant=current["variant"],
-                    rollout=current.get("rollout", ""),
-                    result="rolled_back",
-                    reason=clip(reason),
-                ),
-                device_pb2.InstallReport(
-                    at=now,
-                    model=name,
-                    version=previous["version"],
-                    variant=previous["variant"],
-                    rollout=previous.get("rollout", ""),
-                    result="activated",
-                    reason=clip(f"rolled back from v{current['version']}"),
-                    config=previous.get("config", ""),
-                ),
-            ]
-        )
+        self.queue_installs(rollback_reports(name, current, previous, reason))
         await self._serve_slot(name, previous)
 
     def status(self) -> agent_pb2.StatusResponse:
@@ -584,41 +568,8 @@ class Agent:
             attempt += 1
 
 
-def _one_line(exc: BaseException) -> str:
-    return (str(exc) or type(exc).__name__).splitlines()[0][:300]
-
-
 def _same_slot(a: dict | None, b: dict) -> bool:
     return bool(a) and (a["uid"], a["artifact"]) == (b["uid"], b["artifact"])
-
-
-def _install_pb(o: InstallOutcome) -> device_pb2.InstallReport:
-    t = o.timings
-    return device_pb2.InstallReport(
-        at=timestamp(dt.datetime.now(dt.UTC)),
-        model=o.model,
-        version=o.version,
-        variant=o.variant,
-        rollout=o.rollout,
-        result="activated" if o.result == "activated" else "failed",
-        reason=clip(o.reason),
-        config=o.config,
-        download_s=t.download_s,
-        verify_s=t.verify_s,
-        self_test_s=t.self_test_s,
-        downloaded_bytes=t.downloaded_bytes,
-        resumed_from=t.resumed_from,
-        probes=[
-            device_pb2.ProbeReport(
-                config=p.get("config") or "",
-                accepted=bool(p.get("accepted")),
-                p50_us=p.get("p50_us") or 0.0,
-                cosine=p["cosine"] if p.get("cosine") is not None else float("nan"),
-                error=clip(p.get("error") or ""),
-            )
-            for p in o.probes[:32]
-        ],
-    )
 
 
 def _jittered(interval_s: float) -> float:

@@ -36,6 +36,7 @@ from device_agent.state import (
     AgentError,
     StateDir,
     fsync_dir,
+    one_line,
     read_json,
     write_all,
     write_json,
@@ -427,9 +428,9 @@ class Installer:
             )
         except (DeadlineExceeded, WorkerCrashed) as exc:
             # The machine, not the version: a busy or memory-starved device. Tried again.
-            raise AgentError(f"self-test interrupted: {_one_line(exc)}") from None
+            raise AgentError(f"self-test interrupted: {one_line(exc)}") from None
         except (ModelFailed, ModelLoadError, RuntimeFailure, ValueError) as exc:
-            raise SelfTestFailed(f"self-test failed: {_one_line(exc)}") from None
+            raise SelfTestFailed(f"self-test failed: {one_line(exc)}") from None
         finally:
             del plain
         config = model.config.key if model.config is not None else ""
@@ -477,11 +478,6 @@ def _probe_json(p) -> dict:
     body = p.to_dict()
     body.pop("samples_us", None)  # the summary is enough for status and reports
     return body
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 def _without_schema(body: dict) -> dict:

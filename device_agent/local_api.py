@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from device_agent.serving import NotServing, Serving
-from device_agent.state import AgentError
+from device_agent.state import AgentError, one_line
 from protos import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("skiff.agent")
@@ -135,13 +135,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             code = grpc.StatusCode.UNAVAILABLE if exc.loading else grpc.StatusCode.NOT_FOUND
             await context.abort(code, str(exc))
         except InvalidInput as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _line(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(exc, 500))
         except DeadlineExceeded as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _line(exc))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, one_line(exc, 500))
         except (WorkerCrashed, ModelFailed) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _line(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, one_line(exc, 500))
         except RuntimeFailure as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, _line(exc))
+            await context.abort(grpc.StatusCode.INTERNAL, one_line(exc, 500))
         except Exception as exc:  # noqa: BLE001 - never UNKNOWN, never the agent down
             log.error("Infer %s failed: %s: %s", request.model[:64], type(exc).__name__, exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
@@ -156,10 +156,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     async def Status(self, request, context):  # noqa: D102, N802
         return self._status()
-
-
-def _line(exc: BaseException) -> str:
-    return (str(exc) or type(exc).__name__).splitlines()[0][:500]
 
 
 async def start_local_api(state_dir: Path, servicer: AgentServicer) -> tuple[grpc.aio.Server, Path]:

@@ -158,6 +158,11 @@ class SyncState:
         return replace(self, last_error=error, last_error_at=_now())
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """Return an error's first line (or its type's name), cut to `limit` characters."""
+    return (str(exc) or type(exc).__name__).splitlines()[0][:limit]
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 

@@ -17,7 +17,6 @@ import contextlib
 import datetime as dt
 import logging
 import os
-import re
 import secrets
 import sqlite3
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from control_plane.limits import strip_control
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
 
@@ -66,7 +66,7 @@ def timestamp(value: float | dt.datetime) -> Timestamp:
 
 def clip(text: str) -> str:
     """Return `text` as a report may carry it: no control characters, cut to length."""
-    text = _CONTROL.sub("?", text)
+    text = strip_control(text)
     return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
 
 
@@ -137,11 +137,7 @@ class Outbox:
             dropped += len(cut)
         if dropped:
             log.warning("telemetry queue full or stale: dropped the %d oldest batches", dropped)
-            db.execute(
-                "INSERT INTO counters VALUES ('dropped', ?) "
-                "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
-                (dropped,),
-            )
+            _count_dropped(db, dropped)
 
     def pending(self, limit: int = 100) -> list[device_pb2.ReportRequest]:
         """Return the oldest queued batches, the first carrying the dropped count."""
@@ -174,10 +170,7 @@ class Outbox:
         with self._tx() as db:
             gone = db.execute("DELETE FROM batches WHERE batch_id = ?", (batch.batch_id,)).rowcount
             if gone:
-                db.execute(
-                    "INSERT INTO counters VALUES ('dropped', 1) "
-                    "ON CONFLICT(name) DO UPDATE SET value = value + 1"
-                )
+                _count_dropped(db, 1)
 
     def ack(self, batch: device_pb2.ReportRequest) -> None:
         """Forget a batch the control plane acknowledged (and the drops it reported)."""
@@ -192,6 +185,14 @@ class Outbox:
     def __len__(self) -> int:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
+
+
+def _count_dropped(db: sqlite3.Connection, n: int) -> None:
+    db.execute(
+        "INSERT INTO counters VALUES ('dropped', ?) "
+        "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+        (n,),
+    )
 
 
 def open_outbox(path: Path) -> Outbox:
@@ -210,9 +211,6 @@ def open_outbox(path: Path) -> Outbox:
         for suffix in ("-wal", "-shm"):
             path.with_name(path.name + suffix).unlink(missing_ok=True)
         return Outbox(path)
-
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass
@@ -344,3 +342,61 @@ def install_batch(reports: list[device_pb2.InstallReport]) -> device_pb2.ReportR
         period_end=timestamp(now),
         installs=reports,
     )
+
+
+def install_report(o) -> device_pb2.InstallReport:
+    """Return one install outcome (device_agent.install.InstallOutcome) as its report."""
+    t = o.timings
+    return device_pb2.InstallReport(
+        at=timestamp(dt.datetime.now(dt.UTC)),
+        model=o.model,
+        version=o.version,
+        variant=o.variant,
+        rollout=o.rollout,
+        result="activated" if o.result == "activated" else "failed",
+        reason=clip(o.reason),
+        config=o.config,
+        download_s=t.download_s,
+        verify_s=t.verify_s,
+        self_test_s=t.self_test_s,
+        downloaded_bytes=t.downloaded_bytes,
+        resumed_from=t.resumed_from,
+        probes=[
+            device_pb2.ProbeReport(
+                config=p.get("config") or "",
+                accepted=bool(p.get("accepted")),
+                p50_us=p.get("p50_us") or 0.0,
+                cosine=p["cosine"] if p.get("cosine") is not None else float("nan"),
+                error=clip(p.get("error") or ""),
+            )
+            for p in o.probes[:32]
+        ],
+    )
+
+
+def rollback_reports(
+    model: str, failed: dict, previous: dict, reason: str
+) -> list[device_pb2.InstallReport]:
+    """Return the reports of a rollback: `failed` rolled back, `previous` active again."""
+    now = timestamp(dt.datetime.now(dt.UTC))
+    return [
+        device_pb2.InstallReport(
+            at=now,
+            model=model,
+            version=failed["version"],
+            variant=failed["variant"],
+            rollout=failed.get("rollout", ""),
+            result="rolled_back",
+            reason=clip(reason),
+        ),
+        device_pb2.InstallReport(
+            at=now,
+            model=model,
+            version=previous["version"],
+            variant=previous["variant"],
+            rollout=previous.get("rollout", ""),
+            result="activated",
+            reason=clip(f"rolled back from v{failed['version']}"),
+            config=previous.get("config", ""),
+        ),
+    ]

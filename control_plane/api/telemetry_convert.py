@@ -12,6 +12,7 @@ import re
 
 from control_plane import errors
 from control_plane.api.fleet_convert import timestamp
+from control_plane.limits import check_text
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.store.telemetry import (
     INSTALL_RESULTS,
@@ -38,16 +39,11 @@ MAX_AGE = dt.timedelta(days=30)
 MAX_COUNT = 1 << 40
 MAX_DROPPED = 2**31 - 1
 INT64_MAX = 2**63 - 1
-# Control characters (ESC above all) would reach operators' terminals through fleet show.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def _text(value: str, what: str, limit: int = MAX_TEXT) -> str:
-    if len(value) > limit:
-        raise errors.InvalidArgument(f"{what} is longer than {limit} characters")
-    if _CONTROL.search(value):
-        raise errors.InvalidArgument(f"{what} contains a control character")
-    return value
+    # Control characters (ESC above all) would reach operators' terminals via fleet show.
+    return check_text(what, value, limit, multiline=True)
 
 
 def _count(value: int, what: str, limit: int = MAX_COUNT) -> int:
