@@ -110,7 +110,8 @@ def _spoil(rows: list, bad: str, n_types: int) -> tuple[list, int]:
     """A copy of rows with one bad event at the end (its index is returned)."""
     ts, typ, keys, values = rows[-1] if rows else (0, 0, [0, 0], [0.0, 0.0])
     if bad == "late":
-        row = (max(r[0] for r in rows) + 1000, typ, keys, values)  # lateness <= 30
+        # Beyond the largest lateness drawn (2,000 ms), so the event at 0 is always late.
+        row = (max(r[0] for r in rows) + 10_000, typ, keys, values)
         rows = [*rows, row, (0, typ, keys, values)]  # 0 is now > lateness behind
         return rows, len(rows) - 1
     if bad == "nan":
