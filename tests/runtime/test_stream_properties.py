@@ -199,7 +199,8 @@ def test_scenarios_reach_the_interesting_cases() -> None:
     """
     seen: list[dict[str, bool]] = []
 
-    @settings(max_examples=200, deadline=None, database=None)
+    # Derandomized: a share measured on 200 draws must not move from run to run.
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True)
     @given(scenarios())
     def collect(scenario: dict[str, Any]) -> None:
         seen.append(_reach(scenario))
