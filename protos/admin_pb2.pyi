@@ -38,6 +38,7 @@ class PushHeader(_message.Message):
     INPUT_RANGES_FIELD_NUMBER: _builtins.int
     MIN_COSINE_FIELD_NUMBER: _builtins.int
     ALLOW_DEGRADED_FIELD_NUMBER: _builtins.int
+    PIPELINE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     notes: _builtins.str
     filename: _builtins.str
@@ -59,6 +60,10 @@ class PushHeader(_message.Message):
     """
     allow_degraded: _builtins.bool
     """Store variants below min_cosine marked degraded instead of refusing the push."""
+    pipeline: _builtins.str
+    """The version's event pipeline (runtime.pipeline's JSON spec, at most 64 KiB; empty =
+    none). Checked against the model's input signature, then signed into the manifest.
+    """
     @_builtins.property
     def variants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Extra variants to derive: "fp16", "int8", "int4"."""
@@ -81,10 +86,11 @@ class PushHeader(_message.Message):
         input_ranges: _abc.Iterable[Global___InputRange] | None = ...,
         min_cosine: _builtins.float = ...,
         allow_degraded: _builtins.bool = ...,
+        pipeline: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "filename", b"filename", "golden_size", b"golden_size", "input_ranges", b"input_ranges", "input_shapes", b"input_shapes", "min_cosine", b"min_cosine", "name", b"name", "notes", b"notes", "sha256", b"sha256", "size", b"size", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "filename", b"filename", "golden_size", b"golden_size", "input_ranges", b"input_ranges", "input_shapes", b"input_shapes", "min_cosine", b"min_cosine", "name", b"name", "notes", b"notes", "pipeline", b"pipeline", "sha256", b"sha256", "size", b"size", "variants", b"variants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

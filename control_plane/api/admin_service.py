@@ -25,6 +25,7 @@ from control_plane.registry.registry import Registry
 from control_plane.registry.requests import (
     PushRequest,
     check_request,
+    parse_pipeline,
     validate_name,
     validate_positive_version,
 )
@@ -248,6 +249,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             size=header.size,
             sha256=header.sha256,
             golden=golden_request(header, b""),
+            pipeline=parse_pipeline(header.pipeline),
         )
         check_request(request)
         with ExitStack() as stack:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import random
 import time
@@ -318,12 +319,14 @@ class AdminClient:
         input_ranges: Mapping[str, tuple[float, float]] | None = None,
         min_cosine: float = 0.0,
         allow_degraded: bool = False,
+        pipeline: str | Mapping | None = None,
     ) -> common_pb2.ModelVersion:
         """Stream a model file (and golden inputs, if given) to the registry.
 
         Returns the new version. `input_shapes` and `input_ranges` shape the seeded golden
         inputs the server builds when `golden` is None; `min_cosine` (0 = the server's
         default) is the bar derived variants must reach, unless `allow_degraded`.
+        `pipeline` is the version's event pipeline (`runtime.pipeline`: JSON text or data).
         """
         path = Path(path)
         size, digest = size_and_digest(path)
@@ -345,6 +348,7 @@ class AdminClient:
             ],
             min_cosine=min_cosine,
             allow_degraded=allow_degraded,
+            pipeline=_pipeline_text(pipeline),
         )
         try:
             return self._stub.PushModel(
@@ -443,3 +447,10 @@ def _page_size(limit: int | None, have: int) -> int:
 
 def _full(limit: int | None, have: int) -> bool:
     return limit is not None and have >= limit
+
+
+def _pipeline_text(pipeline: str | Mapping | None) -> str:
+    """Return a pipeline spec as the JSON text a push header carries ("" = none)."""
+    if pipeline is None or isinstance(pipeline, str):
+        return pipeline or ""
+    return json.dumps(pipeline)

@@ -8,6 +8,7 @@ destination, checked against the signed manifest, and only then renamed into pla
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,28 @@ def read_golden(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise errors.InvalidArgument(f"cannot read golden inputs {path}: {exc.strerror}") from None
+
+
+def read_pipeline(path: Path) -> str:
+    """Read a pipeline spec file: JSON of at most 64 KiB (the server checks the rest)."""
+    from runtime.pipeline import MAX_PIPELINE_BYTES
+
+    try:
+        size = path.stat().st_size
+        if size > MAX_PIPELINE_BYTES:
+            raise errors.TooLarge(
+                f"{path}: {size} bytes of pipeline spec, over the {MAX_PIPELINE_BYTES}-byte limit"
+            )
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise errors.InvalidArgument(f"cannot read pipeline {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise errors.InvalidArgument(f"pipeline {path} is not UTF-8 text") from None
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"pipeline {path} is not JSON: {exc}") from None
+    return text
 
 
 def push_requests(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from control_plane import errors
+from control_plane.api.transfer import read_pipeline
 from control_plane.api.trust import verify_version
 from control_plane.cli import views
 from control_plane.cli.connect import admin_client as _client
@@ -47,6 +48,7 @@ def start_server(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
     """Upload a model file as the next version."""
+    pipeline = read_pipeline(args.pipeline) if args.pipeline is not None else None
     bar = ProgressBar(f"push {args.file.name}", after="  - server validating with MNN")
     with _client(config) as client:
         version = client.push(
@@ -55,6 +57,7 @@ def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
             notes=args.notes,
             variants=tuple(args.variant),
             progress=bar,
+            pipeline=pipeline,
             **golden_options(args),
         )
     bar.finish()

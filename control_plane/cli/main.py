@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--variant", action="extend", nargs="+", default=[], choices=("fp16", "int8", "int4")
     )
     add_golden_flags(p)
+    p.add_argument(
+        "--pipeline",
+        type=Path,
+        metavar="FILE.json",
+        help="the version's event pipeline (event types, triggers, features; see README)",
+    )
     p = msub.add_parser("ls", help="list models")
     _common(p)
     add_limit_flag(p, "models, by name")

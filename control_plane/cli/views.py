@@ -48,8 +48,19 @@ def version_dict(v: common_pb2.ModelVersion) -> dict:
         body["manifest"] = json.loads(v.manifest) if v.manifest else None
     except ValueError:
         body["manifest"] = None
+    body["pipeline"] = _pipeline(v)
     body["manifest_signature"] = base64.b64encode(v.manifest_signature).decode()
     return body
+
+
+def _pipeline(v: common_pb2.ModelVersion) -> dict | None:
+    """Return the version's event pipeline from its manifest (None: none, or unreadable)."""
+    try:
+        manifest = json.loads(v.manifest) if v.manifest else {}
+    except ValueError:
+        return None
+    pipeline = manifest.get("pipeline") if isinstance(manifest, dict) else None
+    return pipeline if isinstance(pipeline, dict) else None
 
 
 def _int_shapes(body: dict, signature: common_pb2.ModelSignature) -> None:
@@ -97,6 +108,11 @@ def version_text(v: common_pb2.ModelVersion, *, signed_by: str = "", unverified:
     if v.HasField("golden"):
         source = "the publisher's inputs" if v.golden.source == "publisher" else "seeded inputs"
         lines.append(f"  golden    {source}, {v.golden.plaintext_size:,} B (encrypted)")
+    pipeline = _pipeline(v)
+    if pipeline:
+        triggers = ", ".join(f"{t['name']} ({t['pattern']})" for t in pipeline["triggers"])
+        events = ", ".join(pipeline["event_types"])
+        lines.append(f"  pipeline  events {events}; triggers {triggers}")
     lines.append("  variants")
     for var in v.variants:
         lines.append(

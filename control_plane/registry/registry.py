@@ -199,6 +199,7 @@ class Registry:
             sealed = [self._encrypt_variant(uid, n, fd, data_key, stored) for n, fd in fds.items()]
             found = judged.result()
         signatures = found.signatures
+        pipeline = _fitted_pipeline(request, signatures[BASE_VARIANT])
         variants = tuple(
             replace(
                 v,
@@ -231,6 +232,8 @@ class Registry:
                 "variants": {v.name: _manifest_variant(uid, v) for v in variants},
                 "golden": golden_blob,
             }
+            if pipeline is not None:
+                manifest["pipeline"] = pipeline
             signed = self.signer.sign(manifest)
             return NewVersion(
                 uid=uid,
@@ -410,3 +413,16 @@ def _manifest_variant(uid: str, v: VariantRecord) -> dict:
         "accuracy": v.accuracy,
         "degraded": v.degraded,
     }
+
+
+def _fitted_pipeline(request: PushRequest, signature: dict) -> dict | None:
+    """Return the request's pipeline as manifest JSON once it fits the model's input."""
+    if request.pipeline is None:
+        return None
+    from runtime.pipeline import PipelineError
+
+    try:
+        request.pipeline.fit(signature.get("inputs", []))
+    except PipelineError as exc:
+        raise errors.InvalidArgument(f"pipeline does not fit {request.name}: {exc}") from None
+    return request.pipeline.to_json()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from control_plane import errors
 from control_plane.limits import (  # noqa: F401 - re-exported: the names' old home
@@ -20,6 +21,9 @@ from control_plane.limits import (  # noqa: F401 - re-exported: the names' old h
 )
 from control_plane.registry import memfd, mnn_tools
 from control_plane.registry.golden import GoldenRequest
+
+if TYPE_CHECKING:
+    from runtime.pipeline import PipelineSpec
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,21 @@ class PushRequest:
     size: int = 0
     sha256: str = ""
     golden: GoldenRequest = GoldenRequest()
+    # The version's event pipeline, checked on its own; fitted to the model at push.
+    pipeline: PipelineSpec | None = None
+
+
+def parse_pipeline(text: str) -> PipelineSpec | None:
+    """Check a pushed pipeline spec (JSON text, "" = none) on its own."""
+    from runtime.pipeline import PipelineError
+    from runtime.pipeline import parse_pipeline as parse
+
+    if not text:
+        return None
+    try:
+        return parse(text)
+    except PipelineError as exc:
+        raise errors.InvalidArgument(f"pipeline: {exc}") from None
 
 
 def check_request(request: PushRequest) -> tuple[str, ...]:
