@@ -30,6 +30,7 @@ from device_agent.assignment import AssignmentRejected, new_nonce, verify_sync
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s, open_channel
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
+from device_agent.pipelines import Pipelines
 from device_agent.serving import Serving
 from device_agent.signing_keys import KeyRing
 from device_agent.state import AgentError, Identity, StateDir, one_line
@@ -108,6 +109,7 @@ class Agent:
         self.outbox: Outbox | None = None
         self.collector = Collector()
         self.serving: Serving | None = None
+        self.pipelines: Pipelines | None = None
         self.reachable = False
         self._sync_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,7 +146,8 @@ class Agent:
             raise AgentError(f"telemetry queue: {exc}") from None
         if self._serve:
             self.serving = Serving(self.collector, self._failing)
-        on_activated = self.serving.put if self.serving else None
+            self.pipelines = Pipelines(self.serving, self.collector)
+        on_activated = self.pipelines.activate if self.pipelines else None
         self.installer = Installer(self.state, self._unwrap, on_activated)
         return self
 
@@ -281,6 +284,7 @@ class Agent:
         for name in set(self.installer.pointers()) - set(assignment.models):
             self.installer.remove(name)
             if self.serving is not None:
+                self.pipelines.drop(name)
                 await asyncio.to_thread(self.serving.drop, name)
         assigned = set()
         for m in assignment.models.values():
@@ -309,7 +313,7 @@ class Agent:
             from device_agent.local_api import AgentServicer, start_local_api
 
             api, _ = await start_local_api(
-                self.state.path, AgentServicer(self.serving, self.status)
+                self.state.path, AgentServicer(self.serving, self.status, self.pipelines)
             )
             self._spawn(self._load_installed())
         tasks = [
@@ -328,6 +332,7 @@ class Agent:
                 task.cancel()
             await asyncio.gather(stopper, *tasks, *self._background, return_exceptions=True)
             if api is not None:
+                self.pipelines.close()  # subscriptions end: they must not hold the drain
                 await api.stop(DRAIN_S)  # refuses new requests, lets running ones finish
             await self._final_report()
 
@@ -377,7 +382,7 @@ class Agent:
             self.serving.loading(name, False)
             await self._roll_back_locked(name, reason, slot.get("uid"))
             return
-        self.serving.put(name, slot, model)
+        await asyncio.to_thread(self.pipelines.activate, name, slot, model)
 
     async def _retry_load(self, name: str, uid: str) -> None:
         await asyncio.sleep(LOAD_RETRY_S)
@@ -426,6 +431,7 @@ class Agent:
             active, previous, failed = m["active"], m["previous"], m["failed"]
             serving = live.get(name, {})
             total = counts.get(name, (0, 0))
+            pipeline = self.pipelines.describe(name) if self.pipelines is not None else None
             msg.models.append(
                 agent_pb2.ModelStatus(
                     model=name,
@@ -447,6 +453,7 @@ class Agent:
                     failed_reason=failed["reason"] if failed else "",
                     inferences=total[0],
                     errors=total[1],
+                    pipeline_triggers=[t["name"] for t in pipeline["triggers"]] if pipeline else [],
                 )
             )
         return msg

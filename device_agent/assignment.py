@@ -122,6 +122,8 @@ class VerifiedModel:
     golden: GoldenArtifact | None = None
     # Below the publisher's accuracy bar, served because the rollout named it.
     degraded: bool = False
+    # The version's event pipeline spec (runtime.pipeline), as the manifest signs it.
+    pipeline: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,14 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         wrapped_data_key=m.wrapped_data_key,
         golden=golden,
         degraded=bool(variant.get("degraded", False)),
+        pipeline=_pipeline(m.model, manifest.get("pipeline")),
     )
+
+
+def _pipeline(model: str, signed) -> dict | None:
+    if signed is not None and not isinstance(signed, dict):
+        raise AssignmentRejected(f"{model}: the manifest's pipeline is not an object")
+    return signed
 
 
 def _verified_golden(m, signed: dict) -> GoldenArtifact | None:

@@ -118,6 +118,7 @@ def _slot(m: VerifiedModel, config: str, probes: list[dict]) -> dict:
             "associated_data": golden.associated_data.decode(),
         },
         "degraded": m.degraded,
+        "pipeline": m.pipeline,
         "config": config,
         "probes": probes,
         "activated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -433,6 +434,14 @@ class Installer:
             raise SelfTestFailed(f"self-test failed: {one_line(exc)}") from None
         finally:
             del plain
+        if m.pipeline is not None:
+            from runtime.pipeline import Pipeline, PipelineError
+
+            try:  # built once here so a version whose pipeline cannot run never activates
+                Pipeline.for_model(m.pipeline, model.signature)
+            except (PipelineError, ValueError) as exc:
+                model.close()
+                raise SelfTestFailed(f"self-test failed: pipeline: {one_line(exc)}") from None
         config = model.config.key if model.config is not None else ""
         probes = [_probe_json(p) for p in model.probe_results]
         return model, config, probes

@@ -18,8 +18,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from device_agent.pipelines import EventsRejected, NoPipeline, Pipelines, Result
 from device_agent.serving import NotServing, Serving
 from device_agent.state import AgentError, one_line
+from device_agent.telemetry import Collector
 from protos import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("skiff.agent")
@@ -101,10 +103,16 @@ def to_tensor(name: str, array: np.ndarray) -> agent_pb2.Tensor:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    """Infer and Status for apps on the device."""
+    """Infer, Status, PushEvents and Subscribe for apps on the device."""
 
-    def __init__(self, serving: Serving, status: Callable[[], agent_pb2.StatusResponse]) -> None:
+    def __init__(
+        self,
+        serving: Serving,
+        status: Callable[[], agent_pb2.StatusResponse],
+        pipelines: Pipelines | None = None,
+    ) -> None:
         self._serving, self._status = serving, status
+        self._pipelines = pipelines or Pipelines(serving, Collector())
 
     async def Infer(self, request, context):  # noqa: D102, N802
         from runtime import (
@@ -156,6 +164,66 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     async def Status(self, request, context):  # noqa: D102, N802
         return self._status()
+
+    async def PushEvents(self, request, context):  # noqa: D102, N802
+        if not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        try:
+            done = await asyncio.to_thread(
+                self._pipelines.push,
+                request.model,
+                list(request.key_fields),
+                list(request.value_fields),
+                request.events,
+            )
+        except NoPipeline as exc:
+            await context.abort(_no_pipeline_code(exc), str(exc))
+        except EventsRejected as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(exc, 500))
+        except Exception as exc:  # noqa: BLE001 - never UNKNOWN, never the agent down
+            log.error("PushEvents %s failed: %s: %s", request.model[:64], type(exc).__name__, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        return agent_pb2.PushEventsResponse(
+            version=done.version, accepted=done.accepted, firings=done.firings, errors=done.errors
+        )
+
+    async def Subscribe(self, request, context):  # noqa: D102, N802
+        if not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        try:
+            sub = self._pipelines.subscribe(request.model)
+        except NoPipeline as exc:
+            await context.abort(_no_pipeline_code(exc), str(exc))
+        except EventsRejected as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        try:
+            while True:
+                result, dropped = await sub.next()
+                if result is None:
+                    return
+                yield result_pb(result, dropped)
+        finally:
+            self._pipelines.unsubscribe(sub)
+
+
+def _no_pipeline_code(exc: NoPipeline) -> grpc.StatusCode:
+    return grpc.StatusCode.FAILED_PRECONDITION if exc.installed else grpc.StatusCode.NOT_FOUND
+
+
+def result_pb(r: Result, dropped: int = 0) -> agent_pb2.PipelineResult:
+    """Return a pipeline result as its message."""
+    return agent_pb2.PipelineResult(
+        model=r.model,
+        version=r.version,
+        trigger=r.trigger,
+        key=r.key,
+        event_ts_ms=r.ts,
+        window_start_ms=r.window_start,
+        window_end_ms=r.window_end,
+        outputs=[to_tensor(k, v) for k, v in r.outputs.items()],
+        error=r.error,
+        dropped_before=dropped,
+    )
 
 
 async def start_local_api(state_dir: Path, servicer: AgentServicer) -> tuple[grpc.aio.Server, Path]:

@@ -170,6 +170,7 @@ class ModelStatus(_message.Message):
     FAILED_REASON_FIELD_NUMBER: _builtins.int
     INFERENCES_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
+    PIPELINE_TRIGGERS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     active_version: _builtins.int
     active_variant: _builtins.str
@@ -185,6 +186,10 @@ class ModelStatus(_message.Message):
     errors: _builtins.int
     @_builtins.property
     def probes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeStatus]: ...
+    @_builtins.property
+    def pipeline_triggers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The serving version's pipeline triggers (empty: no pipeline)."""
+
     def __init__(
         self,
         *,
@@ -199,10 +204,11 @@ class ModelStatus(_message.Message):
         failed_reason: _builtins.str = ...,
         inferences: _builtins.int = ...,
         errors: _builtins.int = ...,
+        pipeline_triggers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_variant", b"active_variant", "active_version", b"active_version", "config", b"config", "errors", b"errors", "failed_reason", b"failed_reason", "failed_version", b"failed_version", "inferences", b"inferences", "model", b"model", "previous_version", b"previous_version", "probes", b"probes", "serving", b"serving"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_variant", b"active_variant", "active_version", b"active_version", "config", b"config", "errors", b"errors", "failed_reason", b"failed_reason", "failed_version", b"failed_version", "inferences", b"inferences", "model", b"model", "pipeline_triggers", b"pipeline_triggers", "previous_version", b"previous_version", "probes", b"probes", "serving", b"serving"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -251,3 +257,173 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class Event(_message.Message):
+    """One event. `keys` and `values` follow the request's key_fields and value_fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TS_MS_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    ts_ms: _builtins.int
+    """Event time, epoch milliseconds."""
+    type: _builtins.str
+    """One of the pipeline's event types."""
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        ts_ms: _builtins.int = ...,
+        type: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.int] | None = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "ts_ms", b"ts_ms", "type", b"type", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
+class PushEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    KEY_FIELDS_FIELD_NUMBER: _builtins.int
+    VALUE_FIELDS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    @_builtins.property
+    def key_fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Column names of every event's keys and values: the pipeline's fields, in any order."""
+
+    @_builtins.property
+    def value_fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        key_fields: _abc.Iterable[_builtins.str] | None = ...,
+        value_fields: _abc.Iterable[_builtins.str] | None = ...,
+        events: _abc.Iterable[Global___Event] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "key_fields", b"key_fields", "model", b"model", "value_fields", b"value_fields"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushEventsRequest: _TypeAlias = PushEventsRequest  # noqa: Y015
+
+@_typing.final
+class PushEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    FIRINGS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The version whose pipeline took the events."""
+    accepted: _builtins.int
+    firings: _builtins.int
+    errors: _builtins.int
+    """Firings whose model run failed (their results carry the error)."""
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        accepted: _builtins.int = ...,
+        firings: _builtins.int = ...,
+        errors: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "errors", b"errors", "firings", b"firings", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushEventsResponse: _TypeAlias = PushEventsResponse  # noqa: Y015
+
+@_typing.final
+class SubscribeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeRequest: _TypeAlias = SubscribeRequest  # noqa: Y015
+
+@_typing.final
+class PipelineResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    TRIGGER_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    EVENT_TS_MS_FIELD_NUMBER: _builtins.int
+    WINDOW_START_MS_FIELD_NUMBER: _builtins.int
+    WINDOW_END_MS_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    DROPPED_BEFORE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    version: _builtins.int
+    """The version that ran."""
+    trigger: _builtins.str
+    """The trigger's name in the pipeline spec, the partition key it fired for, and the
+    firing event's time.
+    """
+    key: _builtins.int
+    event_ts_ms: _builtins.int
+    window_start_ms: _builtins.int
+    """The feature windows' hull, [start, end) in ms."""
+    window_end_ms: _builtins.int
+    error: _builtins.str
+    """Why the model run failed (no outputs then)."""
+    dropped_before: _builtins.int
+    """Results this subscriber lost (it fell behind) since the previous one it got."""
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        trigger: _builtins.str = ...,
+        key: _builtins.int = ...,
+        event_ts_ms: _builtins.int = ...,
+        window_start_ms: _builtins.int = ...,
+        window_end_ms: _builtins.int = ...,
+        outputs: _abc.Iterable[Global___Tensor] | None = ...,
+        error: _builtins.str = ...,
+        dropped_before: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_before", b"dropped_before", "error", b"error", "event_ts_ms", b"event_ts_ms", "key", b"key", "model", b"model", "outputs", b"outputs", "trigger", b"trigger", "version", b"version", "window_end_ms", b"window_end_ms", "window_start_ms", b"window_start_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PipelineResult: _TypeAlias = PipelineResult  # noqa: Y015

@@ -44,6 +44,16 @@ class AgentServiceStub:
                 request_serializer=protos_dot_agent__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_agent__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.PushEvents = channel.unary_unary(
+                '/skiff.agent.v1.AgentService/PushEvents',
+                request_serializer=protos_dot_agent__pb2.PushEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_agent__pb2.PushEventsResponse.FromString,
+                _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/skiff.agent.v1.AgentService/Subscribe',
+                request_serializer=protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=protos_dot_agent__pb2.PipelineResult.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -64,6 +74,25 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushEvents(self, request, context):
+        """Feeds events to the pipeline of the model's serving version. The batch is checked
+        whole first (INVALID_ARGUMENT names the first bad event; nothing is applied); each
+        trigger firing then runs the model, and its result goes to the model's subscribers.
+        FAILED_PRECONDITION: the serving version has no pipeline; NOT_FOUND: not installed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """The model's pipeline results, in firing order, across version swaps, until the app
+        cancels or the agent stops. A subscriber that falls QUEUE_RESULTS (1024) behind loses
+        its oldest results; the next one says how many (`dropped_before`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +105,16 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_agent__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_agent__pb2.StatusResponse.SerializeToString,
+            ),
+            'PushEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushEvents,
+                    request_deserializer=protos_dot_agent__pb2.PushEventsRequest.FromString,
+                    response_serializer=protos_dot_agent__pb2.PushEventsResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=protos_dot_agent__pb2.SubscribeRequest.FromString,
+                    response_serializer=protos_dot_agent__pb2.PipelineResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +171,60 @@ class AgentService:
             '/skiff.agent.v1.AgentService/Status',
             protos_dot_agent__pb2.StatusRequest.SerializeToString,
             protos_dot_agent__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.agent.v1.AgentService/PushEvents',
+            protos_dot_agent__pb2.PushEventsRequest.SerializeToString,
+            protos_dot_agent__pb2.PushEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skiff.agent.v1.AgentService/Subscribe',
+            protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
+            protos_dot_agent__pb2.PipelineResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -207,6 +207,7 @@ class DeviceLatency(_message.Message):
     P95_US_FIELD_NUMBER: _builtins.int
     P99_US_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
+    PIPELINE_FIRINGS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -218,6 +219,8 @@ class DeviceLatency(_message.Message):
     """Microseconds; unset without samples."""
     p95_us: _builtins.float
     p99_us: _builtins.float
+    pipeline_firings: _builtins.int
+    """Event-pipeline firings that ran the model (counted in `inferences` too)."""
     @_builtins.property
     def since(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -234,10 +237,11 @@ class DeviceLatency(_message.Message):
         p95_us: _builtins.float | None = ...,
         p99_us: _builtins.float | None = ...,
         since: _timestamp_pb2.Timestamp | None = ...,
+        pipeline_firings: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "config", b"config", "crashes", b"crashes", "errors", b"errors", "inferences", b"inferences", "model", b"model", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us", "since", b"since", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "config", b"config", "crashes", b"crashes", "errors", b"errors", "inferences", b"inferences", "model", b"model", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us", "pipeline_firings", b"pipeline_firings", "since", b"since", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__p50_us: _TypeAlias = _typing.Literal["p50_us"]  # noqa: Y015
     _WhichOneofArgType__p50_us: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us"]  # noqa: Y015

@@ -253,6 +253,7 @@ def latency_pb(x: DeviceLatency) -> fleet_pb2.DeviceLatency:
         errors=min(x.errors, INT64_MAX),
         crashes=min(x.crashes, INT64_MAX),
         since=timestamp(x.since),
+        pipeline_firings=min(x.pipeline_firings, INT64_MAX),
     )
     for name, value in x.histogram.percentiles().items():
         if value is not None:

@@ -92,6 +92,7 @@ def latency_dict(x) -> dict:
         "inferences": x.inferences,
         "errors": x.errors,
         "crashes": x.crashes,
+        "pipeline_firings": x.pipeline_firings,
         "p50_us": pct("p50_us"),
         "p95_us": pct("p95_us"),
         "p99_us": pct("p99_us"),
@@ -147,6 +148,7 @@ def device_text(d: fleet_pb2.Device) -> str:
                 f"    {x['model']}:{x['version']} ({x['variant']}, {x['config'] or '-'})"
                 f"  p50 {p[0]}  p95 {p[1]}  p99 {p[2]}  runs {x['inferences']}"
                 f"  errors {x['errors']}  crashes {x['crashes']}"
+                + (f"  pipeline firings {x['pipeline_firings']}" if x["pipeline_firings"] else "")
             )
     if body["recent_installs"]:
         lines.append("  recent installs")

@@ -31,6 +31,7 @@ class DeviceLatency:
     crashes: int
     histogram: LatencyHistogram
     since: dt.datetime
+    pipeline_firings: int = 0
 
 
 class Telemetry:
@@ -54,13 +55,11 @@ class Telemetry:
         for row in self._store.device_stats(device_id, since=since):
             s = row.stats
             key = (s.model, s.version, s.variant, s.config)
-            acc = merged.setdefault(key, [0, 0, 0, LatencyHistogram(), row.period_start])
+            acc = merged.setdefault(key, [0, 0, 0, LatencyHistogram(), row.period_start, 0])
             acc[0] += s.inferences
             acc[1] += s.errors
             acc[2] += len(s.crashes)
             acc[3].update(LatencyHistogram.from_dict(s.latency))
             acc[4] = min(acc[4], row.period_start)
-        return [
-            DeviceLatency(*key, inferences, errors, crashes, histogram, first)
-            for key, (inferences, errors, crashes, histogram, first) in sorted(merged.items())
-        ]
+            acc[5] += s.pipeline_firings
+        return [DeviceLatency(*key, *acc) for key, acc in sorted(merged.items())]

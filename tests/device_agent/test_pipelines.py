@@ -1,0 +1,207 @@
+"""Event pipelines on a real agent: events in, model results out to subscribed apps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from control_plane.demo import sample_models
+from control_plane.demo.sample_pipeline import activity_events, activity_pipeline
+from protos import agent_pb2
+from runtime.pipeline import Pipeline, parse_pipeline
+from tests.device_agent.conftest import MODEL
+from tests.device_agent.test_agent import rollout
+from tests.device_agent.test_serving import (
+    device_id,
+    fleet_show,
+    start_daemon,
+    stop_daemon,
+    stub,
+    to_array,
+    to_tensor,
+    wait_serving,
+)
+
+FIELDS = {"key_fields": ["user"], "value_fields": ["dwell_ms", "amount"]}
+
+
+def push_pipeline_version(cp, tmp_path) -> int:
+    """Push det v3: the tiny MLP with the sample pipeline."""
+    path = tmp_path / "det-3.onnx"
+    path.write_bytes(sample_models.tiny_mlp_onnx(seed=3))
+    with cp.client() as client:
+        return client.push(path, name=MODEL, pipeline=activity_pipeline()).version
+
+
+def events_pb(ts, types, keys, values) -> list[agent_pb2.Event]:
+    return [
+        agent_pb2.Event(ts_ms=int(t), type=k, keys=list(map(int, key)), values=list(value))
+        for t, k, key, value in zip(ts, types, keys, values, strict=True)
+    ]
+
+
+def push(state, events, model=MODEL, **fields) -> agent_pb2.PushEventsResponse:
+    request = agent_pb2.PushEventsRequest(model=model, events=events, **{**FIELDS, **fields})
+    return stub(state).PushEvents(request, timeout=60)
+
+
+class Subscriber:
+    """An app reading a model's results in a thread."""
+
+    def __init__(self, state, model=MODEL) -> None:
+        self.results: list[agent_pb2.PipelineResult] = []
+        self.error: grpc.RpcError | None = None
+        self._call = stub(state).Subscribe(agent_pb2.SubscribeRequest(model=model))
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for result in self._call:
+                self.results.append(result)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def wait_for(self, n: int, timeout: float = 30) -> list[agent_pb2.PipelineResult]:
+        deadline = time.monotonic() + timeout
+        while len(self.results) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(self.results) >= n, (len(self.results), n, self.error)
+        return self.results[:n]
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._thread.join(10)
+
+
+def rpc_error(call, *args, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call(*args, **kw)
+    return caught.value
+
+
+def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
+    version = push_pipeline_version(cp, tmp_path)
+    state = tmp_path / "s"
+    proc = start_daemon(cp, state)
+    sub = None
+    try:
+        rollout(cp, version)
+        wait_serving(state, version, proc)
+        status = stub(state).Status(agent_pb2.StatusRequest(), timeout=10)
+        assert list(status.models[0].pipeline_triggers) == ["checkout"]
+        sub = Subscriber(state)
+        time.sleep(0.3)  # the subscription is registered before the first push
+
+        # The same events through a local copy of the pipeline give the expected inputs.
+        spec = parse_pipeline(activity_pipeline())
+        local = Pipeline(spec, spec.fit([{"name": "x", "shape": [1, 16], "dtype": "float32"}]))
+        ts, types, keys, values = activity_events(600, users=10, seed=4)
+        expected = []
+        fired = 0
+        for lo in range(0, 600, 200):
+            batch = (
+                ts[lo : lo + 200],
+                types[lo : lo + 200],
+                keys[lo : lo + 200],
+                values[lo : lo + 200],
+            )
+            expected += local.push(*batch)
+            reply = push(state, events_pb(*batch))
+            assert reply.version == version and reply.accepted == 200 and reply.errors == 0
+            fired += reply.firings
+        assert fired == len(expected) > 10
+        results = sub.wait_for(fired)
+        assert [(r.trigger, r.key, r.event_ts_ms) for r in results] == [
+            ("checkout", f.key, f.ts) for f in expected
+        ]
+        for result, firing in list(zip(results, expected, strict=True))[:5]:
+            assert result.version == version and not result.error
+            direct = stub(state).Infer(
+                agent_pb2.InferRequest(model=MODEL, inputs=[to_tensor("x", firing.inputs["x"])]),
+                timeout=30,
+            )
+            np.testing.assert_array_equal(to_array(result.outputs[0]), to_array(direct.outputs[0]))
+            assert result.window_start_ms < result.window_end_ms
+
+        # Bad batches: a clear error naming the event, nothing applied, the agent stays up.
+        t0 = int(ts[-1]) + 10
+        good = events_pb([t0], ["tap"], [[1]], [[10.0, 0.0]])[0]
+        for events, fields, fragment in [
+            (
+                [good, agent_pb2.Event(ts_ms=t0, type="refund", keys=[1], values=[0, 0])],
+                {},
+                "event 1: type 'refund'",
+            ),
+            (
+                [agent_pb2.Event(ts_ms=t0, type="tap", keys=[1], values=[float("nan"), 0])],
+                {},
+                "event 0: value 'dwell_ms' is nan",
+            ),
+            ([agent_pb2.Event(ts_ms=t0 - 60_000, type="tap", keys=[1], values=[0, 0])], {}, "late"),
+            ([agent_pb2.Event(ts_ms=-5, type="tap", keys=[1], values=[0, 0])], {}, "timestamp"),
+            (
+                [agent_pb2.Event(ts_ms=t0, type="tap", keys=[1, 2], values=[0, 0])],
+                {},
+                "event 0: 2 keys",
+            ),
+            (
+                [good],
+                {"key_fields": ["device"]},
+                "key_fields must name the pipeline's fields ['user']",
+            ),
+            ([good], {"value_fields": ["amount", "amount"]}, "value_fields must name"),
+        ]:
+            error = rpc_error(push, state, events, **fields)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+            assert fragment in error.details(), error.details()
+        error = rpc_error(push, state, [good], model="nope")
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert "not installed" in error.details()
+        # Columns may come in any order; the refused batches left no trace in the engine.
+        late = [t0, t0 + 5]
+        reply = push(
+            state,
+            [
+                agent_pb2.Event(ts_ms=late[0], type="tap", keys=[3], values=[0.0, 200.0]),
+                agent_pb2.Event(ts_ms=late[1], type="purchase", keys=[3], values=[50.0, 0.0]),
+            ],
+            value_fields=["amount", "dwell_ms"],
+        )
+        ours = local.push(
+            np.array(late, dtype=np.int64),
+            ["tap", "purchase"],
+            np.array([[3], [3]], dtype=np.int64),
+            np.array([[200.0, 0.0], [0.0, 50.0]]),
+        )
+        assert reply.firings == len(ours) == 1
+        (last,) = sub.wait_for(fired + 1)[fired:]
+        assert last.event_ts_ms == late[1] and last.key == 3
+
+        # Telemetry counts the firings.
+        device = device_id(state)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            rows = [x for x in fleet_show(cp, device)["latency"] if x["version"] == version]
+            if rows and rows[0]["pipeline_firings"] >= fired + 1:
+                break
+            time.sleep(0.5)
+        assert rows and rows[0]["pipeline_firings"] == fired + 1, rows
+
+        # A version without a pipeline: pushes are refused, the subscription stays open.
+        rollout(cp, 2)
+        wait_serving(state, 2, proc)
+        error = rpc_error(push, state, [good])
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "v2 has no event pipeline" in error.details()
+        assert sub.error is None
+    finally:
+        stderr = stop_daemon(proc)
+    # Stopping ends the subscription cleanly, well within the drain.
+    sub._thread.join(10)
+    assert not sub._thread.is_alive()
+    assert "Traceback" not in stderr
