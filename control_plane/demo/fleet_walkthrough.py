@@ -1,9 +1,11 @@
 """The fleet half of `skiff demo`: a staged rollout, then a rollback.
 
-Simulated devices converge to each stage and come back after the rollback. It runs
-against a control plane the demo started: the operator's calls go through the same admin
-client as the CLI, and the devices are the fleet simulator's, real gRPC clients that
-verify, download, decrypt and report what they install.
+Simulated devices and real agent processes converge to each stage and come back after
+the rollback. It runs against a control plane the demo started: the operator's calls go
+through the same admin client as the CLI; the simulated devices are the fleet
+simulator's, real gRPC clients that verify, download, decrypt and report what they
+install; the agents are `skiff agent run` processes that also serve the model (see
+`device_walkthrough` for what apps do with them while version 2 is out).
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from control_plane import errors
 from control_plane.api.client import AdminClient
 from control_plane.cli import fleet_views
+from control_plane.demo.demo_agents import DemoAgents
 from control_plane.sim.fleet import FleetSimulator
 from device_agent.transport import ClientTls
 from protos import fleet_pb2
@@ -28,24 +33,58 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+# Real agents: name -> attributes. Two match the rollout's selector, one does not.
+AGENTS = {
+    "agent-1": {"platform": "android", "region": "eu"},
+    "agent-2": {"platform": "android", "region": "us"},
+    "agent-3": {"platform": "ios", "region": "eu"},
+}
+
+
+@dataclass
+class FleetDemo:
+    """Where the fleet demo runs, and what it found (for the summary)."""
+
+    client: AdminClient
+    address: str
+    tls: ClientTls
+    ca: Path | None  # what the agents trust (the demo home's CA)
+    agents_root: Path
+    figures: dict = field(default_factory=dict)
+
+
 def run_fleet_demo(
-    client: AdminClient, address: str, tls: ClientTls, *, model: str, old: int, new: int
+    demo: FleetDemo, *, model: str, old: int, new: int, while_out: Callable | None = None
 ) -> None:
-    """Roll `model` out to a simulated fleet: `old` everywhere, then `new` in stages."""
-    asyncio.run(_fleet_demo(client, address, tls, model=model, old=old, new=new))
+    """Roll `model` out: `old` everywhere, then `new` in stages, then roll back.
+
+    `while_out(agents)` runs while `new` is out on every selected device: the demo shows
+    apps using it through the agents there.
+    """
+    client = demo.client
+    base = client.create_rollout(fleet_pb2.CreateRolloutRequest(model=model, version=old))
+    client.transition_rollout(base.id, "promote", "baseline for the whole fleet")
+    _say(f"\n== rollout {base.id}: {model}:{old} to the whole fleet (completed)")
+    token = client.create_enrollment_token(uses=FLEET_SIZE + len(AGENTS)).token
+    with DemoAgents(demo.address, demo.ca, token, demo.agents_root, AGENTS) as agents:
+        started = time.monotonic()
+        agents.wait(lambda a: a.serving(model) == old, f"serving {model}:{old}")
+        demo.figures["agents_ready_s"] = time.monotonic() - started
+        for a in agents.agents:
+            attrs = ", ".join(f"{k}={v}" for k, v in a.attributes.items())
+            _say(f"   {a.name} ({attrs}): device {a.device_id()[:12]}… serving {model}:{old}")
+        ready = demo.figures["agents_ready_s"]
+        _say(f"   {len(AGENTS)} agent processes up and serving in {ready:.1f}s")
+        asyncio.run(_fleet_demo(demo, agents, model=model, old=old, new=new, while_out=while_out))
 
 
 async def _fleet_demo(
-    client: AdminClient, address: str, tls: ClientTls, *, model: str, old: int, new: int
+    demo: FleetDemo, agents: DemoAgents, *, model: str, old: int, new: int, while_out
 ):
+    client = demo.client
     call = _blocking(client)
-    base = await call(
-        client.create_rollout, fleet_pb2.CreateRolloutRequest(model=model, version=old)
-    )
-    await call(client.transition_rollout, base.id, "promote", "baseline for the whole fleet")
-    _say(f"\n== rollout {base.id}: {model}:{old} to the whole fleet (completed)")
     token = (await call(client.create_enrollment_token, uses=FLEET_SIZE)).token
-    async with FleetSimulator([address], seed=7, tls=tls) as sim:
+    async with FleetSimulator([demo.address], seed=7, tls=demo.tls) as sim:
         started = time.monotonic()
         await sim.enroll(FLEET_SIZE, token)
         await sim.sync_all()
@@ -55,34 +94,57 @@ async def _fleet_demo(
             f"   {FLEET_SIZE} simulated devices enrolled and running {model}:{old} "
             f"in {time.monotonic() - started:.1f}s"
         )
-        staged = await _staged_rollout(sim, call, client, model=model, version=new)
+        started = time.monotonic()
+        staged = await _staged_rollout(sim, agents, call, client, model=model, version=new)
+        demo.figures["rollout_s"] = time.monotonic() - started
+        demo.figures["rollout_id"] = staged.id
+        if while_out is not None:
+            await asyncio.to_thread(while_out, agents)
         await call(client.transition_rollout, staged.id, "rollback", "demo: roll it back")
         _say(f"\n== skiff rollout rollback {staged.id}")
         started = time.monotonic()
         await _until(sim, lambda d: d.installed.get(model) == (old, "fp32"), timeout=60)
-        _say(
-            f"   every device is back on {model}:{old} "
-            f"({time.monotonic() - started:.1f}s after the rollback)"
+        await asyncio.to_thread(
+            agents.wait, lambda a: a.serving(model) == old, f"back on {model}:{old}"
         )
+        demo.figures["rollback_s"] = time.monotonic() - started
+        _say(
+            f"   every device is back on {model}:{old}, the {len(AGENTS)} agents included "
+            f"({demo.figures['rollback_s']:.1f}s after the rollback)"
+        )
+        for a in agents.agents:
+            _say(f"   {a.name}: serving {model}:{a.serving(model)}")
     shown = await call(client.get_rollout, staged.id)
     _say("\n" + fleet_views.rollout_text(shown))
 
 
-async def _staged_rollout(sim: FleetSimulator, call, client: AdminClient, *, model, version):
+async def _staged_rollout(
+    sim: FleetSimulator, agents: DemoAgents, call, client: AdminClient, *, model, version
+):
     request = fleet_pb2.CreateRolloutRequest(
         model=model, version=version, selector=SELECTOR, stages=list(STAGES), reason="demo"
     )
     rollout = await call(client.create_rollout, request)
     reach = await call(client.list_devices, SELECTOR)
+    total = FLEET_SIZE + len(agents.agents)
     _say(
         f"\n== rollout {rollout.id}: {model}:{version} to `{SELECTOR}` "
-        f"({len(reach)} of {FLEET_SIZE} devices) in stages {', '.join(f'{s:g}%' for s in STAGES)}"
+        f"({len(reach)} of {total} devices) in stages {', '.join(f'{s:g}%' for s in STAGES)}"
     )
+    simulated = {d.id for d in sim.devices}
     for index, pct in enumerate(STAGES):
         started = time.monotonic()
         devices = await call(client.list_devices, SELECTOR)
         chosen = {d.id for d in devices if d.desired[model].version == version}
-        await sim.wait_synced(model, version, devices=chosen, installed=True, timeout=60)
+        await sim.wait_synced(
+            model, version, devices=chosen & simulated, installed=True, timeout=60
+        )
+        real = [a for a in agents.agents if a.device_id() in chosen]
+        await asyncio.to_thread(
+            agents.wait,
+            lambda a, real=real: a not in real or a.serving(model) == version,
+            f"serving {model}:{version}",
+        )
         shown = await call(client.get_rollout, rollout.id)
         c = shown.counts
         _say(
@@ -93,7 +155,11 @@ async def _staged_rollout(sim: FleetSimulator, call, client: AdminClient, *, mod
         if index + 1 < len(STAGES):
             await call(client.transition_rollout, rollout.id, "promote", "stage looks healthy")
     others = [d for d in sim.devices if d.installed.get(model, (0, ""))[0] != version]
-    _say(f"   devices outside the selector stayed on their version: {len(others)}")
+    outside = [a.name for a in agents.agents if a.serving(model) != version]
+    _say(
+        f"   devices outside the selector stayed on their version: {len(others)} simulated"
+        f" and {', '.join(outside) or 'no agent'}"
+    )
     return rollout
 
 

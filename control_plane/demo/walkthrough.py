@@ -1,10 +1,14 @@
-"""`skiff demo`: the main job end to end on the embedded default.
+"""`skiff demo`: the whole device-cloud loop on the embedded default.
 
 Starts a control plane on a throwaway home (SQLite + local blob directory), builds a real
 small model, pushes it twice (ONNX converted in-process by MNN's converter, plus int8 and
-fp16 variants), shows the registry, pulls a version back and checks it byte for byte.
-Then a simulated fleet runs version 1, a staged rollout of version 2 to the Android
-devices converges stage by stage, and a rollback brings them back.
+fp16 variants; the second version with an event pipeline), shows the registry, pulls a
+version back and checks it byte for byte. Then three real agent processes and a
+simulated fleet run version 1; a staged rollout of version 2 to the Android devices
+converges stage by stage; an app feeds events to one agent and gets the pipeline's model
+results, and `skiff infer` runs the model through it; a rollback brings every device
+back to version 1; a summary ends it. Every process it starts is stopped when it ends,
+whether it succeeds, fails or is interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from control_plane import errors
@@ -21,8 +26,17 @@ from control_plane.api.transport import client_tls
 from control_plane.api.trust import verify_version
 from control_plane.cli import views
 from control_plane.demo import sample_models
-from control_plane.demo.fleet_walkthrough import run_fleet_demo
+from control_plane.demo.device_walkthrough import show_infer, show_pipeline
+from control_plane.demo.fleet_walkthrough import (
+    AGENTS,
+    FLEET_SIZE,
+    SELECTOR,
+    STAGES,
+    FleetDemo,
+    run_fleet_demo,
+)
 from control_plane.demo.real_models_walkthrough import run_real_models_demo
+from control_plane.demo.sample_pipeline import activity_pipeline
 from control_plane.home import init_home, read_token
 from control_plane.pins import read_pins
 from control_plane.settings import CONFIG_FILE, load_config
@@ -42,19 +56,58 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
     if not (config.home / CONFIG_FILE).exists():
         init_home(config)
         _say(f"== initialised embedded control plane in {config.home}")
+    started = time.monotonic()
     server, port = start_server(config=config, address="127.0.0.1:0")
     try:
         address = f"127.0.0.1:{port}"
         tls = client_tls(config)
+        work = config.home / "work"
         with AdminClient(address, read_token(config.home), tls) as client:
-            old, new = _walkthrough(client, config.home / "work")
-            run_fleet_demo(client, address, tls, model="detector", old=old, new=new)
+            old, new = _walkthrough(client, work)
+            demo = FleetDemo(
+                client,
+                address,
+                tls,
+                ca=Path(config.tls_ca) if config.tls_ca else None,
+                agents_root=config.home / "agents",
+            )
+
+            def while_out(agents) -> None:
+                first = agents.agents[0]
+                show_pipeline(first, "detector", demo.figures)
+                show_infer(first, "detector", work, demo.figures)
+
+            run_fleet_demo(demo, model="detector", old=old, new=new, while_out=while_out)
+            _summary(address, config.home, old, new, demo.figures, time.monotonic() - started)
             if real_models:
-                run_real_models_demo(client, read_pins(config.home), config.home / "work", _say)
+                run_real_models_demo(client, read_pins(config.home), work, _say)
     finally:
         server.stop(grace=2)
         server.app.store.close()
     _say(f"== done; state is in {config.home}")
+
+
+def _summary(address: str, home: Path, old: int, new: int, f: dict, took: float) -> None:
+    _say("\n== summary")
+    rows = [
+        ("control plane", f"{address}, SQLite + local blobs in {home}"),
+        ("model", f"detector v{old} (fp32, int8, fp16), v{new} (+ event pipeline 'checkout')"),
+        ("fleet", f"{FLEET_SIZE} simulated devices + {len(AGENTS)} agent processes"),
+        (
+            "rollout",
+            f"{f['rollout_id']}: v{new} to `{SELECTOR}` in {len(STAGES)} stages, "
+            f"{f['rollout_s']:.1f}s; rolled back in {f['rollback_s']:.1f}s",
+        ),
+        (
+            "pipeline",
+            f"{f['events']} events -> {f['firings']} firings -> {f['results']} results "
+            f"({f['events'] / f['events_s']:,.0f} events/s through the local API)",
+        ),
+        ("infer", f"detector:{f['infer_version']} through an agent in {f['infer_us']:.0f} µs"),
+        ("took", f"{took:.0f}s; every agent process stopped"),
+    ]
+    for name, text in rows:
+        _say(f"   {name:<14}{text}")
 
 
 def _walkthrough(client: AdminClient, work: Path) -> tuple[int, int]:
@@ -69,9 +122,12 @@ def _walkthrough(client: AdminClient, work: Path) -> tuple[int, int]:
 
     v2_file = work / "detector-v2.mnn"
     v2_file.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=2)))
-    _say(f"\n== push {v2_file.name} (.mnn as is)")
-    v2 = client.push(v2_file, name="detector", notes="retrained")
-    _say(f"{v2.model}:{v2.version}")
+    _say(f"\n== push {v2_file.name} (.mnn as is) --pipeline (events -> features -> model)")
+    v2 = client.push(
+        v2_file, name="detector", notes="retrained, scores checkouts", pipeline=activity_pipeline()
+    )
+    signed_by = verify_version(pins, v2, model="detector", number=v2.version).key_id
+    _say(views.version_text(v2, signed_by=signed_by))
 
     _say("\n== skiff model ls")
     _say(views.models_table(client.list_models()))

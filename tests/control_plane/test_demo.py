@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import time
 
-from tests.control_plane.test_cli import skiff
+from tests.control_plane.test_cli import SKIFF, skiff
 
 
 def test_demo_runs_the_whole_loop(tmp_path):
@@ -19,7 +23,61 @@ def test_demo_runs_the_whole_loop(tmp_path):
     assert [s[:2] for s in stages] == [("1", "10"), ("2", "50"), ("3", "100")]
     counts = [int(s[2]) for s in stages]
     assert 0 < counts[0] < counts[1] < counts[2]  # each stage widens the rollout
-    assert "every device is back on detector:1" in out
+    assert "every device is back on detector:1, the 3 agents included" in out
     assert "rolled_back" in out
+    # Real agents: two in the selector moved to v2 and back, the third never moved.
+    assert "3 agent processes up and serving" in out
+    assert "and agent-3" in out  # outside the selector
+    assert re.findall(r"agent-\d: serving detector:(\d)", out) == ["1", "1", "1"]
+    # Events through the pipeline of v2 on an agent come back as model results.
+    fired = re.search(r"3000 events in 6 PushEvents calls -> (\d+) firings -> (\d+) results", out)
+    assert fired and int(fired[1]) == int(fired[2]) > 0, out
+    assert re.search(r"user +\d+ at \+ *[\d.]+s  checkout -> \[[-+\d., ]+\]  \(v2\)", out)
+    assert re.search(r"detector:2 \(fp32, CPU[^)]*\) answered y \[1, 4\]", out)
+    assert "== summary" in out and "every agent process stopped" in out
+    _no_agent_left(tmp_path / "demo")
     # stdout is the walkthrough only: logs go to stderr.
     assert " INFO " not in out
+
+
+def _agents_of(home) -> list[int]:
+    """Pids of processes whose command line names the demo's agent state directories."""
+    marker = str(home / "agents")
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def _no_agent_left(home) -> None:
+    deadline = time.monotonic() + 10
+    while _agents_of(home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _agents_of(home)
+
+
+def test_ctrl_c_stops_every_agent_the_demo_started(tmp_path):
+    home = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [*SKIFF, "demo", "--home", str(home)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if "agent processes up and serving" in line:
+                break
+        assert len(_agents_of(home)) == 3
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the demo
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        _no_agent_left(home)
+    finally:
+        proc.kill()
+        proc.wait()
