@@ -14,7 +14,12 @@ this machine. Reported:
 * `local_api_overhead_us`: median `Infer` latency through the Unix-socket API (a gRPC
   client in this process) minus the median in-process `runtime.Model.run` on the same
   (small) model: the price of the socket, protobuf and the worker process.
-* `pipeline_events_per_s` is not measured: event pipelines are not built yet.
+* `pipeline_events_per_s`: shopping events (`control_plane/demo/sample_pipeline.py`, about
+  one in thirteen fires the trigger) pushed through `PushEvents` in batches of 1000 until
+  every firing's model result reached a `Subscribe` stream in this process.
+  `pipeline_vs_in_process` divides it by the events per second of the same pipeline
+  and model run in one process (`runtime.pipeline.Pipeline` + an in-process
+  `runtime.Model`, one run per firing): what an app embedding the runtime would get.
 
     python bench/agent.py            # 100 MB model, 60 s idle
     python bench/agent.py --quick    # 10 MB model, 10 s idle; under a minute
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import shlex
@@ -35,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +54,7 @@ from propagation import CLI, start_servers, stop_servers  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
+from control_plane.demo.sample_pipeline import activity_events, activity_pipeline  # noqa: E402
 from control_plane.home import read_token  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
 from device_agent.identity import DeviceKeyPair  # noqa: E402
@@ -54,6 +62,7 @@ from device_agent.install import decrypt_artifact  # noqa: E402
 from device_agent.local_api import socket_path, to_tensor  # noqa: E402
 from device_agent.state import StateDir  # noqa: E402
 from protos import agent_pb2, agent_pb2_grpc, fleet_pb2  # noqa: E402
+from runtime.pipeline import Pipeline, parse_pipeline  # noqa: E402
 
 BIG, SMALL = "big", "small"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -71,14 +80,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-def push(client: AdminClient, tmp: Path, name: str, seed: int, size: int) -> None:
+def push(client: AdminClient, tmp: Path, name: str, seed: int, size: int, pipeline=None) -> None:
     path = tmp / f"{name}-{seed}.onnx"
     with open(path, "wb") as f:
         if size:
             sample_models.write_sized_mlp_onnx(f.fileno(), size, seed=seed)
         else:
             f.write(sample_models.tiny_mlp_onnx(seed=seed))
-    client.push(path, name=name)
+    client.push(path, name=name, pipeline=pipeline)
     path.unlink()
 
 
@@ -143,6 +152,69 @@ def in_process_us(data_path: Path, x: np.ndarray, runs: int) -> float:
     return statistics.median(times)
 
 
+BATCH = 1000
+
+
+def pipeline_through_agent(stub, events) -> tuple[float, int]:
+    """Push `events` in batches; return seconds until every result arrived, and firings."""
+    ts, types, keys, values = events
+    requests = [
+        agent_pb2.PushEventsRequest(
+            model=SMALL,
+            key_fields=["user"],
+            value_fields=["dwell_ms", "amount"],
+            events=[
+                agent_pb2.Event(ts_ms=int(t), type=k, keys=[int(u[0])], values=list(v))
+                for t, k, u, v in zip(
+                    ts[lo : lo + BATCH],
+                    types[lo : lo + BATCH],
+                    keys[lo : lo + BATCH],
+                    values[lo : lo + BATCH],
+                    strict=True,
+                )
+            ],
+        )
+        for lo in range(0, len(ts), BATCH)
+    ]
+    got = [0]
+    call = stub.Subscribe(agent_pb2.SubscribeRequest(model=SMALL))
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for result in call:
+                assert not result.error, result.error
+                got[0] += 1
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    fired = sum(stub.PushEvents(r, timeout=300).firings for r in requests)
+    while got[0] < fired:
+        time.sleep(0.001)
+    took = time.perf_counter() - start
+    call.cancel()
+    return took, fired
+
+
+def pipeline_in_process(mnn: Path, events) -> tuple[float, int]:
+    """The same events through the same pipeline and model in this process."""
+    from runtime import Model
+
+    ts, types, keys, values = events
+    spec = parse_pipeline(activity_pipeline())
+    with Model.from_bytes(mnn.read_bytes(), isolation="in_process") as model:
+        pipeline = Pipeline(spec, spec.fit([{"name": "x", "shape": [1, 16], "dtype": "float32"}]))
+        start = time.perf_counter()
+        fired = 0
+        for lo in range(0, len(ts), BATCH):
+            hi = lo + BATCH
+            for firing in pipeline.push(ts[lo:hi], types[lo:hi], keys[lo:hi], values[lo:hi]):
+                model.run(firing.inputs)
+                fired += 1
+        return time.perf_counter() - start, fired
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 MB model, 10 s idle")
@@ -164,6 +236,7 @@ def main() -> None:
             client = AdminClient(address, read_token(home), tls)
             print(f"pushing {SMALL} and {BIG} ({mb} MB) v1 and v2 ...", flush=True)
             push(client, tmp, SMALL, 1, 0)
+            push(client, tmp, SMALL, 2, 0, pipeline=activity_pipeline())
             push(client, tmp, BIG, 1, mb << 20)
             push(client, tmp, BIG, 2, mb << 20)
             token = client.create_enrollment_token(uses=1).token
@@ -233,13 +306,32 @@ def main() -> None:
                 f"{local_us:.0f} us: overhead {api_us - local_us:.0f} us",
                 flush=True,
             )
+            client.create_rollout(fleet_pb2.CreateRolloutRequest(model=SMALL, version=2))
+            wait_serving(stub, SMALL, small_x, 2)
+            n = 20_000 if args.quick else 100_000
+            events = activity_events(n, users=1000, seed=3)
+            took, fired = pipeline_through_agent(stub, events)
+            v2 = tmp / "small-2.mnn"
+            v2.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=2)))
+            base_took, base_fired = pipeline_in_process(v2, events)
+            assert fired == base_fired, (fired, base_fired)
+            results["pipeline_events"] = n
+            results["pipeline_firings"] = fired
+            results["pipeline_events_per_s"] = round(n / took)
+            results["in_process_events_per_s"] = round(n / base_took)
+            results["pipeline_vs_in_process"] = round(base_took / took, 3)
+            print(
+                f"pipeline: {n} events -> {fired} firings -> results to a subscriber: "
+                f"{n / took:,.0f} events/s through the agent, {n / base_took:,.0f} in-process "
+                f"(ratio {base_took / took:.2f})",
+                flush=True,
+            )
             client.close()
         finally:
             if agent is not None:
                 agent.send_signal(signal.SIGTERM)
                 agent.wait(timeout=60)
             stop_servers(servers)
-    results["pipeline_events_per_s"] = None
     results["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     print(f"reproduce: {results['command']}")
     print(json.dumps(results, sort_keys=True))
