@@ -23,6 +23,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from control_plane import errors
+from control_plane.crypto.segments import decode_digests
+
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 NONCE_BYTES = 16
 
@@ -124,6 +127,9 @@ class VerifiedModel:
     degraded: bool = False
     # The version's event pipeline spec (runtime.pipeline), as the manifest signs it.
     pipeline: dict | None = None
+    # The ciphertext's per-segment SHA-256 digests, concatenated (control_plane.crypto.
+    # segments); b"" for versions pushed before the manifest carried them.
+    segment_sha256: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,17 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         golden=golden,
         degraded=bool(variant.get("degraded", False)),
         pipeline=_pipeline(m.model, manifest.get("pipeline")),
+        segment_sha256=_segments(m.model, variant, a.ciphertext_size),
     )
+
+
+def _segments(model: str, variant: dict, size: int) -> bytes:
+    if "segment_sha256" not in variant:
+        return b""
+    try:
+        return decode_digests(variant["segment_sha256"], size)
+    except errors.IntegrityError as exc:
+        raise AssignmentRejected(f"{model}: manifest {exc}") from None
 
 
 def _pipeline(model: str, signed) -> dict | None:

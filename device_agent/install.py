@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
+import errno
 import hashlib
 import logging
 import os
@@ -28,7 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from control_plane import errors
 from control_plane.crypto import decrypt_stream
+from control_plane.crypto.envelope import SEGMENT_SIZE
+from control_plane.crypto.segments import SegmentChecker, verified_prefix
 from control_plane.limits import MODEL_NAME  # a network name becomes a path
 from device_agent.assignment import GoldenArtifact, VerifiedModel
 from device_agent.connection import DeviceConnection
@@ -59,6 +63,10 @@ class IntegrityFailure(AgentError):
 
 class SelfTestFailed(AgentError):
     """The version does not load or does not reproduce its golden outputs here."""
+
+
+class DiskFull(AgentError):
+    """No room for the artifact; the partial download was removed (tried again later)."""
 
 
 @dataclass
@@ -221,11 +229,13 @@ class Installer:
             )
         timings = InstallTimings()
         try:
-            await self._fetch(conn, m.ciphertext_sha256, m.ciphertext_size, timings)
+            await self._fetch(
+                conn, m.ciphertext_sha256, m.ciphertext_size, timings, m.segment_sha256
+            )
             if m.golden is not None:
                 await self._fetch(conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None)
             model, config, probes = await self._self_test(m, timings)
-        except (IntegrityFailure, SelfTestFailed) as exc:
+        except (IntegrityFailure, SelfTestFailed, DiskFull) as exc:
             self._write_pointer(
                 m.model,
                 {
@@ -236,9 +246,9 @@ class Installer:
                         "uid": m.uid,
                         "artifact": m.ciphertext_sha256,
                         "reason": str(exc),
-                        # A bad download is tried again at the next sync; a failed
-                        # self-test is not, until the assignment changes.
-                        "kind": "self-test" if isinstance(exc, SelfTestFailed) else "integrity",
+                        # A bad download or a full disk is tried again at the next
+                        # sync; a failed self-test is not, until the assignment changes.
+                        "kind": _failure_kind(exc),
                         "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                     },
                 },
@@ -349,36 +359,68 @@ class Installer:
         return self._state.artifacts / digest
 
     async def _fetch(
-        self, conn: DeviceConnection, digest: str, size: int, timings: InstallTimings | None
+        self,
+        conn: DeviceConnection,
+        digest: str,
+        size: int,
+        timings: InstallTimings | None,
+        segments: bytes = b"",
     ) -> Path:
-        """Download an artifact (resuming a partial one), check its digest, keep it."""
+        """Download an artifact (resuming a partial one), check it, keep it.
+
+        With `segments` (the signed per-segment digests) each segment is checked as it
+        arrives and only verified segments reach the disk; a restart resumes at the first
+        segment not held verified. Without them (older versions) the whole file's digest
+        is checked at the end.
+        """
         final = self.artifact_path(digest)
         if final.exists():
             return final  # verified when it was stored; decryption authenticates it again
         part = final.with_name(final.name + ".part")
-        offset = part.stat().st_size if part.exists() else 0
-        if offset > size:
-            part.unlink()
-            offset = 0
+        if segments:
+            offset = await asyncio.to_thread(verified_prefix, part, segments, size)
+            if part.exists() and part.stat().st_size != offset:
+                os.truncate(part, offset)  # drop what a crash left unverified
+        else:
+            offset = part.stat().st_size if part.exists() else 0
+            if offset > size:
+                part.unlink()
+                offset = 0
         free = shutil.disk_usage(self._state.artifacts).free
         if free < size - offset + DISK_MARGIN_BYTES:
-            raise AgentError(
+            raise DiskFull(
                 f"not enough disk space for a {size}-byte artifact in "
                 f"{self._state.artifacts}: {free} bytes free"
             )
         started = time.monotonic()
+        checker = SegmentChecker(segments, size, offset // SEGMENT_SIZE) if segments else None
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             async for _, data in conn.download(digest, size=size, offset=offset):
-                write_all(fd, data)
+                write_all(fd, checker.feed(data) if checker else data)
+            if checker is not None:
+                write_all(fd, checker.finish())
             os.fsync(fd)
+        except errors.IntegrityError as exc:
+            # The verified segments stay: the next attempt fetches from the bad one on.
+            if os.fstat(fd).st_size == 0:
+                part.unlink(missing_ok=True)
+            raise IntegrityFailure(f"artifact {digest[:12]}: {exc}") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                part.unlink(missing_ok=True)  # give the space back; nothing is half-installed
+                raise DiskFull(f"disk full while downloading artifact {digest[:12]}") from None
+            raise
         finally:
             os.close(fd)
         checked = time.monotonic()
-        got = _sha256_file(part)
-        if part.stat().st_size != size or got != digest:
-            part.unlink()  # start over next time: these bytes are not the artifact
-            raise IntegrityFailure(f"artifact {digest[:12]}: downloaded bytes do not match")
+        if checker is None:
+            got = _sha256_file(part)
+            if part.stat().st_size != size or got != digest:
+                part.unlink()  # start over next time: these bytes are not the artifact
+                raise IntegrityFailure(f"artifact {digest[:12]}: downloaded bytes do not match")
+        elif part.stat().st_size != size:
+            raise IntegrityFailure(f"artifact {digest[:12]}: {part.stat().st_size} of {size} bytes")
         os.replace(part, final)
         fsync_dir(final.parent)
         if timings is not None:
@@ -473,6 +515,12 @@ def decrypt_artifact(
     if len(out) != plaintext_size or digest.hexdigest() != plaintext_sha256:
         raise IntegrityFailure(f"artifact {path.name[:12]}: plaintext does not match its digest")
     return bytes(out)
+
+
+def _failure_kind(exc: Exception) -> str:
+    if isinstance(exc, SelfTestFailed):
+        return "self-test"
+    return "disk" if isinstance(exc, DiskFull) else "integrity"
 
 
 def _sha256_file(path: Path) -> str:

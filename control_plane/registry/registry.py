@@ -33,6 +33,7 @@ from control_plane.crypto import (
     new_data_key,
 )
 from control_plane.crypto.keyring import Keyring
+from control_plane.crypto.segments import SegmentHasher, encode_digests
 from control_plane.registry import evaluation, gc, memfd, mnn_tools
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.requests import (
@@ -196,7 +197,11 @@ class Registry:
                 pool=pool,
                 limits=self._mnn_limits(),
             )
-            sealed = [self._encrypt_variant(uid, n, fd, data_key, stored) for n, fd in fds.items()]
+            segments: dict[str, bytes] = {}
+            sealed = [
+                self._encrypt_variant(uid, n, fd, data_key, stored, segments)
+                for n, fd in fds.items()
+            ]
             found = judged.result()
         signatures = found.signatures
         pipeline = _fitted_pipeline(request, signatures[BASE_VARIANT])
@@ -229,7 +234,7 @@ class Registry:
                 "created_at": created_at.isoformat(),
                 "source_format": fmt,
                 "signature": signatures[BASE_VARIANT],
-                "variants": {v.name: _manifest_variant(uid, v) for v in variants},
+                "variants": {v.name: _manifest_variant(uid, v, segments[v.name]) for v in variants},
                 "golden": golden_blob,
             }
             if pipeline is not None:
@@ -280,9 +285,18 @@ class Registry:
         raise AssertionError("unreachable")
 
     def _encrypt_variant(
-        self, uid: str, name: str, fd: int, data_key: bytes, stored: list[str]
+        self,
+        uid: str,
+        name: str,
+        fd: int,
+        data_key: bytes,
+        stored: list[str],
+        segments: dict[str, bytes],
     ) -> VariantRecord:
-        """Encrypt one plaintext memfd into the blob store, hashing it on the way."""
+        """Encrypt one plaintext memfd into the blob store, hashing it on the way.
+
+        The ciphertext's per-segment digests go to `segments[name]` (for the manifest).
+        """
         digest, size = hashlib.sha256(), 0
 
         def plaintext() -> Iterator[bytes]:
@@ -296,8 +310,10 @@ class Registry:
         ciphertext = encrypt_chunks(
             data_key, plaintext(), associated_data=associated_data(uid, name)
         )
-        info = self.blobs.put_stream(ciphertext)
+        hasher = SegmentHasher()
+        info = self.blobs.put_stream(hasher.wrap(ciphertext))
         stored.append(info.key)
+        segments[name] = hasher.digests()
         return VariantRecord(
             name=name,
             plaintext_size=size,
@@ -400,8 +416,9 @@ class Registry:
         return gc.collect_garbage(self.store, self.blobs, grace_s=self.gc_grace_s, dry_run=dry_run)
 
 
-def _manifest_variant(uid: str, v: VariantRecord) -> dict:
+def _manifest_variant(uid: str, v: VariantRecord, segments: bytes) -> dict:
     return {
+        "segment_sha256": encode_digests(segments),
         "plaintext_sha256": v.plaintext_sha256,
         "plaintext_size": v.plaintext_size,
         "ciphertext_sha256": v.ciphertext_sha256,
