@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from device_agent.connection import DeviceCallError, DeviceConnection
+from device_agent.connection import BACKOFF_CAP_S, DeviceCallError, DeviceConnection
 from device_agent.telemetry import Outbox, install_batch, new_batch_id, timestamp
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
@@ -201,12 +201,20 @@ def test_reports_wait_out_a_control_plane_outage_then_land_once(cp, tmp_path):
                 holder["cp"].stop()
                 for _ in range(20):
                     assert (await asyncio.to_thread(infer, state)).version == 1
-                await asyncio.sleep(2)  # a few report intervals with nowhere to go
+                # Long enough for the Watch reconnects to back off several times over.
+                await asyncio.sleep(6)
                 assert len(a.outbox) >= 1 and not a.reachable
+                assert (await asyncio.to_thread(infer, state)).version == 1
                 holder["cp"] = await asyncio.to_thread(restart, holder["cp"])
                 deadline = time.monotonic() + 60
                 while len(a.outbox):
                     assert time.monotonic() < deadline, "the queue never drained"
+                    await asyncio.sleep(0.2)
+                # And it follows what changed while it was away, within the backoff cap.
+                await asyncio.to_thread(rollout, holder["cp"], 2)
+                deadline = time.monotonic() + BACKOFF_CAP_S + 15
+                while (a.serving.serving(MODEL) or {}).get("version") != 2:
+                    assert time.monotonic() < deadline, "never caught up with v2"
                     await asyncio.sleep(0.2)
             finally:
                 stop.set()
@@ -219,5 +227,8 @@ def test_reports_wait_out_a_control_plane_outage_then_land_once(cp, tmp_path):
     finally:
         if holder["cp"] is not cp:
             holder["cp"].stop()
-    assert sum(x["inferences"] for x in shown["latency"]) == 20
-    assert [i["result"] for i in shown["recent_installs"]] == ["activated"]
+    assert sum(x["inferences"] for x in shown["latency"]) == 21
+    assert [(i["version"], i["result"]) for i in shown["recent_installs"]] == [
+        (2, "activated"),
+        (1, "activated"),
+    ]
