@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from device_agent.state import (
     write_all,
     write_json,
 )
+from device_agent.url_fetch import UrlFetchError, fetch_url, usable_url
 
 log = logging.getLogger("skiff.agent")
 
@@ -78,6 +79,8 @@ class InstallTimings:
     self_test_s: float = 0.0
     downloaded_bytes: int = 0
     resumed_from: int = 0
+    # Of downloaded_bytes, how many came from the blob store's presigned URL.
+    url_bytes: int = 0
 
 
 @dataclass
@@ -230,7 +233,7 @@ class Installer:
         timings = InstallTimings()
         try:
             await self._fetch(
-                conn, m.ciphertext_sha256, m.ciphertext_size, timings, m.segment_sha256
+                conn, m.ciphertext_sha256, m.ciphertext_size, timings, m.segment_sha256, m.url
             )
             if m.golden is not None:
                 await self._fetch(conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None)
@@ -365,8 +368,12 @@ class Installer:
         size: int,
         timings: InstallTimings | None,
         segments: bytes = b"",
+        url: str = "",
     ) -> Path:
         """Download an artifact (resuming a partial one), check it, keep it.
+
+        From the presigned `url` when the assignment carries a usable one (the control
+        plane's Download RPC takes over from where it fails), else from the control plane.
 
         With `segments` (the signed per-segment digests) each segment is checked as it
         arrives and only verified segments reach the disk; a restart resumes at the first
@@ -396,7 +403,7 @@ class Installer:
         checker = SegmentChecker(segments, size, offset // SEGMENT_SIZE) if segments else None
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
-            async for _, data in conn.download(digest, size=size, offset=offset):
+            async for data in self._download(conn, digest, size, offset, url, timings):
                 write_all(fd, checker.feed(data) if checker else data)
             if checker is not None:
                 write_all(fd, checker.finish())
@@ -429,6 +436,35 @@ class Installer:
             timings.downloaded_bytes = size - offset
             timings.resumed_from = offset
         return final
+
+    async def _download(
+        self,
+        conn: DeviceConnection,
+        digest: str,
+        size: int,
+        offset: int,
+        url: str,
+        timings: InstallTimings | None,
+    ) -> AsyncIterator[bytes]:
+        """Yield an artifact's bytes from `offset`: the URL's first, then the control plane's."""
+        if url and usable_url(url):
+            try:
+                async for data in fetch_url(url, offset, size):
+                    offset += len(data)
+                    if timings is not None:
+                        timings.url_bytes += len(data)
+                    yield data
+                return
+            except UrlFetchError as exc:
+                log.info(
+                    "artifact %s: presigned URL failed (%s); from the control plane",
+                    digest[:12],
+                    exc,
+                )
+        elif url:
+            log.warning("artifact %s: not fetching from a plain-HTTP URL off loopback", digest[:12])
+        async for _, data in conn.download(digest, size=size, offset=offset):
+            yield data
 
     async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple:
         started = time.monotonic()

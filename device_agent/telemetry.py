@@ -361,6 +361,7 @@ def install_report(o) -> device_pb2.InstallReport:
         self_test_s=t.self_test_s,
         downloaded_bytes=t.downloaded_bytes,
         resumed_from=t.resumed_from,
+        url_bytes=t.url_bytes,
         probes=[
             device_pb2.ProbeReport(
                 config=p.get("config") or "",

@@ -678,6 +678,7 @@ class InstallReport(_message.Message):
     DOWNLOADED_BYTES_FIELD_NUMBER: _builtins.int
     RESUMED_FROM_FIELD_NUMBER: _builtins.int
     PROBES_FIELD_NUMBER: _builtins.int
+    URL_BYTES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -694,6 +695,8 @@ class InstallReport(_message.Message):
     self_test_s: _builtins.float
     downloaded_bytes: _builtins.int
     resumed_from: _builtins.int
+    url_bytes: _builtins.int
+    """Of downloaded_bytes, those fetched from the blob store's presigned URL."""
     @_builtins.property
     def at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -715,10 +718,11 @@ class InstallReport(_message.Message):
         downloaded_bytes: _builtins.int = ...,
         resumed_from: _builtins.int = ...,
         probes: _abc.Iterable[Global___ProbeReport] | None = ...,
+        url_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "config", b"config", "download_s", b"download_s", "downloaded_bytes", b"downloaded_bytes", "model", b"model", "probes", b"probes", "reason", b"reason", "result", b"result", "resumed_from", b"resumed_from", "rollout", b"rollout", "self_test_s", b"self_test_s", "variant", b"variant", "verify_s", b"verify_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "config", b"config", "download_s", b"download_s", "downloaded_bytes", b"downloaded_bytes", "model", b"model", "probes", b"probes", "reason", b"reason", "result", b"result", "resumed_from", b"resumed_from", "rollout", b"rollout", "self_test_s", b"self_test_s", "url_bytes", b"url_bytes", "variant", b"variant", "verify_s", b"verify_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -181,6 +181,7 @@ def _install(msg: device_pb2.InstallReport, now: dt.datetime) -> InstallRecord:
             "self_test_s": _seconds(msg.self_test_s, f"{what} self_test_s"),
             "downloaded_bytes": _count(msg.downloaded_bytes, f"{what} downloaded_bytes"),
             "resumed_from": _count(msg.resumed_from, f"{what} resumed_from"),
+            "url_bytes": _count(msg.url_bytes, f"{what} url_bytes"),
         },
         probes=probes,
     )
@@ -229,6 +230,7 @@ def install_pb(i: InstallRecord) -> device_pb2.InstallReport:
         self_test_s=t.get("self_test_s", 0.0),
         downloaded_bytes=t.get("downloaded_bytes", 0),
         resumed_from=t.get("resumed_from", 0),
+        url_bytes=t.get("url_bytes", 0),
         probes=[
             device_pb2.ProbeReport(
                 config=p["config"],

@@ -74,6 +74,7 @@ def install_dict(i) -> dict:
             "self_test_s": round(i.self_test_s, 4),
             "downloaded_bytes": i.downloaded_bytes,
             "resumed_from": i.resumed_from,
+            "url_bytes": i.url_bytes,
         },
     }
 
