@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from runtime.backends import BackendConfig, Precision
+from runtime.backends import Backend, BackendConfig, Precision
 from runtime.errors import DeadlineExceeded, InferenceError, InvalidInput, ModelLoadError
 from runtime.events import CrashEvent, FallbackEvent
 from runtime.golden import Golden
@@ -36,6 +36,13 @@ __all__ = ["ConfigChain"]
 logger = logging.getLogger("runtime")
 
 VALIDATION_RUNS = 3  # checking a fallback config against golden data, on the request path
+
+# Backends this process found MNN does not have (it ran their configs on another one),
+# with the backend it ran instead. The MNN build and the device do not change under a
+# running process, so one probe per backend is enough: later configs of the same
+# backend, in this model or any later one, are refused without loading the model again.
+_UNAVAILABLE: dict[Backend, Backend] = {}
+_UNAVAILABLE_LOCK = threading.Lock()
 # Only golden data can tell whether reduced precision is accurate enough for a model.
 _JUDGED_WITHOUT_GOLDEN = (Precision.NORMAL, Precision.HIGH)
 
@@ -108,9 +115,21 @@ class ConfigChain:
             reason = f"{config.precision.name} precision needs golden data to be judged"
             self.probe_results.append(ProbeResult(config, None, False, error=reason))
             return kept
+        with _UNAVAILABLE_LOCK:
+            instead = _UNAVAILABLE.get(config.backend)
+        if instead is not None:
+            reason = (
+                f"{config.backend.name} is not available here: MNN runs its configs on "
+                f"{instead.name} (found by an earlier probe)"
+            )
+            self.probe_results.append(ProbeResult(config, instead, False, error=reason))
+            return kept
         result, executor = probe_config(
             self._make, config, self._golden, runs=runs, input_shapes=self._input_shapes
         )
+        if not result.accepted and result.actual_backend not in (None, config.backend):
+            with _UNAVAILABLE_LOCK:
+                _UNAVAILABLE[config.backend] = result.actual_backend
         self.probe_results.append(result)
         if executor is None:
             return kept

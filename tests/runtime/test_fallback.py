@@ -295,3 +295,30 @@ def test_model_memfd_is_closed_when_start_fails():
     with pytest.raises(ModelFailed):
         Model.from_bytes(tiny_mnn(), candidates=[OPENCL])
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_backend_found_missing_is_not_loaded_again_in_this_process(monkeypatch):
+    from runtime import fallback
+    from runtime.backends import Backend, BackendConfig, Precision
+    from runtime.errors import BackendUnavailable
+
+    monkeypatch.setattr(fallback, "_UNAVAILABLE", {})
+    loads = []
+
+    def make(config: BackendConfig):
+        loads.append(config.key)
+        raise BackendUnavailable(f"{config.backend.name} missing", Backend.CPU)
+
+    configs = [
+        BackendConfig(Backend.OPENCL, Precision.NORMAL),
+        BackendConfig(Backend.OPENCL, Precision.LOW),
+    ]
+    for _ in range(2):  # two models, one after the other
+        chain = ConfigChain(make, None, crash_limit=1)
+        chain.start_probed(configs, runs=1)
+        assert chain.failed
+    # One load found OPENCL missing; every later OPENCL config was refused without one.
+    assert loads == [configs[0].key]
+    later = chain.probe_results[0]
+    assert not later.accepted and "found by an earlier probe" in later.error
+    assert later.actual_backend is Backend.CPU

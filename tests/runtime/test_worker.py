@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import _mnn, _wire, _worker_main
+from runtime import _mnn, _wire, _worker_main, fallback
 from runtime import worker as worker_module
 from runtime._memfd import sealed_memfd
 from runtime._processes import child_env as _child_env
@@ -406,6 +406,7 @@ def test_only_small_headers_are_cached(channels):
 @pytest.mark.parametrize("isolation", ["in_process", "worker"])
 def test_corrupt_model_bytes_fail_cleanly_on_every_candidate(isolation, monkeypatch):
     monkeypatch.setattr(_mnn, "_detected", {})  # availability must be checked on these bytes
+    monkeypatch.setattr(fallback, "_UNAVAILABLE", {})
     with pytest.raises(ModelFailed, match="no candidate config passed") as info:
         Model.from_bytes(os.urandom(4096), isolation=isolation)
     results = info.value.probe_results
