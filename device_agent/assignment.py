@@ -24,7 +24,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from control_plane import errors
-from control_plane.crypto.segments import decode_digests
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 NONCE_BYTES = 16
@@ -252,6 +251,9 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
 
 
 def _segments(model: str, variant: dict, size: int) -> bytes:
+    # Deferred: control_plane.crypto's package imports this module (signing).
+    from control_plane.crypto.segments import decode_digests
+
     if "segment_sha256" not in variant:
         return b""
     try:
