@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from control_plane import errors
-from control_plane.api.fleet_convert import attributes_pb
+from control_plane.fleet.wire import attributes_pb
 from control_plane.api.grpc_errors import error_for
 from control_plane.api.transfer import (
     Progress,

@@ -16,7 +16,6 @@ from control_plane.cli.golden_flags import golden_options
 from control_plane.cli.listing import limit_of, say_more
 from control_plane.cli.progress import ProgressBar
 from control_plane.cli.signing_commands import trusted_pins
-from control_plane.home import init_home
 from control_plane.registry.requests import parse_ref
 from control_plane.settings import Config
 
@@ -25,6 +24,8 @@ Output = tuple[object, str] | None
 
 def start_init(*, config: Config, args: argparse.Namespace) -> Output:
     """Create the embedded default."""
+    from control_plane.home import init_home  # the server's store: not for client commands
+
     made = init_home(config, tls_names=args.tls_san)
     body = {k: str(v) for k, v in made.__dict__.items()}
     text = (

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from rich.table import Table
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
 
 from protos import fleet_pb2
 
@@ -109,6 +113,8 @@ def devices_table(devices: list[fleet_pb2.Device]) -> Table | str:
     """Render devices as a table."""
     if not devices:
         return "no devices match"
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold")
     for col in ("ID", "PLATFORM", "MODEL", "SOC", "REGION", "ONLINE", "DESIRED", "INSTALLED"):
         table.add_column(col)
@@ -222,6 +228,8 @@ def rollouts_table(rollouts: list[fleet_pb2.Rollout]) -> Table | str:
     """Render rollouts as a table."""
     if not rollouts:
         return "no rollouts yet: create one with `skiff rollout create NAME:VERSION`"
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold")
     for col in ("ID", "MODEL", "VARIANT", "STATE", "STAGES", "PRIORITY", "SELECTOR"):
         table.add_column(col)
@@ -273,6 +281,8 @@ def api_tokens_table(tokens) -> Table | str:
     """Render API tokens as a table."""
     if not tokens:
         return "no API tokens"
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold")
     for col in ("ID", "NAME", "ROLE", "CREATED", "BY", "EXPIRES", "REVOKED"):
         # Ids are what `token revoke` takes: never cut them to fit a narrow terminal.

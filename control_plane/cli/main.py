@@ -8,8 +8,6 @@ import logging
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
 from control_plane import errors
 from control_plane.cli import agent_commands, fleet_commands, signing_commands, sim_commands
 from control_plane.cli.golden_flags import add_golden_flags
@@ -161,6 +159,8 @@ def _run(args: argparse.Namespace) -> int:
         elif isinstance(result[1], str):
             print(result[1])
         else:
+            from rich.console import Console  # tables only: not loaded by the agent daemon
+
             Console(highlight=False).print(result[1])
     return EXIT_OK
 

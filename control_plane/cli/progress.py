@@ -1,23 +1,22 @@
-"""Progress for long CLI operations, drawn by rich on stderr so --json output stays clean."""
+"""Progress for long CLI operations, drawn by rich on stderr so --json output stays clean.
+
+rich is imported when a bar is made: the agent daemon, which never draws one, shares
+this package and should not carry it in memory.
+"""
 
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TransferSpeedColumn,
-)
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def stderr_console(stream: TextIO | None = None) -> Console:
     """Return a console on stderr (or `stream`); it draws only on a terminal."""
+    from rich.console import Console
+
     return Console(file=stream or sys.stderr, highlight=False)
 
 
@@ -30,6 +29,15 @@ class ProgressBar:
     """
 
     def __init__(self, label: str, stream: TextIO | None = None, *, after: str = "") -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TransferSpeedColumn,
+        )
+
         self._label, self._after = label, after
         console = stderr_console(stream)
         self._enabled = console.is_terminal
