@@ -137,12 +137,13 @@ def _slot(m: VerifiedModel, config: str, probes: list[dict]) -> dict:
 
 
 def same_target(slot: dict | None, m: VerifiedModel) -> bool:
-    """Return whether a pointer slot holds exactly the assigned artifact."""
+    """Return whether a pointer slot holds exactly the assigned artifact (and pipeline)."""
     return bool(slot) and (
         slot["uid"],
         slot["variant"],
         slot["artifact"],
-    ) == (m.uid, m.variant, m.ciphertext_sha256)
+        slot.get("pipeline"),
+    ) == (m.uid, m.variant, m.ciphertext_sha256, m.pipeline)
 
 
 # Failures that come back with the same bytes: not retried until the assignment changes.
@@ -268,7 +269,8 @@ class Installer:
             model.close()
             raise
         if self.on_activated is not None:
-            self.on_activated(m.model, slot, model)
+            # Off the event loop: the swap may wait for a pipeline push in flight.
+            await asyncio.to_thread(self.on_activated, m.model, slot, model)
         else:
             model.close()
         self.collect_garbage()

@@ -10,15 +10,19 @@ INVALID_ARGUMENT naming the problem, never a crash of the agent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from device_agent.pipelines import EventsRejected, NoPipeline, Pipelines, Result
+from device_agent.pipelines import Closed, EventsRejected, NoPipeline, Pipelines, Result
 from device_agent.serving import NotServing, Serving
 from device_agent.state import AgentError, one_line
 from device_agent.telemetry import Collector
@@ -30,6 +34,7 @@ SOCKET_NAME = "agent.sock"
 # sockaddr_un.sun_path holds 108 bytes with its NUL.
 MAX_SOCKET_PATH = 107
 MAX_MESSAGE_BYTES = 64 << 20
+PUSH_THREADS = 2
 MAX_TENSORS = 64
 MAX_RANK = 8
 DTYPES = frozenset(
@@ -113,6 +118,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     ) -> None:
         self._serving, self._status = serving, status
         self._pipelines = pipelines or Pipelines(serving, Collector())
+        # Pushes run their model once per firing: they get threads of their own, so a
+        # burst of them never holds up Infer (asyncio's default pool).
+        self._push_pool = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="skiff-push")
 
     async def Infer(self, request, context):  # noqa: D102, N802
         from runtime import (
@@ -168,18 +176,27 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def PushEvents(self, request, context):  # noqa: D102, N802
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        gone = threading.Event()
+        context.add_done_callback(lambda _: gone.set())
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else float("inf")
+        loop = asyncio.get_running_loop()
         try:
-            done = await asyncio.to_thread(
-                self._pipelines.push,
-                request.model,
-                list(request.key_fields),
-                list(request.value_fields),
-                request.events,
+            done = await loop.run_in_executor(
+                self._push_pool,
+                functools.partial(
+                    self._pipelines.push,
+                    request.model,
+                    list(request.key_fields),
+                    list(request.value_fields),
+                    request.events,
+                    lambda: gone.is_set() or time.monotonic() > deadline,
+                ),
             )
         except NoPipeline as exc:
             await context.abort(_no_pipeline_code(exc), str(exc))
         except EventsRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(exc, 500))
+            await context.abort(_REJECTED.get(exc.reason, _INVALID), one_line(exc, 500))
         except Exception as exc:  # noqa: BLE001 - never UNKNOWN, never the agent down
             log.error("PushEvents %s failed: %s: %s", request.model[:64], type(exc).__name__, exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
@@ -194,6 +211,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             sub = self._pipelines.subscribe(request.model)
         except NoPipeline as exc:
             await context.abort(_no_pipeline_code(exc), str(exc))
+        except Closed as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except EventsRejected as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
@@ -206,7 +225,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             self._pipelines.unsubscribe(sub)
 
 
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_REJECTED = {"late": grpc.StatusCode.OUT_OF_RANGE, "cancelled": grpc.StatusCode.CANCELLED}
+
+
 def _no_pipeline_code(exc: NoPipeline) -> grpc.StatusCode:
+    if exc.loading:
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.FAILED_PRECONDITION if exc.installed else grpc.StatusCode.NOT_FOUND
 
 

@@ -13,17 +13,25 @@ the new pipeline starts empty. Subscriptions outlive swaps and rollbacks: they f
 whatever version serves the model.
 
 A subscriber that does not keep up loses its oldest results, never the agent's memory:
-each subscription holds at most `QUEUE_RESULTS` results, and the next result delivered
-says how many were dropped before it.
+each subscription holds at most `QUEUE_RESULTS` results and `QUEUE_BYTES` of outputs,
+and the next result delivered says how many were dropped before it. A push is bounded
+too: in events, in the feature rows its firings may hold (`PUSH_BYTES`), and in time
+(events more than `MAX_AHEAD_MS` ahead of the device's clock are refused, so one wrong
+timestamp cannot push the watermark into the future and make every later event late).
+A push whose caller gave up before it was applied is not applied; one the caller gave
+up on while its model runs completes: a retry after DEADLINE_EXCEEDED may apply a batch
+twice (at-least-once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,20 +43,38 @@ from device_agent.telemetry import Collector
 log = logging.getLogger("skiff.agent")
 
 MAX_EVENTS = 65_536
+# What one push may hold of feature rows and firings; a wider pipeline takes fewer events.
+PUSH_BYTES = 128 << 20
+# Events further ahead of this device's clock are refused: one bad timestamp would move
+# the engine's watermark on, and every event after it would be "late".
+MAX_AHEAD_MS = 3_600_000
 QUEUE_RESULTS = 1024
+QUEUE_BYTES = 64 << 20
 MAX_SUBSCRIBERS = 64
 
 
 class EventsRejected(ValueError):
-    """A pushed batch cannot be applied; nothing of it was (the message says why)."""
+    """A pushed batch cannot be applied; nothing of it was (the message says why).
+
+    `reason` is "invalid" (malformed, or an event the pipeline does not know), "late"
+    (behind the watermark by more than the lateness) or "ahead" (in the future).
+    """
+
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class NoPipeline(Exception):
-    """The model is not installed, or its serving version has no pipeline."""
+    """The model is not installed, is loading, or its serving version has no pipeline."""
 
-    def __init__(self, message: str, *, installed: bool) -> None:
+    def __init__(self, message: str, *, installed: bool, loading: bool = False) -> None:
         super().__init__(message)
-        self.installed = installed
+        self.installed, self.loading = installed, loading
+
+
+class Closed(Exception):
+    """The agent is stopping: no new subscription."""
 
 
 @dataclass
@@ -65,6 +91,11 @@ class Result:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     error: str = ""
 
+    @property
+    def nbytes(self) -> int:
+        """Memory its outputs hold (what a subscriber's queue is bounded by)."""
+        return 256 + sum(a.nbytes for a in self.outputs.values())
+
 
 @dataclass
 class PushSummary:
@@ -77,24 +108,43 @@ class PushSummary:
 
 
 class Subscription:
-    """One app's stream of a model's results (bounded; the oldest dropped first)."""
+    """One app's stream of a model's results.
+
+    Bounded by QUEUE_RESULTS results and QUEUE_BYTES of outputs: the oldest go first.
+    """
 
     def __init__(self, model: str, loop: asyncio.AbstractEventLoop) -> None:
         self.model = model
         self._loop = loop
-        self._queue: asyncio.Queue[Result | None] = asyncio.Queue()
+        self._queue: collections.deque[Result | None] = collections.deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
         self.dropped = 0
 
     def offer(self, result: Result | None) -> None:
         """Queue a result (None ends the stream); on the subscription's loop only."""
-        if result is not None and self._queue.qsize() >= QUEUE_RESULTS:
-            self._queue.get_nowait()
+        self._queue.append(result)
+        if result is not None:
+            self._bytes += result.nbytes
+        while len(self._queue) > 1 and (
+            len(self._queue) > QUEUE_RESULTS or self._bytes > QUEUE_BYTES
+        ):
+            dropped = self._queue.popleft()
+            if dropped is None:  # never drop the end of the stream
+                self._queue.appendleft(None)
+                break
+            self._bytes -= dropped.nbytes
             self.dropped += 1
-        self._queue.put_nowait(result)
+        self._ready.set()
 
     async def next(self) -> tuple[Result | None, int]:
         """Wait for the next result; return it (None: stream over) and the drops before it."""
-        result = await self._queue.get()
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        result = self._queue.popleft()
+        if result is not None:
+            self._bytes -= result.nbytes
         dropped, self.dropped = self.dropped, 0
         return result, dropped
 
@@ -117,14 +167,16 @@ class Pipelines:
         self._active: dict[str, _Active] = {}
         self._subscribers: dict[str, list[Subscription]] = {}
         self._broken: dict[str, str] = {}
+        self._closed = False
 
     # -- versions ------------------------------------------------------------------------------
 
     def activate(self, name: str, info: dict, model) -> None:
         """Serve `model` (its pointer slot `info`) with its version's pipeline, as one swap.
 
-        No push runs while the model and the pipeline change: a push in flight on the old
-        pipeline finishes on the old version first, and the next one sees both new.
+        Blocking (call it off the event loop). Pushes from now on go to the new pipeline
+        and wait until the new model serves; a push already running on the old pipeline
+        finishes there (an equal spec's state is carried over once it has).
         """
         from runtime.pipeline import Pipeline, PipelineError
 
@@ -137,22 +189,22 @@ class Pipelines:
                 # The self-test built it before activation: the pointer file is damaged.
                 broken = f"v{info['version']}'s pipeline does not build: {exc}"
                 log.error("%s %s", name, broken)
-        with self._lock:
-            old = self._active.get(name)
         with contextlib.ExitStack() as held:
-            if old is not None:
-                held.enter_context(old.lock)
-            carried = new is not None and old is not None and new.pipeline.carry_over(old.pipeline)
-            self._serving.put(name, info, model)
+            if new is not None:
+                held.enter_context(new.lock)  # taken before anyone can see it
             with self._lock:
-                if new is None:
-                    self._active.pop(name, None)
-                else:
+                old = self._active.pop(name, None)
+                if new is not None:
                     self._active[name] = new
                 if broken:
                     self._broken[name] = broken
                 else:
                     self._broken.pop(name, None)
+            carried = False
+            if new is not None and old is not None:
+                with old.lock:  # only the push in flight, if any: later ones wait on new
+                    carried = _carry_over(name, new, old)
+            self._serving.put(name, info, model)
         if new is not None:
             state = "kept its state" if carried else "starts empty"
             log.info("%s v%d pipeline %s", name, new.version, state)
@@ -176,6 +228,8 @@ class Pipelines:
         self._check(name)
         sub = Subscription(name, asyncio.get_running_loop())
         with self._lock:
+            if self._closed:
+                raise Closed("the agent is stopping")
             subs = self._subscribers.setdefault(name, [])
             if len(subs) >= MAX_SUBSCRIBERS:
                 raise EventsRejected(f"{name} already has {MAX_SUBSCRIBERS} subscribers")
@@ -190,8 +244,9 @@ class Pipelines:
                 subs.remove(sub)
 
     def close(self) -> None:
-        """End every subscription (the agent is stopping)."""
+        """End every subscription and refuse new ones (the agent is stopping)."""
         with self._lock:
+            self._closed = True
             subs = [s for group in self._subscribers.values() for s in group]
             self._subscribers.clear()
         for sub in subs:
@@ -203,13 +258,16 @@ class Pipelines:
             broken = self._broken.get(name)
         if active is not None:
             return active
-        serving = self._serving.serving(name)
         if broken:
             raise NoPipeline(f"{name}: {broken}", installed=True)
-        if serving is None and name not in self._serving.names():
+        serving = self._serving.serving(name)
+        if serving is None and self._serving.is_loading(name):
+            raise NoPipeline(
+                f"model {name} is loading: try again shortly", installed=True, loading=True
+            )
+        if serving is None:
             raise NoPipeline(f"model {name} is not installed on this device", installed=False)
-        version = f" v{serving['version']}" if serving else ""
-        raise NoPipeline(f"{name}{version} has no event pipeline", installed=True)
+        raise NoPipeline(f"{name} v{serving['version']} has no event pipeline", installed=True)
 
     # -- events --------------------------------------------------------------------------------
 
@@ -219,28 +277,40 @@ class Pipelines:
         key_fields: Sequence[str],
         value_fields: Sequence[str],
         events: Sequence,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> PushSummary:
         """Apply a batch of `agent_pb2.Event`s and run the model at each firing.
 
         Raises NoPipeline, or EventsRejected naming the first bad event (the batch is
         then not applied at all). Firings whose model run fails are sent to subscribers
-        with their error and counted in `errors`.
+        with their error and counted in `errors`. A batch whose caller has gone
+        (`cancelled()`) before it is applied is not applied.
         """
         active = self._check(name)
         while True:
             with active.lock:
                 current = self._check(name)
                 if current is active:
+                    if cancelled():
+                        raise EventsRejected("the caller cancelled the push", "cancelled")
                     return self._push(name, active, key_fields, value_fields, events)
             active = current  # swapped while this push waited: the new version takes it
 
     def _push(self, name: str, active: _Active, key_fields, value_fields, events) -> PushSummary:
-        from runtime.stream_spec import BatchFormatError, StreamInputError
+        from runtime.stream_spec import BatchFormatError, LateEventError, StreamInputError
 
         pipeline = active.pipeline
+        per_event = sum(t.spec.width * 8 + 256 for t in pipeline.spec.triggers)
+        if len(events) * per_event > PUSH_BYTES:
+            raise EventsRejected(
+                f"{len(events)} events in one push; this pipeline takes at most "
+                f"{PUSH_BYTES // per_event} per push"
+            )
         arrays = _arrays(pipeline.spec.config, key_fields, value_fields, events)
         try:
             firings = pipeline.push(*arrays)
+        except LateEventError as exc:
+            raise EventsRejected(str(exc), "late") from None
         except (StreamInputError, BatchFormatError) as exc:
             raise EventsRejected(str(exc)) from None
         errors = 0
@@ -252,6 +322,7 @@ class Pipelines:
 
     def _run(self, name: str, active: _Active, firing) -> Result:
         from runtime import RuntimeFailure
+        from runtime.pipeline import FeatureOverflow
 
         result = Result(
             model=name,
@@ -264,7 +335,7 @@ class Pipelines:
         )
         try:
             info, config, outputs, _ = self._serving.infer(name, firing.inputs)
-        except (NotServing, RuntimeFailure) as exc:
+        except (NotServing, RuntimeFailure, FeatureOverflow) as exc:
             result.error = one_line(exc, 500)
             return result
         except Exception as exc:  # noqa: BLE001 - one bad firing never stops the batch
@@ -280,6 +351,15 @@ class Pipelines:
             subs = list(self._subscribers.get(name, ()))
         for sub in subs:  # FIFO on each loop: results arrive in firing order
             sub._loop.call_soon_threadsafe(sub.offer, result)
+
+
+def _carry_over(name: str, new: _Active, old: _Active) -> bool:
+    """Give `new` the old pipeline's state if their specs are equal; never fail a swap."""
+    try:
+        return new.pipeline.carry_over(old.pipeline)
+    except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: the new one starts empty
+        log.error("%s: pipeline state not carried over (%s): starts empty", name, exc)
+        return False
 
 
 def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], events: Sequence):
@@ -303,6 +383,14 @@ def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], even
         types.append(e.type)
         keys.extend(e.keys)
         values.extend(e.values)
+    ahead = time.time_ns() // 1_000_000 + MAX_AHEAD_MS
+    if n and int(ts.max()) > ahead:
+        i = int(np.argmax(ts > ahead))
+        raise EventsRejected(
+            f"event {i}: ts {int(ts[i])} ms is more than {MAX_AHEAD_MS // 60_000} minutes "
+            "ahead of this device's clock (epoch milliseconds expected)",
+            "ahead",
+        )
     key_array = np.array(keys, dtype=np.int64).reshape(n, nk)[:, key_order]
     value_array = np.array(values, dtype=np.float64).reshape(n, nv)[:, value_order]
     return ts, types, np.ascontiguousarray(key_array), np.ascontiguousarray(value_array)

@@ -113,6 +113,11 @@ class Serving:
         model = served.slot.model if served else None
         return served.infos.get(model.version) if model is not None else None
 
+    def is_loading(self, name: str) -> bool:
+        """Return whether `name` is being loaded (installed, not serving yet)."""
+        with self._lock:
+            return name in self._loading
+
     def names(self) -> list[str]:
         """Return the models being served."""
         with self._lock:

@@ -33,7 +33,7 @@ and their semantics are `runtime.stream`'s (`histogram` takes `"edges"`).
 
 **How features fill the input.** A firing's feature columns, in order (a histogram gives
 one column per bin), fill the trigger's `input` tensor in C order, cast to its dtype
-(float16/32/64 inputs only). The tensor's shape is `shape` if given, else the model's
+(float32 or float64 inputs only). The tensor's shape is `shape` if given, else the model's
 declared input shape with a leading batch dimension (dynamic or 1) taken as 1; every
 other dimension must then be fixed. Its element count must equal the number of columns.
 The model must have exactly one input. An empty window's mean, min, max, std or last is
@@ -65,6 +65,7 @@ from runtime.stream_spec import (
 
 __all__ = [
     "MAX_PIPELINE_BYTES",
+    "FeatureOverflow",
     "Firing",
     "InputFit",
     "Pipeline",
@@ -79,7 +80,11 @@ MAX_FEATURES = 256
 MAX_NAMES = 256
 MAX_PATTERN = 1000
 MAX_INPUT_VALUES = 1 << 16
-FLOAT_DTYPES = ("float16", "float32", "float64")
+# Tighter than the engine's own limits: a device's memory and a push's time stay bounded.
+MAX_PIPELINE_KEYS = 1_000_000
+MAX_COUNT_WINDOW = 1 << 16
+MAX_DISTINCT_WINDOW = 4096  # distinct counts cost O(window) per firing
+FLOAT_DTYPES = ("float32", "float64")  # what MNN's Python API feeds (runtime.signature)
 _WINDOW_KINDS = {"sliding_ms": "sliding", "tumbling_ms": "tumbling", "count": "count"}
 _TOP_KEYS = {"event_types", "key_fields", "value_fields", "lateness_ms", "max_keys"}
 _TOP_KEYS |= {"key_ttl_ms", "triggers"}
@@ -171,6 +176,9 @@ class PipelineSpec:
                     f"{where}: its features give {width} value(s) per firing; input "
                     f"{t.input!r} takes {math.prod(shape)} (shape {list(shape)})"
                 )
+            with np.errstate(over="ignore"):
+                if not np.isfinite(np.array(t.missing, dtype=dtype)):
+                    raise PipelineError(f"{where}.missing: {t.missing:g} does not fit {dtype}")
             fits[t.name] = InputFit(t.input, shape, dtype)
         return fits
 
@@ -247,7 +255,7 @@ def parse_pipeline(doc: Any) -> PipelineSpec:
             lists["key_fields"],
             lists["value_fields"],
             _int("lateness_ms", doc.get("lateness_ms", 0)),
-            _int("max_keys", doc.get("max_keys", 100_000)),
+            _int("max_keys", doc.get("max_keys", 100_000), hi=MAX_PIPELINE_KEYS),
             None if doc.get("key_ttl_ms") is None else _int("key_ttl_ms", doc["key_ttl_ms"]),
         )
     except PipelineError:
@@ -294,13 +302,7 @@ def _trigger(where: str, index: int, t: Any, config: EngineConfig) -> TriggerDef
         ):
             raise PipelineError(f"{where}.shape: expected positive ints, got {_show(shape)}")
         shape = tuple(shape)
-    missing = t.get("missing", 0.0)
-    if (
-        isinstance(missing, bool)
-        or not isinstance(missing, int | float)
-        or not math.isfinite(missing)
-    ):
-        raise PipelineError(f"{where}.missing: expected a finite number, got {_show(missing)}")
+    missing = _finite(f"{where}.missing", t.get("missing", 0.0))
     return TriggerDef(
         name=name,
         spec=spec,
@@ -310,7 +312,7 @@ def _trigger(where: str, index: int, t: Any, config: EngineConfig) -> TriggerDef
         features=features,
         input=_name(f"{where}.input", t["input"], identifier=False),
         shape=shape,
-        missing=float(missing),
+        missing=missing,
     )
 
 
@@ -327,10 +329,13 @@ def _feature(where: str, f: Any, config: EngineConfig) -> Feature:
         )
     ((kind, size),) = window.items()
     edges = f.get("edges", [])
-    if not isinstance(edges, list) or not all(
-        isinstance(e, int | float) and not isinstance(e, bool) for e in edges
-    ):
+    if not isinstance(edges, list):
         raise PipelineError(f"{where}.edges: expected a list of numbers")
+    edges = [_finite(f"{where}.edges", e) for e in edges]
+    size = _int(f"{where}.window", size)
+    limit = MAX_DISTINCT_WINDOW if agg == "distinct" else MAX_COUNT_WINDOW
+    if kind == "count" and size > limit:
+        raise PipelineError(f"{where}.window: a {agg} count window holds at most {limit} events")
     for key in ("field", "of"):
         if f.get(key) is not None and not isinstance(f[key], str):
             raise PipelineError(f"{where}.{key}: expected a name, got {_show(f[key])}")
@@ -338,10 +343,12 @@ def _feature(where: str, f: Any, config: EngineConfig) -> Feature:
         return Feature(
             agg,
             f.get("field"),
-            Window(_WINDOW_KINDS[kind], _int(f"{where}.window", size)),
+            Window(_WINDOW_KINDS[kind], size),
             f.get("of"),
-            tuple(float(e) for e in edges),
+            tuple(edges),
         )
+    except PipelineError:
+        raise
     except ValueError as exc:
         raise PipelineError(f"{where}: {exc}") from None
 
@@ -357,10 +364,25 @@ def _object(where: str, value: Any, allowed: set[str], required: set[str]) -> No
         raise PipelineError(f"{where}: missing {missing}")
 
 
-def _int(where: str, value: Any) -> int:
+def _int(where: str, value: Any, *, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PipelineError(f"{where}: expected an integer, got {_show(value)}")
+    if hi is not None and value > hi:
+        raise PipelineError(f"{where}: at most {hi}, got {value}")
     return value
+
+
+def _finite(where: str, value: Any) -> float:
+    """Return a JSON number as a finite float (a huge integer included), or PipelineError."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PipelineError(f"{where}: expected a finite number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise PipelineError(f"{where}: expected a finite number, got {_show(value)}")
+    return number
 
 
 def _name(where: str, value: Any, *, identifier: bool = True) -> str:
@@ -380,16 +402,43 @@ def _show(value: Any) -> str:
 # -- running ----------------------------------------------------------------------------------
 
 
+class FeatureOverflow(ValueError):
+    """A firing's feature values do not fit the model input's dtype (e.g. float16)."""
+
+
 @dataclass(frozen=True)
 class Firing:
-    """One trigger firing: which trigger, the key and event time, and the model's input."""
+    """One trigger firing: which trigger, the key and event time, and its feature row.
+
+    `inputs` builds the model's input when asked, so a push holds one float64 row per
+    firing (a view of the engine's matrix), not a copy per firing of every input.
+    """
 
     trigger: str
     key: int
     ts: int
     window_start: int
     window_end: int
-    inputs: dict[str, np.ndarray]
+    row: np.ndarray
+    fit: InputFit
+    missing: float
+
+    @property
+    def inputs(self) -> dict[str, np.ndarray]:
+        """Return the model input: NaN (empty windows) as `missing`, cast and shaped.
+
+        FeatureOverflow if a value does not fit the input's dtype.
+        """
+        row = np.where(np.isnan(self.row), self.missing, self.row)
+        with np.errstate(over="ignore"):
+            cast = row.astype(self.fit.dtype)
+        if not np.isfinite(cast).all():
+            bad = int(np.flatnonzero(~np.isfinite(cast))[0])
+            raise FeatureOverflow(
+                f"trigger {self.trigger}: feature column {bad} ({row[bad]:g}) does not fit "
+                f"input {self.fit.name!r} ({self.fit.dtype})"
+            )
+        return {self.fit.name: cast.reshape(self.fit.shape)}
 
 
 class Pipeline:
@@ -451,9 +500,7 @@ class Pipeline:
         out = []
         for i in range(len(fired)):
             tid = int(fired.trigger_id[i])
-            trigger, fit = self.spec.triggers[tid], self._fits[tid]
-            row = fired.feature_row(i)
-            row = np.where(np.isnan(row), trigger.missing, row)
+            trigger = self.spec.triggers[tid]
             out.append(
                 Firing(
                     trigger=trigger.name,
@@ -461,10 +508,17 @@ class Pipeline:
                     ts=int(fired.ts[i]),
                     window_start=int(fired.window_start[i]),
                     window_end=int(fired.window_end[i]),
-                    inputs={fit.name: row.astype(fit.dtype).reshape(fit.shape)},
+                    row=fired.feature_row(i),
+                    fit=self._fits[tid],
+                    missing=trigger.missing,
                 )
             )
         return out
+
+    @property
+    def width(self) -> int:
+        """Feature values all triggers compute per event, at most (a push's memory bound)."""
+        return sum(t.spec.width for t in self.spec.triggers)
 
 
 def _unknown_type(name: str, index: int, known: tuple[str, ...]) -> StreamInputError:

@@ -19,7 +19,6 @@ from pathlib import Path
 import grpc
 
 from control_plane import errors
-from control_plane.fleet.wire import attributes_pb
 from control_plane.api.grpc_errors import error_for
 from control_plane.api.transfer import (
     Progress,
@@ -29,6 +28,7 @@ from control_plane.api.transfer import (
     write_verified,
 )
 from control_plane.api.trust import signed_golden, signed_variant, verify_version
+from control_plane.fleet.wire import attributes_pb
 from device_agent.signing_keys import KeyRing
 from device_agent.transport import ClientTls, channel_credentials
 from protos import admin_pb2, admin_pb2_grpc, common_pb2, fleet_pb2, fleet_pb2_grpc

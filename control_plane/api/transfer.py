@@ -52,12 +52,11 @@ def read_pipeline(path: Path) -> str:
     from runtime.pipeline import MAX_PIPELINE_BYTES
 
     try:
-        size = path.stat().st_size
-        if size > MAX_PIPELINE_BYTES:
-            raise errors.TooLarge(
-                f"{path}: {size} bytes of pipeline spec, over the {MAX_PIPELINE_BYTES}-byte limit"
-            )
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:  # read, not stat: a pipe or a device has no size
+            data = f.read(MAX_PIPELINE_BYTES + 1)
+        if len(data) > MAX_PIPELINE_BYTES:
+            raise errors.TooLarge(f"{path}: pipeline spec over the {MAX_PIPELINE_BYTES}-byte limit")
+        text = data.decode("utf-8")
     except OSError as exc:
         raise errors.InvalidArgument(f"cannot read pipeline {path}: {exc.strerror}") from None
     except UnicodeDecodeError:

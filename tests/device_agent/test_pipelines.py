@@ -26,6 +26,7 @@ from tests.device_agent.test_serving import (
     wait_serving,
 )
 
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 FIELDS = {"key_fields": ["user"], "value_fields": ["dwell_ms", "amount"]}
 
 
@@ -145,6 +146,15 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
             ([agent_pb2.Event(ts_ms=t0 - 60_000, type="tap", keys=[1], values=[0, 0])], {}, "late"),
             ([agent_pb2.Event(ts_ms=-5, type="tap", keys=[1], values=[0, 0])], {}, "timestamp"),
             (
+                [
+                    agent_pb2.Event(
+                        ts_ms=time.time_ns() // 1000, type="tap", keys=[1], values=[0, 0]
+                    )
+                ],
+                {},
+                "ahead of this device's clock",
+            ),
+            (
                 [agent_pb2.Event(ts_ms=t0, type="tap", keys=[1, 2], values=[0, 0])],
                 {},
                 "event 0: 2 keys",
@@ -157,7 +167,8 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
             ([good], {"value_fields": ["amount", "amount"]}, "value_fields must name"),
         ]:
             error = rpc_error(push, state, events, **fields)
-            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+            expected = grpc.StatusCode.OUT_OF_RANGE if fragment == "late" else INVALID
+            assert error.code() == expected, error.details()
             assert fragment in error.details(), error.details()
         error = rpc_error(push, state, [good], model="nope")
         assert error.code() == grpc.StatusCode.NOT_FOUND

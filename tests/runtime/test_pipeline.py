@@ -90,6 +90,32 @@ BAD_SPECS = [
     ("bad trigger name", small(name="no spaces"), "'no spaces' is not a valid name"),
     ("nan missing", small(missing=float("nan")), "missing: expected a finite number"),
     ("bad shape", small(shape=[1, 0]), "shape: expected positive ints"),
+    ("huge missing", small(missing=10**400), "missing: expected a finite number"),
+    (
+        "huge edge",
+        small(
+            features=[
+                {"agg": "histogram", "field": "v", "window": {"count": 2}, "edges": [0, 10**400]}
+            ]
+        ),
+        "edges: expected a finite number",
+    ),
+    (
+        "float window",
+        small(features=[{"agg": "count", "window": {"count": 3.0}}]),
+        "triggers[0] (t).features[0].window: expected an integer, got 3.0",
+    ),
+    ("too many keys", {**small(), "max_keys": 2**31}, "max_keys: at most 1000000"),
+    (
+        "huge count window",
+        small(features=[{"agg": "count", "window": {"count": 1 << 17}}]),
+        "a count count window holds at most 65536 events",
+    ),
+    (
+        "huge distinct window",
+        small(features=[{"agg": "distinct", "field": "v", "window": {"count": 5000}}]),
+        "a distinct count window holds at most 4096 events",
+    ),
 ]
 
 
@@ -117,6 +143,7 @@ FIT_ERRORS = [
         "not the model's input 'y'",
     ),
     ("int input", [{"name": "x", "shape": [1, 2], "dtype": "int64"}], "is int64"),
+    ("half input", [{"name": "x", "shape": [1, 2], "dtype": "float16"}], "is float16"),
     ("too wide", [{"name": "x", "shape": [1, 16], "dtype": "float32"}], "give 2 value(s)"),
     ("dynamic", [{"name": "x", "shape": [1, -1], "dtype": "float32"}], "give the per-firing"),
 ]
@@ -131,8 +158,16 @@ def test_a_spec_that_does_not_fit_the_model_says_why(inputs, fragment):
     assert fragment in str(caught.value)
 
 
+def test_a_missing_value_must_fit_the_input_dtype():
+    with pytest.raises(PipelineError, match="missing: 1e\\+39 does not fit float32"):
+        parse_pipeline(small(missing=1e39)).fit(
+            [{"name": "x", "shape": [1, 2], "dtype": "float32"}]
+        )
+    parse_pipeline(small(missing=1e39)).fit([{"name": "x", "shape": [1, 2], "dtype": "float64"}])
+
+
 def test_an_explicit_shape_fills_a_dynamic_input_and_must_match_fixed_dims():
-    dynamic = [{"name": "x", "shape": [-1, 1, -1], "dtype": "float16"}]
+    dynamic = [{"name": "x", "shape": [-1, 1, -1], "dtype": "float64"}]
     (fit,) = parse_pipeline(small(shape=[1, 1, 2])).fit(dynamic).values()
     assert fit.shape == (1, 1, 2)
     with pytest.raises(PipelineError, match="does not fit the input's declared shape"):

@@ -1,0 +1,226 @@
+"""The agent's pipelines against a stand-in for its serving models: the edges, quickly.
+
+The end-to-end path (a real agent, a real model, gRPC) is in test_pipelines.py; here a
+fake `Serving` answers each firing, so swaps, bounds and refusals can be timed and
+counted exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from device_agent import pipelines
+from device_agent.pipelines import (
+    Closed,
+    EventsRejected,
+    NoPipeline,
+    Pipelines,
+    Result,
+    Subscription,
+)
+from device_agent.telemetry import Collector
+from protos import agent_pb2
+from runtime.signature import Signature, TensorSpec
+
+SIGNATURE = Signature((TensorSpec("x", (1, 2), "float32"),), ("y",))
+NOW = time.time_ns() // 1_000_000
+
+
+def spec(pattern: str = "a") -> dict:
+    return {
+        "event_types": ["a", "b"],
+        "key_fields": ["k"],
+        "value_fields": ["v"],
+        "lateness_ms": 1000,
+        "triggers": [
+            {
+                "name": "t",
+                "pattern": pattern,
+                "by": "k",
+                "input": "x",
+                "features": [
+                    {"agg": "sum", "field": "v", "window": {"count": 4}},
+                    {"agg": "count", "window": {"count": 4}},
+                ],
+            }
+        ],
+    }
+
+
+class FakeModel:
+    signature = SIGNATURE
+
+
+class FakeServing:
+    """What Pipelines needs of Serving: put, serving, is_loading, infer."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.slot: dict | None = None
+        self.loading = False
+        self.runs = 0
+
+    def put(self, name, info, model) -> None:
+        self.slot = info
+
+    def serving(self, name):
+        return self.slot
+
+    def is_loading(self, name) -> bool:
+        return self.loading
+
+    def infer(self, name, inputs):
+        time.sleep(self.delay_s)
+        self.runs += 1
+        x = inputs["x"]
+        return self.slot, "CPU", {"y": x * 2}, 1000
+
+
+def slot(version: int, doc: dict | None) -> dict:
+    return {"version": version, "uid": f"u{version}", "variant": "fp32", "pipeline": doc}
+
+
+def events(ts, types=None, k=1, v=1.0) -> list[agent_pb2.Event]:
+    types = types or ["a"] * len(ts)
+    return [
+        agent_pb2.Event(ts_ms=t, type=e, keys=[k], values=[v])
+        for t, e in zip(ts, types, strict=True)
+    ]
+
+
+def push(p: Pipelines, evs, **kw):
+    return p.push("m", ["k"], ["v"], evs, **kw)
+
+
+def test_a_timestamp_far_in_the_future_is_refused_and_cannot_poison_the_watermark():
+    p = Pipelines(FakeServing(), Collector())
+    p.activate("m", slot(1, spec()), FakeModel())
+    with pytest.raises(EventsRejected) as caught:
+        push(p, events([NOW, NOW * 1000]))  # microseconds by mistake
+    assert caught.value.reason == "ahead" and "event 1" in str(caught.value)
+    assert push(p, events([NOW + 1])).firings == 1  # nothing of the bad batch applied
+    with pytest.raises(EventsRejected) as caught:
+        push(p, events([NOW - 60_000]))
+    assert caught.value.reason == "late"
+
+
+def test_a_push_bigger_than_its_memory_budget_is_refused_up_front(monkeypatch):
+    monkeypatch.setattr(pipelines, "PUSH_BYTES", 10_000)
+    p = Pipelines(FakeServing(), Collector())
+    p.activate("m", slot(1, spec()), FakeModel())
+    per_event = 2 * 8 + 256
+    with pytest.raises(EventsRejected, match=f"at most {10_000 // per_event} per push"):
+        push(p, events([NOW] * 100))
+    assert push(p, events([NOW] * 30)).accepted == 30
+
+
+def test_a_push_whose_caller_left_is_not_applied():
+    serving = FakeServing()
+    p = Pipelines(serving, Collector())
+    p.activate("m", slot(1, spec()), FakeModel())
+    with pytest.raises(EventsRejected) as caught:
+        push(p, events([NOW]), cancelled=lambda: True)
+    assert caught.value.reason == "cancelled" and serving.runs == 0
+    assert push(p, events([NOW])).firings == 1
+
+
+def test_a_swap_does_not_wait_for_pushes_queued_behind_the_one_in_flight():
+    serving = FakeServing(delay_s=0.05)
+    p = Pipelines(serving, Collector())
+    p.activate("m", slot(1, spec()), FakeModel())
+    stop, pushed = threading.Event(), []
+
+    def pusher() -> None:
+        t = NOW
+        while not stop.is_set():
+            t += 1
+            pushed.append(push(p, events([t] * 4)).version)
+
+    threads = [threading.Thread(target=pusher) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    p.activate("m", slot(2, spec()), FakeModel())  # equal spec: state carried over
+    took = time.monotonic() - started
+    time.sleep(0.3)
+    stop.set()
+    for t in threads:
+        t.join()
+    # At most the push in flight (4 firings x 50 ms) stood in its way, not the queue.
+    assert took < 0.6, took
+    assert pushed[-1] == 2 and 1 in pushed
+
+
+def test_loading_and_missing_models_and_a_closed_agent_are_told_apart():
+    serving = FakeServing()
+    p = Pipelines(serving, Collector())
+    with pytest.raises(NoPipeline) as caught:
+        push(p, events([NOW]))
+    assert not caught.value.installed and "not installed" in str(caught.value)
+    serving.loading = True
+    with pytest.raises(NoPipeline) as caught:
+        push(p, events([NOW]))
+    assert caught.value.loading and "is loading" in str(caught.value)
+    serving.loading = False
+    p.activate("m", slot(1, None), FakeModel())
+    with pytest.raises(NoPipeline, match="v1 has no event pipeline") as caught:
+        push(p, events([NOW]))
+    assert caught.value.installed and not caught.value.loading
+    p.activate("m", slot(2, spec()), FakeModel())
+
+    async def after_close() -> None:
+        p.close()
+        with pytest.raises(Closed):
+            p.subscribe("m")
+
+    asyncio.run(after_close())
+
+
+def test_a_failed_carry_over_starts_the_new_pipeline_empty(monkeypatch):
+    from runtime.pipeline import Pipeline
+
+    p = Pipelines(FakeServing(), Collector())
+    p.activate("m", slot(1, spec("a -> b")), FakeModel())
+    push(p, events([NOW], ["a"]))
+
+    def broken(self, old):
+        raise MemoryError
+
+    monkeypatch.setattr(Pipeline, "carry_over", broken)
+    p.activate("m", slot(2, spec("a -> b")), FakeModel())
+    # The partial match "a" did not survive; the swap did.
+    assert push(p, events([NOW + 1], ["b"])).firings == 0
+    assert push(p, events([NOW + 2, NOW + 3], ["a", "b"])).version == 2
+
+
+def test_a_slow_subscriber_is_bounded_by_bytes_as_well_as_results(monkeypatch):
+    monkeypatch.setattr(pipelines, "QUEUE_BYTES", 10_000)
+
+    async def scenario() -> None:
+        sub = Subscription("m", asyncio.get_running_loop())
+        big = {"y": np.zeros(1000, np.float32)}  # 4 kB each
+        for i in range(10):
+            sub.offer(Result("m", 1, "t", i, i, 0, 1, outputs=big))
+        sub.offer(None)
+        first, dropped = await sub.next()
+        assert dropped == 9 - 1 and first.key == 8  # two 4 kB results fit in 10 kB
+        last, dropped = await sub.next()
+        assert last.key == 9 and dropped == 0
+        assert (await sub.next())[0] is None  # the end of the stream is never dropped
+
+    asyncio.run(scenario())
+
+
+def test_feature_values_that_overflow_the_input_dtype_fail_that_firing_only():
+    serving = FakeServing()
+    p = Pipelines(serving, Collector())
+    p.activate("m", slot(1, spec()), FakeModel())
+    done = push(p, events([NOW, NOW + 1], v=1e39))  # beyond float32's 3.4e38
+    assert (done.firings, done.errors) == (2, 2) and serving.runs == 0
+    assert push(p, events([NOW + 2], k=2, v=1.0)).errors == 0
