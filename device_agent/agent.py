@@ -20,7 +20,6 @@ import asyncio
 import datetime as dt
 import logging
 import random
-import sqlite3
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,13 +30,13 @@ from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
 from device_agent.pipelines import Pipelines
+from device_agent.reporting import AUTH_CODES, Reporter
 from device_agent.serving import Serving
 from device_agent.signing_keys import KeyRing
 from device_agent.state import AgentError, Identity, StateDir, one_line
 from device_agent.telemetry import (
     Collector,
     Outbox,
-    install_batch,
     install_report,
     open_outbox,
     rollback_reports,
@@ -47,15 +46,13 @@ from protos import agent_pb2, device_pb2
 
 log = logging.getLogger("skiff.agent")
 
-AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 # A Watch stream that stayed up this long was healthy: the next failure starts backoff over.
 STABLE_S = 10.0
 # After a failed sync the next try comes after 10 s, 20 s, ... up to the poll interval.
 RETRY_BASE_S = 5.0
 REPORT_INTERVAL_S = 60.0
-# On SIGTERM: how long in-flight local requests may finish, and reports may be sent.
+# On SIGTERM: how long in-flight local requests may finish (reports: FLUSH_ON_STOP_S).
 DRAIN_S = 10.0
-FLUSH_ON_STOP_S = 5.0
 # A version that could not load for a passing reason (busy machine) is tried again.
 LOAD_RETRY_S = 30.0
 
@@ -106,14 +103,13 @@ class Agent:
         self._keys: DeviceKeyPair | None = None
         self.identity: Identity | None = None
         self.installer: Installer | None = None
-        self.outbox: Outbox | None = None
+        self.reporter: Reporter | None = None
         self.collector = Collector()
         self.serving: Serving | None = None
         self.pipelines: Pipelines | None = None
         self.reachable = False
         self._sync_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._report_now = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self.last: SyncOutcome | None = None
 
@@ -140,13 +136,21 @@ class Agent:
         self._conn = DeviceConnection(self._channel, self.identity.credential)
         self._loop = asyncio.get_running_loop()
         try:
-            self.outbox = open_outbox(self.state.path / "telemetry.db")
+            outbox = open_outbox(self.state.path / "telemetry.db")
         except OSError as exc:
             await self.close()
             raise AgentError(f"telemetry queue: {exc}") from None
         if self._serve:
             self.serving = Serving(self.collector, self._failing)
             self.pipelines = Pipelines(self.serving, self.collector)
+        self.reporter = Reporter(
+            outbox,
+            self.collector,
+            self._conn.report,
+            interval_s=self.report_interval_s,
+            collect_events=self.serving.collect_events if self.serving else None,
+            reached=self._reached,
+        )
         on_activated = self.pipelines.activate if self.pipelines else None
         self.installer = Installer(self.state, self._unwrap, on_activated)
         return self
@@ -158,9 +162,9 @@ class Agent:
         """Stop serving, close the channel and let go of the state directory."""
         if self.serving is not None:
             await asyncio.to_thread(self.serving.close)
-        if self.outbox is not None:
-            self.outbox.close()
-            self.outbox = None
+        if self.reporter is not None:
+            self.reporter.outbox.close()
+            self.reporter = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -319,7 +323,7 @@ class Agent:
         tasks = [
             asyncio.create_task(self._watch_loop(), name="watch"),
             asyncio.create_task(self._poll_loop(), name="poll"),
-            asyncio.create_task(self._report_loop(), name="report"),
+            asyncio.create_task(self.reporter.loop(), name="report"),
         ]
         stopper = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -334,7 +338,7 @@ class Agent:
             if api is not None:
                 self.pipelines.close()  # subscriptions end: they must not hold the drain
                 await api.stop(DRAIN_S)  # refuses new requests, lets running ones finish
-            await self._final_report()
+            await self.reporter.final()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -460,69 +464,22 @@ class Agent:
 
     # -- telemetry ----------------------------------------------------------------------------
 
+    @property
+    def outbox(self) -> Outbox | None:
+        """The telemetry queue (None outside `async with`)."""
+        return self.reporter.outbox if self.reporter is not None else None
+
     def queue_installs(self, reports: list[device_pb2.InstallReport]) -> None:
         """Queue install outcomes for the control plane and send them soon."""
-        if not reports or self.outbox is None:
-            return
-        try:
-            self.outbox.put(install_batch(reports))
-        except (OSError, sqlite3.Error) as exc:
-            log.warning("cannot queue install reports: %s", exc)
-            return
-        self._report_now.set()
-
-    def cut_report(self) -> None:
-        """Queue the serving stats gathered since the last cut."""
-        if self.serving is not None:
-            self.serving.collect_events()
-        batch = self.collector.cut()
-        if batch is not None and self.outbox is not None:
-            try:
-                self.outbox.put(batch)
-            except (OSError, sqlite3.Error) as exc:
-                log.warning("cannot queue a telemetry batch: %s", exc)
+        if self.reporter is not None:
+            self.reporter.queue_installs(reports)
 
     async def flush_reports(self) -> int:
-        """Send queued batches, oldest first; return how many the control plane took."""
-        sent = 0
-        while self.outbox is not None and (pending := self.outbox.pending(limit=20)):
-            for batch in pending:
-                try:
-                    await self._conn.report(batch)
-                except DeviceCallError as exc:
-                    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                        # It will never be accepted: drop it (counted) rather than block.
-                        log.error("control plane refused a telemetry batch: %s", exc.message)
-                        self.outbox.discard(batch)
-                        continue
-                    else:
-                        self.reachable = exc.code in AUTH_CODES and self.reachable
-                        log.info("reports wait for the control plane: %s", exc.message)
-                        return sent
-                else:
-                    sent += 1
-                    self.reachable = True
-                self.outbox.ack(batch)
-        return sent
+        """Send queued telemetry now; return how many batches the control plane took."""
+        return await self.reporter.flush() if self.reporter is not None else 0
 
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
-            except TimeoutError:
-                self.cut_report()
-            self._report_now.clear()
-            try:
-                await self.flush_reports()
-            except Exception as exc:  # noqa: BLE001 - reporting never stops the agent
-                log.error("reporting failed: %s: %s", type(exc).__name__, exc)
-
-    async def _final_report(self) -> None:
-        self.cut_report()
-        try:
-            await asyncio.wait_for(self.flush_reports(), FLUSH_ON_STOP_S)
-        except (TimeoutError, DeviceCallError, OSError, sqlite3.Error):
-            log.info("reports left queued for the next start")
+    def _reached(self, ok: bool) -> None:
+        self.reachable = ok
 
     async def _try_sync(self) -> bool:
         """Sync; False (logged and recorded) if it failed or left the device behind."""
