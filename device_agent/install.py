@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -374,8 +374,9 @@ class Installer:
     ) -> Path:
         """Download an artifact (resuming a partial one), check it, keep it.
 
-        From the presigned `url` when the assignment carries a usable one (the control
-        plane's Download RPC takes over from where it fails), else from the control plane.
+        From the presigned `url` when the assignment carries a usable one, else from the
+        control plane; the control plane's Download takes over where the URL fails or
+        sends a segment that does not verify.
 
         With `segments` (the signed per-segment digests) each segment is checked as it
         arrives and only verified segments reach the disk; a restart resumes at the first
@@ -402,36 +403,35 @@ class Installer:
                 f"{self._state.artifacts}: {free} bytes free"
             )
         started = time.monotonic()
-        checker = SegmentChecker(segments, size, offset // SEGMENT_SIZE) if segments else None
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        fd = -1
         try:
-            async for data in self._download(conn, digest, size, offset, url, timings):
-                write_all(fd, checker.feed(data) if checker else data)
-            if checker is not None:
-                write_all(fd, checker.finish())
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            if offset < size:  # a complete part (killed before its rename) needs nothing
+                await self._receive(conn, fd, digest, size, offset, segments, url, timings)
             os.fsync(fd)
         except errors.IntegrityError as exc:
             # The verified segments stay: the next attempt fetches from the bad one on.
-            if os.fstat(fd).st_size == 0:
+            if fd >= 0 and os.fstat(fd).st_size == 0:
                 part.unlink(missing_ok=True)
             raise IntegrityFailure(f"artifact {digest[:12]}: {exc}") from None
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                part.unlink(missing_ok=True)  # give the space back; nothing is half-installed
+                # The device needs its space more than the verified segments: give it back.
+                part.unlink(missing_ok=True)
                 raise DiskFull(f"disk full while downloading artifact {digest[:12]}") from None
             raise
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         checked = time.monotonic()
-        if checker is None:
+        if not segments:
             got = _sha256_file(part)
             if part.stat().st_size != size or got != digest:
                 part.unlink()  # start over next time: these bytes are not the artifact
                 raise IntegrityFailure(f"artifact {digest[:12]}: downloaded bytes do not match")
         elif part.stat().st_size != size:
             raise IntegrityFailure(f"artifact {digest[:12]}: {part.stat().st_size} of {size} bytes")
-        os.replace(part, final)
-        fsync_dir(final.parent)
+        self._keep(part, final)
         if timings is not None:
             timings.download_s = checked - started
             timings.verify_s = time.monotonic() - checked
@@ -439,34 +439,55 @@ class Installer:
             timings.resumed_from = offset
         return final
 
-    async def _download(
+    def _keep(self, part: Path, final: Path) -> None:
+        """Make a verified download the artifact: one rename, made durable."""
+        os.replace(part, final)
+        fsync_dir(final.parent)
+
+    async def _receive(
         self,
         conn: DeviceConnection,
+        fd: int,
         digest: str,
         size: int,
         offset: int,
+        segments: bytes,
         url: str,
         timings: InstallTimings | None,
-    ) -> AsyncIterator[bytes]:
-        """Yield an artifact's bytes from `offset`: the URL's first, then the control plane's."""
+    ) -> None:
+        """Write [offset, size) of an artifact to `fd`: verified segments only, if signed.
+
+        The presigned URL first, when usable; the control plane from the first byte the
+        URL did not deliver, or from the first segment of the URL's that did not verify.
+        """
+        checker = SegmentChecker(segments, size, offset // SEGMENT_SIZE) if segments else None
+        received = offset
         if url and usable_url(url):
             try:
                 async for data in fetch_url(url, offset, size):
-                    offset += len(data)
+                    write_all(fd, checker.feed(data) if checker else data)
+                    received += len(data)
                     if timings is not None:
                         timings.url_bytes += len(data)
-                    yield data
+                if checker is not None:
+                    write_all(fd, checker.finish())
                 return
             except UrlFetchError as exc:
-                log.info(
-                    "artifact %s: presigned URL failed (%s); from the control plane",
-                    digest[:12],
-                    exc,
-                )
+                log.info("artifact %s: presigned URL failed (%s)", digest[:12], exc)
+            except errors.IntegrityError as exc:
+                if checker is None:
+                    raise
+                # The store's bytes are bad; the control plane's may not be.
+                log.warning("artifact %s: from the presigned URL, %s", digest[:12], exc)
+                checker.restart()
+                received = checker.verified_bytes
+            log.info("artifact %s: from the control plane from byte %d", digest[:12], received)
         elif url:
             log.warning("artifact %s: not fetching from a plain-HTTP URL off loopback", digest[:12])
-        async for _, data in conn.download(digest, size=size, offset=offset):
-            yield data
+        async for _, data in conn.download(digest, size=size, offset=received):
+            write_all(fd, checker.feed(data) if checker else data)
+        if checker is not None:
+            write_all(fd, checker.finish())
 
     async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple:
         started = time.monotonic()

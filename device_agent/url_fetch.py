@@ -11,7 +11,10 @@ or plain HTTP to a loopback host only.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import ipaddress
+import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -19,6 +22,8 @@ from collections.abc import AsyncIterator
 
 CHUNK = 256 << 10
 TIMEOUT_S = 30.0
+MIN_RATE = 64 << 10  # bytes per second, over the whole transfer
+_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 __all__ = ["UrlFetchError", "fetch_url", "usable_url"]
 
@@ -47,25 +52,64 @@ def _loopback(host: str) -> bool:
         return False
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuse redirects: a presigned GET needs none, and one could leave HTTPS or loopback."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102
+        return None  # urllib then raises HTTPError for the 30x
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 async def fetch_url(url: str, offset: int, size: int) -> AsyncIterator[bytes]:
-    """Yield the bytes of [offset, size) from `url`; UrlFetchError if it fails or lies."""
+    """Yield the bytes of [offset, size) from `url`; UrlFetchError if it fails or lies.
+
+    Gives up (UrlFetchError) when a read stalls TIMEOUT_S, or when the whole transfer
+    runs below MIN_RATE: a trickling store must not hold an install for ever. Messages
+    never carry the URL (its query is a credential).
+    """
+    deadline = time.monotonic() + TIMEOUT_S + (size - offset) / MIN_RATE
     request = urllib.request.Request(url, headers={"Range": f"bytes={offset}-{size - 1}"})
     try:
-        response = await asyncio.to_thread(urllib.request.urlopen, request, timeout=TIMEOUT_S)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise UrlFetchError(str(getattr(exc, "reason", exc))) from None
+        response = await asyncio.to_thread(_OPENER.open, request, timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as exc:
+        raise UrlFetchError(f"HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+        raise UrlFetchError(_describe(exc)) from None
     try:
-        if response.status != 206 and not (response.status == 200 and offset == 0):
-            raise UrlFetchError(f"HTTP {response.status} for a range request")
+        _check_range(response, offset, size)
         got = offset
         while got < size:
+            if time.monotonic() > deadline:
+                raise UrlFetchError(f"too slow: {got - offset} bytes in the time allowed")
             try:
                 data = await asyncio.to_thread(response.read, min(CHUNK, size - got))
-            except OSError as exc:
-                raise UrlFetchError(f"cut at byte {got}: {exc}") from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise UrlFetchError(f"cut at byte {got}: {_describe(exc)}") from None
             if not data:
                 raise UrlFetchError(f"ended at byte {got} of {size}")
             got += len(data)
             yield data
     finally:
         response.close()
+
+
+def _check_range(response, offset: int, size: int) -> None:
+    if response.status == 200 and offset == 0:
+        return
+    if response.status != 206:
+        raise UrlFetchError(f"HTTP {response.status} for a range request")
+    found = _RANGE.fullmatch(response.headers.get("Content-Range", "").strip())
+    if found is None or int(found[1]) != offset:
+        raise UrlFetchError(f"the store answered another range than bytes {offset}-")
+
+
+def _describe(exc: BaseException) -> str:
+    """Say what went wrong without the URL (InvalidURL and some URLErrors quote it)."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return type(exc).__name__

@@ -92,6 +92,15 @@ class SegmentChecker:
         self._index = start
         self._buffer = bytearray()
 
+    @property
+    def verified_bytes(self) -> int:
+        """Bytes of the artifact verified so far (whole segments from the start)."""
+        return self._index * SEGMENT_SIZE
+
+    def restart(self) -> None:
+        """Forget the segment being received: it is fetched again from its start."""
+        self._buffer.clear()
+
     def feed(self, data: bytes) -> bytes:
         """Take downloaded bytes; return the verified whole segments they complete."""
         self._buffer += data

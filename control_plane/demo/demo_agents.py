@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -124,7 +125,7 @@ class DemoAgents:
                 stderr=log,
                 env=env,
                 start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
 
     def stop(self) -> None:
@@ -164,10 +165,20 @@ def _socket_root(root: Path) -> Path:
     longest = Path(os.path.abspath(root)) / "agent-xx" / SOCKET_NAME
     if len(os.fsencode(longest)) <= MAX_SOCKET_PATH:
         return root
-    return Path(tempfile.mkdtemp(prefix="skiff-agents-"))
+    short = Path(tempfile.mkdtemp(prefix="skiff-agents-"))
+    print(f"   (agent state in {short}: sockets under {root} would be too long)", flush=True)
+    return short
 
 
-def _die_with_parent() -> None:
-    """In the child: the kernel sends SIGTERM when the demo's process dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# Looked up here, in the demo's process: a child between fork and exec may not dlopen.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child: the kernel sends SIGTERM when the demo's process dies.
+
+    If the demo died before this ran, no signal will come: go at once.
+    """
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)

@@ -2,6 +2,7 @@
 
 SKIFF_TEST_CRASH=download:BYTES  mid-download, after BYTES reach the disk (the last
                                  write cut short, as a crash mid-write leaves it)
+SKIFF_TEST_CRASH=rename          the artifact downloaded whole, before its rename
 SKIFF_TEST_CRASH=self-test       after the download, before the self-test
 SKIFF_TEST_CRASH=pointer:before:V  activating version V: new pointer written and
 SKIFF_TEST_CRASH=pointer:after:V   fsynced, before (after) its rename
@@ -39,6 +40,8 @@ def _arm(point: str) -> None:
             real(fd, data)
 
         install.write_all = write_all
+    elif kind == "rename":
+        install.Installer._keep = lambda self, part, final: _die()
     elif kind == "self-test":
         install.Installer._self_test_blocking = lambda self, m: _die()
     elif kind == "pointer":

@@ -75,6 +75,19 @@ def test_sigkill_mid_download_resumes_at_the_last_verified_segment(cp, tmp_path)
     assert not part.exists() and (state / "artifacts" / digest).stat().st_size == size
 
 
+def test_sigkill_before_the_downloads_rename_keeps_the_verified_file(cp, tmp_path):
+    version, digest, size = push_big(cp, tmp_path)
+    assert size % SEGMENT_SIZE  # the last segment is a short one
+    state = tmp_path / "s"
+    rollout(cp, version)
+    crash_run(cp, state, "rename", "--enroll-token", token(cp))
+    assert (state / "artifacts" / f"{digest}.part").stat().st_size == size
+    outcome = asyncio.run(once(cp, state))
+    assert outcome.converged
+    timings = outcome.installs[0].timings
+    assert (timings.resumed_from, timings.downloaded_bytes) == (size, 0)
+
+
 def test_a_byte_flipped_in_transit_costs_one_segment(cp, tmp_path, monkeypatch):
     version, digest, size = push_big(cp, tmp_path)
     state = tmp_path / "s"

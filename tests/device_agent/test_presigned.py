@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.server
+import threading
 
 import boto3
 import pytest
@@ -100,3 +102,72 @@ def test_a_tampered_object_behind_the_url_is_refused_segment_by_segment(s3_cp, t
 )
 def test_only_https_or_loopback_urls_are_fetched(url, ok):
     assert usable_url(url) is ok
+
+
+def test_a_bad_segment_from_the_url_is_fetched_again_from_the_control_plane(
+    s3_cp, tmp_path, monkeypatch
+):
+    real = url_fetch.fetch_url
+
+    async def flipping(url, offset, size):
+        async for data in real(url, offset, size):
+            yield bytes([data[0] ^ 1]) + data[1:] if offset >= SEGMENT_SIZE else data
+            offset += len(data)
+
+    monkeypatch.setattr(install, "fetch_url", flipping)
+    outcome = asyncio.run(once(s3_cp, tmp_path / "s", enroll_token=token(s3_cp)))
+    timings = outcome.installs[0].timings
+    size = s3_cp.artifact.ciphertext_size
+    assert outcome.converged and timings.downloaded_bytes == size
+    # The first segment came from the store; the control plane sent the rest.
+    assert SEGMENT_SIZE <= timings.url_bytes < size
+
+
+class _Store(http.server.BaseHTTPRequestHandler):
+    """A blob store that misbehaves as the request path says."""
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://192.0.2.1/elsewhere")
+            self.end_headers()
+        elif self.path == "/wrong-range":
+            self.send_response(206)
+            self.send_header("Content-Range", "bytes 0-9/10")
+            self.end_headers()
+            self.wfile.write(b"0123456789")
+        elif self.path == "/garbage":
+            self.wfile.write(b"NOT HTTP AT ALL\r\n\r\n")
+        else:
+            self.send_response(403)
+            self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def store():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Store)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [
+        ("/redirect", "HTTP 302"),  # never followed: it could leave HTTPS or loopback
+        ("/wrong-range", "another range than bytes 5-"),
+        ("/garbage", "BadStatusLine"),
+        ("/expired?X-Amz-Signature=secret", "HTTP 403"),
+    ],
+)
+def test_a_misbehaving_store_is_a_fallback_never_a_crash(store, path, fragment):
+    async def fetch():
+        return [d async for d in url_fetch.fetch_url(store + path, 5, 10)]
+
+    with pytest.raises(UrlFetchError) as caught:
+        asyncio.run(fetch())
+    assert fragment in str(caught.value) and "secret" not in str(caught.value)
