@@ -21,6 +21,12 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enroll-token", default="", metavar="T")
     p.add_argument("--state", type=Path, default=None, metavar="FILE", help="keep identities")
+    p.add_argument(
+        "--report-interval",
+        default="60s",
+        metavar="D",
+        help="devices report serving stats this often, as agents do (0: never; default 60s)",
+    )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--duration", default="", metavar="D", help="run for D (e.g. 60s, 10m)")
     group.add_argument("--once", action="store_true", help="enroll, sync once, exit")

@@ -79,6 +79,7 @@ class SimDevice:
         self.reconnects = 0
         self.rejected = ""  # why the server refuses this device for good
         self._last_sync = 0.0
+        self.reports = 0
 
     # -- sync and install -----------------------------------------------------------------
 
@@ -186,6 +187,31 @@ class SimDevice:
             attempt += 1
             if time.monotonic() - self._last_sync >= self.poll_interval_s:
                 await self.sync()  # the stream is down: poll, as the server asked
+
+    # -- telemetry --------------------------------------------------------------------------
+
+    async def report_forever(self, load, interval_s: float, injections) -> None:
+        """Report what its models did every `interval_s` (first after a random phase).
+
+        A batch the control plane does not take is dropped and counted: the simulator
+        keeps no outbox (the agent does, see device_agent.telemetry).
+        """
+        await asyncio.sleep(random.uniform(0, interval_s))
+        last = dt.datetime.now(dt.UTC)
+        while not self.rejected:
+            await asyncio.sleep(interval_s)
+            now = dt.datetime.now(dt.UTC)
+            batch = load.batch(self.installed, last, now, injections)
+            last = now
+            if batch is None:
+                continue
+            try:
+                await self._conn.report(batch)
+                self.reports += 1
+            except DeviceCallError as exc:
+                self.failures[f"report_{exc.code.name.lower()}"] += 1
+                if exc.code in AUTH_CODES:
+                    self.rejected = exc.message
 
     # -- views ------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ def summary_json(stats: FleetStats, *, elapsed_s: float, enrolled: int, reused: 
         "reconnects": stats.reconnects,
         "downloads": stats.downloads,
         "bytes_downloaded": stats.bytes_downloaded,
+        "reports": stats.reports,
         "failures": dict(sorted(stats.failures.items())),
         "converged": {
             _label(t): {"desired": c.desired, "installed": c.installed}

@@ -191,6 +191,28 @@ class FleetSimulator:
                     device.watch_forever(self.options.sync_jitter_s), name=f"watch-{device.id}"
                 )
 
+    def report_all(self, interval_s: float, *, requests_per_s: float | None = None) -> None:
+        """Have every device report its models' serving stats every `interval_s`.
+
+        What they report follows `control_plane.sim.telemetry` (each model served
+        `requests_per_s`, by default REQUESTS_PER_S) and the profile's `inject` rules.
+        """
+        from control_plane.sim.telemetry import REQUESTS_PER_S, Load
+
+        for device in self.devices:
+            key = f"report-{device.id}"
+            task = self._tasks.get(key)
+            if task is None or task.done():
+                load = Load(
+                    device.id,
+                    device.identity.attributes,
+                    self.seed,
+                    requests_per_s or REQUESTS_PER_S,
+                )
+                self._tasks[key] = asyncio.create_task(
+                    device.report_forever(load, interval_s, self.profile.injections), name=key
+                )
+
     async def wait_synced(
         self,
         model: str,

@@ -12,6 +12,9 @@ A profile is JSON in one of three shapes:
                                                         attributes can be correlated
                                                         (an iPhone never has an rk3588)
 
+Any shape may add `"inject": [...]`: faults a slice of the fleet shows in what it reports
+while it runs one version (see control_plane.sim.telemetry).
+
 Device i's attributes depend only on the seed, i and the profile, never on how many
 devices were made before it, so a run that adds devices leaves the old ones as they were.
 """
@@ -61,6 +64,8 @@ class Profile:
 
     devices: tuple[dict, ...] = ()
     classes: tuple[tuple[Mix, float], ...] = ()
+    # What slices of the fleet show while they run a version (control_plane.sim.telemetry).
+    injections: tuple = ()
 
     def attributes(self, seed: int, index: int) -> dict:
         """Return device `index`'s attributes (canonical form) for this seed."""
@@ -108,17 +113,20 @@ def _parse(data: object) -> Profile:
     if not isinstance(data, Mapping):
         raise errors.InvalidArgument("must be a JSON object")
     shapes = [k for k in ("devices", "mix", "classes") if k in data]
-    unknown = sorted(set(data) - {"devices", "mix", "classes", "description"})
+    unknown = sorted(set(data) - {"devices", "mix", "classes", "description", "inject"})
     if unknown or len(shapes) != 1:
         raise errors.InvalidArgument(
             "must have exactly one of 'devices', 'mix' or 'classes'"
             + (f" (unknown key {', '.join(map(repr, unknown))})" if unknown else "")
         )
+    from control_plane.sim.telemetry import parse_injections
+
+    injections = parse_injections(data.get("inject", []))
     if "devices" in data:
-        return Profile(devices=_parse_devices(data["devices"]))
+        return Profile(devices=_parse_devices(data["devices"]), injections=injections)
     if "mix" in data:
-        return Profile(classes=((_parse_mix(data["mix"], "mix"), 1.0),))
-    return Profile(classes=_parse_classes(data["classes"]))
+        return Profile(classes=((_parse_mix(data["mix"], "mix"), 1.0),), injections=injections)
+    return Profile(classes=_parse_classes(data["classes"]), injections=injections)
 
 
 def _parse_devices(entries: object) -> tuple[dict, ...]:

@@ -46,6 +46,7 @@ class Plan:
     state: tuple[Identity, ...]
     once: bool
     duration_s: int | None
+    report_interval_s: int = 0
 
 
 def run_sim(*, config: Config, args: argparse.Namespace) -> tuple[dict, object]:
@@ -68,6 +69,7 @@ def run_sim(*, config: Config, args: argparse.Namespace) -> tuple[dict, object]:
         state=state,
         once=args.once,
         duration_s=duration,
+        report_interval_s=parse_duration(args.report_interval),
     )
     _raise_fd_limit()
     return asyncio.run(_run(plan))
@@ -141,6 +143,8 @@ async def _drive(sim: FleetSimulator, plan: Plan) -> None:
     if plan.once:
         return
     sim.watch_all()
+    if plan.report_interval_s:
+        sim.report_all(plan.report_interval_s)
     if plan.duration_s is None:
         await asyncio.Event().wait()  # until Ctrl-C or SIGTERM
     await asyncio.sleep(plan.duration_s)

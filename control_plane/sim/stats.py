@@ -33,6 +33,7 @@ class FleetStats:
     bytes_downloaded: int
     failures: dict[str, int] = field(default_factory=dict)
     targets: dict[Target, TargetCount] = field(default_factory=dict)
+    reports: int = 0  # telemetry batches the control plane took
 
 
 def fleet_stats(devices: Sequence[SimDevice], cache: ArtifactCache) -> FleetStats:
@@ -63,4 +64,5 @@ def fleet_stats(devices: Sequence[SimDevice], cache: ArtifactCache) -> FleetStat
         bytes_downloaded=cache.bytes_downloaded,
         failures=dict(failures),
         targets={t: TargetCount(n, done[t]) for t, n in sorted(desired.items())},
+        reports=sum(d.reports for d in devices),
     )

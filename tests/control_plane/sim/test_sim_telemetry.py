@@ -1,0 +1,107 @@
+"""Simulated devices report serving stats as agents do, with faults injected per slice."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import math
+
+import pytest
+
+from control_plane import errors
+from control_plane.sim import FleetSimulator, SimOptions
+from control_plane.sim.profile import parse_profile
+from control_plane.sim.telemetry import Load, parse_injections
+from control_plane.telemetry import Telemetry
+from runtime.histogram import MAX_RELATIVE_ERROR, LatencyHistogram
+from tests.control_plane.sim.conftest import MODEL
+from tests.control_plane.sim.test_fleet import enrolled
+from tests.control_plane.sim.test_sim_cli import rollout
+
+FAST = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
+SLOW_SOC, FAST_SOC = "sm8450", "sm8650"
+
+
+def profile(**extra) -> dict:
+    devices = [
+        {"attributes": {"platform": "android", "soc": soc, "device_model": f"Phone {i}"}}
+        for i, soc in enumerate([SLOW_SOC, FAST_SOC] * 4)
+    ]
+    return {"devices": devices, **extra}
+
+
+@pytest.mark.parametrize(
+    ("rules", "fragment"),
+    [
+        ("x", "'inject' must be a list"),
+        ([{"model": f"{MODEL}:2"}], "inject[0] must be an object with 'select' and 'model'"),
+        ([{"select": "soc=", "model": f"{MODEL}:2"}], "inject[0]: invalid selector at position"),
+        ([{"select": "", "model": MODEL}], "inject[0].model must be NAME:VERSION"),
+        ([{"select": "", "model": f"{MODEL}:2", "latency_x": 0}], "latency_x must be a number"),
+        ([{"select": "", "model": f"{MODEL}:2", "crash_rate": 2}], "crash_rate must be a number"),
+        ([{"select": "", "model": f"{MODEL}:2", "slow": 1}], "unknown key slow"),
+    ],
+)
+def test_a_bad_inject_rule_is_named(rules, fragment):
+    with pytest.raises(errors.InvalidArgument) as caught:
+        parse_profile(profile(inject=rules), source="p.json")
+    assert fragment in str(caught.value) and str(caught.value).startswith("p.json: ")
+
+
+def test_a_batch_is_what_an_agent_would_send():
+    attrs = {"platform": "android", "soc": SLOW_SOC}
+    (rule,) = parse_injections([{"select": f"soc={SLOW_SOC}", "model": "det:2", "latency_x": 3}])
+    load = Load("dev_1", attrs, seed=0, requests_per_s=2000)
+    end = dt.datetime.now(dt.UTC)
+    batch = load.batch({"det": (2, "fp32")}, end - dt.timedelta(seconds=5), end, [rule])
+    (stats,) = batch.models
+    assert (stats.model, stats.version, stats.config) == ("det", 2, load.config)
+    assert 9_000 < stats.inferences < 11_000
+    h = LatencyHistogram.from_dict(
+        {
+            "scheme": stats.latency.scheme,
+            "count": stats.latency.count,
+            "sum_ns": stats.latency.sum_ns,
+            "min_ns": stats.latency.min_ns,
+            "max_ns": stats.latency.max_ns,
+            "buckets": list(
+                zip(stats.latency.bucket_index, stats.latency.bucket_count, strict=True)
+            ),
+        }
+    )
+    assert h.count == stats.inferences - stats.errors
+    slowed = h.quantile(0.5)  # µs
+    expected = load.median_us("det", 2, [rule])
+    assert expected == pytest.approx(3 * load.median_us("det", 2, []))
+    assert abs(math.log(slowed / expected)) < 2 * MAX_RELATIVE_ERROR + 0.03
+    # Same device, same seed: the same latency; an idle device sends nothing.
+    again = Load("dev_1", attrs, seed=0)
+    assert again.median_us("det", 2, []) == load.median_us("det", 2, [])
+    assert Load("dev_1", attrs, seed=0).batch({}, end - dt.timedelta(seconds=5), end, []) is None
+
+
+def test_the_control_plane_sees_the_slowed_slice(cp):
+    cp = cp["cp"]
+    rules = [{"select": f"soc={SLOW_SOC}", "model": f"{MODEL}:2", "latency_x": 3.0}]
+
+    async def scenario() -> dict:
+        prof = parse_profile(profile(inject=rules))
+        async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
+            await enrolled(sim, cp, 8)
+            await asyncio.to_thread(rollout, cp, 2, "", (100,), 0)
+            await sim.wait_synced(MODEL, 2, installed=True, timeout=20)
+            sim.report_all(0.5, requests_per_s=400)
+            await asyncio.sleep(3)
+            assert sim.stats().reports >= 8
+            return {d.id: Load(d.id, d.identity.attributes, sim.seed) for d in sim.devices}, {
+                d.id: d.identity.attributes["soc"] for d in sim.devices
+            }
+
+    loads, socs = asyncio.run(scenario())
+    telemetry = Telemetry(cp.app.store)
+    for device, load in loads.items():
+        (row,) = [x for x in telemetry.latency(device) if x.version == 2]
+        measured = row.histogram.quantile(0.5)  # µs
+        base = load.median_us(MODEL, 2, [])
+        factor = 3.0 if socs[device] == SLOW_SOC else 1.0
+        assert measured / base == pytest.approx(factor, rel=0.1), (socs[device], measured, base)
