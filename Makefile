@@ -62,6 +62,7 @@ bench: install
 	$(BIN)/python bench/sync.py --quick
 	$(BIN)/python bench/propagation.py --quick
 	$(BIN)/python bench/agent.py --quick
+	$(BIN)/python bench/telemetry.py --quick
 	$(BIN)/python bench/variant_accuracy.py
 
 clean:
