@@ -49,7 +49,7 @@ def read_golden(path: Path) -> bytes:
 
 def read_pipeline(path: Path) -> str:
     """Read a pipeline spec file: JSON of at most 64 KiB (the server checks the rest)."""
-    from runtime.pipeline import MAX_PIPELINE_BYTES
+    from runtime.pipeline_spec import MAX_PIPELINE_BYTES
 
     try:
         with path.open("rb") as f:  # read, not stat: a pipe or a device has no size

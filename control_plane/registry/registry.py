@@ -436,7 +436,7 @@ def _fitted_pipeline(request: PushRequest, signature: dict) -> dict | None:
     """Return the request's pipeline as manifest JSON once it fits the model's input."""
     if request.pipeline is None:
         return None
-    from runtime.pipeline import PipelineError
+    from runtime.pipeline_spec import PipelineError
 
     try:
         request.pipeline.fit(signature.get("inputs", []))

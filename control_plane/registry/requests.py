@@ -23,7 +23,7 @@ from control_plane.registry import memfd, mnn_tools
 from control_plane.registry.golden import GoldenRequest
 
 if TYPE_CHECKING:
-    from runtime.pipeline import PipelineSpec
+    from runtime.pipeline_spec import PipelineSpec
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class PushRequest:
 
 def parse_pipeline(text: str) -> PipelineSpec | None:
     """Check a pushed pipeline spec (JSON text, "" = none) on its own."""
-    from runtime.pipeline import PipelineError
-    from runtime.pipeline import parse_pipeline as parse
+    from runtime.pipeline_spec import PipelineError
+    from runtime.pipeline_spec import parse_pipeline as parse
 
     if not text:
         return None
