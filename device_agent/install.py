@@ -19,38 +19,29 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
-import errno
 import hashlib
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from control_plane import errors
 from control_plane.crypto import decrypt_stream
-from control_plane.crypto.envelope import SEGMENT_SIZE
-from control_plane.crypto.segments import SegmentChecker, verified_prefix
 from control_plane.limits import MODEL_NAME  # a network name becomes a path
 from device_agent.assignment import GoldenArtifact, VerifiedModel
 from device_agent.connection import DeviceConnection
+from device_agent.download import DiskFull, Downloads, IntegrityFailure
 from device_agent.state import (
     AgentError,
     StateDir,
     fsync_dir,
     one_line,
     read_json,
-    write_all,
     write_json,
 )
-from device_agent.url_fetch import UrlFetchError, fetch_url, usable_url
 
 log = logging.getLogger("skiff.agent")
 
-# Free space kept beyond an artifact's size, so a download never fills the disk.
-DISK_MARGIN_BYTES = 64 << 20
 POINTER_SCHEMA = "skiff.install-pointer/v1"
 
 
@@ -58,16 +49,8 @@ _SLOT = (("version", int), ("variant", str), ("uid", str), ("artifact", str))
 _SLOT_KEYS = {"active": _SLOT, "previous": _SLOT, "failed": (*_SLOT, ("reason", str))}
 
 
-class IntegrityFailure(AgentError):
-    """Downloaded bytes or keys do not match what the signed assignment promises."""
-
-
 class SelfTestFailed(AgentError):
     """The version does not load or does not reproduce its golden outputs here."""
-
-
-class DiskFull(AgentError):
-    """No room for the artifact; the partial download was removed (tried again later)."""
 
 
 @dataclass
@@ -171,6 +154,7 @@ class Installer:
         self._state = state
         self._unwrap = unwrap
         self.on_activated = on_activated
+        self.downloads = Downloads(state.artifacts)
 
     # -- pointers -----------------------------------------------------------------------------
 
@@ -233,11 +217,13 @@ class Installer:
             )
         timings = InstallTimings()
         try:
-            await self._fetch(
+            await self.downloads.fetch(
                 conn, m.ciphertext_sha256, m.ciphertext_size, timings, m.segment_sha256, m.url
             )
             if m.golden is not None:
-                await self._fetch(conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None)
+                await self.downloads.fetch(
+                    conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None
+                )
             model, config, probes = await self._self_test(m, timings)
         except (IntegrityFailure, SelfTestFailed, DiskFull) as exc:
             self._write_pointer(
@@ -359,135 +345,7 @@ class Installer:
 
     def artifact_path(self, digest: str) -> Path:
         """Return where the artifact with this ciphertext digest is kept."""
-        if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
-            raise IntegrityFailure(f"artifact digest {digest!r} is not a SHA-256")
-        return self._state.artifacts / digest
-
-    async def _fetch(
-        self,
-        conn: DeviceConnection,
-        digest: str,
-        size: int,
-        timings: InstallTimings | None,
-        segments: bytes = b"",
-        url: str = "",
-    ) -> Path:
-        """Download an artifact (resuming a partial one), check it, keep it.
-
-        From the presigned `url` when the assignment carries a usable one, else from the
-        control plane; the control plane's Download takes over where the URL fails or
-        sends a segment that does not verify.
-
-        With `segments` (the signed per-segment digests) each segment is checked as it
-        arrives and only verified segments reach the disk; a restart resumes at the first
-        segment not held verified. Without them (older versions) the whole file's digest
-        is checked at the end.
-        """
-        final = self.artifact_path(digest)
-        if final.exists():
-            return final  # verified when it was stored; decryption authenticates it again
-        part = final.with_name(final.name + ".part")
-        if segments:
-            offset = await asyncio.to_thread(verified_prefix, part, segments, size)
-            if part.exists() and part.stat().st_size != offset:
-                os.truncate(part, offset)  # drop what a crash left unverified
-        else:
-            offset = part.stat().st_size if part.exists() else 0
-            if offset > size:
-                part.unlink()
-                offset = 0
-        free = shutil.disk_usage(self._state.artifacts).free
-        if free < size - offset + DISK_MARGIN_BYTES:
-            raise DiskFull(
-                f"not enough disk space for a {size}-byte artifact in "
-                f"{self._state.artifacts}: {free} bytes free"
-            )
-        started = time.monotonic()
-        fd = -1
-        try:
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-            if offset < size:  # a complete part (killed before its rename) needs nothing
-                await self._receive(conn, fd, digest, size, offset, segments, url, timings)
-            os.fsync(fd)
-        except errors.IntegrityError as exc:
-            # The verified segments stay: the next attempt fetches from the bad one on.
-            if fd >= 0 and os.fstat(fd).st_size == 0:
-                part.unlink(missing_ok=True)
-            raise IntegrityFailure(f"artifact {digest[:12]}: {exc}") from None
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                # The device needs its space more than the verified segments: give it back.
-                part.unlink(missing_ok=True)
-                raise DiskFull(f"disk full while downloading artifact {digest[:12]}") from None
-            raise
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        checked = time.monotonic()
-        if not segments:
-            got = _sha256_file(part)
-            if part.stat().st_size != size or got != digest:
-                part.unlink()  # start over next time: these bytes are not the artifact
-                raise IntegrityFailure(f"artifact {digest[:12]}: downloaded bytes do not match")
-        elif part.stat().st_size != size:
-            raise IntegrityFailure(f"artifact {digest[:12]}: {part.stat().st_size} of {size} bytes")
-        self._keep(part, final)
-        if timings is not None:
-            timings.download_s = checked - started
-            timings.verify_s = time.monotonic() - checked
-            timings.downloaded_bytes = size - offset
-            timings.resumed_from = offset
-        return final
-
-    def _keep(self, part: Path, final: Path) -> None:
-        """Make a verified download the artifact: one rename, made durable."""
-        os.replace(part, final)
-        fsync_dir(final.parent)
-
-    async def _receive(
-        self,
-        conn: DeviceConnection,
-        fd: int,
-        digest: str,
-        size: int,
-        offset: int,
-        segments: bytes,
-        url: str,
-        timings: InstallTimings | None,
-    ) -> None:
-        """Write [offset, size) of an artifact to `fd`: verified segments only, if signed.
-
-        The presigned URL first, when usable; the control plane from the first byte the
-        URL did not deliver, or from the first segment of the URL's that did not verify.
-        """
-        checker = SegmentChecker(segments, size, offset // SEGMENT_SIZE) if segments else None
-        received = offset
-        if url and usable_url(url):
-            try:
-                async for data in fetch_url(url, offset, size):
-                    write_all(fd, checker.feed(data) if checker else data)
-                    received += len(data)
-                    if timings is not None:
-                        timings.url_bytes += len(data)
-                if checker is not None:
-                    write_all(fd, checker.finish())
-                return
-            except UrlFetchError as exc:
-                log.info("artifact %s: presigned URL failed (%s)", digest[:12], exc)
-            except errors.IntegrityError as exc:
-                if checker is None:
-                    raise
-                # The store's bytes are bad; the control plane's may not be.
-                log.warning("artifact %s: from the presigned URL, %s", digest[:12], exc)
-                checker.restart()
-                received = checker.verified_bytes
-            log.info("artifact %s: from the control plane from byte %d", digest[:12], received)
-        elif url:
-            log.warning("artifact %s: not fetching from a plain-HTTP URL off loopback", digest[:12])
-        async for _, data in conn.download(digest, size=size, offset=received):
-            write_all(fd, checker.feed(data) if checker else data)
-        if checker is not None:
-            write_all(fd, checker.finish())
+        return self.downloads.artifact_path(digest)
 
     async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple:
         started = time.monotonic()
@@ -580,14 +438,6 @@ def _failure_kind(exc: Exception) -> str:
     if isinstance(exc, SelfTestFailed):
         return "self-test"
     return "disk" if isinstance(exc, DiskFull) else "integrity"
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _probe_json(p) -> dict:

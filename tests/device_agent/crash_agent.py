@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 
+import device_agent.download as download
 import device_agent.install as install
 import device_agent.state as state
 from control_plane.cli.main import main
@@ -30,7 +31,7 @@ def _arm(point: str) -> None:
     kind, _, arg = point.partition(":")
     if kind == "download":
         limit, written = int(arg), [0]
-        real = install.write_all
+        real = download.write_all
 
         def write_all(fd: int, data: bytes) -> None:
             if written[0] + len(data) > limit:
@@ -39,9 +40,9 @@ def _arm(point: str) -> None:
             written[0] += len(data)
             real(fd, data)
 
-        install.write_all = write_all
+        download.write_all = write_all
     elif kind == "rename":
-        install.Installer._keep = lambda self, part, final: _die()
+        download.Downloads._keep = lambda self, part, final: _die()
     elif kind == "self-test":
         install.Installer._self_test_blocking = lambda self, m: _die()
     elif kind == "pointer":

@@ -20,7 +20,7 @@ import pytest
 
 from control_plane.crypto.envelope import SEGMENT_SIZE
 from control_plane.demo import sample_models
-from device_agent import install
+from device_agent import download, install
 from device_agent.connection import DeviceConnection
 from tests.device_agent.conftest import MODEL
 from tests.device_agent.test_agent import once, rollout, status, token
@@ -169,7 +169,7 @@ def test_a_full_disk_fails_the_install_cleanly_and_it_is_tried_again(cp, tmp_pat
     rollout(cp, 1)
     asyncio.run(once(cp, state, enroll_token=token(cp)))
     rollout(cp, version)
-    real, written = install.write_all, [0]
+    real, written = download.write_all, [0]
 
     def filling(fd: int, data: bytes) -> None:
         written[0] += len(data)
@@ -177,7 +177,7 @@ def test_a_full_disk_fails_the_install_cleanly_and_it_is_tried_again(cp, tmp_pat
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, data)
 
-    monkeypatch.setattr(install, "write_all", filling)
+    monkeypatch.setattr(download, "write_all", filling)
     outcome = asyncio.run(once(cp, state))
     (failed,) = outcome.installs
     assert failed.result == "failed" and "disk full" in failed.reason
@@ -186,5 +186,5 @@ def test_a_full_disk_fails_the_install_cleanly_and_it_is_tried_again(cp, tmp_pat
     assert not (state / "artifacts" / digest).exists()
     model = status(state)["models"][MODEL]
     assert model["active"]["version"] == 1 and "disk full" in model["failed"]["reason"]
-    monkeypatch.setattr(install, "write_all", real)
+    monkeypatch.setattr(download, "write_all", real)
     assert asyncio.run(once(cp, state)).converged  # space back: the next sync installs it

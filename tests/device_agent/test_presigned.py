@@ -12,7 +12,7 @@ import pytest
 
 from control_plane.crypto.envelope import SEGMENT_SIZE
 from control_plane.demo import sample_models
-from device_agent import install, url_fetch
+from device_agent import download, url_fetch
 from device_agent.url_fetch import UrlFetchError, usable_url
 from protos import fleet_pb2
 from tests.control_plane.helpers import start_control_plane
@@ -60,7 +60,7 @@ def test_a_url_failing_mid_download_hands_over_to_the_control_plane(s3_cp, tmp_p
             if got >= SEGMENT_SIZE + 1000:  # mid-segment: the checker holds a partial one
                 raise UrlFetchError("connection reset")
 
-    monkeypatch.setattr(install, "fetch_url", cut)
+    monkeypatch.setattr(download, "fetch_url", cut)
     outcome = asyncio.run(once(s3_cp, tmp_path / "s", enroll_token=token(s3_cp)))
     timings = outcome.installs[0].timings
     size = s3_cp.artifact.ciphertext_size
@@ -114,7 +114,7 @@ def test_a_bad_segment_from_the_url_is_fetched_again_from_the_control_plane(
             yield bytes([data[0] ^ 1]) + data[1:] if offset >= SEGMENT_SIZE else data
             offset += len(data)
 
-    monkeypatch.setattr(install, "fetch_url", flipping)
+    monkeypatch.setattr(download, "fetch_url", flipping)
     outcome = asyncio.run(once(s3_cp, tmp_path / "s", enroll_token=token(s3_cp)))
     timings = outcome.installs[0].timings
     size = s3_cp.artifact.ciphertext_size
