@@ -4,15 +4,17 @@
 attributes) and stops every one of them when its `with` block ends, however it ends:
 SIGTERM (the agent drains and exits), then SIGKILL after a grace period. The agents run
 in their own session, so a Ctrl-C in the terminal reaches the demo only and the demo
-stops them in order; and each is told by the kernel to stop if the demo itself dies.
+stops them in order; and, where util-linux's `setpriv` is installed, each is told by
+the kernel to stop if the demo itself dies (`--pdeathsig`, set before the agent's
+program starts: no Python code runs between fork and exec, which a process holding
+gRPC threads must not do).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +30,6 @@ from device_agent.local_api import MAX_SOCKET_PATH, SOCKET_NAME, socket_path
 from protos import agent_pb2, agent_pb2_grpc
 
 STOP_GRACE_S = 20.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -116,6 +117,8 @@ class DemoAgents:
         cmd += ["--report-interval", str(self._interval)]
         for key, value in agent.attributes.items():
             cmd += ["--attr", f"{key}={value}"]
+        if shutil.which("setpriv"):
+            cmd = ["setpriv", "--pdeathsig", "SIGTERM", "--", *cmd]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SKIFF_")}
         with agent.log.open("ab") as log:
             agent.proc = subprocess.Popen(
@@ -125,7 +128,6 @@ class DemoAgents:
                 stderr=log,
                 env=env,
                 start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
 
     def stop(self) -> None:
@@ -168,17 +170,3 @@ def _socket_root(root: Path) -> Path:
     short = Path(tempfile.mkdtemp(prefix="skiff-agents-"))
     print(f"   (agent state in {short}: sockets under {root} would be too long)", flush=True)
     return short
-
-
-# Looked up here, in the demo's process: a child between fork and exec may not dlopen.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child: the kernel sends SIGTERM when the demo's process dies.
-
-    If the demo died before this ran, no signal will come: go at once.
-    """
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:
-        os._exit(1)

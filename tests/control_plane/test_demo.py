@@ -63,17 +63,19 @@ def _no_agent_left(home) -> None:
 
 def test_ctrl_c_stops_every_agent_the_demo_started(tmp_path):
     home = tmp_path / "demo"
-    proc = subprocess.Popen(
-        [*SKIFF, "demo", "--home", str(home)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    log = tmp_path / "demo.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [*SKIFF, "demo", "--home", str(home)], stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
     try:
+        seen = []
         for line in proc.stdout:
+            seen.append(line)
             if "agent processes up and serving" in line:
                 break
-        assert len(_agents_of(home)) == 3
+        why = "".join(seen[-5:]) + log.read_text()[-3000:]
+        assert len(_agents_of(home)) == 3, why
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the demo
         proc.communicate(timeout=60)
         assert proc.returncode != 0
