@@ -316,9 +316,8 @@ class Agent:
         if self.serving is not None:
             from device_agent.local_api import AgentServicer, start_local_api
 
-            api, _ = await start_local_api(
-                self.state.path, AgentServicer(self.serving, self.status, self.pipelines)
-            )
+            servicer = AgentServicer(self.serving, self.status, self.pipelines)
+            api, _ = await start_local_api(self.state.path, servicer)
             self._spawn(self._load_installed())
         tasks = [
             asyncio.create_task(self._watch_loop(), name="watch"),
@@ -338,6 +337,7 @@ class Agent:
             if api is not None:
                 self.pipelines.close()  # subscriptions end: they must not hold the drain
                 await api.stop(DRAIN_S)  # refuses new requests, lets running ones finish
+                servicer.close()
             await self.reporter.final()
 
     def _spawn(self, coro) -> None:

@@ -122,6 +122,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         # burst of them never holds up Infer (asyncio's default pool).
         self._push_pool = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="skiff-push")
 
+    def close(self) -> None:
+        """Let go of the push threads (after the server stopped: no push is left to run)."""
+        self._push_pool.shutdown(wait=False, cancel_futures=True)
+
     async def Infer(self, request, context):  # noqa: D102, N802
         from runtime import (
             DeadlineExceeded,
