@@ -98,7 +98,10 @@ class Reporter:
         """Cut every interval, send whenever there is something; never raises."""
         while True:
             try:
-                await asyncio.wait_for(self._now.wait(), self.interval_s)
+                # Not wait_for: on 3.11 it can swallow a cancel that lands as the event is
+                # set, and the agent's stop would then wait for this loop for ever.
+                async with asyncio.timeout(self.interval_s):
+                    await self._now.wait()
             except TimeoutError:
                 self.cut()
             self._now.clear()

@@ -232,3 +232,30 @@ def test_reports_wait_out_a_control_plane_outage_then_land_once(cp, tmp_path):
         (2, "activated"),
         (1, "activated"),
     ]
+
+
+def test_the_report_loop_stops_when_cancelled_as_it_wakes(tmp_path):
+    """A cancel that lands as an install report wakes the loop must still stop it.
+
+    (asyncio.wait_for on Python 3.11 can swallow such a cancel; the agent's stop then
+    waited for the report loop for ever.)
+    """
+    from device_agent.reporting import Reporter
+    from device_agent.telemetry import Collector
+
+    async def send(batch):
+        return None
+
+    async def scenario() -> None:
+        outbox = Outbox(tmp_path / "q.db")
+        reporter = Reporter(outbox, Collector(), send, interval_s=60)
+        for _ in range(50):
+            task = asyncio.create_task(reporter.loop())
+            await asyncio.sleep(0)
+            reporter._now.set()
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=2)
+            assert done, "the report loop outlived its cancel"
+        outbox.close()
+
+    asyncio.run(scenario())
