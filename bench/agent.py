@@ -54,7 +54,11 @@ from propagation import CLI, start_servers, stop_servers  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
-from control_plane.demo.sample_pipeline import activity_events, activity_pipeline  # noqa: E402
+from control_plane.demo.sample_pipeline import (  # noqa: E402
+    activity_events,
+    activity_pipeline,
+    event_messages,
+)
 from control_plane.home import read_token  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
 from device_agent.identity import DeviceKeyPair  # noqa: E402
@@ -163,16 +167,12 @@ def pipeline_through_agent(stub, events) -> tuple[float, int]:
             model=SMALL,
             key_fields=["user"],
             value_fields=["dwell_ms", "amount"],
-            events=[
-                agent_pb2.Event(ts_ms=int(t), type=k, keys=[int(u[0])], values=list(v))
-                for t, k, u, v in zip(
-                    ts[lo : lo + BATCH],
-                    types[lo : lo + BATCH],
-                    keys[lo : lo + BATCH],
-                    values[lo : lo + BATCH],
-                    strict=True,
-                )
-            ],
+            events=event_messages(
+                ts[lo : lo + BATCH],
+                types[lo : lo + BATCH],
+                keys[lo : lo + BATCH],
+                values[lo : lo + BATCH],
+            ),
         )
         for lo in range(0, len(ts), BATCH)
     ]

@@ -84,6 +84,26 @@ class LatencyHistogram:
             if self.max_ns is None or ns > self.max_ns:
                 self.max_ns = ns
 
+    def record_many_ns(self, ns: np.ndarray) -> None:
+        """Record many latencies at once (an int array of ns), bucketed as `record_ns` does."""
+        ns = np.maximum(np.asarray(ns, dtype=np.int64), 0)
+        if not len(ns):
+            return
+        index = np.zeros(len(ns), dtype=np.int64)
+        timed = ns >= MIN_NS
+        index[timed] = np.minimum(
+            _LAST, (np.log2(ns[timed] * _PER_MIN_NS) * BUCKETS_PER_DOUBLING).astype(np.int64) + 1
+        )
+        counts = np.bincount(index, minlength=N_BUCKETS)
+        low, high, total = int(ns.min()), int(ns.max()), int(ns.sum())
+        with self._lock:
+            for i in np.flatnonzero(counts):
+                self._counts[i] += int(counts[i])
+            self.count += len(ns)
+            self.sum_ns += total
+            self.min_ns = low if self.min_ns is None else min(self.min_ns, low)
+            self.max_ns = high if self.max_ns is None else max(self.max_ns, high)
+
     def record(self, seconds: float) -> None:
         """Record one latency given in seconds."""
         self.record_ns(round(seconds * 1e9))

@@ -21,7 +21,7 @@ import numpy as np
 
 from control_plane import errors
 from control_plane.demo.demo_agents import DemoAgent
-from control_plane.demo.sample_pipeline import activity_events
+from control_plane.demo.sample_pipeline import activity_events, event_messages
 from device_agent.local_api import to_array
 from protos import agent_pb2
 from runtime.npz import write_npz
@@ -58,16 +58,8 @@ def show_pipeline(agent: DemoAgent, model: str, figures: dict) -> None:
     fired, stub = 0, agent.stub()
     started = time.perf_counter()
     for lo in range(0, EVENTS, BATCH):
-        events = [
-            agent_pb2.Event(ts_ms=int(t), type=k, keys=[int(u[0])], values=list(v))
-            for t, k, u, v in zip(
-                ts[lo : lo + BATCH],
-                types[lo : lo + BATCH],
-                keys[lo : lo + BATCH],
-                values[lo : lo + BATCH],
-                strict=True,
-            )
-        ]
+        hi = lo + BATCH
+        events = event_messages(ts[lo:hi], types[lo:hi], keys[lo:hi], values[lo:hi])
         reply = stub.PushEvents(
             agent_pb2.PushEventsRequest(
                 model=model,

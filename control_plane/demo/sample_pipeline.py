@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["EVENT_TYPES", "activity_events", "activity_pipeline"]
+__all__ = ["EVENT_TYPES", "activity_events", "activity_pipeline", "event_messages"]
 
 EVENT_TYPES = ("tap", "scroll", "purchase")
 
@@ -71,3 +71,13 @@ def activity_events(
     amount = np.where(kinds == 2, rng.uniform(1, 200, n).round(2), 0.0)
     values = np.stack([dwell, amount], axis=1)
     return ts, types, keys, values
+
+
+def event_messages(ts, types, keys, values) -> list:
+    """Return events as the local API's `agent_pb2.Event` messages (keys, values in order)."""
+    from protos import agent_pb2
+
+    return [
+        agent_pb2.Event(ts_ms=int(t), type=k, keys=[int(x) for x in key], values=list(value))
+        for t, k, key, value in zip(ts, types, keys, values, strict=True)
+    ]

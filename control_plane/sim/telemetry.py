@@ -38,7 +38,7 @@ from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.requests import parse_ref
 from device_agent.telemetry import histogram_pb, new_batch_id, timestamp
 from protos import device_pb2
-from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS, SCHEME, LatencyHistogram
+from runtime.histogram import LatencyHistogram
 
 REQUESTS_PER_S = 2.0
 SPREAD = 0.3  # sigma of log(latency) per sample
@@ -158,13 +158,16 @@ class Load:
             errors_n = int(self._rng.binomial(n, error_rate))
             crashes_n = int(self._rng.binomial(n, crash_rate))
             median = self.median_us(model, version, injections)
-            samples = self._rng.lognormal(math.log(median * 1000), SPREAD, n - errors_n)
+            samples = LatencyHistogram()
+            samples.record_many_ns(
+                self._rng.lognormal(math.log(median * 1000), SPREAD, n - errors_n).astype(np.int64)
+            )
             stats = device_pb2.ModelStats(
                 model=model,
                 version=version,
                 variant=variant,
                 config=self.config,
-                latency=histogram_pb(_histogram(samples)),
+                latency=histogram_pb(samples),
                 inferences=n,
                 errors=errors_n,
             )
@@ -185,26 +188,3 @@ class Load:
 def _normal(u: float) -> float:
     """Return the standard normal deviate of a uniform one (the inverse CDF)."""
     return _NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
-
-
-def _histogram(samples_ns: np.ndarray) -> LatencyHistogram:
-    """Bucket drawn latencies exactly as `LatencyHistogram.record_ns` would, at once."""
-    ns = np.maximum(samples_ns.astype(np.int64), 1)
-    index = np.where(
-        ns < MIN_NS,
-        0,
-        np.minimum(
-            N_BUCKETS - 1, (np.log2(ns / MIN_NS) * BUCKETS_PER_DOUBLING).astype(np.int64) + 1
-        ),
-    )
-    counts = np.bincount(index, minlength=N_BUCKETS)
-    return LatencyHistogram.from_dict(
-        {
-            "scheme": SCHEME,
-            "count": int(len(ns)),
-            "sum_ns": int(ns.sum()),
-            "min_ns": int(ns.min()) if len(ns) else None,
-            "max_ns": int(ns.max()) if len(ns) else None,
-            "buckets": [[int(i), int(c)] for i, c in enumerate(counts) if c],
-        }
-    )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from control_plane.demo import sample_models
-from control_plane.demo.sample_pipeline import activity_events, activity_pipeline
+from control_plane.demo.sample_pipeline import activity_events, activity_pipeline, event_messages
 from protos import agent_pb2
 from runtime.pipeline import Pipeline, parse_pipeline
 from tests.device_agent.conftest import MODEL
@@ -38,11 +38,7 @@ def push_pipeline_version(cp, tmp_path) -> int:
         return client.push(path, name=MODEL, pipeline=activity_pipeline()).version
 
 
-def events_pb(ts, types, keys, values) -> list[agent_pb2.Event]:
-    return [
-        agent_pb2.Event(ts_ms=int(t), type=k, keys=list(map(int, key)), values=list(value))
-        for t, k, key, value in zip(ts, types, keys, values, strict=True)
-    ]
+events_pb = event_messages
 
 
 def push(state, events, model=MODEL, **fields) -> agent_pb2.PushEventsResponse:

@@ -83,3 +83,19 @@ def test_from_dict_refuses_foreign_or_inconsistent_data():
         LatencyHistogram.from_dict({**d, "buckets": [[10_000, 1]]})
     with pytest.raises(ValueError):
         hist([1]).quantile(0)
+
+
+def test_recording_many_at_once_equals_recording_each():
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    samples = np.concatenate(
+        [rng.lognormal(13, 2, 5000).astype(np.int64), np.array([0, 1, 999, 1000, 10**15])]
+    )
+    one_by_one, at_once = LatencyHistogram(), LatencyHistogram()
+    for ns in samples.tolist():
+        one_by_one.record_ns(ns)
+    at_once.record_many_ns(samples[:100])
+    at_once.record_many_ns(samples[100:])
+    at_once.record_many_ns(np.array([], dtype=np.int64))
+    assert at_once == one_by_one
