@@ -46,6 +46,24 @@ def bucket_bounds_ns(index: int) -> tuple[float, float]:
     return low, low * 2 ** (1 / BUCKETS_PER_DOUBLING)
 
 
+def bucket_estimate_ns(index: int, min_ns: float, max_ns: float, where: str = "mid") -> float:
+    """Return what a sample in bucket `index` is read as, clamped to the observed range.
+
+    `where` is "mid" (the geometric middle: the quantile estimate), or "low" / "high"
+    (the bucket's bounds: what a sample there is at least / at most).
+    """
+    if 0 < index < _LAST:
+        bucket_low, bucket_high = bucket_bounds_ns(index)
+        estimate = {
+            "mid": math.sqrt(bucket_low * bucket_high),
+            "low": bucket_low,
+            "high": bucket_high,
+        }[where]
+    else:
+        estimate = min_ns if index == 0 else max_ns  # outside the log range
+    return min(max(estimate, min_ns), max_ns)
+
+
 class LatencyHistogram:
     """Counts of latencies per fixed bucket, plus exact count, sum, min and max.
 
@@ -129,12 +147,7 @@ class LatencyHistogram:
                 return None
             index = self._index_of(max(1, math.ceil(q * self.count)))
             low_ns, high_ns = float(self.min_ns), float(self.max_ns)
-        if 0 < index < N_BUCKETS - 1:
-            bucket_low, bucket_high = bucket_bounds_ns(index)
-            estimate = math.sqrt(bucket_low * bucket_high)
-        else:
-            estimate = low_ns if index == 0 else high_ns  # outside the log range
-        return min(max(estimate, low_ns), high_ns) / 1000
+        return bucket_estimate_ns(index, low_ns, high_ns) / 1000
 
     def percentiles(self) -> dict[str, float | None]:
         """Return p50, p95 and p99 in microseconds (None when empty)."""

@@ -229,6 +229,14 @@ class RolloutRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     created_by: Mapped[str] = mapped_column(String(128))
     stage_started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    # Guardrails (control_plane.rollouts.guardrails): rule texts, minimum sample, the
+    # device-class attribute slices are cut by ("" = the whole rollout is one slice).
+    halt_rules: Mapped[list] = mapped_column(JSON, default=list)
+    min_devices: Mapped[int] = mapped_column(Integer, default=0)
+    min_inferences: Mapped[int] = mapped_column(BigInteger, default=0)
+    slice_by: Mapped[str] = mapped_column(String(64), default="")
+    # Slice value -> {"state": "rolled_back" | "active", "since": ISO time}; absent = active.
+    slices: Mapped[dict] = mapped_column(JSON, default=dict)
     events: Mapped[list[RolloutEventRow]] = relationship(
         back_populates="rollout", order_by="RolloutEventRow.id", cascade="all, delete-orphan"
     )
@@ -251,6 +259,10 @@ class RolloutEventRow(Base):
     to_state: Mapped[str] = mapped_column(String(16))
     stage: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(Text, default="")
+    # The slice a guardrail or operator acted on ("" = the whole rollout).
+    slice: Mapped[str] = mapped_column(String(600), default="")
+    # A guardrail's evidence: rule, figures of both cohorts, sample sizes.
+    evidence: Mapped[dict] = mapped_column(JSON, default=dict)
 
     rollout: Mapped[RolloutRow] = relationship(back_populates="events")
 
@@ -287,6 +299,9 @@ class TelemetryBatchRow(Base):
     period_start: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     period_end: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     dropped_batches: Mapped[int] = mapped_column(Integer, default=0)
+    # Serves the roller's search for batches not yet rolled up (a flag, not an id
+    # watermark: PostgreSQL ids are not assigned in commit order).
+    rolled: Mapped[bool] = mapped_column(Boolean, default=False, index=True)
 
 
 class ModelStatsRow(Base):
@@ -346,3 +361,70 @@ class InstallReportRow(Base):
     # Seconds per step and bytes: download_s, verify_s, self_test_s, downloaded_bytes, ...
     timings: Mapped[dict] = mapped_column(JSON)
     probes: Mapped[list] = mapped_column(JSON)
+
+
+class RollupRow(Base):
+    """Merged telemetry of one group of devices over one time bucket.
+
+    A group is model, version, variant, backend config and device class; with `rollout`
+    set, it is also one cohort of that rollout (candidate or baseline), which is what
+    guardrails compare. Histograms are stored sparse (control_plane.telemetry.rollups).
+    """
+
+    __tablename__ = "telemetry_rollups"
+    __table_args__ = (
+        # Serves the roller's merge: one row per bucket and group key.
+        UniqueConstraint("resolution_s", "bucket_start", "key", name="uq_rollups_bucket_key"),
+        # Serves a rollout's health view and a version's charts over a time range.
+        Index("ix_rollups_rollout", "rollout", "resolution_s", "bucket_start"),
+        Index("ix_rollups_version", "model", "version", "resolution_s", "bucket_start"),
+        # Serves retention.
+        Index("ix_rollups_age", "resolution_s", "bucket_start"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    resolution_s: Mapped[int] = mapped_column(Integer)
+    bucket_start: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    # SHA-256 of every dimension below: the group's identity within a bucket.
+    key: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    variant: Mapped[str] = mapped_column(String(16))
+    config: Mapped[str] = mapped_column(String(128))
+    # Canonical JSON of the device-class attributes, e.g. {"os_version": "14", "soc": "x"}.
+    device_class: Mapped[str] = mapped_column(Text)
+    rollout: Mapped[str] = mapped_column(String(32), default="")
+    cohort: Mapped[str] = mapped_column(String(16), default="")
+    inferences: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    crashes: Mapped[int] = mapped_column(BigInteger, default=0)
+    fallbacks: Mapped[int] = mapped_column(BigInteger, default=0)
+    pipeline_firings: Mapped[int] = mapped_column(BigInteger, default=0)
+    installs_activated: Mapped[int] = mapped_column(BigInteger, default=0)
+    installs_failed: Mapped[int] = mapped_column(BigInteger, default=0)
+    installs_rolled_back: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Signal name -> count.
+    crash_signals: Mapped[dict] = mapped_column(JSON, default=dict)
+    latency_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    latency_sum_ns: Mapped[int] = mapped_column(BigInteger, default=0)
+    latency_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    latency_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    latency_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+
+
+class RolloutDeviceRow(Base):
+    """A device seen reporting as part of a rollout's cohort.
+
+    Guardrails count devices, and distinct devices do not add up across rollup buckets.
+    """
+
+    __tablename__ = "rollout_devices"
+    __table_args__ = (Index("ix_rollout_devices_seen", "rollout", "last_seen"),)
+
+    rollout: Mapped[str] = mapped_column(String(32), primary_key=True)
+    cohort: Mapped[str] = mapped_column(String(16), primary_key=True)
+    device_id: Mapped[str] = mapped_column(
+        ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True
+    )
+    device_class: Mapped[str] = mapped_column(Text)
+    last_seen: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))

@@ -27,6 +27,7 @@ from control_plane.store.sql_errors import sorted_db_error as _sorted_db_error
 from control_plane.store.sql_fleet import SqlFleetStore, aware
 from control_plane.store.sql_keks import SqlKekStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
+from control_plane.store.sql_rollups import SqlRollupStore
 from control_plane.store.sql_signing_keys import SqlSigningKeyStore
 from control_plane.store.sql_telemetry import SqlTelemetryStore
 from control_plane.store.sql_tokens import SqlTokenStore
@@ -125,6 +126,7 @@ class SqlStore(
     SqlFleetStore,
     SqlRolloutStore,
     SqlTelemetryStore,
+    SqlRollupStore,
     SqlTokenStore,
     SqlSigningKeyStore,
     SqlKekStore,

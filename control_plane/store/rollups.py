@@ -1,0 +1,262 @@
+"""The rollup store interface, and the mergeable aggregate a rollup row holds.
+
+A rollup row is one group of devices (model, version, variant, backend config, device
+class; optionally one cohort of one rollout) over one time bucket. Every field adds up
+exactly across rows: counters, crash signals and latency histograms (the same fixed
+buckets as `runtime.histogram`), so any window or grouping is a merge of rows.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import datetime as dt
+import hashlib
+import json
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from control_plane.store.telemetry import InstallRecord, ModelStatsRecord
+from runtime.histogram import N_BUCKETS, SCHEME, bucket_estimate_ns
+
+COUNTERS = (
+    "inferences",
+    "errors",
+    "crashes",
+    "fallbacks",
+    "pipeline_firings",
+    "installs_activated",
+    "installs_failed",
+    "installs_rolled_back",
+)
+_INSTALL_COUNTER = {
+    "activated": "installs_activated",
+    "failed": "installs_failed",
+    "rolled_back": "installs_rolled_back",
+}
+
+
+def encode_buckets(counts: np.ndarray) -> bytes:
+    """Return histogram bucket counts as sparse bytes: uint16 indexes, then int64 counts."""
+    index = np.flatnonzero(counts)
+    return index.astype("<u2").tobytes() + counts[index].astype("<i8").tobytes()
+
+
+def decode_buckets(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Return (indexes, counts) of sparse bytes written by `encode_buckets`."""
+    n = len(blob) // 10
+    if n * 10 != len(blob):
+        raise ValueError("sparse histogram of a wrong length")
+    return np.frombuffer(blob, "<u2", n), np.frombuffer(blob, "<i8", n, offset=2 * n)
+
+
+@dataclass
+class Aggregate:
+    """Counters, crash signals and a latency histogram of some devices over some time."""
+
+    inferences: int = 0
+    errors: int = 0
+    crashes: int = 0
+    fallbacks: int = 0
+    pipeline_firings: int = 0
+    installs_activated: int = 0
+    installs_failed: int = 0
+    installs_rolled_back: int = 0
+    crash_signals: collections.Counter = field(default_factory=collections.Counter)
+    buckets: np.ndarray = field(default_factory=lambda: np.zeros(N_BUCKETS, np.int64))
+    latency_count: int = 0
+    latency_sum_ns: int = 0
+    latency_min_ns: int | None = None
+    latency_max_ns: int | None = None
+
+    def add_stats(self, s: ModelStatsRecord) -> None:
+        """Add one model stats entry of a telemetry batch."""
+        self.inferences += s.inferences
+        self.errors += s.errors
+        self.crashes += len(s.crashes)
+        self.fallbacks += len(s.fallbacks)
+        self.pipeline_firings += s.pipeline_firings
+        self.crash_signals.update(c.get("signal") or c.get("reason") or "?" for c in s.crashes)
+        h = s.latency
+        if h.get("scheme") != SCHEME or not h.get("count"):
+            return
+        for index, count in h["buckets"]:
+            self.buckets[index] += count
+        self._add_latency(h["count"], h["sum_ns"], h["min_ns"], h["max_ns"])
+
+    def add_install(self, record: InstallRecord) -> None:
+        """Count one install outcome."""
+        name = _INSTALL_COUNTER[record.result]
+        setattr(self, name, getattr(self, name) + 1)
+
+    def merge(self, other: Aggregate) -> None:
+        """Add `other` into this aggregate."""
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.crash_signals.update(other.crash_signals)
+        self.buckets += other.buckets
+        if other.latency_count:
+            self._add_latency(
+                other.latency_count,
+                other.latency_sum_ns,
+                other.latency_min_ns,
+                other.latency_max_ns,
+            )
+
+    def _add_latency(self, count: int, sum_ns: int, low: int | None, high: int | None) -> None:
+        self.latency_count += count
+        self.latency_sum_ns += sum_ns
+        if low is not None:
+            low = low if self.latency_min_ns is None else min(self.latency_min_ns, low)
+            self.latency_min_ns = low
+        if high is not None:
+            self.latency_max_ns = (
+                high if self.latency_max_ns is None else max(self.latency_max_ns, high)
+            )
+
+    @property
+    def installs(self) -> int:
+        """Return how many install outcomes were counted."""
+        return self.installs_activated + self.installs_failed + self.installs_rolled_back
+
+    def quantile_us(self, q: float, where: str = "mid") -> float | None:
+        """Return the `q` quantile in microseconds (nearest rank; None when empty).
+
+        `where` as in `runtime.histogram.bucket_estimate_ns`: "low" and "high" give the
+        bounds of the bucket holding that rank, for conservative comparisons.
+        """
+        if not self.latency_count:
+            return None
+        rank = min(self.latency_count, max(1, math.ceil(q * self.latency_count)))
+        index = int(np.searchsorted(np.cumsum(self.buckets), rank))
+        low = float(self.latency_min_ns if self.latency_min_ns is not None else 0)
+        high = float(self.latency_max_ns if self.latency_max_ns is not None else low)
+        return bucket_estimate_ns(min(index, N_BUCKETS - 1), low, high, where) / 1000
+
+    def to_dict(self) -> dict:
+        """Return the counters and percentiles, JSON-able (what CLI and dashboard show)."""
+        out: dict = {name: getattr(self, name) for name in COUNTERS}
+        out["crash_signals"] = dict(sorted(self.crash_signals.items()))
+        out["latency_count"] = self.latency_count
+        for p in (50, 95, 99):
+            out[f"p{p}_us"] = self.quantile_us(p / 100)
+        return out
+
+
+@dataclass(frozen=True)
+class RollupKey:
+    """The group one rollup row holds; `rollout`/`cohort` empty for fleet-wide groups."""
+
+    model: str
+    version: int
+    variant: str
+    config: str
+    device_class: str
+    rollout: str = ""
+    cohort: str = ""
+
+    @property
+    def digest(self) -> str:
+        """Return the key's identity within a bucket (SHA-256 hex of every field)."""
+        text = json.dumps(
+            [
+                self.model,
+                self.version,
+                self.variant,
+                self.config,
+                self.device_class,
+                self.rollout,
+                self.cohort,
+            ],
+            ensure_ascii=False,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PendingBatch:
+    """A stored telemetry batch the roller has not merged yet, with its device's attributes."""
+
+    device_id: str
+    batch_id: str
+    period_end: dt.datetime
+    attributes: dict
+    models: tuple[ModelStatsRecord, ...]
+    installs: tuple[InstallRecord, ...]
+
+
+@dataclass(frozen=True)
+class CohortDevice:
+    """A device seen reporting as part of a rollout's cohort."""
+
+    rollout: str
+    cohort: str
+    device_id: str
+    device_class: str
+    last_seen: dt.datetime
+
+
+@dataclass(frozen=True)
+class RollupRecord:
+    """A stored rollup row."""
+
+    resolution_s: int
+    bucket_start: dt.datetime
+    key: RollupKey
+    aggregate: Aggregate
+
+
+class RollupStore(abc.ABC):
+    """Where rolled-up telemetry is kept."""
+
+    @abc.abstractmethod
+    def pending_batches(self, *, limit: int) -> list[PendingBatch]:
+        """Return up to `limit` batches not yet rolled up, oldest first."""
+
+    @abc.abstractmethod
+    def apply_rollups(
+        self,
+        batches: list[tuple[str, str]],
+        deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate],
+        cohort_devices: list[CohortDevice],
+    ) -> bool:
+        """Merge `deltas` into the rollups and mark `batches` rolled, in one transaction.
+
+        False (and nothing written) when another roller rolled any of them first.
+        """
+
+    @abc.abstractmethod
+    def prune_telemetry(
+        self, *, raw_before: dt.datetime, cutoffs: dict[int, dt.datetime]
+    ) -> dict[str, int]:
+        """Delete rolled raw data older than `raw_before` and rollups past their cutoff.
+
+        Return how many rows of each kind went.
+        """
+
+    @abc.abstractmethod
+    def merged_rollups(
+        self,
+        *,
+        resolution_s: int,
+        since: dt.datetime,
+        until: dt.datetime | None = None,
+        rollout: str | None = None,
+        model: str | None = None,
+        version: int | None = None,
+        group: Callable[[dt.datetime, RollupKey], Hashable] = lambda _at, key: key,
+    ) -> dict[Hashable, Aggregate]:
+        """Merge rollup rows of one resolution with bucket_start in [since, until).
+
+        Rows are merged per `group(bucket_start, key)` (None: skip the row); with
+        `rollout` None, fleet-wide rows only.
+        """
+
+    @abc.abstractmethod
+    def cohort_device_counts(
+        self, rollout: str, *, since: dt.datetime
+    ) -> list[tuple[str, str, int]]:
+        """Return (cohort, device_class, devices seen since `since`) for one rollout."""

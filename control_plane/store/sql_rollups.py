@@ -1,0 +1,338 @@
+"""SQL implementation of the rollup store, mixed into `SqlStore` (one engine, one scope)."""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+from collections.abc import Callable, Hashable
+
+import numpy as np
+from sqlalchemy import bindparam, delete, func, select, text, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from control_plane.store import orm
+from control_plane.store.rollups import (
+    COUNTERS,
+    Aggregate,
+    CohortDevice,
+    PendingBatch,
+    RollupKey,
+    RollupStore,
+    decode_buckets,
+    encode_buckets,
+)
+from control_plane.store.sql_fleet import aware
+from control_plane.store.sql_telemetry import _install, _stats
+from runtime.histogram import N_BUCKETS
+
+_CHUNK = 500  # keys per IN (...) list
+# Rollers on several replicas take turns on this transaction-scoped advisory lock.
+_ROLLER_LOCK = 0x534B4946  # "SKIF"
+_R = orm.RollupRow.__table__
+
+
+def _chunks(items: list, size: int = _CHUNK):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+class SqlRollupStore(RollupStore):
+    """The rollup half of `SqlStore`; needs `_scope()` and `_read()` from it."""
+
+    def pending_batches(self, *, limit: int) -> list[PendingBatch]:
+        """Return up to `limit` batches not yet rolled up, oldest first."""
+        b, s, i, d = (
+            orm.TelemetryBatchRow,
+            orm.ModelStatsRow,
+            orm.InstallReportRow,
+            orm.DeviceRow,
+        )
+        with self._read() as session:
+            rows = session.execute(
+                select(b.device_id, b.batch_id, b.period_end, d.attributes)
+                .join(d, d.id == b.device_id)
+                .where(b.rolled.is_(False))
+                .order_by(b.received_at, b.device_id, b.batch_id)
+                .limit(limit)
+            ).all()
+            keys = [(r.device_id, r.batch_id) for r in rows]
+            stats: dict = collections.defaultdict(list)
+            installs: dict = collections.defaultdict(list)
+            for chunk in _chunks(keys):
+                in_chunk = tuple_(s.device_id, s.batch_id).in_(chunk)
+                for row in session.scalars(select(s).where(in_chunk)):
+                    stats[row.device_id, row.batch_id].append(_stats(row))
+                in_chunk = tuple_(i.device_id, i.batch_id).in_(chunk)
+                for row in session.scalars(select(i).where(in_chunk)):
+                    installs[row.device_id, row.batch_id].append(_install(row))
+            return [
+                PendingBatch(
+                    r.device_id,
+                    r.batch_id,
+                    aware(r.period_end),
+                    dict(r.attributes),
+                    tuple(stats[r.device_id, r.batch_id]),
+                    tuple(installs[r.device_id, r.batch_id]),
+                )
+                for r in rows
+            ]
+
+    def apply_rollups(
+        self,
+        batches: list[tuple[str, str]],
+        deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate],
+        cohort_devices: list[CohortDevice],
+    ) -> bool:
+        """Merge `deltas` and mark `batches` rolled in one transaction; False if beaten."""
+        with self._scope() as session:
+            pg = session.get_bind().dialect.name == "postgresql"
+            if pg:
+                session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ROLLER_LOCK})
+            b = orm.TelemetryBatchRow
+            claimed = 0
+            for chunk in _chunks(batches):
+                claimed += session.execute(
+                    update(b)
+                    .where(b.rolled.is_(False), tuple_(b.device_id, b.batch_id).in_(chunk))
+                    .values(rolled=True)
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+            if claimed != len(batches):
+                session.rollback()
+                return False
+            _merge_rows(session, deltas)
+            _upsert_cohort_devices(session, postgresql if pg else sqlite, cohort_devices)
+            return True
+
+    def prune_telemetry(
+        self, *, raw_before: dt.datetime, cutoffs: dict[int, dt.datetime]
+    ) -> dict[str, int]:
+        """Delete old rolled raw batches (with their stats) and old rollups."""
+        b, s, i = orm.TelemetryBatchRow, orm.ModelStatsRow, orm.InstallReportRow
+        gone: dict[str, int] = {}
+        with self._scope() as session:
+            # Stats of batches not rolled yet stay, however old (the roller needs them).
+            unrolled = select(b.device_id, b.batch_id).where(b.rolled.is_(False))
+            gone["model_stats"] = session.execute(
+                delete(s).where(
+                    s.period_end < raw_before,
+                    tuple_(s.device_id, s.batch_id).not_in(unrolled),
+                )
+            ).rowcount
+            gone["install_reports"] = session.execute(
+                delete(i).where(
+                    i.at < raw_before,
+                    tuple_(i.device_id, i.batch_id).not_in(unrolled),
+                )
+            ).rowcount
+            gone["batches"] = session.execute(
+                delete(b).where(b.rolled.is_(True), b.received_at < raw_before)
+            ).rowcount
+            gone["rollups"] = 0
+            for resolution, cutoff in cutoffs.items():
+                gone["rollups"] += session.execute(
+                    delete(_R).where(_R.c.resolution_s == resolution, _R.c.bucket_start < cutoff)
+                ).rowcount
+        return gone
+
+    def merged_rollups(
+        self,
+        *,
+        resolution_s: int,
+        since: dt.datetime,
+        until: dt.datetime | None = None,
+        rollout: str | None = None,
+        model: str | None = None,
+        version: int | None = None,
+        group: Callable[[dt.datetime, RollupKey], Hashable] = lambda _at, key: key,
+    ) -> dict[Hashable, Aggregate]:
+        """Merge rollup rows per `group(bucket_start, key)`."""
+        c = _R.c
+        stmt = select(
+            c.bucket_start,
+            c.model,
+            c.version,
+            c.variant,
+            c.config,
+            c.device_class,
+            c.rollout,
+            c.cohort,
+            *(c[name] for name in COUNTERS),
+            c.crash_signals,
+            c.latency_count,
+            c.latency_sum_ns,
+            c.latency_min_ns,
+            c.latency_max_ns,
+            c.latency_buckets,
+        ).where(c.resolution_s == resolution_s, c.bucket_start >= since)
+        if until is not None:
+            stmt = stmt.where(c.bucket_start < until)
+        stmt = stmt.where(c.rollout == (rollout or ""))
+        if model is not None:
+            stmt = stmt.where(c.model == model)
+        if version is not None:
+            stmt = stmt.where(c.version == version)
+        merged: dict[Hashable, Aggregate] = {}
+        parts: dict[Hashable, tuple[list, list]] = {}
+        n_counters = len(COUNTERS)
+        with self._read_connection() as conn:
+            for row in conn.execute(stmt):
+                key = RollupKey(*row[1:8])
+                g = group(aware(row[0]), key)
+                if g is None:
+                    continue
+                agg = merged.get(g)
+                if agg is None:
+                    agg = merged[g] = Aggregate()
+                    parts[g] = ([], [])
+                values = row[8 : 8 + n_counters]
+                for name, value in zip(COUNTERS, values, strict=True):
+                    setattr(agg, name, getattr(agg, name) + value)
+                signals, count, sum_ns, low, high, blob = row[8 + n_counters :]
+                if signals:
+                    agg.crash_signals.update(signals)
+                if count:
+                    agg._add_latency(count, sum_ns, low, high)
+                    index, counts = decode_buckets(blob)
+                    parts[g][0].append(index)
+                    parts[g][1].append(counts)
+        for g, (indexes, counts) in parts.items():
+            if indexes:
+                merged[g].buckets = _sum_sparse(indexes, counts)
+        return merged
+
+    def cohort_device_counts(
+        self, rollout: str, *, since: dt.datetime
+    ) -> list[tuple[str, str, int]]:
+        """Return (cohort, device_class, devices seen since `since`) for one rollout."""
+        d = orm.RolloutDeviceRow
+        with self._read() as session:
+            return [
+                (cohort, device_class, n)
+                for cohort, device_class, n in session.execute(
+                    select(d.cohort, d.device_class, func.count())
+                    .where(d.rollout == rollout, d.last_seen >= since)
+                    .group_by(d.cohort, d.device_class)
+                )
+            ]
+
+
+def _sum_sparse(indexes: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarray:
+    index = np.concatenate(indexes).astype(np.intp)
+    count = np.concatenate(counts)
+    out = np.zeros(N_BUCKETS, np.int64)
+    np.add.at(out, index, count)
+    return out
+
+
+def _values(agg: Aggregate) -> dict:
+    out = {name: getattr(agg, name) for name in COUNTERS}
+    out.update(
+        crash_signals=dict(agg.crash_signals),
+        latency_count=agg.latency_count,
+        latency_sum_ns=agg.latency_sum_ns,
+        latency_min_ns=agg.latency_min_ns,
+        latency_max_ns=agg.latency_max_ns,
+        latency_buckets=encode_buckets(agg.buckets),
+    )
+    return out
+
+
+def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate]) -> None:
+    """Add each delta to its row (read, merge, write), or insert the row."""
+    digests = {(res, start, key.digest): (key, agg) for (res, start, key), agg in deltas.items()}
+    existing: dict[tuple, tuple[int, Aggregate]] = {}
+    c = _R.c
+    wanted = list(digests)
+    for chunk in _chunks(wanted):
+        rows = session.execute(
+            select(
+                c.id,
+                c.resolution_s,
+                c.bucket_start,
+                c.key,
+                *(c[name] for name in COUNTERS),
+                c.crash_signals,
+                c.latency_count,
+                c.latency_sum_ns,
+                c.latency_min_ns,
+                c.latency_max_ns,
+                c.latency_buckets,
+            ).where(
+                tuple_(c.resolution_s, c.bucket_start, c.key).in_([(r, s, k) for r, s, k in chunk])
+            )
+        ).all()
+        for row in rows:
+            agg = Aggregate(**dict(zip(COUNTERS, row[4 : 4 + len(COUNTERS)], strict=True)))
+            signals, count, sum_ns, low, high, blob = row[4 + len(COUNTERS) :]
+            agg.crash_signals.update(signals or {})
+            if count:
+                agg._add_latency(count, sum_ns, low, high)
+                index, counts = decode_buckets(blob)
+                np.add.at(agg.buckets, index.astype(np.intp), counts)
+            existing[row.resolution_s, aware(row.bucket_start), row.key] = (row.id, agg)
+    updates, inserts = [], []
+    for ident, (key, delta) in digests.items():
+        found = existing.get(ident)
+        if found is None:
+            res, start, digest = ident
+            inserts.append(
+                {
+                    "resolution_s": res,
+                    "bucket_start": start,
+                    "key": digest,
+                    "model": key.model,
+                    "version": key.version,
+                    "variant": key.variant,
+                    "config": key.config,
+                    "device_class": key.device_class,
+                    "rollout": key.rollout,
+                    "cohort": key.cohort,
+                    **_values(delta),
+                }
+            )
+        else:
+            row_id, agg = found
+            agg.merge(delta)
+            updates.append({"row_id": row_id, **_values(agg)})
+    if inserts:
+        session.execute(_R.insert(), inserts)
+    if updates:
+        session.execute(
+            _R.update().where(c.id == bindparam("row_id")),
+            updates,
+        )
+
+
+def _upsert_cohort_devices(session, dialect, devices: list[CohortDevice]) -> None:
+    latest: dict[tuple, CohortDevice] = {}
+    for d in devices:
+        k = (d.rollout, d.cohort, d.device_id)
+        if k not in latest or latest[k].last_seen < d.last_seen:
+            latest[k] = d
+    if not latest:
+        return
+    table = orm.RolloutDeviceRow.__table__
+    rows = [
+        {
+            "rollout": d.rollout,
+            "cohort": d.cohort,
+            "device_id": d.device_id,
+            "device_class": d.device_class,
+            "last_seen": d.last_seen,
+        }
+        for d in latest.values()
+    ]
+    insert = dialect.insert(table)
+    for chunk in _chunks(rows):
+        session.execute(
+            insert.on_conflict_do_update(
+                index_elements=["rollout", "cohort", "device_id"],
+                set_={
+                    "device_class": insert.excluded.device_class,
+                    "last_seen": insert.excluded.last_seen,
+                },
+                where=table.c.last_seen < insert.excluded.last_seen,
+            ),
+            chunk,
+        )

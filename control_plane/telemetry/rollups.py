@@ -1,0 +1,185 @@
+"""The roller: merges stored telemetry batches into per-minute and per-hour rollups.
+
+Ingestion (a device's Report) only stores the raw batch. A background roller on every
+replica then, every few seconds, takes the batches not rolled up yet, groups their stats
+by model, version, variant, backend config and device class (control_plane.telemetry.
+classes), and adds them into one row per group and time bucket: 1-minute buckets (kept
+48 hours by default) and 1-hour buckets (kept 90 days). Each batch is rolled exactly once:
+the rows and the batch's `rolled` flag change in one transaction, which fails as a whole
+when another replica's roller took the batch first.
+
+For guardrails, the same stats are also added to rows of each live rollout that selects
+the device: the **candidate** cohort (devices reporting the rollout's version) or the
+**baseline** cohort (selected devices reporting another version: what they run without
+the rollout). Which devices reported in each cohort is kept per rollout too, since device
+counts do not add up across buckets.
+
+A batch counts in the buckets its period ends in; install outcomes in the buckets of
+their own time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from control_plane.rollouts.lifecycle import RolloutState
+from control_plane.rollouts.resolver import LiveRollout, Resolver
+from control_plane.store.rollups import (
+    Aggregate,
+    CohortDevice,
+    PendingBatch,
+    RollupKey,
+    RollupStore,
+)
+from control_plane.telemetry.classes import DeviceClass
+
+log = logging.getLogger(__name__)
+
+MINUTE, HOUR = 60, 3600
+RESOLUTIONS = (MINUTE, HOUR)
+CANDIDATE, BASELINE = "candidate", "baseline"
+BATCHES_PER_ROUND = 2000
+PRUNE_EVERY_S = 600.0
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long each kind of telemetry is kept."""
+
+    minute: dt.timedelta = dt.timedelta(hours=48)
+    hour: dt.timedelta = dt.timedelta(days=90)
+    raw: dt.timedelta = dt.timedelta(hours=48)
+
+
+def bucket_start(at: dt.datetime, resolution_s: int) -> dt.datetime:
+    """Return the start of the `resolution_s` bucket holding `at` (aware UTC)."""
+    seconds = int(at.timestamp()) // resolution_s * resolution_s
+    return dt.datetime.fromtimestamp(seconds, dt.UTC)
+
+
+def cohort_of(rollout: LiveRollout, version: int, variant: str) -> str:
+    """Return which cohort of a rollout (that selects the device) a report belongs to."""
+    record = rollout.record
+    return CANDIDATE if (version, variant) == (record.version, record.variant) else BASELINE
+
+
+def utcnow() -> dt.datetime:
+    """Return the current time, aware UTC."""
+    return dt.datetime.now(dt.UTC)
+
+
+class Roller:
+    """Rolls up stored batches; safe to run on every replica at once."""
+
+    def __init__(
+        self,
+        store: RollupStore,
+        resolver: Resolver,
+        device_class: DeviceClass,
+        *,
+        retention: Retention = Retention(),
+        clock: Callable[[], dt.datetime] = utcnow,
+        batches_per_round: int = BATCHES_PER_ROUND,
+    ) -> None:
+        self._store, self._resolver, self._class = store, resolver, device_class
+        self._retention, self._clock = retention, clock
+        self._limit = batches_per_round
+        self._last_prune = float("-inf")
+
+    def tick(self) -> int:
+        """Roll up everything pending; prune now and then. Return batches rolled."""
+        rolled = self.roll()
+        if time.monotonic() - self._last_prune >= PRUNE_EVERY_S:
+            self._last_prune = time.monotonic()
+            gone = self.prune()
+            if any(gone.values()):
+                log.info("telemetry retention: deleted %s", gone)
+        return rolled
+
+    def roll(self, max_rounds: int = 50) -> int:
+        """Roll up pending batches, a round at a time, until none are left."""
+        total = 0
+        for _ in range(max_rounds):
+            n = self.roll_once()
+            total += n
+            if n < self._limit:
+                break
+        return total
+
+    def roll_once(self) -> int:
+        """Roll up one round of pending batches; return how many (0 if beaten to them)."""
+        pending = self._store.pending_batches(limit=self._limit)
+        if not pending:
+            return 0
+        deltas, devices = self._aggregate(pending)
+        keys = [(b.device_id, b.batch_id) for b in pending]
+        if not self._store.apply_rollups(keys, deltas, devices):
+            log.info("another roller took some of %d batches first; retrying", len(keys))
+            return 0
+        return len(keys)
+
+    def prune(self) -> dict[str, int]:
+        """Apply retention to raw batches and rollups."""
+        now = self._clock()
+        return self._store.prune_telemetry(
+            raw_before=now - self._retention.raw,
+            cutoffs={MINUTE: now - self._retention.minute, HOUR: now - self._retention.hour},
+        )
+
+    def _aggregate(self, pending: list[PendingBatch]):
+        now = self._clock()
+        oldest = {MINUTE: now - self._retention.minute, HOUR: now - self._retention.hour}
+        snapshot = self._resolver.snapshot()
+        staged: dict[str, list[LiveRollout]] = {}
+        for r in snapshot.by_id.values():
+            if r.record.state in (RolloutState.ACTIVE, RolloutState.PAUSED):
+                staged.setdefault(r.record.model, []).append(r)
+        deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate] = {}
+        devices: list[CohortDevice] = []
+
+        def add(at: dt.datetime, key: RollupKey, apply: Callable[[Aggregate], None]) -> None:
+            for res in RESOLUTIONS:
+                start = bucket_start(at, res)
+                if start + dt.timedelta(seconds=res) <= oldest[res]:
+                    continue  # already past retention: it would be deleted at once
+                agg = deltas.get((res, start, key))
+                if agg is None:
+                    agg = deltas[res, start, key] = Aggregate()
+                apply(agg)
+
+        for batch in pending:
+            attrs = batch.attributes
+            device_class = self._class.of(attrs)
+            selecting = {
+                model: [r for r in rollouts if r.selector.matches(attrs)]
+                for model, rollouts in staged.items()
+            }
+            for s in batch.models:
+                for key in _keys(s, device_class, selecting.get(s.model, ())):
+                    add(batch.period_end, key, lambda agg, s=s: agg.add_stats(s))
+                    if key.rollout:
+                        devices.append(
+                            CohortDevice(
+                                key.rollout,
+                                key.cohort,
+                                batch.device_id,
+                                device_class,
+                                batch.period_end,
+                            )
+                        )
+            for i in batch.installs:
+                for key in _keys(i, device_class, selecting.get(i.model, ())):
+                    add(i.at, key, lambda agg, i=i: agg.add_install(i))
+        return deltas, devices
+
+
+def _keys(item, device_class: str, rollouts) -> list[RollupKey]:
+    """Return the fleet-wide key of a stats entry or install, and one per rollout cohort."""
+    dims = (item.model, item.version, item.variant, item.config, device_class)
+    return [RollupKey(*dims)] + [
+        RollupKey(*dims, r.record.id, cohort_of(r, item.version, item.variant)) for r in rollouts
+    ]

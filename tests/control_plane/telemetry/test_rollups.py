@@ -1,0 +1,195 @@
+"""The roller on SQLite and PostgreSQL: exact merges, each batch once, cohorts, retention."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import numpy as np
+import pytest
+
+from control_plane.fleet.devices import Fleet
+from control_plane.rollouts.resolver import Resolver, Snapshot
+from control_plane.store.rollouts import RolloutRecord
+from control_plane.store.sql_store import SqlStore
+from control_plane.store.telemetry import InstallRecord, ModelStatsRecord, ReportBatch
+from control_plane.telemetry.classes import parse_device_class
+from control_plane.telemetry.rollups import HOUR, MINUTE, Retention, Roller
+from device_agent.identity import DeviceKeyPair
+from runtime.histogram import LatencyHistogram
+
+NOW = dt.datetime(2026, 11, 23, 12, 0, 30, tzinfo=dt.UTC)
+CLASS = parse_device_class("soc,device_model,os_version:major")
+CPU = "CPU/normal/t1/mem-normal"
+
+
+@pytest.fixture
+def store(db_url):
+    s = SqlStore(db_url)
+    yield s
+    s.close()
+
+
+class FixedResolver:
+    """The resolver's one method the roller uses, over a fixed set of rollouts."""
+
+    def __init__(self, *records: RolloutRecord) -> None:
+        live = Resolver(store=None)
+        self._snapshot = Snapshot(1, [live.live(r) for r in records])
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+
+def rollout(rid="ro_1", version=2, selector="soc=sm8450", state="active") -> RolloutRecord:
+    return RolloutRecord(
+        rid, "det", version, "fp32", selector, (100.0,), 0, state, 0, 0, NOW, "t", NOW
+    )
+
+
+def enroll(store, **attrs) -> str:
+    fleet = Fleet(store, default_enroll_ttl_s=3600)
+    made = fleet.create_enrollment_token(actor="t", attributes={})
+    keys = DeviceKeyPair.generate()
+    device, _ = fleet.enroll(token=made.token, attributes=attrs, public_keyset=keys.public_keyset())
+    return device.id
+
+
+def stats(version, latencies_us, *, crashes=0, errors=0, model="det") -> ModelStatsRecord:
+    h = LatencyHistogram()
+    h.record_many_ns(np.asarray(latencies_us, dtype=np.float64) * 1000)
+    crash = {"at": NOW.isoformat(), "config": CPU, "reason": "signal", "signal": "SIGSEGV"}
+    return ModelStatsRecord(
+        model,
+        version,
+        "fp32",
+        CPU,
+        inferences=len(latencies_us) + errors,
+        errors=errors,
+        pipeline_firings=0,
+        latency=h.to_dict(),
+        crashes=(crash,) * crashes,
+    )
+
+
+def report(store, device, batch_id, *models, at=NOW, installs=()) -> None:
+    start = at - dt.timedelta(minutes=1)
+    assert store.add_report(ReportBatch(device, batch_id, at, start, at, 0, models, installs))
+
+
+def roller(store, *rollouts, retention=Retention()) -> Roller:
+    return Roller(store, FixedResolver(*rollouts), CLASS, retention=retention, clock=lambda: NOW)
+
+
+def fleet_wide(store, resolution=HOUR, group=lambda _at, key: key):
+    since = NOW - dt.timedelta(days=2)
+    return store.merged_rollups(resolution_s=resolution, since=since, group=group)
+
+
+def test_rollups_merge_histograms_exactly(store):
+    a = enroll(store, soc="sm8450", device_model="Pixel 7", os_version="14.1")
+    b = enroll(store, soc="sm8450", device_model="Pixel 7", os_version="14.2")
+    rng = np.random.default_rng(1)
+    samples = [rng.lognormal(8, 0.5, 300) for _ in range(3)]
+    report(store, a, "batch-a-1", stats(1, samples[0], errors=2, crashes=1))
+    report(store, a, "batch-a-2", stats(1, samples[1]), at=NOW - dt.timedelta(minutes=5))
+    report(store, b, "batch-b-1", stats(1, samples[2]))
+    assert roller(store).roll() == 3
+
+    rows = fleet_wide(store)
+    assert len(rows) == 1  # one class: os_version 14.1 and 14.2 are both major 14
+    ((key, agg),) = rows.items()
+    assert key.device_class == '{"device_model": "Pixel 7", "os_version": "14", "soc": "sm8450"}'
+    exact = LatencyHistogram()
+    exact.record_many_ns(np.concatenate(samples) * 1000)
+    assert agg.latency_count == exact.count == 900
+    assert agg.buckets.tolist() == exact.counts.tolist()
+    assert (agg.latency_min_ns, agg.latency_max_ns) == (exact.min_ns, exact.max_ns)
+    for p in (50, 95, 99):  # true quantiles of the merged histogram
+        assert agg.quantile_us(p / 100) == pytest.approx(exact.quantile(p / 100))
+    assert (agg.inferences, agg.errors, agg.crashes) == (902, 2, 1)
+    assert dict(agg.crash_signals) == {"SIGSEGV": 1}
+    minutes = fleet_wide(store, MINUTE, group=lambda at, _k: at)
+    assert sorted(at.minute for at in minutes) == [0, 55]  # periods end 12:00:30 and 11:55:30
+    assert sum(m.latency_count for m in minutes.values()) == 900
+
+
+def test_each_batch_is_rolled_once_even_with_racing_rollers(store):
+    devices = [enroll(store, soc="s") for _ in range(4)]
+    for i, device in enumerate(devices):
+        for j in range(5):
+            report(store, device, f"batch-{i}-{j:04d}", stats(1, [1000.0] * 10))
+    barrier = threading.Barrier(3)
+    rolled = []
+
+    def run():
+        r = roller(store)
+        barrier.wait()
+        rolled.append(r.roll())
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(rolled) == 20
+    assert roller(store).roll() == 0
+    (agg,) = fleet_wide(store).values()
+    assert agg.inferences == agg.latency_count == 200
+
+
+def test_a_rollout_splits_selected_devices_into_candidate_and_baseline(store):
+    new = enroll(store, soc="sm8450")
+    old = enroll(store, soc="sm8450")
+    other = enroll(store, soc="mt6789")  # not selected: no cohort
+    report(store, new, "batch-new-1", stats(2, [2000.0] * 4, crashes=1))
+    report(store, old, "batch-old-1", stats(1, [1000.0] * 6))
+    report(store, other, "batch-oth-1", stats(2, [3000.0] * 8))
+    installs = (InstallRecord(NOW, "det", 2, "fp32", "ro_1", "failed", "self-test"),)
+    report(store, old, "batch-old-2", installs=installs)
+    roller(store, rollout()).roll()
+
+    cohorts = store.merged_rollups(
+        resolution_s=HOUR,
+        since=NOW - dt.timedelta(hours=1),
+        rollout="ro_1",
+        group=lambda _at, k: (k.cohort, k.version),
+    )
+    assert cohorts.keys() == {("candidate", 2), ("baseline", 1)}
+    assert cohorts["candidate", 2].inferences == 4
+    assert cohorts["candidate", 2].crashes == 1
+    assert cohorts["baseline", 1].inferences == 6
+    # The failed install of version 2 is the candidate's, whoever reported it.
+    assert cohorts["candidate", 2].installs_failed == 1
+    counts = store.cohort_device_counts("ro_1", since=NOW - dt.timedelta(hours=1))
+    assert sorted((c, n) for c, _cls, n in counts) == [("baseline", 1), ("candidate", 1)]
+    # Fleet-wide rows hold everyone, rollout rows only the selected.
+    assert sum(a.inferences for a in fleet_wide(store).values()) == 18
+
+
+def test_retention_drops_old_minutes_raw_batches_and_hours(store):
+    device = enroll(store, soc="s")
+    report(store, device, "batch-old-0001", stats(1, [1000.0]), at=NOW - dt.timedelta(hours=3))
+    report(store, device, "batch-new-0001", stats(1, [1000.0]))
+    short = Retention(
+        minute=dt.timedelta(hours=2), hour=dt.timedelta(days=1), raw=dt.timedelta(hours=1)
+    )
+    r = roller(store, retention=short)
+    r.roll()  # the 3-hour-old batch lands in its hour bucket only: its minute is past keeping
+    assert sum(a.latency_count for a in fleet_wide(store, MINUTE).values()) == 1
+    assert sum(a.latency_count for a in fleet_wide(store, HOUR).values()) == 2
+    report(store, device, "batch-late-001", stats(1, [1000.0]), at=NOW - dt.timedelta(hours=2))
+    gone = r.prune()
+    assert gone["batches"] == 1  # the rolled old one; the late one waits for the roller
+    assert gone["model_stats"] == 1
+    r.roll()
+    assert sum(a.latency_count for a in fleet_wide(store, HOUR).values()) == 3
+    later = Roller(
+        store,
+        FixedResolver(),
+        CLASS,
+        retention=short,
+        clock=lambda: NOW + dt.timedelta(days=2),
+    )
+    assert later.prune()["rollups"] >= 3
+    assert fleet_wide(store, HOUR) == {}
