@@ -212,6 +212,49 @@ SETTINGS: tuple[Setting, ...] = (
         "How often the health service probes the database and the blob store.",
     ),
     Setting(
+        "device_class",
+        str,
+        "soc,device_model,os_version:major",
+        "SKIFF_DEVICE_CLASS",
+        "Attributes telemetry is grouped by and rollouts are sliced by (`:major`: a "
+        "version's first number).",
+    ),
+    Setting(
+        "rollup_interval_s",
+        float,
+        5.0,
+        "SKIFF_ROLLUP_INTERVAL_S",
+        "How often reported telemetry is rolled up (and guardrails see it).",
+    ),
+    Setting(
+        "rollup_minute_retention_h",
+        float,
+        48.0,
+        "SKIFF_ROLLUP_MINUTE_RETENTION_H",
+        "Hours 1-minute rollups are kept.",
+    ),
+    Setting(
+        "rollup_hour_retention_d",
+        float,
+        90.0,
+        "SKIFF_ROLLUP_HOUR_RETENTION_D",
+        "Days 1-hour rollups are kept.",
+    ),
+    Setting(
+        "telemetry_raw_retention_h",
+        float,
+        48.0,
+        "SKIFF_TELEMETRY_RAW_RETENTION_H",
+        "Hours raw report batches are kept once rolled up (`fleet show` reads 24 hours).",
+    ),
+    Setting(
+        "guard_interval_s",
+        float,
+        10.0,
+        "SKIFF_GUARD_INTERVAL_S",
+        "How often guardrails check running rollouts.",
+    ),
+    Setting(
         "signing_overlap_s",
         int,
         7 * 86_400,
@@ -265,6 +308,12 @@ class Config:
     gc_interval_s: float
     health_interval_s: float
     signing_overlap_s: int
+    device_class: str
+    rollup_interval_s: float
+    rollup_minute_retention_h: float
+    rollup_hour_retention_d: float
+    telemetry_raw_retention_h: float
+    guard_interval_s: float
 
     @property
     def dial_address(self) -> str:

@@ -48,6 +48,8 @@ from control_plane.rollouts.watchers import Watchers
 from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
 from control_plane.telemetry import Telemetry
+from control_plane.telemetry.classes import parse_device_class
+from control_plane.telemetry.rollups import Retention, Roller
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
 
@@ -150,6 +152,8 @@ class App:
     feed: ChangeFeed
     writer: DeviceWriter
     watchers: Watchers
+    telemetry: Telemetry
+    roller: Roller
 
     @property
     def store(self) -> SqlStore:
@@ -179,6 +183,13 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
         clock=lambda: dt.datetime.now(dt.UTC),
         monotonic=time.monotonic,
     )
+    device_class = parse_device_class(config.device_class)
+    retention = Retention(
+        minute=dt.timedelta(hours=config.rollup_minute_retention_h),
+        hour=dt.timedelta(days=config.rollup_hour_retention_d),
+        raw=dt.timedelta(hours=config.telemetry_raw_retention_h),
+    )
+    roller = Roller(store, resolver, device_class, retention=retention)
     return App(
         config=config,
         registry=registry,
@@ -189,6 +200,8 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
         feed=feed,
         writer=DeviceWriter(store, interval_s=config.device_flush_s),
         watchers=watchers,
+        telemetry=Telemetry(store, on_stored=roller.offer),
+        roller=roller,
     )
 
 
@@ -309,6 +322,7 @@ class ServerHandle:
             self._call(self._server.stop(grace), timeout=None)
             self._call(self.app.watchers.stop())
             self.app.writer.close()
+            self.app.telemetry.close()
             self.app.feed.close()
             self._drain_pool(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -334,7 +348,10 @@ def _background(app: App, publish_health) -> list[Periodic]:
     monitor = HealthMonitor(
         {"database": app.store.check, "blob store": app.registry.blobs.check}, publish_health
     )
-    tasks = [Periodic("health", app.config.health_interval_s, monitor.check)]
+    tasks = [
+        Periodic("health", app.config.health_interval_s, monitor.check),
+        Periodic("rollup", app.config.rollup_interval_s, app.roller.tick),
+    ]
     if app.config.gc_interval_s > 0:
         # Safe on every replica at once (registry/gc.py); each sweep lists the whole store.
         tasks.append(Periodic("gc", app.config.gc_interval_s, app.registry.collect_garbage))
@@ -345,7 +362,7 @@ async def _add_services(
     server: grpc.aio.Server, app: App, auth: Authenticator
 ) -> tuple[object, tuple[str, ...]]:
     """Register every service; returns the health servicer and the names it reports on."""
-    telemetry = Telemetry(app.store)
+    telemetry = app.telemetry
     view = FleetView(app.fleet, app.resolver, app.watchers, app.writer, telemetry)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(

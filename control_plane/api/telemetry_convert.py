@@ -22,7 +22,7 @@ from control_plane.store.telemetry import (
 )
 from control_plane.telemetry.reports import DeviceLatency
 from protos import device_pb2, fleet_pb2
-from runtime.histogram import N_BUCKETS, LatencyHistogram
+from runtime.histogram import N_BUCKETS, SCHEME
 
 BATCH_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 MAX_MODEL_STATS = 256
@@ -87,26 +87,34 @@ def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
         raise errors.InvalidArgument(f"{what}: more than {N_BUCKETS} buckets")
     if len(msg.bucket_index) != len(msg.bucket_count):
         raise errors.InvalidArgument(f"{what}: bucket_index and bucket_count differ in length")
-    pairs = zip(msg.bucket_index, msg.bucket_count, strict=True)
+    if msg.scheme != SCHEME:
+        raise errors.InvalidArgument(
+            f"{what}: histogram scheme {msg.scheme!r:.80} is not {SCHEME!r}"
+        )
     low = _count(msg.min_ns, f"{what} min_ns", 1 << 62) if msg.HasField("min_ns") else None
     high = _count(msg.max_ns, f"{what} max_ns", 1 << 62) if msg.HasField("max_ns") else None
     if low is not None and high is not None and low > high:
         raise errors.InvalidArgument(f"{what}: min_ns is above max_ns")
-    body = {
-        "scheme": msg.scheme,
-        "count": _count(msg.count, f"{what} count"),
+    count = _count(msg.count, f"{what} count")
+    buckets: dict[int, int] = {}
+    for index, n in zip(msg.bucket_index, msg.bucket_count, strict=True):
+        if not 0 <= index < N_BUCKETS or n < 0:
+            raise errors.InvalidArgument(f"{what}: bad histogram bucket [{index}, {n}]")
+        if n:
+            buckets[index] = buckets.get(index, 0) + n
+    if sum(buckets.values()) != count:
+        raise errors.InvalidArgument(f"{what}: bucket counts do not add up to its count")
+    if count and (low is None or high is None):
+        raise errors.InvalidArgument(f"{what}: min_ns and max_ns are required with samples")
+    # Canonical (what LatencyHistogram.to_dict writes): merged duplicates, sorted.
+    return {
+        "scheme": SCHEME,
+        "count": count,
         "sum_ns": _count(msg.sum_ns, f"{what} sum_ns", 1 << 62),
         "min_ns": low,
         "max_ns": high,
-        "buckets": [[int(i), int(n)] for i, n in pairs],
+        "buckets": [[i, buckets[i]] for i in sorted(buckets)],
     }
-    try:
-        histogram = LatencyHistogram.from_dict(body)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise errors.InvalidArgument(f"{what}: {exc}") from None
-    if histogram.count and (body["min_ns"] is None or body["max_ns"] is None):
-        raise errors.InvalidArgument(f"{what}: min_ns and max_ns are required with samples")
-    return histogram.to_dict()  # canonical: merged duplicate buckets, sorted
 
 
 def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:

@@ -126,12 +126,15 @@ class Fleet:
 
     # -- authentication -------------------------------------------------------------------
 
-    def authenticate(self, authorization: str | None) -> DeviceAuth:
+    def authenticate(
+        self, authorization: str | None, *, cached_only: bool = False
+    ) -> DeviceAuth | None:
         """Return the device a `Bearer skd_...` credential belongs to.
 
         Unauthenticated for a missing or unknown credential, PermissionDenied for a
         revoked device. The lookup is by hash (its timing says nothing about the secret).
-        Blocking (it may ask the database): call it off the event loop.
+        Blocking (it may ask the database): call it off the event loop; or, with
+        `cached_only`, on it: then None means "not cached, ask again without".
         """
         scheme, _, credential = (authorization or "").partition(" ")
         credential = credential.strip()
@@ -139,7 +142,14 @@ class Fleet:
             raise errors.Unauthenticated("missing device credential")
         if len(credential) > 128:
             raise errors.Unauthenticated("invalid device credential")
-        device = self._cached_lookup(_sha256(credential))
+        digest = _sha256(credential)
+        if cached_only:
+            cached = self._auth_cache.get(digest)
+            if cached is None or cached[0] < time.monotonic():
+                return None
+            device = cached[1]
+        else:
+            device = self._cached_lookup(digest)
         if device is None:
             raise errors.Unauthenticated("invalid device credential")
         if device.revoked:

@@ -213,7 +213,9 @@ class RollupStore(abc.ABC):
     """Where rolled-up telemetry is kept."""
 
     @abc.abstractmethod
-    def pending_batches(self, *, limit: int) -> list[PendingBatch]:
+    def pending_batches(
+        self, *, limit: int, received_before: dt.datetime | None = None
+    ) -> list[PendingBatch]:
         """Return up to `limit` batches not yet rolled up, oldest first."""
 
     @abc.abstractmethod

@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Callable, Hashable
 
 import numpy as np
-from sqlalchemy import bindparam, delete, func, select, text, tuple_, update
+from sqlalchemy import bindparam, delete, func, select, text, true, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from control_plane.store import orm
@@ -29,6 +29,29 @@ _CHUNK = 500  # keys per IN (...) list
 # Rollers on several replicas take turns on this transaction-scoped advisory lock.
 _ROLLER_LOCK = 0x534B4946  # "SKIF"
 _R = orm.RollupRow.__table__
+_MERGED = (
+    *COUNTERS,
+    "crash_signals",
+    "latency_count",
+    "latency_sum_ns",
+    "latency_min_ns",
+    "latency_max_ns",
+    "latency_buckets",
+)
+_UPDATE = (
+    _R.update()
+    .where(
+        _R.c.resolution_s == bindparam("b_resolution_s"),
+        _R.c.bucket_start == bindparam("b_bucket_start"),
+        _R.c.key == bindparam("b_key"),
+    )
+    .values({name: bindparam("b_" + name) for name in _MERGED})
+)
+# PostgreSQL: the batches a round claims, as two arrays (one statement, whatever the count).
+_CLAIM_PG = text(
+    "UPDATE telemetry_batches SET rolled = true WHERE rolled = false AND (device_id, batch_id)"
+    " IN (SELECT * FROM unnest(CAST(:devices AS text[]), CAST(:batches AS text[])))"
+)
 
 
 def _chunks(items: list, size: int = _CHUNK):
@@ -39,7 +62,9 @@ def _chunks(items: list, size: int = _CHUNK):
 class SqlRollupStore(RollupStore):
     """The rollup half of `SqlStore`; needs `_scope()` and `_read()` from it."""
 
-    def pending_batches(self, *, limit: int) -> list[PendingBatch]:
+    def pending_batches(
+        self, *, limit: int, received_before: dt.datetime | None = None
+    ) -> list[PendingBatch]:
         """Return up to `limit` batches not yet rolled up, oldest first."""
         b, s, i, d = (
             orm.TelemetryBatchRow,
@@ -51,7 +76,10 @@ class SqlRollupStore(RollupStore):
             rows = session.execute(
                 select(b.device_id, b.batch_id, b.period_end, d.attributes)
                 .join(d, d.id == b.device_id)
-                .where(b.rolled.is_(False))
+                .where(
+                    b.rolled.is_(False),
+                    b.received_at < received_before if received_before is not None else true(),
+                )
                 .order_by(b.received_at, b.device_id, b.batch_id)
                 .limit(limit)
             ).all()
@@ -90,7 +118,12 @@ class SqlRollupStore(RollupStore):
                 session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ROLLER_LOCK})
             b = orm.TelemetryBatchRow
             claimed = 0
-            for chunk in _chunks(batches):
+            if pg:
+                devices, batch_ids = zip(*batches, strict=True) if batches else ((), ())
+                claimed = session.execute(
+                    _CLAIM_PG, {"devices": list(devices), "batches": list(batch_ids)}
+                ).rowcount
+            for chunk in _chunks(batches) if not pg else ():
                 claimed += session.execute(
                     update(b)
                     .where(b.rolled.is_(False), tuple_(b.device_id, b.batch_id).in_(chunk))
@@ -241,7 +274,7 @@ def _values(agg: Aggregate) -> dict:
 def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate]) -> None:
     """Add each delta to its row (read, merge, write), or insert the row."""
     digests = {(res, start, key.digest): (key, agg) for (res, start, key), agg in deltas.items()}
-    existing: dict[tuple, tuple[int, Aggregate]] = {}
+    existing: dict[tuple, Aggregate] = {}
     c = _R.c
     wanted = list(digests)
     for chunk in _chunks(wanted):
@@ -270,38 +303,39 @@ def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggreg
                 agg._add_latency(count, sum_ns, low, high)
                 index, counts = decode_buckets(blob)
                 np.add.at(agg.buckets, index.astype(np.intp), counts)
-            existing[row.resolution_s, aware(row.bucket_start), row.key] = (row.id, agg)
-    updates, inserts = [], []
+            existing[row.resolution_s, aware(row.bucket_start), row.key] = agg
+    rows = []
     for ident, (key, delta) in digests.items():
         found = existing.get(ident)
-        if found is None:
-            res, start, digest = ident
-            inserts.append(
-                {
-                    "resolution_s": res,
-                    "bucket_start": start,
-                    "key": digest,
-                    "model": key.model,
-                    "version": key.version,
-                    "variant": key.variant,
-                    "config": key.config,
-                    "device_class": key.device_class,
-                    "rollout": key.rollout,
-                    "cohort": key.cohort,
-                    **_values(delta),
-                }
-            )
-        else:
-            row_id, agg = found
-            agg.merge(delta)
-            updates.append({"row_id": row_id, **_values(agg)})
-    if inserts:
-        session.execute(_R.insert(), inserts)
-    if updates:
-        session.execute(
-            _R.update().where(c.id == bindparam("row_id")),
-            updates,
+        if found is not None:
+            found.merge(delta)
+            delta = found
+        res, start, digest = ident
+        rows.append(
+            {
+                "resolution_s": res,
+                "bucket_start": start,
+                "key": digest,
+                "model": key.model,
+                "version": key.version,
+                "variant": key.variant,
+                "config": key.config,
+                "device_class": key.device_class,
+                "rollout": key.rollout,
+                "cohort": key.cohort,
+                **_values(delta),
+            }
         )
+    new = [row for ident, row in zip(digests, rows, strict=True) if ident not in existing]
+    if new:
+        session.execute(_R.insert(), new)
+    changed = [
+        {"b_" + name: row[name] for name in ("resolution_s", "bucket_start", "key", *_MERGED)}
+        for ident, row in zip(digests, rows, strict=True)
+        if ident in existing
+    ]
+    if changed:
+        session.execute(_UPDATE, changed)
 
 
 def _upsert_cohort_devices(session, dialect, devices: list[CohortDevice]) -> None:

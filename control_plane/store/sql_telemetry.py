@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 
 from sqlalchemy import or_, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -19,41 +20,91 @@ from control_plane.store.telemetry import (
     TelemetryStore,
 )
 
+_INSTALLS = orm.InstallReportRow.__table__
+
 
 class SqlTelemetryStore(TelemetryStore):
     """The telemetry half of `SqlStore`; needs `_scope()` and `_read()` from it."""
 
     def add_report(self, batch: ReportBatch) -> bool:
         """Store a batch and apply its install outcomes; False if it was stored before."""
+        (result,) = self.add_reports([batch])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def add_reports(self, batches: Sequence[ReportBatch]) -> list[bool | errors.SkiffError]:
+        """Store many batches in one transaction (group commit); a result per batch.
+
+        The result is True (stored), False (stored before: same device and batch id,
+        also within `batches`) or the error of that batch alone (NotFound for a device
+        that does not exist). If the group fails as a whole, each batch is retried on its
+        own, so one bad batch costs the others nothing.
+        """
+        try:
+            return self._add_reports(batches)
+        except errors.SkiffError:
+            if len(batches) == 1:
+                raise
+        results: list[bool | errors.SkiffError] = []
+        for batch in batches:
+            try:
+                results.extend(self._add_reports([batch]))
+            except errors.SkiffError as exc:
+                results.append(exc)
+        return results
+
+    def _add_reports(self, batches: Sequence[ReportBatch]) -> list[bool | errors.SkiffError]:
         try:
             with self._scope() as session:
-                if session.get(orm.DeviceRow, batch.device_id) is None:
-                    raise errors.NotFound(f"device {batch.device_id} not found")
                 dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-                # Claim the batch id first: a concurrent copy of the same batch waits on
-                # this row and then finds it taken (nothing else of it is written).
-                claimed = session.execute(
-                    dialect.insert(orm.TelemetryBatchRow.__table__)
-                    .values(
-                        device_id=batch.device_id,
-                        batch_id=batch.batch_id,
-                        received_at=batch.received_at,
-                        period_start=batch.period_start,
-                        period_end=batch.period_end,
-                        dropped_batches=batch.dropped_batches,
+                wanted = sorted({b.device_id for b in batches})
+                known = set(
+                    session.scalars(select(orm.DeviceRow.id).where(orm.DeviceRow.id.in_(wanted)))
+                )
+                results: list[bool | errors.SkiffError] = []
+                fresh: list[ReportBatch] = []
+                seen: set[tuple[str, str]] = set()
+                for b in batches:
+                    if b.device_id not in known:
+                        results.append(errors.NotFound(f"device {b.device_id} not found"))
+                    elif (b.device_id, b.batch_id) in seen:
+                        results.append(False)
+                    else:
+                        seen.add((b.device_id, b.batch_id))
+                        fresh.append(b)
+                        results.append(True)
+                if not fresh:
+                    return results
+                # Claim the batch ids first: a concurrent copy of the same batch waits on
+                # its row and then finds it taken (nothing else of it is written).
+                table = orm.TelemetryBatchRow.__table__
+                claimed = {
+                    (row.device_id, row.batch_id)
+                    for row in session.execute(
+                        dialect.insert(table)
+                        .on_conflict_do_nothing(index_elements=["device_id", "batch_id"])
+                        .returning(table.c.device_id, table.c.batch_id),
+                        [_batch_values(b) for b in fresh],
                     )
-                    .on_conflict_do_nothing(index_elements=["device_id", "batch_id"])
-                    .returning(orm.TelemetryBatchRow.__table__.c.batch_id)
-                ).first()
-                if claimed is None:
-                    return False
-                session.add_all(_stats_row(batch, s) for s in batch.models)
-                session.add_all(_install_row(batch, i) for i in batch.installs)
-                for record in sorted(batch.installs, key=lambda i: i.at):
-                    _apply_install(session, dialect, batch.device_id, record)
-                return True
-        except errors.AlreadyExists:  # the device row vanished mid-way (cascade)
-            raise errors.NotFound(f"device {batch.device_id} not found") from None
+                }
+                stored = [b for b in fresh if (b.device_id, b.batch_id) in claimed]
+                stats = [_stats_values(b, s) for b in stored for s in b.models]
+                for rows, table in (
+                    (stats, orm.ModelStatsRow.__table__),
+                    ([_install_values(b, i) for b in stored for i in b.installs], _INSTALLS),
+                ):
+                    if rows:
+                        session.execute(table.insert(), rows)
+                for b in stored:
+                    for record in sorted(b.installs, key=lambda i: i.at):
+                        _apply_install(session, dialect, b.device_id, record)
+                return [
+                    r if r is not True else (b.device_id, b.batch_id) in claimed
+                    for b, r in zip(batches, results, strict=True)
+                ]
+        except errors.AlreadyExists:  # a device row vanished mid-way (cascade)
+            raise errors.NotFound("a reporting device was deleted meanwhile") from None
 
     def recent_installs(self, device_id: str, *, limit: int) -> list[InstallRecord]:
         """Return a device's latest install outcomes, newest first."""
@@ -86,24 +137,36 @@ class SqlTelemetryStore(TelemetryStore):
             return [StatsRow(aware(x.period_start), aware(x.period_end), _stats(x)) for x in rows]
 
 
-def _stats_row(batch: ReportBatch, s: ModelStatsRecord) -> orm.ModelStatsRow:
-    return orm.ModelStatsRow(
-        device_id=batch.device_id,
-        batch_id=batch.batch_id,
-        period_start=batch.period_start,
-        period_end=batch.period_end,
-        model=s.model,
-        version=s.version,
-        variant=s.variant,
-        config=s.config,
-        inferences=s.inferences,
-        errors=s.errors,
-        crashes=len(s.crashes),
-        fallbacks=len(s.fallbacks),
-        pipeline_firings=s.pipeline_firings,
-        latency=s.latency,
-        events={"crashes": list(s.crashes), "fallbacks": list(s.fallbacks)},
-    )
+def _batch_values(batch: ReportBatch) -> dict:
+    return {
+        "device_id": batch.device_id,
+        "batch_id": batch.batch_id,
+        "received_at": batch.received_at,
+        "period_start": batch.period_start,
+        "period_end": batch.period_end,
+        "dropped_batches": batch.dropped_batches,
+        "rolled": False,
+    }
+
+
+def _stats_values(batch: ReportBatch, s: ModelStatsRecord) -> dict:
+    return {
+        "device_id": batch.device_id,
+        "batch_id": batch.batch_id,
+        "period_start": batch.period_start,
+        "period_end": batch.period_end,
+        "model": s.model,
+        "version": s.version,
+        "variant": s.variant,
+        "config": s.config,
+        "inferences": s.inferences,
+        "errors": s.errors,
+        "crashes": len(s.crashes),
+        "fallbacks": len(s.fallbacks),
+        "pipeline_firings": s.pipeline_firings,
+        "latency": s.latency,
+        "events": {"crashes": list(s.crashes), "fallbacks": list(s.fallbacks)},
+    }
 
 
 def _stats(row: orm.ModelStatsRow) -> ModelStatsRecord:
@@ -122,21 +185,21 @@ def _stats(row: orm.ModelStatsRow) -> ModelStatsRecord:
     )
 
 
-def _install_row(batch: ReportBatch, i: InstallRecord) -> orm.InstallReportRow:
-    return orm.InstallReportRow(
-        device_id=batch.device_id,
-        batch_id=batch.batch_id,
-        at=i.at,
-        model=i.model,
-        version=i.version,
-        variant=i.variant,
-        rollout=i.rollout,
-        result=i.result,
-        reason=i.reason,
-        config=i.config,
-        timings=i.timings,
-        probes=list(i.probes),
-    )
+def _install_values(batch: ReportBatch, i: InstallRecord) -> dict:
+    return {
+        "device_id": batch.device_id,
+        "batch_id": batch.batch_id,
+        "at": i.at,
+        "model": i.model,
+        "version": i.version,
+        "variant": i.variant,
+        "rollout": i.rollout,
+        "result": i.result,
+        "reason": i.reason,
+        "config": i.config,
+        "timings": i.timings,
+        "probes": list(i.probes),
+    }
 
 
 def _install(row: orm.InstallReportRow) -> InstallRecord:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 INSTALL_RESULTS = ("activated", "failed", "rolled_back")
@@ -73,6 +74,10 @@ class TelemetryStore(abc.ABC):
 
         In one transaction: a batch id is applied once per device, whoever sends it twice.
         """
+
+    @abc.abstractmethod
+    def add_reports(self, batches: Sequence[ReportBatch]) -> list[bool | Exception]:
+        """Store many batches in one transaction; per batch True, False or its error."""
 
     @abc.abstractmethod
     def recent_installs(self, device_id: str, *, limit: int) -> list[InstallRecord]:

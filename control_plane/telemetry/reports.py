@@ -7,10 +7,13 @@ bucket by bucket (runtime.LatencyHistogram).
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.store.telemetry import InstallRecord, ReportBatch, TelemetryStore
+from control_plane.telemetry.ingest import ReportWriter
 from runtime.histogram import LatencyHistogram
 
 # `fleet show` merges a device's reports over this window.
@@ -37,12 +40,26 @@ class DeviceLatency:
 class Telemetry:
     """What devices report, and one device's summary of it."""
 
-    def __init__(self, store: TelemetryStore) -> None:
+    def __init__(
+        self,
+        store: TelemetryStore,
+        *,
+        on_stored: Callable[[list[ReportBatch]], None] | None = None,
+    ) -> None:
         self._store = store
+        self.writer = ReportWriter(store, on_stored=on_stored)
 
-    def report(self, batch: ReportBatch) -> bool:
-        """Store a batch; False when this device sent the same batch id before."""
-        return self._store.add_report(batch)
+    def report(self, batch: ReportBatch) -> concurrent.futures.Future:
+        """Queue a batch for the next group commit.
+
+        The future resolves to True once stored, False when this device sent the same
+        batch id before.
+        """
+        return self.writer.submit(batch)
+
+    def close(self) -> None:
+        """Store what is queued and stop the writer."""
+        self.writer.close()
 
     def recent_installs(self, device_id: str) -> list[InstallRecord]:
         """Return the device's latest install outcomes, newest first."""

@@ -20,14 +20,17 @@ their own time.
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.rollouts.lifecycle import RolloutState
 from control_plane.rollouts.resolver import LiveRollout, Resolver
+from control_plane.store.fleet import FleetStore
 from control_plane.store.rollups import (
     Aggregate,
     CohortDevice,
@@ -35,6 +38,7 @@ from control_plane.store.rollups import (
     RollupKey,
     RollupStore,
 )
+from control_plane.store.telemetry import ReportBatch
 from control_plane.telemetry.classes import DeviceClass
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,11 @@ RESOLUTIONS = (MINUTE, HOUR)
 CANDIDATE, BASELINE = "candidate", "baseline"
 BATCHES_PER_ROUND = 2000
 PRUNE_EVERY_S = 600.0
+# Batches this replica stored wait in memory for its roller (no re-read, no JSON
+# decoding); any the roller misses (a restart, a full queue, a lost race) are found in
+# the database once they are this old.
+STRAGGLER_AGE = dt.timedelta(seconds=60)
+MAX_FRESH = 50_000
 
 
 @dataclass(frozen=True)
@@ -77,18 +86,26 @@ class Roller:
 
     def __init__(
         self,
-        store: RollupStore,
+        store: RollupStore | FleetStore,
         resolver: Resolver,
         device_class: DeviceClass,
         *,
         retention: Retention = Retention(),
         clock: Callable[[], dt.datetime] = utcnow,
         batches_per_round: int = BATCHES_PER_ROUND,
+        straggler_age: dt.timedelta = STRAGGLER_AGE,
     ) -> None:
         self._store, self._resolver, self._class = store, resolver, device_class
         self._retention, self._clock = retention, clock
-        self._limit = batches_per_round
+        self._limit, self._straggler_age = batches_per_round, straggler_age
         self._last_prune = float("-inf")
+        self._fresh: collections.deque[ReportBatch] = collections.deque(maxlen=MAX_FRESH)
+        self._fresh_lock = threading.Lock()
+
+    def offer(self, batches: list[ReportBatch]) -> None:
+        """Hand over batches just stored by this replica (the writer calls this)."""
+        with self._fresh_lock:
+            self._fresh.extend(batches)
 
     def tick(self) -> int:
         """Roll up everything pending; prune now and then. Return batches rolled."""
@@ -106,15 +123,33 @@ class Roller:
         for _ in range(max_rounds):
             n = self.roll_once()
             total += n
-            if n < self._limit:
+            if n < self._limit and not self._fresh:
                 break
         return total
 
     def roll_once(self) -> int:
         """Roll up one round of pending batches; return how many (0 if beaten to them)."""
-        pending = self._store.pending_batches(limit=self._limit)
+        with self._fresh_lock:
+            fresh = [self._fresh.popleft() for _ in range(min(self._limit, len(self._fresh)))]
+        if fresh:
+            attributes = self._store.device_attributes(sorted({b.device_id for b in fresh}))
+            pending = [
+                PendingBatch(
+                    b.device_id,
+                    b.batch_id,
+                    b.period_end,
+                    attributes[b.device_id],
+                    b.models,
+                    b.installs,
+                )
+                for b in fresh
+                if b.device_id in attributes  # else deleted or revoked meanwhile
+            ]
+        else:
+            before = self._clock() - self._straggler_age
+            pending = self._store.pending_batches(limit=self._limit, received_before=before)
         if not pending:
-            return 0
+            return len(fresh)
         deltas, devices = self._aggregate(pending)
         keys = [(b.device_id, b.batch_id) for b in pending]
         if not self._store.apply_rollups(keys, deltas, devices):
