@@ -363,12 +363,18 @@ class RolloutEvent(_message.Message):
     TO_STATE_FIELD_NUMBER: _builtins.int
     STAGE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    SLICE_FIELD_NUMBER: _builtins.int
+    EVIDENCE_JSON_FIELD_NUMBER: _builtins.int
     actor: _builtins.str
     action: _builtins.str
     from_state: _builtins.str
     to_state: _builtins.str
     stage: _builtins.int
     reason: _builtins.str
+    slice: _builtins.str
+    """"soc=sm8450" when a guardrail or an operator acted on one slice."""
+    evidence_json: _builtins.str
+    """A guardrail's evidence (rule, slice, both cohorts' figures, sample sizes), JSON."""
     @_builtins.property
     def at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -381,14 +387,223 @@ class RolloutEvent(_message.Message):
         to_state: _builtins.str = ...,
         stage: _builtins.int = ...,
         reason: _builtins.str = ...,
+        slice: _builtins.str = ...,
+        evidence_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "at", b"at", "from_state", b"from_state", "reason", b"reason", "stage", b"stage", "to_state", b"to_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "at", b"at", "evidence_json", b"evidence_json", "from_state", b"from_state", "reason", b"reason", "slice", b"slice", "stage", b"stage", "to_state", b"to_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RolloutEvent: _TypeAlias = RolloutEvent  # noqa: Y015
+
+@_typing.final
+class CohortFigures(_message.Message):
+    """What one cohort of a rollout reported over a health window."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class CrashSignalsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    DEVICES_FIELD_NUMBER: _builtins.int
+    INFERENCES_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    CRASHES_FIELD_NUMBER: _builtins.int
+    FALLBACKS_FIELD_NUMBER: _builtins.int
+    INSTALLS_FIELD_NUMBER: _builtins.int
+    INSTALL_FAILURES_FIELD_NUMBER: _builtins.int
+    P50_US_FIELD_NUMBER: _builtins.int
+    P95_US_FIELD_NUMBER: _builtins.int
+    P99_US_FIELD_NUMBER: _builtins.int
+    CRASH_SIGNALS_FIELD_NUMBER: _builtins.int
+    devices: _builtins.int
+    inferences: _builtins.int
+    errors: _builtins.int
+    crashes: _builtins.int
+    fallbacks: _builtins.int
+    installs: _builtins.int
+    install_failures: _builtins.int
+    p50_us: _builtins.float
+    p95_us: _builtins.float
+    p99_us: _builtins.float
+    @_builtins.property
+    def crash_signals(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        devices: _builtins.int = ...,
+        inferences: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        crashes: _builtins.int = ...,
+        fallbacks: _builtins.int = ...,
+        installs: _builtins.int = ...,
+        install_failures: _builtins.int = ...,
+        p50_us: _builtins.float | None = ...,
+        p95_us: _builtins.float | None = ...,
+        p99_us: _builtins.float | None = ...,
+        crash_signals: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "crash_signals", b"crash_signals", "crashes", b"crashes", "devices", b"devices", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "install_failures", b"install_failures", "installs", b"installs", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__p50_us: _TypeAlias = _typing.Literal["p50_us"]  # noqa: Y015
+    _WhichOneofArgType__p50_us: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us"]  # noqa: Y015
+    _WhichOneofReturnType__p95_us: _TypeAlias = _typing.Literal["p95_us"]  # noqa: Y015
+    _WhichOneofArgType__p95_us: _TypeAlias = _typing.Literal["_p95_us", b"_p95_us"]  # noqa: Y015
+    _WhichOneofReturnType__p99_us: _TypeAlias = _typing.Literal["p99_us"]  # noqa: Y015
+    _WhichOneofArgType__p99_us: _TypeAlias = _typing.Literal["_p99_us", b"_p99_us"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p50_us) -> _WhichOneofReturnType__p50_us | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p95_us) -> _WhichOneofReturnType__p95_us | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p99_us) -> _WhichOneofReturnType__p99_us | None: ...
+
+Global___CohortFigures: _TypeAlias = CohortFigures  # noqa: Y015
+
+@_typing.final
+class RuleVerdict(_message.Message):
+    """One halt rule's verdict on one slice."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    BOUND_FIELD_NUMBER: _builtins.int
+    CANDIDATE_FIELD_NUMBER: _builtins.int
+    BASELINE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    rule: _builtins.str
+    status: _builtins.str
+    """"pass", "fail" or "insufficient" (too small a sample to say)."""
+    value: _builtins.float
+    """The point figure, and the one judged (the most favourable within the margin)."""
+    bound: _builtins.float
+    candidate: _builtins.float
+    baseline: _builtins.float
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        rule: _builtins.str = ...,
+        status: _builtins.str = ...,
+        value: _builtins.float | None = ...,
+        bound: _builtins.float | None = ...,
+        candidate: _builtins.float | None = ...,
+        baseline: _builtins.float | None = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_baseline", b"_baseline", "_bound", b"_bound", "_candidate", b"_candidate", "_value", b"_value", "baseline", b"baseline", "bound", b"bound", "candidate", b"candidate", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_baseline", b"_baseline", "_bound", b"_bound", "_candidate", b"_candidate", "_value", b"_value", "baseline", b"baseline", "bound", b"bound", "candidate", b"candidate", "detail", b"detail", "rule", b"rule", "status", b"status", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__baseline: _TypeAlias = _typing.Literal["baseline"]  # noqa: Y015
+    _WhichOneofArgType__baseline: _TypeAlias = _typing.Literal["_baseline", b"_baseline"]  # noqa: Y015
+    _WhichOneofReturnType__bound: _TypeAlias = _typing.Literal["bound"]  # noqa: Y015
+    _WhichOneofArgType__bound: _TypeAlias = _typing.Literal["_bound", b"_bound"]  # noqa: Y015
+    _WhichOneofReturnType__candidate: _TypeAlias = _typing.Literal["candidate"]  # noqa: Y015
+    _WhichOneofArgType__candidate: _TypeAlias = _typing.Literal["_candidate", b"_candidate"]  # noqa: Y015
+    _WhichOneofReturnType__value: _TypeAlias = _typing.Literal["value"]  # noqa: Y015
+    _WhichOneofArgType__value: _TypeAlias = _typing.Literal["_value", b"_value"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__baseline) -> _WhichOneofReturnType__baseline | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__bound) -> _WhichOneofReturnType__bound | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__candidate) -> _WhichOneofReturnType__candidate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__value) -> _WhichOneofReturnType__value | None: ...
+
+Global___RuleVerdict: _TypeAlias = RuleVerdict  # noqa: Y015
+
+@_typing.final
+class SliceHealth(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLICE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    CANDIDATE_FIELD_NUMBER: _builtins.int
+    BASELINE_FIELD_NUMBER: _builtins.int
+    RULES_FIELD_NUMBER: _builtins.int
+    slice: _builtins.str
+    """"soc=sm8450"; empty for the whole rollout (every slice still in)."""
+    state: _builtins.str
+    """"active" or "rolled_back" (for the whole rollout: its state)."""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def candidate(self) -> Global___CohortFigures: ...
+    @_builtins.property
+    def baseline(self) -> Global___CohortFigures: ...
+    @_builtins.property
+    def rules(self) -> _containers.RepeatedCompositeFieldContainer[Global___RuleVerdict]: ...
+    def __init__(
+        self,
+        *,
+        slice: _builtins.str = ...,
+        state: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        candidate: Global___CohortFigures | None = ...,
+        baseline: Global___CohortFigures | None = ...,
+        rules: _abc.Iterable[Global___RuleVerdict] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "candidate", b"candidate", "since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "candidate", b"candidate", "rules", b"rules", "since", b"since", "slice", b"slice", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SliceHealth: _TypeAlias = SliceHealth  # noqa: Y015
+
+@_typing.final
+class RolloutHealth(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_FIELD_NUMBER: _builtins.int
+    OVERALL_FIELD_NUMBER: _builtins.int
+    SLICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def overall(self) -> Global___SliceHealth: ...
+    @_builtins.property
+    def slices(self) -> _containers.RepeatedCompositeFieldContainer[Global___SliceHealth]: ...
+    def __init__(
+        self,
+        *,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        overall: Global___SliceHealth | None = ...,
+        slices: _abc.Iterable[Global___SliceHealth] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overall", b"overall", "since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["overall", b"overall", "since", b"since", "slices", b"slices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutHealth: _TypeAlias = RolloutHealth  # noqa: Y015
 
 @_typing.final
 class RolloutCounts(_message.Message):
@@ -441,6 +656,11 @@ class Rollout(_message.Message):
     STAGE_STARTED_AT_FIELD_NUMBER: _builtins.int
     AUDIT_FIELD_NUMBER: _builtins.int
     COUNTS_FIELD_NUMBER: _builtins.int
+    HALT_RULES_FIELD_NUMBER: _builtins.int
+    MIN_DEVICES_FIELD_NUMBER: _builtins.int
+    MIN_INFERENCES_FIELD_NUMBER: _builtins.int
+    SLICE_BY_FIELD_NUMBER: _builtins.int
+    HEALTH_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     model: _builtins.str
     version: _builtins.int
@@ -452,6 +672,9 @@ class Rollout(_message.Message):
     bake_s: _builtins.int
     priority: _builtins.int
     created_by: _builtins.str
+    min_devices: _builtins.int
+    min_inferences: _builtins.int
+    slice_by: _builtins.str
     @_builtins.property
     def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Percentages of the selected devices, increasing, ending at 100."""
@@ -464,6 +687,12 @@ class Rollout(_message.Message):
     def audit(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutEvent]: ...
     @_builtins.property
     def counts(self) -> Global___RolloutCounts: ...
+    @_builtins.property
+    def halt_rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def health(self) -> Global___RolloutHealth:
+        """GetRollout only: candidate and baseline figures and rule verdicts, per slice."""
+
     def __init__(
         self,
         *,
@@ -482,10 +711,15 @@ class Rollout(_message.Message):
         stage_started_at: _timestamp_pb2.Timestamp | None = ...,
         audit: _abc.Iterable[Global___RolloutEvent] | None = ...,
         counts: Global___RolloutCounts | None = ...,
+        halt_rules: _abc.Iterable[_builtins.str] | None = ...,
+        min_devices: _builtins.int = ...,
+        min_inferences: _builtins.int = ...,
+        slice_by: _builtins.str = ...,
+        health: Global___RolloutHealth | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "created_at", b"created_at", "stage_started_at", b"stage_started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "created_at", b"created_at", "health", b"health", "stage_started_at", b"stage_started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "id", b"id", "model", b"model", "priority", b"priority", "selector", b"selector", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "halt_rules", b"halt_rules", "health", b"health", "id", b"id", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "priority", b"priority", "selector", b"selector", "slice_by", b"slice_by", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -503,6 +737,10 @@ class CreateRolloutRequest(_message.Message):
     BAKE_S_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    HALT_FIELD_NUMBER: _builtins.int
+    MIN_DEVICES_FIELD_NUMBER: _builtins.int
+    MIN_INFERENCES_FIELD_NUMBER: _builtins.int
+    SLICE_BY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -511,9 +749,20 @@ class CreateRolloutRequest(_message.Message):
     bake_s: _builtins.int
     priority: _builtins.int
     reason: _builtins.str
+    min_devices: _builtins.int
+    """Minimum sample per cohort below which a rule neither passes nor fails."""
+    min_inferences: _builtins.int
+    slice_by: _builtins.str
+    """A device-class attribute (e.g. "soc"): rules are judged, and failures rolled back,
+    per value of it. Empty: a failing rule pauses the whole rollout.
+    """
     @_builtins.property
     def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Empty = [100]."""
+
+    @_builtins.property
+    def halt(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Halt rules, e.g. "p95_latency_ratio>1.2", "crash_rate>0.001"."""
 
     def __init__(
         self,
@@ -526,10 +775,14 @@ class CreateRolloutRequest(_message.Message):
         bake_s: _builtins.int = ...,
         priority: _builtins.int = ...,
         reason: _builtins.str = ...,
+        halt: _abc.Iterable[_builtins.str] | None = ...,
+        min_devices: _builtins.int = ...,
+        min_inferences: _builtins.int = ...,
+        slice_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bake_s", b"bake_s", "model", b"model", "priority", b"priority", "reason", b"reason", "selector", b"selector", "stages", b"stages", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bake_s", b"bake_s", "halt", b"halt", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "priority", b"priority", "reason", b"reason", "selector", b"selector", "slice_by", b"slice_by", "stages", b"stages", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -601,6 +854,7 @@ class TransitionRolloutRequest(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     EXPECTED_STAGE_FIELD_NUMBER: _builtins.int
+    SLICE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     action: _builtins.str
     """"pause", "resume", "promote" or "rollback"."""
@@ -609,6 +863,8 @@ class TransitionRolloutRequest(_message.Message):
     """When set, the change applies only if the rollout is still at this stage (0-based):
     a retried or doubled promote cannot skip a stage.
     """
+    slice: _builtins.str
+    """"soc=sm8450": resume readmits, rollback rolls back, that one slice only."""
     def __init__(
         self,
         *,
@@ -616,10 +872,11 @@ class TransitionRolloutRequest(_message.Message):
         action: _builtins.str = ...,
         reason: _builtins.str = ...,
         expected_stage: _builtins.int | None = ...,
+        slice: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_stage", b"_expected_stage", "expected_stage", b"expected_stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_stage", b"_expected_stage", "action", b"action", "expected_stage", b"expected_stage", "id", b"id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_stage", b"_expected_stage", "action", b"action", "expected_stage", b"expected_stage", "id", b"id", "reason", b"reason", "slice", b"slice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expected_stage: _TypeAlias = _typing.Literal["expected_stage"]  # noqa: Y015
     _WhichOneofArgType__expected_stage: _TypeAlias = _typing.Literal["_expected_stage", b"_expected_stage"]  # noqa: Y015

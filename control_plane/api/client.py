@@ -289,13 +289,19 @@ class AdminClient:
         reason: str = "",
         *,
         expected_stage: int | None = None,
+        slice: str = "",
     ) -> fleet_pb2.Rollout:
         """Pause, resume, promote or roll back (not retried: the state may have moved).
 
-        With `expected_stage`, the server applies it only if the rollout is still there.
+        With `expected_stage`, the server applies it only if the rollout is still there;
+        with `slice` ("soc=X"), resume and rollback act on that slice only.
         """
         request = fleet_pb2.TransitionRolloutRequest(
-            id=rollout_id, action=action, reason=reason, expected_stage=expected_stage
+            id=rollout_id,
+            action=action,
+            reason=reason,
+            expected_stage=expected_stage,
+            slice=slice,
         )
         try:
             return self._rollouts.TransitionRollout(

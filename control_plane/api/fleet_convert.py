@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 from control_plane.fleet.wire import (  # noqa: F401 - re-exported for the API layer
     attributes_dict,
     attributes_pb,
     timestamp,
 )
+from control_plane.rollouts.guard import Health, SliceHealth
 from control_plane.rollouts.resolver import Desired
 from control_plane.rollouts.service import Counts
 from control_plane.store.fleet import DeviceRecord, ModelState
@@ -45,8 +48,13 @@ def device_pb(d: DeviceRecord, *, online: bool, desired: dict[str, Desired]) -> 
     )
 
 
-def rollout_pb(r: RolloutRecord, counts: Counts | None = None) -> fleet_pb2.Rollout:
-    """Return the message for a rollout (with its audit log and counts when given)."""
+INT64_MAX = 2**63 - 1
+
+
+def rollout_pb(
+    r: RolloutRecord, counts: Counts | None = None, health: Health | None = None
+) -> fleet_pb2.Rollout:
+    """Return the message for a rollout (with its audit log, counts and health if given)."""
     msg = fleet_pb2.Rollout(
         id=r.id,
         model=r.model,
@@ -70,10 +78,50 @@ def rollout_pb(r: RolloutRecord, counts: Counts | None = None) -> fleet_pb2.Roll
                 to_state=e.to_state,
                 stage=e.stage,
                 reason=e.reason,
+                slice=e.slice,
+                evidence_json=json.dumps(e.evidence, sort_keys=True) if e.evidence else "",
             )
             for e in r.audit
         ],
+        halt_rules=list(r.halt_rules),
+        min_devices=r.min_devices,
+        min_inferences=r.min_inferences,
+        slice_by=r.slice_by,
     )
     if counts is not None:
         msg.counts.CopyFrom(fleet_pb2.RolloutCounts(**counts.__dict__))
+    if health is not None:
+        msg.health.CopyFrom(
+            fleet_pb2.RolloutHealth(
+                since=timestamp(health.since),
+                overall=_slice_pb(health.overall),
+                slices=[_slice_pb(s) for s in health.slices],
+            )
+        )
     return msg
+
+
+def _cohort_pb(figures: dict) -> fleet_pb2.CohortFigures:
+    return fleet_pb2.CohortFigures(
+        **{
+            k: min(v, INT64_MAX) if isinstance(v, int) else v
+            for k, v in figures.items()
+            if v is not None
+        }
+    )
+
+
+def _slice_pb(s: SliceHealth) -> fleet_pb2.SliceHealth:
+    return fleet_pb2.SliceHealth(
+        slice=s.name,
+        state=s.state,
+        since=timestamp(s.since),
+        candidate=_cohort_pb(s.candidate.figures()),
+        baseline=_cohort_pb(s.baseline.figures()),
+        rules=[
+            fleet_pb2.RuleVerdict(
+                **{k: v for k, v in v.to_dict().items() if k != "sample" and v is not None}
+            )
+            for v in s.verdicts
+        ],
+    )

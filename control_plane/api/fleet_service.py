@@ -12,6 +12,7 @@ from control_plane.api.grpc_errors import mapped
 from control_plane.api.telemetry_convert import install_pb, latency_pb
 from control_plane.fleet.devices import Fleet, validate_device_id
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.rollouts.guard import Guard
 from control_plane.rollouts.resolver import Resolver, Snapshot
 from control_plane.rollouts.service import Rollouts, RolloutSpec
 from control_plane.rollouts.watchers import Watchers
@@ -134,12 +135,12 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
 class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
     """Rollouts."""
 
-    def __init__(self, rollouts: Rollouts, view: FleetView) -> None:
-        self._rollouts, self._view = rollouts, view
+    def __init__(self, rollouts: Rollouts, view: FleetView, guard: Guard) -> None:
+        self._rollouts, self._view, self._guard = rollouts, view, guard
 
     def _with_counts(self, record) -> fleet_pb2.Rollout:
         self._view.flush()  # counts include what devices reported to this replica
-        return rollout_pb(record, self._rollouts.counts(record))
+        return rollout_pb(record, self._rollouts.counts(record), self._guard.health(record))
 
     @mapped
     def CreateRollout(self, request, context):  # noqa: D102, N802
@@ -153,6 +154,10 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
             bake_s=request.bake_s,
             priority=request.priority,
             reason=request.reason,
+            halt_rules=tuple(request.halt),
+            min_devices=request.min_devices,
+            min_inferences=request.min_inferences,
+            slice_by=request.slice_by,
         )
         return rollout_pb(self._rollouts.create(spec, actor=actor))
 
@@ -173,6 +178,11 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
         actor = _actor()
         expected = request.expected_stage if request.HasField("expected_stage") else None
         record = self._rollouts.transition(
-            request.id, request.action, actor=actor, reason=request.reason, expected_stage=expected
+            request.id,
+            request.action,
+            actor=actor,
+            reason=request.reason,
+            expected_stage=expected,
+            slice=request.slice,
         )
         return self._with_counts(record)

@@ -42,6 +42,7 @@ from control_plane.registry.registry import Registry
 from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.changes import ChangeFeed
 from control_plane.rollouts.delivery import Delivery
+from control_plane.rollouts.guard import Guard
 from control_plane.rollouts.resolver import Resolver
 from control_plane.rollouts.service import Rollouts
 from control_plane.rollouts.watchers import Watchers
@@ -154,6 +155,7 @@ class App:
     watchers: Watchers
     telemetry: Telemetry
     roller: Roller
+    guard: Guard
 
     @property
     def store(self) -> SqlStore:
@@ -165,7 +167,8 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
     """Assemble the domain (no network yet)."""
     registry = registry or build_registry(config)
     store = registry.store
-    resolver = Resolver(store)
+    device_class = parse_device_class(config.device_class)
+    resolver = Resolver(store, device_class)
     fleet = Fleet(store, default_enroll_ttl_s=config.enroll_ttl_s)
     feed = ChangeFeed(store)
     watchers = Watchers(resolver=resolver, store=store)
@@ -183,33 +186,34 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
         clock=lambda: dt.datetime.now(dt.UTC),
         monotonic=time.monotonic,
     )
-    device_class = parse_device_class(config.device_class)
     retention = Retention(
         minute=dt.timedelta(hours=config.rollup_minute_retention_h),
         hour=dt.timedelta(days=config.rollup_hour_retention_d),
         raw=dt.timedelta(hours=config.telemetry_raw_retention_h),
     )
     roller = Roller(store, resolver, device_class, retention=retention)
+    rollouts = Rollouts(store, resolver, device_class=device_class)
     return App(
         config=config,
         registry=registry,
         fleet=fleet,
         resolver=resolver,
-        rollouts=Rollouts(store, resolver),
+        rollouts=rollouts,
         delivery=delivery,
         feed=feed,
         writer=DeviceWriter(store, interval_s=config.device_flush_s),
         watchers=watchers,
         telemetry=Telemetry(store, on_stored=roller.offer),
         roller=roller,
+        guard=Guard(store, rollouts, device_class, minute_retention=retention.minute),
     )
 
 
 class _Scheduler:
     """Advances rollouts whose stage has baked, every `interval_s` (safe on every replica)."""
 
-    def __init__(self, rollouts: Rollouts, interval_s: float) -> None:
-        self._rollouts, self._interval = rollouts, interval_s
+    def __init__(self, app: App, interval_s: float) -> None:
+        self._rollouts, self._guard, self._interval = app.rollouts, app.guard, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="skiff-scheduler", daemon=True)
 
@@ -223,7 +227,7 @@ class _Scheduler:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                self._rollouts.advance_due()
+                self._rollouts.advance_due(ready=self._guard.ready)
             except errors.SkiffError as exc:
                 log.warning("rollout scheduler: %s", exc)
 
@@ -242,7 +246,7 @@ class ServerHandle:
         )
         self._thread.start()
         self._pool = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="skiff-rpc")
-        self._scheduler = _Scheduler(app.rollouts, app.config.scheduler_interval_s)
+        self._scheduler = _Scheduler(app, app.config.scheduler_interval_s)
         self._stopped = threading.Event()
         self._server, self.port = self._call(self._build(address, credentials))
         self._background = _background(app, self._publish_health)
@@ -351,6 +355,7 @@ def _background(app: App, publish_health) -> list[Periodic]:
     tasks = [
         Periodic("health", app.config.health_interval_s, monitor.check),
         Periodic("rollup", app.config.rollup_interval_s, app.roller.tick),
+        Periodic("guardrails", app.config.guard_interval_s, app.guard.check),
     ]
     if app.config.gc_interval_s > 0:
         # Safe on every replica at once (registry/gc.py); each sweep lists the whole store.
@@ -375,7 +380,9 @@ async def _add_services(
         server,
     )
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(view), server)
-    fleet_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(app.rollouts, view), server)
+    fleet_pb2_grpc.add_RolloutServiceServicer_to_server(
+        RolloutServicer(app.rollouts, view, app.guard), server
+    )
     device_pb2_grpc.add_DeviceServiceServicer_to_server(
         DeviceServicer(
             fleet=app.fleet,

@@ -110,6 +110,32 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     )
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--reason", default="")
+    p.add_argument(
+        "--halt",
+        action="append",
+        default=[],
+        metavar="RULE",
+        help="halt rule, e.g. 'p95_latency_ratio>1.2' or 'crash_rate>0.001' (repeatable)",
+    )
+    p.add_argument(
+        "--min-devices",
+        type=int,
+        default=50,
+        help="devices each cohort needs before a rule passes or fails (default 50)",
+    )
+    p.add_argument(
+        "--min-inferences",
+        type=int,
+        default=1000,
+        help="inferences each cohort needs before a rule passes or fails (default 1000)",
+    )
+    p.add_argument(
+        "--slice-by",
+        default="",
+        metavar="ATTRIBUTE",
+        help="judge rules per value of a device-class attribute (e.g. soc) and roll back "
+        "only the failing slice; without it a failing rule pauses the whole rollout",
+    )
     p = rsub.add_parser("ls", help="list rollouts")
     common(p)
     p.add_argument("--model", default="")
@@ -121,6 +147,13 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
         common(p)
         p.add_argument("id")
         p.add_argument("--reason", default="")
+        if action in ("resume", "rollback"):
+            p.add_argument(
+                "--slice",
+                default="",
+                metavar="ATTRIBUTE=VALUE",
+                help=f"{action} one slice of a sliced rollout only (e.g. soc=sm8450)",
+            )
 
 
 def start_token_create(*, config: Config, args: argparse.Namespace) -> Output:
@@ -253,6 +286,10 @@ def start_rollout_create(*, config: Config, args: argparse.Namespace) -> Output:
         bake_s=parse_duration(args.bake),
         priority=args.priority,
         reason=args.reason,
+        halt=args.halt,
+        min_devices=args.min_devices,
+        min_inferences=args.min_inferences,
+        slice_by=args.slice_by,
     )
     with _client(config) as client:
         rollout = client.create_rollout(request)
@@ -279,9 +316,17 @@ def _transition(action: str):
             # A promote names the stage it promotes from: if another operator (or the
             # scheduler) moved the rollout meanwhile, this one is refused, not doubled.
             expected = client.get_rollout(args.id).stage if action == "promote" else None
-            r = client.transition_rollout(args.id, action, args.reason, expected_stage=expected)
+            piece = getattr(args, "slice", "")
+            r = client.transition_rollout(
+                args.id, action, args.reason, expected_stage=expected, slice=piece
+            )
         stage = f"stage {r.stage + 1}/{len(r.stages)} ({r.stages[r.stage]:g}%)"
-        return views.rollout_dict(r), f"{r.id}: {r.state}, {stage}"
+        what = (
+            f"slice {piece} {'readmitted' if action == 'resume' else 'rolled back'}; "
+            if piece
+            else ""
+        )
+        return views.rollout_dict(r), f"{r.id}: {what}{r.state}, {stage}"
 
     start.__doc__ = f"{action.capitalize()} a rollout."
     return start

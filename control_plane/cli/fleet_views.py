@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -207,6 +208,8 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
                 "to_state": e.to_state,
                 "stage": e.stage,
                 "reason": e.reason,
+                "slice": e.slice,
+                "evidence": json.loads(e.evidence_json) if e.evidence_json else None,
             }
             for e in r.audit
         ],
@@ -217,7 +220,92 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
             "installed": r.counts.installed,
             "failed": r.counts.failed,
         },
+        "guardrails": {
+            "halt_rules": list(r.halt_rules),
+            "min_devices": r.min_devices,
+            "min_inferences": r.min_inferences,
+            "slice_by": r.slice_by,
+        },
+        "health": _health_dict(r.health) if r.HasField("health") else None,
     }
+
+
+def _cohort_dict(c: fleet_pb2.CohortFigures) -> dict:
+    out = {
+        name: getattr(c, name)
+        for name in (
+            "devices",
+            "inferences",
+            "errors",
+            "crashes",
+            "fallbacks",
+            "installs",
+            "install_failures",
+        )
+    }
+    for name in ("p50_us", "p95_us", "p99_us"):
+        out[name] = getattr(c, name) if c.HasField(name) else None
+    out["crash_signals"] = dict(sorted(c.crash_signals.items()))
+    return out
+
+
+def _slice_dict(s: fleet_pb2.SliceHealth) -> dict:
+    return {
+        "slice": s.slice,
+        "state": s.state,
+        "since": _ts(s.since),
+        "candidate": _cohort_dict(s.candidate),
+        "baseline": _cohort_dict(s.baseline),
+        "rules": [
+            {
+                "rule": v.rule,
+                "status": v.status,
+                **{
+                    k: getattr(v, k) if v.HasField(k) else None
+                    for k in ("value", "bound", "candidate", "baseline")
+                },
+                "detail": v.detail,
+            }
+            for v in s.rules
+        ],
+    }
+
+
+def _health_dict(h: fleet_pb2.RolloutHealth) -> dict:
+    return {
+        "since": _ts(h.since),
+        "overall": _slice_dict(h.overall),
+        "slices": [_slice_dict(s) for s in h.slices],
+    }
+
+
+def _health_lines(r: fleet_pb2.Rollout) -> list[str]:
+    if not r.halt_rules and not r.HasField("health"):
+        return []
+    lines = [
+        f"  guardrails  {', '.join(r.halt_rules) or '(no halt rules)'}"
+        f"  min {r.min_devices} devices, {r.min_inferences} inferences"
+        + (f"  sliced by {r.slice_by}" if r.slice_by else "")
+    ]
+    if not r.HasField("health"):
+        return lines
+    h = r.health
+    lines.append(f"  health since {_ts(h.since)}   candidate vs baseline")
+    for s in [h.overall, *h.slices]:
+        c, b = s.candidate, s.baseline
+        label = s.slice or "(all)"
+
+        def p95(x):
+            return f"{x.p95_us:,.0f}" if x.HasField("p95_us") else "-"
+
+        lines.append(
+            f"    {label:<24} {s.state:<11} devices {c.devices}/{b.devices}"
+            f"  inferences {c.inferences}/{b.inferences}  p95 {p95(c)}/{p95(b)} us"
+            f"  crashes {c.crashes}/{b.crashes}"
+        )
+        for v in s.rules:
+            lines.append(f"      {v.status:<12} {v.rule:<26} {v.detail}")
+    return lines
 
 
 def _stages(r: fleet_pb2.Rollout) -> str:
@@ -255,10 +343,13 @@ def rollout_text(r: fleet_pb2.Rollout) -> str:
         f"  stages    {_stages(r)}  bake {r.bake_s}s  priority {r.priority}",
         f"  devices   selected {c.selected}  in stage {c.in_stage}  synced {c.synced}"
         f"  installed {c.installed}  failed {c.failed}",
+        *_health_lines(r),
         "  audit",
     ]
     for e in r.audit:
         change = f"{e.from_state} -> {e.to_state}" if e.from_state else e.to_state
+        if e.slice:
+            change = f"{e.slice}: {change}"
         why = f"  ({e.reason})" if e.reason else ""
         lines.append(f"    {_ts(e.at)}  {e.actor:<10} {e.action:<8} {change}, stage {e.stage}{why}")
     return "\n".join(lines)

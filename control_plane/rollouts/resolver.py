@@ -22,6 +22,12 @@ from control_plane.rollouts.lifecycle import (
     stage_limit,
 )
 from control_plane.store.rollouts import RolloutRecord, RolloutStore
+from control_plane.telemetry.classes import (
+    DEFAULT_DEVICE_CLASS,
+    DeviceClass,
+    Dimension,
+    parse_device_class,
+)
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,17 @@ class LiveRollout:
     selector: Selector = field(compare=False)
     limit: int
     desired: Desired
+    # Slices a guardrail (or an operator) rolled back: their devices are not selected.
+    slice_dimension: Dimension | None = None
+    excluded: frozenset[str] = frozenset()
 
     def selects(self, attrs: Mapping) -> bool:
-        """Return whether the selector picks a device with these attributes."""
-        return self.selector.matches(attrs)
+        """Return whether the rollout applies to a device with these attributes."""
+        if not self.selector.matches(attrs):
+            return False
+        return (
+            self.slice_dimension is None or self.slice_dimension.value(attrs) not in self.excluded
+        )
 
     def includes(self, device_id: str) -> bool:
         """Return whether the current stage includes this (selected) device."""
@@ -104,8 +117,9 @@ def _flat(groups: dict[str, list[LiveRollout]]) -> list[LiveRollout]:
 class Resolver:
     """Keeps the current snapshot; reloads it lazily after the change feed says so."""
 
-    def __init__(self, store: RolloutStore) -> None:
+    def __init__(self, store: RolloutStore, device_class: DeviceClass | None = None) -> None:
         self._store = store
+        self._device_class = device_class or parse_device_class(DEFAULT_DEVICE_CLASS)
         self._lock = threading.Lock()
         self._reload_lock = threading.Lock()
         self._compiled: dict[str, Selector] = {}
@@ -148,6 +162,15 @@ class Resolver:
             selector = self._compiled[record.selector] = parse_selector(record.selector)
         completed = record.state == RolloutState.COMPLETED
         limit = BUCKETS if completed else stage_limit(record.stages, record.stage)
+        excluded = record.rolled_back_slices()
+        dimension = None
+        if excluded and record.slice_by:
+            dimension = self._device_class.dimension(record.slice_by)
         return LiveRollout(
-            record, selector, limit, Desired(record.version, record.variant, record.id)
+            record,
+            selector,
+            limit,
+            Desired(record.version, record.variant, record.id),
+            dimension,
+            excluded,
         )

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from control_plane import errors
 from control_plane.fleet.selector import parse_selector
-from control_plane.limits import MAX_REASON, check_text
+from control_plane.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
+from control_plane.rollouts.guardrails import parse_rules
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
     MAX_PRIORITY,
@@ -34,6 +35,7 @@ from control_plane.store.rollouts import (
     RolloutRecord,
     RolloutStore,
 )
+from control_plane.telemetry.classes import DEFAULT_DEVICE_CLASS, DeviceClass, parse_device_class
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,16 @@ class RolloutSpec:
     bake_s: int = 0
     priority: int = 0
     reason: str = ""
+    halt_rules: tuple[str, ...] = ()
+    min_devices: int = 0
+    min_inferences: int = 0
+    slice_by: str = ""
+
+
+MAX_MIN_DEVICES = 10_000_000
+MAX_MIN_INFERENCES = 1 << 40
+GUARDRAIL = "guardrail"
+SLICE_STATES = ("active", "rolled_back")
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,11 @@ class Rollouts:
         store: RolloutStore | FleetStore | RegistryStore,
         resolver: Resolver,
         *,
+        device_class: DeviceClass | None = None,
         clock: Callable[[], dt.datetime] = utcnow,
     ) -> None:
         self._store, self._resolver, self._clock = store, resolver, clock
+        self._class = device_class or parse_device_class(DEFAULT_DEVICE_CLASS)
 
     def create(self, spec: RolloutSpec, *, actor: str) -> RolloutRecord:
         """Validate and store a new active rollout at its first stage."""
@@ -101,6 +115,17 @@ class Rollouts:
             raise errors.InvalidArgument(f"version must be 1 to {MAX_VERSION}")
         if not VARIANT_NAME.fullmatch(variant):
             raise errors.InvalidArgument(f"invalid variant {variant!r:.40}")
+        rules = tuple(str(r) for r in parse_rules(spec.halt_rules))  # position and reason
+        if spec.slice_by:
+            self._class.dimension(spec.slice_by)  # InvalidArgument names the known ones
+            if not rules:
+                raise errors.InvalidArgument("--slice-by needs at least one --halt rule")
+        if not 0 <= spec.min_devices <= MAX_MIN_DEVICES:
+            raise errors.InvalidArgument(f"min devices must be between 0 and {MAX_MIN_DEVICES}")
+        if not 0 <= spec.min_inferences <= MAX_MIN_INFERENCES:
+            raise errors.InvalidArgument(
+                f"min inferences must be between 0 and {MAX_MIN_INFERENCES}"
+            )
         version = self._store.get_version(spec.model, spec.version)  # NotFound names it
         if version.variant(variant) is None:
             have = ", ".join(v.name for v in version.variants)
@@ -122,6 +147,10 @@ class Rollouts:
             created_at=now,
             created_by=actor,
             stage_started_at=now,
+            halt_rules=rules,
+            min_devices=spec.min_devices,
+            min_inferences=spec.min_inferences,
+            slice_by=spec.slice_by,
         )
         event = RolloutEventRecord(
             now, actor, "create", "", RolloutState.ACTIVE.value, 0, _check_reason(spec.reason)
@@ -150,12 +179,16 @@ class Rollouts:
         actor: str,
         reason: str = "",
         expected_stage: int | None = None,
+        slice: str = "",
     ) -> RolloutRecord:
         """Pause, resume, promote or roll back; FailedPrecondition names the current state.
 
         With `expected_stage`, the change applies only if the rollout is still at that
-        stage, so a retried or doubled promote cannot skip a stage.
+        stage, so a retried or doubled promote cannot skip a stage. With `slice`
+        (`soc=sm8450`), resume readmits one rolled-back slice and rollback rolls one back.
         """
+        if slice:
+            return self._slice_action(rollout_id, action, slice, actor=actor, reason=reason)
         try:
             act = Action(action)
         except ValueError:
@@ -177,14 +210,99 @@ class Rollouts:
             )
         return changed
 
-    def advance_due(self) -> list[RolloutRecord]:
+    def _slice_action(
+        self, rollout_id: str, action: str, slice: str, *, actor: str, reason: str
+    ) -> RolloutRecord:
+        states = {"resume": "active", "rollback": "rolled_back"}
+        if action not in states:
+            raise errors.InvalidArgument(f"--slice works with resume and rollback, not {action}")
+        current = self.get(rollout_id)
+        name, eq, value = slice.partition("=")
+        if not eq or not name:
+            raise errors.InvalidArgument(f"invalid slice {slice!r:.80}: use ATTRIBUTE=VALUE")
+        check_text("slice value", value, MAX_ATTRIBUTE)
+        if not current.slice_by:
+            raise errors.FailedPrecondition(f"rollout {rollout_id} is not sliced (no --slice-by)")
+        if name != current.slice_by:
+            raise errors.InvalidArgument(
+                f"rollout {rollout_id} is sliced by {current.slice_by}, not {name!r:.70}"
+            )
+        if current.state in (RolloutState.ROLLED_BACK, RolloutState.COMPLETED) and (
+            action == "resume"
+        ):
+            raise errors.FailedPrecondition(
+                f"cannot readmit a slice of a rollout that is {current.state} (guardrails no "
+                f"longer watch it): roll it out to that slice with a new rollout "
+                f"(--select {slice})"
+            )
+        changed = self.set_slice(
+            rollout_id, value, states[action], actor=actor, reason=_check_reason(reason)
+        )
+        if changed is None:
+            raise errors.FailedPrecondition(f"slice {slice} is already {states[action]}")
+        return changed
+
+    def set_slice(
+        self,
+        rollout_id: str,
+        value: str,
+        state: str,
+        *,
+        actor: str,
+        reason: str,
+        evidence: dict | None = None,
+    ) -> RolloutRecord | None:
+        """Roll one slice back or readmit it; None when it already was."""
+        current = self.get(rollout_id)
+        now = self._clock()
+        action = "slice_rollback" if state == "rolled_back" else "slice_resume"
+        event = RolloutEventRecord(
+            now,
+            actor,
+            action,
+            current.state,
+            current.state,
+            current.stage,
+            reason,
+            slice=f"{current.slice_by}={value}",
+            evidence=evidence or {},
+        )
+        changed = self._store.set_slice(
+            rollout_id, value, {"state": state, "since": now.isoformat()}, event
+        )
+        if changed is not None:
+            log.info(
+                "rollout %s: slice %s=%s %s (%s)", rollout_id, current.slice_by, value, state, actor
+            )
+        return changed
+
+    def halt(self, record: RolloutRecord, *, reason: str, evidence: dict) -> RolloutRecord | None:
+        """Pause a rollout for a guardrail, with its evidence; None if it moved on."""
+        return self._apply(
+            record, Action.PAUSE, actor=GUARDRAIL, reason=reason[:MAX_REASON], evidence=evidence
+        )
+
+    def list_active_with_rules(self) -> list[RolloutRecord]:
+        """Return the active rollouts that carry halt rules."""
+        return [
+            r
+            for r in self._store.list_rollouts(states=(RolloutState.ACTIVE.value,))
+            if r.halt_rules
+        ]
+
+    def advance_due(
+        self, ready: Callable[[RolloutRecord], bool] | None = None
+    ) -> list[RolloutRecord]:
         """Advance every active rollout whose current stage has baked (the scheduler).
 
-        A rollout without a bake time advances only when an operator promotes it.
+        A rollout without a bake time advances only when an operator promotes it; one
+        with halt rules only when `ready` says every rule passed with enough sample.
         """
         now, advanced = self._clock(), []
         for r in self._store.list_rollouts(states=(RolloutState.ACTIVE.value,)):
             if r.bake_s == 0 or r.stage_started_at + dt.timedelta(seconds=r.bake_s) > now:
+                continue
+            if ready is not None and r.halt_rules and not ready(r):
                 continue
             done = self._apply(r, Action.ADVANCE, actor="scheduler", reason="bake time passed")
             if done is not None:  # None: another replica or an operator got there first
@@ -192,12 +310,20 @@ class Rollouts:
         return advanced
 
     def _apply(
-        self, r: RolloutRecord, act: Action, *, actor: str, reason: str
+        self,
+        r: RolloutRecord,
+        act: Action,
+        *,
+        actor: str,
+        reason: str,
+        evidence: dict | None = None,
     ) -> RolloutRecord | None:
         state, stage = next_step(RolloutState(r.state), act, r.stage, len(r.stages))
         now = self._clock()
         started = now if stage != r.stage or act == Action.RESUME else r.stage_started_at
-        event = RolloutEventRecord(now, actor, act.value, r.state, state.value, stage, reason)
+        event = RolloutEventRecord(
+            now, actor, act.value, r.state, state.value, stage, reason, evidence=evidence or {}
+        )
         change = RolloutChange(r.id, r.state, r.stage, state.value, stage, started, event)
         result = self._store.change_rollout(change)
         if result is not None:

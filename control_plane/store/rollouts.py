@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class RolloutEventRecord:
     to_state: str
     stage: int
     reason: str
+    slice: str = ""  # "soc=sm8450" when a guardrail or operator acted on one slice
+    evidence: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,16 @@ class RolloutRecord:
     created_by: str
     stage_started_at: dt.datetime
     audit: tuple[RolloutEventRecord, ...] = ()
+    halt_rules: tuple[str, ...] = ()
+    min_devices: int = 0
+    min_inferences: int = 0
+    slice_by: str = ""
+    # Slice value -> {"state": "rolled_back" | "active", "since": ISO time}; absent: active.
+    slices: dict = field(default_factory=dict)
+
+    def rolled_back_slices(self) -> frozenset[str]:
+        """Return the slice values this rollout no longer applies to."""
+        return frozenset(v for v, s in self.slices.items() if s.get("state") == "rolled_back")
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,15 @@ class RolloutStore(abc.ABC):
         self, *, model: str | None = None, states: tuple[str, ...] | None = None
     ) -> list[RolloutRecord]:
         """Return rollouts (without audit logs), oldest first, optionally filtered."""
+
+    @abc.abstractmethod
+    def set_slice(
+        self, rollout_id: str, value: str, state: dict, event: RolloutEventRecord
+    ) -> RolloutRecord | None:
+        """Set one slice's state, with its audit entry, and bump the revision.
+
+        None (nothing done) when the slice is already in that state.
+        """
 
     @abc.abstractmethod
     def change_rollout(self, change: RolloutChange) -> RolloutRecord | None:

@@ -25,6 +25,8 @@ def _event(row: orm.RolloutEventRow) -> RolloutEventRecord:
         to_state=row.to_state,
         stage=row.stage,
         reason=row.reason,
+        slice=row.slice or "",
+        evidence=dict(row.evidence or {}),
     )
 
 
@@ -44,6 +46,11 @@ def _rollout(row: orm.RolloutRow, *, audit: bool) -> RolloutRecord:
         created_by=row.created_by,
         stage_started_at=aware(row.stage_started_at),
         audit=tuple(_event(e) for e in row.events) if audit else (),
+        halt_rules=tuple(row.halt_rules or ()),
+        min_devices=row.min_devices or 0,
+        min_inferences=row.min_inferences or 0,
+        slice_by=row.slice_by or "",
+        slices=dict(row.slices or {}),
     )
 
 
@@ -71,6 +78,11 @@ class SqlRolloutStore(RolloutStore):
                 created_at=record.created_at,
                 created_by=record.created_by,
                 stage_started_at=record.stage_started_at,
+                halt_rules=list(record.halt_rules),
+                min_devices=record.min_devices,
+                min_inferences=record.min_inferences,
+                slice_by=record.slice_by,
+                slices=dict(record.slices),
                 events=[_event_row(record.id, event)],
             )
             session.add(row)
@@ -101,6 +113,23 @@ class SqlRolloutStore(RolloutStore):
             stmt = stmt.where(orm.RolloutRow.state.in_(states))
         with self._read() as session:
             return [_rollout(r, audit=False) for r in session.scalars(stmt)]
+
+    def set_slice(
+        self, rollout_id: str, value: str, state: dict, event: RolloutEventRecord
+    ) -> RolloutRecord | None:
+        """Set one slice's state under a row lock, with its audit entry."""
+        with self._scope() as session:
+            row = session.get(orm.RolloutRow, rollout_id, with_for_update=True)
+            if row is None:
+                raise errors.NotFound(f"rollout {rollout_id!r} not found")
+            slices = dict(row.slices or {})
+            if slices.get(value, {}).get("state", "active") == state["state"]:
+                return None
+            slices[value] = state
+            row.slices = slices
+            session.add(_event_row(rollout_id, event))
+            bump_revision(session, "rollout", rollout_id)
+        return self.get_rollout(rollout_id)
 
     def change_rollout(self, change: RolloutChange) -> RolloutRecord | None:
         """Apply a conditional state/stage change with its audit entry."""

@@ -79,8 +79,14 @@ class ReportWriter:
             if any(item is _STOP for item in group):
                 stop = True
                 group = [item for item in group if item is not _STOP]
+            # A call that went away cancelled its future: its batch is dropped (the
+            # device sends it again). The rest can no longer be cancelled.
+            group = [item for item in group if item[1].set_running_or_notify_cancel()]
             if group:
-                self._write(group)
+                try:
+                    self._write(group)
+                except Exception:  # noqa: BLE001 - the writer must outlive any one group
+                    log.exception("report writer: a group of %d failed", len(group))
 
     def _write(self, group: list) -> None:
         batches = [batch for batch, _ in group]

@@ -21,9 +21,9 @@ from tests.control_plane.helpers import ControlPlane, start_control_plane
 MODEL = "det"
 
 
-def serve(home: Path, address: str = "127.0.0.1:0") -> ControlPlane:
+def serve(home: Path, address: str = "127.0.0.1:0", **settings) -> ControlPlane:
     """Serve an initialised home (the helpers' start_control_plane makes a new one)."""
-    config = load_config(home, {"grpc": address}, environ={})
+    config = load_config(home, {"grpc": address, **settings}, environ={})
     app = build_app(config)
     server, port = create_server(config, app, address)
     server.start()
@@ -66,13 +66,18 @@ def template_home(tmp_path_factory) -> Path:
     return cp.config.home
 
 
-@pytest.fixture
-def cp(template_home, tmp_path):
-    """A control plane of its own; a dict, so a test that restarts it can swap it."""
+def copy_home(template_home: Path, tmp_path: Path) -> Path:
+    """Copy the template home (its own database, blobs and keys)."""
     home = tmp_path / "home"
     shutil.copytree(template_home, home)
     config = home / CONFIG_FILE  # it names the template's files: point it at the copies
     config.write_text(config.read_text().replace(str(template_home), str(home)))
-    holder = {"cp": serve(home)}
+    return home
+
+
+@pytest.fixture
+def cp(template_home, tmp_path):
+    """A control plane of its own; a dict, so a test that restarts it can swap it."""
+    holder = {"cp": serve(copy_home(template_home, tmp_path))}
     yield holder
     holder["cp"].stop()

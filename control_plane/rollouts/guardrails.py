@@ -1,0 +1,306 @@
+"""Halt rules: what they say, and how one is judged on a candidate and a baseline cohort.
+
+A rule is `METRIC > THRESHOLD` (or `>=`), for example `p95_latency_ratio > 1.2` or
+`crash_rate > 0.001`. Metrics:
+
+    p50_latency_ratio, p95_latency_ratio, p99_latency_ratio
+        the candidate's latency quantile over the baseline's
+    crash_rate, error_rate, fallback_rate
+        crashes, errors or backend fallbacks per inference, of the candidate
+    crash_rate_ratio
+        the candidate's crash rate over the baseline's
+    install_failure_rate
+        failed or rolled-back installs of the candidate version, per install outcome
+
+The candidate cohort is the devices reporting the rollout's version; the baseline cohort is
+the devices the rollout selects that report another version (what they run without it),
+over the same window (control_plane.telemetry.rollups).
+
+Each rule ends in one of three verdicts:
+
+- **insufficient**: a cohort it needs has fewer devices than `min_devices` or fewer
+  inferences than `min_inferences` (installs, for install_failure_rate): neither passes
+  nor fails;
+- **fail**: even the figure most favourable to the candidate within the statistical margin
+  breaks the rule. Rates use the Wilson score interval at `MARGIN_Z` standard errors (the
+  candidate's lower bound, and for ratios the baseline's upper bound); latency quantiles
+  use the distribution-free order-statistic interval (ranks q*n ± z*sqrt(n*q*(1-q))) and
+  read the candidate at the lower edge of its bucket, the baseline at the upper edge. So a
+  healthy rollout is not halted by noise or by histogram resolution;
+- **pass** otherwise.
+
+The margin treats inferences as independent draws. They are not quite (a slow device
+gives many slow inferences); the cohorts are random samples of the same selected devices,
+`min_devices` keeps either from being a handful of devices, and slicing by device class
+(`--slice-by soc`) compares like with like.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from control_plane import errors
+from control_plane.store.rollups import Aggregate
+
+MARGIN_Z = 3.0  # about 1 in 740 one-sided: checked every few seconds, so kept strict
+MAX_RULES = 16
+MAX_RULE_TEXT = 200
+LATENCY_METRICS = {"p50_latency_ratio": 0.5, "p95_latency_ratio": 0.95, "p99_latency_ratio": 0.99}
+RATE_METRICS = {"crash_rate": "crashes", "error_rate": "errors", "fallback_rate": "fallbacks"}
+METRICS = (
+    *LATENCY_METRICS,
+    *RATE_METRICS,
+    "crash_rate_ratio",
+    "install_failure_rate",
+)
+PASS, FAIL, INSUFFICIENT = "pass", "fail", "insufficient"
+
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>>=|>)|(?P<num>[0-9.eE+-]+))")
+
+
+@dataclass(frozen=True)
+class HaltRule:
+    """One parsed rule."""
+
+    metric: str
+    op: str
+    threshold: float
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.threshold:g}"
+
+    def breaks(self, value: float) -> bool:
+        """Return whether `value` breaks the rule."""
+        return value >= self.threshold if self.op == ">=" else value > self.threshold
+
+
+def _refuse(text: str, pos: int, reason: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"halt rule {text!r}: at position {pos + 1}: {reason}")
+
+
+def parse_rule(text: str) -> HaltRule:
+    """Parse `METRIC > NUMBER`; InvalidArgument gives the position and the reason."""
+    if len(text) > MAX_RULE_TEXT:
+        raise errors.InvalidArgument(f"halt rule longer than {MAX_RULE_TEXT} characters")
+    pos = 0
+    m = _TOKEN.match(text, pos)
+    if m is None or m.group("name") is None:
+        at = len(text) - len(text.lstrip())
+        raise _refuse(text, at, f"expected a metric ({', '.join(METRICS)})")
+    metric = m.group("name")
+    if metric not in METRICS:
+        raise _refuse(
+            text, m.start("name"), f"unknown metric {metric!r} (use {', '.join(METRICS)})"
+        )
+    pos = m.end()
+    m = _TOKEN.match(text, pos)
+    if m is None or m.group("op") is None:
+        at = pos + len(text[pos:]) - len(text[pos:].lstrip())
+        raise _refuse(text, at, "expected '>' or '>=' (rules say when to halt)")
+    op, pos = m.group("op"), m.end()
+    m = _TOKEN.match(text, pos)
+    at = pos + len(text[pos:]) - len(text[pos:].lstrip())
+    if m is None or m.group("num") is None:
+        raise _refuse(text, at, "expected a number")
+    try:
+        threshold = float(m.group("num"))
+    except ValueError:
+        raise _refuse(text, at, f"{m.group('num')!r} is not a number") from None
+    if not math.isfinite(threshold) or threshold < 0:
+        raise _refuse(text, at, "the threshold must be a finite number >= 0")
+    if metric.endswith("_rate") and threshold > 1:
+        raise _refuse(text, at, f"{metric} is a fraction: the threshold must be at most 1")
+    pos = m.end()
+    if text[pos:].strip():
+        rest = pos + len(text[pos:]) - len(text[pos:].lstrip())
+        raise _refuse(text, rest, f"unexpected {text[rest:]!r} after the rule")
+    return HaltRule(metric, op, threshold)
+
+
+def parse_rules(texts: Sequence[str]) -> tuple[HaltRule, ...]:
+    """Parse a rollout's rules (at most MAX_RULES, no repeats)."""
+    if len(texts) > MAX_RULES:
+        raise errors.InvalidArgument(f"at most {MAX_RULES} halt rules")
+    rules = tuple(parse_rule(t) for t in texts)
+    names = [str(r) for r in rules]
+    if len(set(names)) != len(names):
+        raise errors.InvalidArgument("a halt rule is given twice")
+    return rules
+
+
+@dataclass(frozen=True)
+class Cohort:
+    """What one cohort reported over the window, and how many devices reported it."""
+
+    aggregate: Aggregate
+    devices: int
+
+    def figures(self) -> dict:
+        """Return the cohort's figures, JSON-able (evidence, CLI, dashboard)."""
+        a = self.aggregate
+        return {
+            "devices": self.devices,
+            "inferences": a.inferences,
+            "errors": a.errors,
+            "crashes": a.crashes,
+            "fallbacks": a.fallbacks,
+            "installs": a.installs,
+            "install_failures": a.installs_failed + a.installs_rolled_back,
+            "crash_signals": dict(sorted(a.crash_signals.items())),
+            **{f"p{p}_us": a.quantile_us(p / 100) for p in (50, 95, 99)},
+        }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A rule's outcome on one slice: the point figure, the bound judged, and why."""
+
+    rule: str
+    status: str
+    value: float | None = None
+    bound: float | None = None
+    candidate: float | None = None
+    baseline: float | None = None
+    detail: str = ""
+    sample: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Return the verdict, JSON-able."""
+        return {
+            "rule": self.rule,
+            "status": self.status,
+            "value": self.value,
+            "bound": self.bound,
+            "candidate": self.candidate,
+            "baseline": self.baseline,
+            "detail": self.detail,
+            "sample": self.sample,
+        }
+
+
+def wilson(successes: int, n: int, z: float = MARGIN_Z) -> tuple[float, float]:
+    """Return the Wilson score interval of a proportion."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = min(1.0, successes / n)
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _quantile_bounds(agg: Aggregate, q: float, z: float = MARGIN_Z) -> tuple[float, float]:
+    """Return (low, high) of the quantile's order-statistic interval, at bucket edges."""
+    n = agg.latency_count
+    spread = z * math.sqrt(n * q * (1 - q))
+    low_q = max(1 / n, (q * n - spread) / n)
+    high_q = min(1.0, (q * n + spread + 1) / n)
+    return agg.quantile_us(low_q, "low"), agg.quantile_us(high_q, "high")
+
+
+def judge(
+    rule: HaltRule,
+    candidate: Cohort,
+    baseline: Cohort,
+    *,
+    min_devices: int,
+    min_inferences: int,
+) -> Verdict:
+    """Return the verdict of one rule on one slice's cohorts."""
+    c, b = candidate.aggregate, baseline.aggregate
+    sample = {
+        "candidate_devices": candidate.devices,
+        "baseline_devices": baseline.devices,
+        "candidate_inferences": c.inferences,
+        "baseline_inferences": b.inferences,
+    }
+    name = str(rule)
+
+    def short(who: str, cohort: Cohort, count: int, unit: str, needed: int) -> Verdict | None:
+        if cohort.devices < max(1, min_devices):
+            return Verdict(
+                name,
+                INSUFFICIENT,
+                detail=f"{who}: {cohort.devices} of {min_devices} devices needed",
+                sample=sample,
+            )
+        if count < max(1, needed):
+            return Verdict(
+                name,
+                INSUFFICIENT,
+                detail=f"{who}: {count} of {needed} {unit} needed",
+                sample=sample,
+            )
+        return None
+
+    if rule.metric == "install_failure_rate":
+        failures = c.installs_failed + c.installs_rolled_back
+        sample = {**sample, "candidate_installs": c.installs}
+        lacking = short("candidate", candidate, c.installs, "installs", min_devices)
+        if lacking:
+            return lacking
+        value = failures / c.installs
+        low, _ = wilson(failures, c.installs)
+        return _verdict(rule, name, value, low, value, None, sample)
+    lacking = short(
+        "candidate",
+        candidate,
+        c.latency_count if "latency" in rule.metric else c.inferences,
+        "inferences",
+        min_inferences,
+    )
+    if lacking:
+        return lacking
+    if rule.metric in RATE_METRICS:
+        events = getattr(c, RATE_METRICS[rule.metric])
+        value = events / c.inferences
+        low, _ = wilson(events, c.inferences)
+        return _verdict(rule, name, value, low, value, None, sample)
+    lacking = short(
+        "baseline",
+        baseline,
+        b.latency_count if "latency" in rule.metric else b.inferences,
+        "inferences",
+        min_inferences,
+    )
+    if lacking:
+        return lacking
+    if rule.metric == "crash_rate_ratio":
+        c_rate, b_rate = c.crashes / c.inferences, b.crashes / b.inferences
+        c_low, _ = wilson(c.crashes, c.inferences)
+        _, b_high = wilson(b.crashes, b.inferences)
+        value = c_rate / b_rate if b_rate else (math.inf if c_rate else 1.0)
+        return _verdict(rule, name, value, c_low / b_high, c_rate, b_rate, sample)
+    q = LATENCY_METRICS[rule.metric]
+    c_point, b_point = c.quantile_us(q), b.quantile_us(q)
+    c_low, _ = _quantile_bounds(c, q)
+    _, b_high = _quantile_bounds(b, q)
+    value = c_point / b_point if b_point else math.inf
+    bound = c_low / b_high if b_high else math.inf
+    return _verdict(rule, name, value, bound, c_point, b_point, sample)
+
+
+def _verdict(rule, name, value, bound, candidate, baseline, sample) -> Verdict:
+    failed = rule.breaks(bound)
+    detail = (
+        f"{rule.metric} {value:.4g}, at least {bound:.4g} within the margin: "
+        + ("breaks" if failed else "keeps")
+        + f" {rule.op} {rule.threshold:g}"
+    )
+    return Verdict(
+        name,
+        FAIL if failed else PASS,
+        value=_finite(value),
+        bound=_finite(bound),
+        candidate=candidate,
+        baseline=baseline,
+        detail=detail,
+        sample=sample,
+    )
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is None or math.isfinite(x) else None

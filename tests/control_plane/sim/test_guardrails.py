@@ -1,0 +1,176 @@
+"""Guardrails end to end: a simulated fleet reports, the control plane rolls the slow slice
+back (or pauses the rollout) and lets the rest advance; on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from control_plane import errors
+from control_plane.cli.fleet_views import rollout_dict
+from control_plane.demo import sample_models
+from control_plane.sim import FleetSimulator, SimOptions
+from control_plane.sim.profile import parse_profile
+from protos import fleet_pb2
+from tests.control_plane.helpers import start_control_plane
+from tests.control_plane.sim.conftest import MODEL, copy_home, serve, wait_for
+from tests.control_plane.sim.test_fleet import enrolled
+
+FAST = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
+SLOW_SOC, FAST_SOC = "sm8450", "sm8650"
+N = 40  # 20 per SoC: a 50% stage holds at least 3 of each but for a 1-in-5000 draw
+# Roll up and judge every fraction of a second, so a test takes seconds, not minutes.
+QUICK = {"rollup_interval_s": 0.2, "guard_interval_s": 0.3, "scheduler_interval_s": 0.2}
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def guarded(request, template_home, tmp_path):
+    if request.param == "sqlite":
+        cp = serve(copy_home(template_home, tmp_path), **QUICK)
+    else:
+        cp = start_control_plane(
+            tmp_path / "pg-home", db=request.getfixturevalue("pg_url"), **QUICK
+        )
+        with cp.client() as client:
+            for version in (1, 2):
+                path = tmp_path / f"det-{version}.onnx"
+                path.write_bytes(sample_models.tiny_mlp_onnx(seed=version))
+                client.push(path, name=MODEL)
+    yield cp
+    cp.stop()
+
+
+def fleet_profile(inject: list) -> dict:
+    devices = [
+        {"attributes": {"platform": "android", "soc": soc, "device_model": f"Phone {i % 3}"}}
+        for i, soc in enumerate([SLOW_SOC, FAST_SOC] * (N // 2))
+    ]
+    return {"devices": devices, "inject": inject}
+
+
+def create(cp, version: int, **fields) -> fleet_pb2.Rollout:
+    with cp.client() as client:
+        return client.create_rollout(
+            fleet_pb2.CreateRolloutRequest(model=MODEL, version=version, **fields)
+        )
+
+
+def show(cp, rollout_id: str) -> dict:
+    with cp.client() as client:
+        return rollout_dict(client.get_rollout(rollout_id))
+
+
+async def baseline_on_v1(sim: FleetSimulator, cp) -> None:
+    await enrolled(sim, cp, N)
+    await asyncio.to_thread(create, cp, 1)
+    await sim.wait_synced(MODEL, 1, installed=True, timeout=30)
+    sim.report_all(0.25, requests_per_s=300)
+
+
+def test_a_slow_slice_is_rolled_back_while_the_rest_advances(guarded):
+    cp = guarded
+    inject = [{"select": f"soc={SLOW_SOC}", "model": f"{MODEL}:2", "latency_x": 3.0}]
+
+    async def scenario() -> tuple[dict, dict]:
+        prof = parse_profile(fleet_profile(inject))
+        async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
+            await baseline_on_v1(sim, cp)
+            r = await asyncio.to_thread(
+                create,
+                cp,
+                2,
+                stages=[50, 100],
+                bake_s=2,
+                halt=["p95_latency_ratio>1.2", "crash_rate>0.01"],
+                min_devices=3,
+                min_inferences=300,
+                slice_by="soc",
+            )
+
+            def rolled_back():
+                doc = show(cp, r.id)
+                return doc if doc["state"] == "completed" else None
+
+            doc = await asyncio.to_thread(wait_for, rolled_back, 60, "the rollout to complete")
+            socs = {d.id: d.identity.attributes["soc"] for d in sim.devices}
+            fast = [i for i, soc in socs.items() if soc == FAST_SOC]
+            slow = [i for i, soc in socs.items() if soc == SLOW_SOC]
+            await sim.wait_synced(MODEL, 2, installed=True, devices=fast, timeout=30)
+            # The slow slice went back to (or stayed on) what it ran without the rollout.
+            await sim.wait_synced(MODEL, 1, installed=True, devices=slow, timeout=30)
+            return doc, socs
+
+    doc, _ = asyncio.run(scenario())
+    events = [e for e in doc["audit"] if e["action"] == "slice_rollback"]
+    assert [e["slice"] for e in events] == [f"soc={SLOW_SOC}"]
+    (event,) = events
+    assert event["actor"] == "guardrail"
+    evidence = event["evidence"]
+    assert evidence["failed"] == ["p95_latency_ratio>1.2"]
+    (rule,) = [x for x in evidence["rules"] if x["rule"] == "p95_latency_ratio>1.2"]
+    assert rule["status"] == "fail" and rule["value"] > 2.0 and rule["bound"] > 1.2
+    assert evidence["candidate"]["devices"] >= 3 and evidence["baseline"]["devices"] >= 3
+    assert evidence["candidate"]["p95_us"] > 2 * evidence["baseline"]["p95_us"]
+    # The fast slice advanced through both stages; show names each slice's state.
+    assert [e["action"] for e in doc["audit"]].count("advance") == 2
+    states = {s["slice"]: s["state"] for s in doc["health"]["slices"]}
+    assert states[f"soc={SLOW_SOC}"] == "rolled_back" and states[f"soc={FAST_SOC}"] == "active"
+
+    # An operator readmits the slice (a completed rollout's slices can be rolled back
+    # or readmitted only while it runs: it says so).
+    with cp.client() as client, pytest.raises(errors.FailedPrecondition) as refused:
+        client.transition_rollout(doc["id"], "resume", "fixed", slice=f"soc={SLOW_SOC}")
+    assert "completed" in str(refused.value) and f"--select soc={SLOW_SOC}" in str(refused.value)
+
+
+def test_a_failing_rule_without_slices_pauses_the_rollout_and_a_short_sample_holds_it(guarded):
+    cp = guarded
+    inject = [{"select": "", "model": f"{MODEL}:2", "crash_rate": 0.05}]
+
+    async def scenario() -> tuple[dict, dict]:
+        prof = parse_profile(fleet_profile(inject))
+        async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
+            await baseline_on_v1(sim, cp)
+            # Too few devices for the rule to judge: the stage bakes but does not advance.
+            held = await asyncio.to_thread(
+                create,
+                cp,
+                2,
+                stages=[50, 100],
+                bake_s=1,
+                halt=["crash_rate>0.001"],
+                min_devices=1000,
+                priority=1,
+            )
+            await asyncio.sleep(3)
+            held_doc = await asyncio.to_thread(show, cp, held.id)
+            with cp.client() as client:
+                client.transition_rollout(held.id, "rollback", "make way")
+            r = await asyncio.to_thread(
+                create,
+                cp,
+                2,
+                stages=[50, 100],
+                bake_s=60,
+                halt=["crash_rate>0.001"],
+                min_devices=3,
+                min_inferences=300,
+            )
+
+            def paused():
+                doc = show(cp, r.id)
+                return doc if doc["state"] == "paused" else None
+
+            return held_doc, await asyncio.to_thread(wait_for, paused, 60, "a guardrail pause")
+
+    held, doc = asyncio.run(scenario())
+    assert held["state"] == "active" and held["stage"] == 0
+    (verdict,) = held["health"]["overall"]["rules"]
+    assert verdict["status"] == "insufficient" and "1000 devices needed" in verdict["detail"]
+    pause = [e for e in doc["audit"] if e["action"] == "pause"][-1]
+    assert pause["actor"] == "guardrail" and "crash_rate" in pause["reason"]
+    assert pause["evidence"]["failed"] == ["crash_rate>0.001"]
+    assert pause["evidence"]["candidate"]["crashes"] > 0
+    json.dumps(doc)  # what `rollout show --json` prints is plain JSON
