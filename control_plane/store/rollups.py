@@ -39,6 +39,29 @@ _INSTALL_COUNTER = {
 }
 
 
+INT64_MAX = 2**63 - 1
+
+
+def saturating_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Add non-negative int64 counts, sticking at INT64_MAX instead of wrapping around.
+
+    Counts come from devices: however many report however much, a rollup must not wrap
+    into negative numbers (nor fail to store in a BIGINT column).
+    """
+    if a.dtype != np.int64 or b.dtype != np.int64:
+        return a + b  # float accumulators (reads) do not wrap
+    out = a + b
+    wrapped = out < a
+    if wrapped.any():
+        out[wrapped] = INT64_MAX
+    return out
+
+
+def clamp(value: int) -> int:
+    """Return `value` capped at what a BIGINT column holds."""
+    return min(value, INT64_MAX)
+
+
 def encode_buckets(counts: np.ndarray) -> bytes:
     """Return histogram bucket counts as sparse bytes: uint16 indexes, then int64 counts."""
     index = np.flatnonzero(counts)
@@ -83,8 +106,10 @@ class Aggregate:
         h = s.latency
         if h.get("scheme") != SCHEME or not h.get("count"):
             return
+        add = np.zeros(N_BUCKETS, np.int64)
         for index, count in h["buckets"]:
-            self.buckets[index] += count
+            add[index] += count  # each below 2**40 (telemetry_convert): no overflow here
+        self.buckets = saturating_add(self.buckets, add)
         self._add_latency(h["count"], h["sum_ns"], h["min_ns"], h["max_ns"])
 
     def add_install(self, record: InstallRecord) -> None:
@@ -97,7 +122,7 @@ class Aggregate:
         for name in COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.crash_signals.update(other.crash_signals)
-        self.buckets += other.buckets
+        self.buckets = saturating_add(self.buckets, other.buckets)
         if other.latency_count:
             self._add_latency(
                 other.latency_count,

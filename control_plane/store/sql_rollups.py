@@ -18,6 +18,7 @@ from control_plane.store.rollups import (
     PendingBatch,
     RollupKey,
     RollupStore,
+    clamp,
     decode_buckets,
     encode_buckets,
 )
@@ -251,19 +252,19 @@ class SqlRollupStore(RollupStore):
 
 
 def _sum_sparse(indexes: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarray:
+    # float64: a read merges up to many thousands of rows, each up to INT64_MAX; quantile
+    # ranks do not need more than float precision, and floats do not wrap.
     index = np.concatenate(indexes).astype(np.intp)
-    count = np.concatenate(counts)
-    out = np.zeros(N_BUCKETS, np.int64)
-    np.add.at(out, index, count)
-    return out
+    count = np.concatenate(counts).astype(np.float64)
+    return np.bincount(index, weights=count, minlength=N_BUCKETS)[:N_BUCKETS]
 
 
 def _values(agg: Aggregate) -> dict:
-    out = {name: getattr(agg, name) for name in COUNTERS}
+    out = {name: clamp(getattr(agg, name)) for name in COUNTERS}
     out.update(
-        crash_signals=dict(agg.crash_signals),
-        latency_count=agg.latency_count,
-        latency_sum_ns=agg.latency_sum_ns,
+        crash_signals={k: clamp(v) for k, v in agg.crash_signals.items()},
+        latency_count=clamp(agg.latency_count),
+        latency_sum_ns=clamp(agg.latency_sum_ns),
         latency_min_ns=agg.latency_min_ns,
         latency_max_ns=agg.latency_max_ns,
         latency_buckets=encode_buckets(agg.buckets),
@@ -302,7 +303,9 @@ def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggreg
             if count:
                 agg._add_latency(count, sum_ns, low, high)
                 index, counts = decode_buckets(blob)
-                np.add.at(agg.buckets, index.astype(np.intp), counts)
+                stored = np.zeros(N_BUCKETS, np.int64)
+                stored[index.astype(np.intp)] = counts  # indexes are unique within a row
+                agg.buckets = stored
             existing[row.resolution_s, aware(row.bucket_start), row.key] = agg
     rows = []
     for ident, (key, delta) in digests.items():

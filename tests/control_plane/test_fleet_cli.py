@@ -107,6 +107,17 @@ def test_fleet_cli_bad_input(server):  # noqa: F811
     assert noversion.returncode == 3 and "version" in _error_line(noversion)
     stages = skiff("rollout", "create", "kws:1", "--stages", "10,5", env=env, check=False)
     assert stages.returncode == 3
+    for args, fragment in [
+        (["--halt", "p95_latency_ratio>>1.2"], "'p95_latency_ratio>>1.2': at position 19"),
+        (["--halt", "p42_latency>1"], "unknown metric 'p42_latency'"),
+        (["--halt", "crash_rate>0.1", "--slice-by", "colour"], "unknown slice attribute 'colour'"),
+        (["--slice-by", "soc"], "--slice-by needs at least one --halt rule"),
+        (["--halt", "crash_rate>0.1", "--min-devices", "-1"], "min devices"),
+    ]:
+        halt = skiff("rollout", "create", "kws:1", *args, env=env, check=False)
+        line = _error_line(halt)
+        assert halt.returncode == 3 and fragment in line, (args, line)
+        assert halt.stdout == ""
     unknown = skiff("fleet", "show", "dev_00000000deadbeef", env=env, check=False)
     assert unknown.returncode == 4
     attr = skiff("token", "create", "--enroll", "--attr", "oops", env=env, check=False)

@@ -1,0 +1,170 @@
+"""Halt rules: parsing (position and reason), and verdicts that halt real regressions and
+leave noise alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from control_plane import errors
+from control_plane.rollouts.guardrails import (
+    FAIL,
+    INSUFFICIENT,
+    PASS,
+    Cohort,
+    HaltRule,
+    judge,
+    parse_rule,
+    parse_rules,
+    wilson,
+)
+from control_plane.store.rollups import INT64_MAX, Aggregate, saturating_add
+from control_plane.store.telemetry import ModelStatsRecord
+from runtime.histogram import LatencyHistogram
+
+
+@pytest.mark.parametrize(
+    ("text", "rule"),
+    [
+        ("p95_latency_ratio>1.2", HaltRule("p95_latency_ratio", ">", 1.2)),
+        ("  crash_rate > 0.001 ", HaltRule("crash_rate", ">", 0.001)),
+        ("error_rate>=1e-3", HaltRule("error_rate", ">=", 0.001)),
+        ("install_failure_rate>0.05", HaltRule("install_failure_rate", ">", 0.05)),
+    ],
+)
+def test_rules_parse(text, rule):
+    assert parse_rule(text) == rule
+    assert parse_rule(str(rule)) == rule  # what is stored parses back the same
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("", "at position 1: expected a metric"),
+        ("p95_latency>1.2", "at position 1: unknown metric 'p95_latency'"),
+        ("p95_latency_ratio 1.2", "at position 19: expected '>' or '>='"),
+        ("p95_latency_ratio<1.2", "at position 18: expected '>' or '>='"),
+        ("p95_latency_ratio>>1.2", "at position 19: expected a number"),
+        ("p95_latency_ratio>", "at position 19: expected a number"),
+        ("crash_rate>1..2", "at position 12: '1..2' is not a number"),
+        ("crash_rate>nan", "at position 12: expected a number"),
+        ("crash_rate>1e999", "at position 12: the threshold must be a finite number"),
+        ("crash_rate>2", "crash_rate is a fraction"),
+        ("crash_rate>0.1 or x", "at position 16: unexpected 'or x'"),
+        ("crash_rate>٣", "at position 12: expected a number"),  # no Arabic-Indic digits
+    ],
+)
+def test_a_malformed_rule_is_refused_with_its_position(text, fragment):
+    with pytest.raises(errors.InvalidArgument) as caught:
+        parse_rule(text)
+    assert fragment in str(caught.value)
+
+
+def test_rules_are_bounded_and_not_repeated():
+    with pytest.raises(errors.InvalidArgument, match="twice"):
+        parse_rules(["crash_rate>0.1", "crash_rate > 0.1"])
+    with pytest.raises(errors.InvalidArgument, match="at most 16"):
+        parse_rules([f"crash_rate>0.{i}" for i in range(17)])
+
+
+def cohort(devices, latencies_us=(), *, inferences=None, crashes=0, seed=0, **counts) -> Cohort:
+    agg = Aggregate()
+    h = LatencyHistogram()
+    if len(latencies_us):
+        h.record_many_ns(np.asarray(latencies_us, dtype=np.float64) * 1000)
+    crash = {"at": "x", "config": "c", "reason": "signal", "signal": "SIGSEGV"}
+    n = inferences if inferences is not None else len(latencies_us)
+    agg.add_stats(
+        ModelStatsRecord("m", 1, "fp32", "c", n, 0, 0, h.to_dict(), crashes=(crash,) * crashes)
+    )
+    for name, value in counts.items():
+        setattr(agg, name, value)
+    return Cohort(agg, devices)
+
+
+def lognormal(n, median_us, seed):
+    return np.random.default_rng(seed).lognormal(np.log(median_us), 0.4, n)
+
+
+P95 = parse_rule("p95_latency_ratio>1.2")
+
+
+def test_the_same_distribution_never_halts():
+    # Twenty draws of two cohorts from one distribution: noise alone never fails the rule.
+    for seed in range(20):
+        a = cohort(50, lognormal(2000, 1000, seed))
+        b = cohort(50, lognormal(2000, 1000, seed + 100))
+        v = judge(P95, a, b, min_devices=20, min_inferences=500)
+        assert v.status == PASS, v
+
+
+def test_a_slowdown_halts_with_its_figures():
+    slow = cohort(50, lognormal(5000, 1500, 1))
+    base = cohort(50, lognormal(5000, 1000, 2))
+    v = judge(P95, slow, base, min_devices=20, min_inferences=500)
+    assert v.status == FAIL
+    assert v.value == pytest.approx(1.5, rel=0.1) and 1.2 < v.bound <= v.value
+    assert v.candidate > v.baseline and v.sample["candidate_devices"] == 50
+
+
+def test_a_small_slowdown_within_the_margin_passes():
+    # 25% slower on 40 samples: the point ratio breaks 1.2, the margin does not.
+    slow = cohort(30, lognormal(40, 1250, 3))
+    base = cohort(30, lognormal(40, 1000, 4))
+    v = judge(P95, slow, base, min_devices=20, min_inferences=20)
+    assert v.value > 1.2 and v.status == PASS
+
+
+def test_too_small_a_sample_neither_passes_nor_fails():
+    slow, base = cohort(5, lognormal(5000, 9000, 1)), cohort(50, lognormal(5000, 1000, 2))
+    v = judge(P95, slow, base, min_devices=20, min_inferences=500)
+    assert v.status == INSUFFICIENT and "candidate: 5 of 20 devices" in v.detail
+    v = judge(P95, base, cohort(50), min_devices=20, min_inferences=500)
+    assert v.status == INSUFFICIENT and "baseline: 0 of 500 inferences" in v.detail
+
+
+def test_rates_use_the_lower_bound_of_their_interval():
+    rule = parse_rule("crash_rate>0.001")
+    base = cohort(50, inferences=100_000)
+    # 3 crashes in 1000 inferences: 0.3% measured, but it could well be under 0.1%.
+    few = judge(rule, cohort(50, inferences=1000, crashes=3), base, min_devices=1, min_inferences=1)
+    assert few.status == PASS and few.value == pytest.approx(0.003)
+    # 300 in 100,000: the same rate, now beyond doubt.
+    many = judge(
+        rule, cohort(50, inferences=100_000, crashes=300), base, min_devices=1, min_inferences=1
+    )
+    assert many.status == FAIL and many.bound > 0.001
+    ratio = parse_rule("crash_rate_ratio>2")
+    worse = judge(
+        ratio,
+        cohort(50, inferences=100_000, crashes=300),
+        cohort(50, inferences=100_000, crashes=30),
+        min_devices=1,
+        min_inferences=1,
+    )
+    assert worse.status == FAIL and worse.value == pytest.approx(10)
+    none = judge(ratio, cohort(50, inferences=10), base, min_devices=1, min_inferences=1)
+    assert none.status == PASS  # no crashes on either side: nothing to divide
+
+
+def test_install_failures_count_installs_not_inferences():
+    rule = parse_rule("install_failure_rate>0.05")
+    c = cohort(60, installs_activated=40, installs_failed=15, installs_rolled_back=5)
+    v = judge(rule, c, cohort(0), min_devices=50, min_inferences=10**9)
+    assert v.status == FAIL and v.value == pytest.approx(20 / 60)
+    c = cohort(60, installs_activated=10)
+    v = judge(rule, c, cohort(0), min_devices=50, min_inferences=1)
+    assert v.status == INSUFFICIENT and "10 of 50 installs" in v.detail
+
+
+def test_wilson_bounds():
+    low, high = wilson(0, 1000)
+    assert low == 0 and 0 < high < 0.01
+    low, high = wilson(500, 1000)
+    assert low < 0.5 < high
+
+
+def test_counts_stick_at_the_largest_int64_instead_of_wrapping():
+    a = np.array([INT64_MAX - 1, 5], np.int64)
+    b = np.array([10, 5], np.int64)
+    assert saturating_add(a, b).tolist() == [INT64_MAX, 10]
