@@ -129,6 +129,9 @@ class VerifiedModel:
     # The ciphertext's per-segment SHA-256 digests, concatenated (control_plane.crypto.
     # segments); b"" for versions pushed before the manifest carried them.
     segment_sha256: bytes = b""
+    # The backend config the fleet found fastest on this device's class (advisory: not
+    # signed; tried first, and served only if it passes the golden check here).
+    recommended_config: str = ""
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,9 @@ def verify_sync(
     return VerifiedAssignment(device_id, revision, expires, models)
 
 
+MAX_CONFIG_KEY = 128
+
+
 def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
     a = m.artifact
     carried = {
@@ -247,6 +253,7 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         degraded=bool(variant.get("degraded", False)),
         pipeline=_pipeline(m.model, manifest.get("pipeline")),
         segment_sha256=_segments(m.model, variant, a.ciphertext_size),
+        recommended_config=m.recommended_config[:MAX_CONFIG_KEY],
     )
 
 

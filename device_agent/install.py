@@ -383,9 +383,26 @@ class Installer:
             if m.golden is not None:
                 data = self._golden_bytes(m.golden, key)
                 golden = Golden.from_npz(data).for_variant(m.variant)
-            model = Model.from_bytes(
-                plain, golden=golden, isolation="worker", version=f"{m.model}:{m.version}"
-            )
+            model, tried = None, None
+            recommended = _recommended(m.recommended_config) if golden is not None else None
+            if recommended is not None:
+                # The fleet's pick first: one load and golden check instead of a probe of
+                # every candidate. If it fails the check here, probe as usual.
+                model = Model.from_bytes(
+                    plain,
+                    golden=golden,
+                    config=recommended,
+                    isolation="worker",
+                    version=f"{m.model}:{m.version}",
+                )
+                tried = recommended.key
+                if model.config != recommended:  # it failed here: the CPU default took over
+                    model.close()
+                    model = None
+            if model is None:
+                model = Model.from_bytes(
+                    plain, golden=golden, isolation="worker", version=f"{m.model}:{m.version}"
+                )
         except (DeadlineExceeded, WorkerCrashed) as exc:
             # The machine, not the version: a busy or memory-starved device. Tried again.
             raise AgentError(f"self-test interrupted: {one_line(exc)}") from None
@@ -403,6 +420,8 @@ class Installer:
                 raise SelfTestFailed(f"self-test failed: pipeline: {one_line(exc)}") from None
         config = model.config.key if model.config is not None else ""
         probes = [_probe_json(p) for p in model.probe_results]
+        for probe in probes:
+            probe["recommended"] = probe.get("config") == tried
         return model, config, probes
 
     def _golden_bytes(self, g: GoldenArtifact, key: bytes) -> bytes:
@@ -438,6 +457,19 @@ def _failure_kind(exc: Exception) -> str:
     if isinstance(exc, SelfTestFailed):
         return "self-test"
     return "disk" if isinstance(exc, DiskFull) else "integrity"
+
+
+def _recommended(key: str):
+    """Return the recommended config if this device can run it (else None: probe)."""
+    from runtime import BackendConfig, candidate_configs
+
+    if not key:
+        return None
+    try:
+        config = BackendConfig.from_key(key)
+    except (ValueError, KeyError):
+        return None  # a config this agent does not know: the probe decides
+    return config if config in candidate_configs() else None
 
 
 def _probe_json(p) -> dict:

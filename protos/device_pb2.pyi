@@ -276,6 +276,8 @@ class ModelAssignment(_message.Message):
     MANIFEST_FIELD_NUMBER: _builtins.int
     MANIFEST_SIGNATURE_FIELD_NUMBER: _builtins.int
     GOLDEN_FIELD_NUMBER: _builtins.int
+    RECOMMENDED_CONFIG_FIELD_NUMBER: _builtins.int
+    RECOMMENDED_SAMPLES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -288,6 +290,13 @@ class ModelAssignment(_message.Message):
     manifest: _builtins.bytes
     """The version's signed manifest (canonical JSON) and its Ed25519 signature."""
     manifest_signature: _builtins.bytes
+    recommended_config: _builtins.str
+    """The backend config the fleet found fastest for this device's class (with enough
+    samples, crash and fallback rates within bounds), and how many timed inferences say
+    so. Advisory (not in the signed document): the agent tries it first and its golden
+    check still decides. Empty when there is no recommendation yet.
+    """
+    recommended_samples: _builtins.int
     @_builtins.property
     def artifact(self) -> Global___ArtifactDescriptor: ...
     @_builtins.property
@@ -308,10 +317,12 @@ class ModelAssignment(_message.Message):
         manifest: _builtins.bytes = ...,
         manifest_signature: _builtins.bytes = ...,
         golden: Global___ArtifactDescriptor | None = ...,
+        recommended_config: _builtins.str = ...,
+        recommended_samples: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "golden", b"golden"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "golden", b"golden", "manifest", b"manifest", "manifest_signature", b"manifest_signature", "model", b"model", "rollout", b"rollout", "variant", b"variant", "version", b"version", "wrapped_data_key", b"wrapped_data_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "golden", b"golden", "manifest", b"manifest", "manifest_signature", b"manifest_signature", "model", b"model", "recommended_config", b"recommended_config", "recommended_samples", b"recommended_samples", "rollout", b"rollout", "variant", b"variant", "version", b"version", "wrapped_data_key", b"wrapped_data_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -883,3 +883,160 @@ class TransitionRolloutRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_stage) -> _WhichOneofReturnType__expected_stage | None: ...
 
 Global___TransitionRolloutRequest: _TypeAlias = TransitionRolloutRequest  # noqa: Y015
+
+@_typing.final
+class GetBackendsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    version: _builtins.int
+    variant: _builtins.str
+    """Empty: every variant."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        version: _builtins.int = ...,
+        variant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBackendsRequest: _TypeAlias = GetBackendsRequest  # noqa: Y015
+
+@_typing.final
+class BackendFigures(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    INFERENCES_FIELD_NUMBER: _builtins.int
+    P50_US_FIELD_NUMBER: _builtins.int
+    P95_US_FIELD_NUMBER: _builtins.int
+    CRASH_RATE_FIELD_NUMBER: _builtins.int
+    FALLBACK_RATE_FIELD_NUMBER: _builtins.int
+    ELIGIBLE_FIELD_NUMBER: _builtins.int
+    WHY_FIELD_NUMBER: _builtins.int
+    config: _builtins.str
+    samples: _builtins.int
+    """Timed inferences (the sample of p50/p95)."""
+    inferences: _builtins.int
+    p50_us: _builtins.float
+    p95_us: _builtins.float
+    crash_rate: _builtins.float
+    fallback_rate: _builtins.float
+    eligible: _builtins.bool
+    """Enough samples, crash and fallback rates within bounds; else `why` says what is not."""
+    why: _builtins.str
+    def __init__(
+        self,
+        *,
+        config: _builtins.str = ...,
+        samples: _builtins.int = ...,
+        inferences: _builtins.int = ...,
+        p50_us: _builtins.float | None = ...,
+        p95_us: _builtins.float | None = ...,
+        crash_rate: _builtins.float | None = ...,
+        fallback_rate: _builtins.float | None = ...,
+        eligible: _builtins.bool = ...,
+        why: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_crash_rate", b"_crash_rate", "_fallback_rate", b"_fallback_rate", "_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "crash_rate", b"crash_rate", "fallback_rate", b"fallback_rate", "p50_us", b"p50_us", "p95_us", b"p95_us"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_crash_rate", b"_crash_rate", "_fallback_rate", b"_fallback_rate", "_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "config", b"config", "crash_rate", b"crash_rate", "eligible", b"eligible", "fallback_rate", b"fallback_rate", "inferences", b"inferences", "p50_us", b"p50_us", "p95_us", b"p95_us", "samples", b"samples", "why", b"why"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__crash_rate: _TypeAlias = _typing.Literal["crash_rate"]  # noqa: Y015
+    _WhichOneofArgType__crash_rate: _TypeAlias = _typing.Literal["_crash_rate", b"_crash_rate"]  # noqa: Y015
+    _WhichOneofReturnType__fallback_rate: _TypeAlias = _typing.Literal["fallback_rate"]  # noqa: Y015
+    _WhichOneofArgType__fallback_rate: _TypeAlias = _typing.Literal["_fallback_rate", b"_fallback_rate"]  # noqa: Y015
+    _WhichOneofReturnType__p50_us: _TypeAlias = _typing.Literal["p50_us"]  # noqa: Y015
+    _WhichOneofArgType__p50_us: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us"]  # noqa: Y015
+    _WhichOneofReturnType__p95_us: _TypeAlias = _typing.Literal["p95_us"]  # noqa: Y015
+    _WhichOneofArgType__p95_us: _TypeAlias = _typing.Literal["_p95_us", b"_p95_us"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__crash_rate) -> _WhichOneofReturnType__crash_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__fallback_rate) -> _WhichOneofReturnType__fallback_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p50_us) -> _WhichOneofReturnType__p50_us | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p95_us) -> _WhichOneofReturnType__p95_us | None: ...
+
+Global___BackendFigures: _TypeAlias = BackendFigures  # noqa: Y015
+
+@_typing.final
+class ClassBackends(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class DeviceClassEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VARIANT_FIELD_NUMBER: _builtins.int
+    DEVICE_CLASS_FIELD_NUMBER: _builtins.int
+    CONFIGS_FIELD_NUMBER: _builtins.int
+    RECOMMENDED_FIELD_NUMBER: _builtins.int
+    variant: _builtins.str
+    recommended: _builtins.str
+    """The eligible config with the best p50; empty when none is eligible."""
+    @_builtins.property
+    def device_class(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def configs(self) -> _containers.RepeatedCompositeFieldContainer[Global___BackendFigures]: ...
+    def __init__(
+        self,
+        *,
+        variant: _builtins.str = ...,
+        device_class: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        configs: _abc.Iterable[Global___BackendFigures] | None = ...,
+        recommended: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["configs", b"configs", "device_class", b"device_class", "recommended", b"recommended", "variant", b"variant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassBackends: _TypeAlias = ClassBackends  # noqa: Y015
+
+@_typing.final
+class GetBackendsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLASSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassBackends]: ...
+    def __init__(
+        self,
+        *,
+        classes: _abc.Iterable[Global___ClassBackends] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["classes", b"classes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBackendsResponse: _TypeAlias = GetBackendsResponse  # noqa: Y015

@@ -54,6 +54,11 @@ class FleetServiceStub:
                 request_serializer=protos_dot_fleet__pb2.RevokeDeviceRequest.SerializeToString,
                 response_deserializer=protos_dot_fleet__pb2.Device.FromString,
                 _registered_method=True)
+        self.GetBackends = channel.unary_unary(
+                '/skiff.v1.FleetService/GetBackends',
+                request_serializer=protos_dot_fleet__pb2.GetBackendsRequest.SerializeToString,
+                response_deserializer=protos_dot_fleet__pb2.GetBackendsResponse.FromString,
+                _registered_method=True)
 
 
 class FleetServiceServicer:
@@ -84,6 +89,13 @@ class FleetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBackends(self, request, context):
+        """Backend configs of a model version per device class, from fleet telemetry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +118,11 @@ def add_FleetServiceServicer_to_server(servicer, server):
                     servicer.RevokeDevice,
                     request_deserializer=protos_dot_fleet__pb2.RevokeDeviceRequest.FromString,
                     response_serializer=protos_dot_fleet__pb2.Device.SerializeToString,
+            ),
+            'GetBackends': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBackends,
+                    request_deserializer=protos_dot_fleet__pb2.GetBackendsRequest.FromString,
+                    response_serializer=protos_dot_fleet__pb2.GetBackendsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +233,33 @@ class FleetService:
             '/skiff.v1.FleetService/RevokeDevice',
             protos_dot_fleet__pb2.RevokeDeviceRequest.SerializeToString,
             protos_dot_fleet__pb2.Device.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBackends(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.FleetService/GetBackends',
+            protos_dot_fleet__pb2.GetBackendsRequest.SerializeToString,
+            protos_dot_fleet__pb2.GetBackendsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -257,6 +257,13 @@ class AdminClient:
         """Return one device."""
         return self._unary(self._fleet.GetDevice, fleet_pb2.GetDeviceRequest(id=device_id))
 
+    def get_backends(
+        self, model: str, version: int, variant: str = ""
+    ) -> fleet_pb2.GetBackendsResponse:
+        """Return a version's backend configs per device class, from fleet telemetry."""
+        request = fleet_pb2.GetBackendsRequest(model=model, version=version, variant=variant)
+        return self._unary(self._fleet.GetBackends, request)
+
     def revoke_device(self, device_id: str, reason: str = "") -> fleet_pb2.Device:
         """Refuse a device from now on."""
         request = fleet_pb2.RevokeDeviceRequest(id=device_id, reason=reason)

@@ -25,6 +25,7 @@ from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
 from control_plane.telemetry import Telemetry
+from control_plane.telemetry.recommend import Recommendations
 from protos import device_pb2, device_pb2_grpc
 
 MAX_INSTALLED = 256
@@ -105,9 +106,10 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         signing_keys: SigningKeys,
         poll_interval_s: int,
         telemetry: Telemetry,
+        recommendations: Recommendations | None = None,
     ) -> None:
         self._fleet, self._store, self._delivery = fleet, store, delivery
-        self._telemetry = telemetry
+        self._telemetry, self._recommendations = telemetry, recommendations
         self._watchers, self._writer = watchers, writer
         self._signing_keys, self._poll = signing_keys, poll_interval_s
         # The chain's messages, converted once per re-read of the chain (not per Sync).
@@ -145,6 +147,15 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             if len(self._recent) > RECENT_DEVICES:
                 self._recent.popitem(last=False)
 
+    def _with_recommendation(
+        self, msg: device_pb2.ModelAssignment, attrs: dict
+    ) -> device_pb2.ModelAssignment:
+        if self._recommendations is not None:
+            best = self._recommendations.for_device(msg.model, msg.version, msg.variant, attrs)
+            if best is not None:
+                msg.recommended_config, msg.recommended_samples = best
+        return msg
+
     def _sync(self, authorization: str | None, request) -> device_pb2.SyncResponse:
         # Blocking (database, KEK, HPKE, signing): runs in a worker thread, never on the
         # event loop that carries every Watch stream.
@@ -160,7 +171,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         self._watchers.note_sync_threadsafe(device.id, attrs, desired)
         return device_pb2.SyncResponse(
             revision=result.revision,
-            models=[_assignment_pb(a) for a in result.assignments],
+            models=[
+                self._with_recommendation(_assignment_pb(a), attrs) for a in result.assignments
+            ],
             document=result.document,
             document_signature=result.signature,
             signing_key_id=result.key_id,

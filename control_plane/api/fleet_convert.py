@@ -14,6 +14,7 @@ from control_plane.rollouts.resolver import Desired
 from control_plane.rollouts.service import Counts
 from control_plane.store.fleet import DeviceRecord, ModelState
 from control_plane.store.rollouts import RolloutRecord
+from control_plane.telemetry.recommend import ClassBackends
 from protos import device_pb2, fleet_pb2
 
 
@@ -123,5 +124,24 @@ def _slice_pb(s: SliceHealth) -> fleet_pb2.SliceHealth:
                 **{k: v for k, v in v.to_dict().items() if k != "sample" and v is not None}
             )
             for v in s.verdicts
+        ],
+    )
+
+
+def backends_pb(t: ClassBackends) -> fleet_pb2.ClassBackends:
+    """Return one device class's backend table as its message."""
+    return fleet_pb2.ClassBackends(
+        variant=t.variant,
+        device_class=t.device_class,
+        recommended=t.recommended or "",
+        configs=[
+            fleet_pb2.BackendFigures(
+                **{
+                    k: min(v, INT64_MAX) if isinstance(v, int) and not isinstance(v, bool) else v
+                    for k, v in c.to_dict().items()
+                    if v is not None
+                }
+            )
+            for c in t.configs
         ],
     )

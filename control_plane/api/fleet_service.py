@@ -5,19 +5,28 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 
-from control_plane import paging
+from control_plane import errors, paging
 from control_plane.api.access import caller
-from control_plane.api.fleet_convert import attributes_dict, device_pb, rollout_pb, timestamp
+from control_plane.api.fleet_convert import (
+    attributes_dict,
+    backends_pb,
+    device_pb,
+    rollout_pb,
+    timestamp,
+)
 from control_plane.api.grpc_errors import mapped
 from control_plane.api.telemetry_convert import install_pb, latency_pb
 from control_plane.fleet.devices import Fleet, validate_device_id
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.guard import Guard
 from control_plane.rollouts.resolver import Resolver, Snapshot
 from control_plane.rollouts.service import Rollouts, RolloutSpec
 from control_plane.rollouts.watchers import Watchers
+from control_plane.store.base import RegistryStore
 from control_plane.store.fleet import DeviceRecord
 from control_plane.telemetry import Telemetry
+from control_plane.telemetry.recommend import Recommendations
 from protos import fleet_pb2, fleet_pb2_grpc
 
 
@@ -82,8 +91,14 @@ class FleetView:
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
     """Enrollment tokens and devices."""
 
-    def __init__(self, view: FleetView) -> None:
+    def __init__(
+        self,
+        view: FleetView,
+        recommendations: Recommendations | None = None,
+        versions: RegistryStore | None = None,
+    ) -> None:
         self._view = view
+        self._recommendations, self._registry = recommendations, versions
 
     @mapped
     def CreateEnrollmentToken(self, request, context):  # noqa: D102, N802
@@ -130,6 +145,20 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
         _actor()
         self._view.fleet.revoke(request.id, reason=request.reason)
         return self._view.device_pb(self._view.get(request.id))
+
+    @mapped
+    def GetBackends(self, request, context):  # noqa: D102, N802
+        _actor()
+        validate_name(request.model)
+        if not 1 <= request.version <= MAX_VERSION:
+            raise errors.InvalidArgument(f"version must be 1 to {MAX_VERSION}")
+        if request.variant and not VARIANT_NAME.fullmatch(request.variant):
+            raise errors.InvalidArgument(f"invalid variant {request.variant!r:.40}")
+        self._registry.get_version(request.model, request.version)  # NotFound names it
+        tables = self._recommendations.table(
+            request.model, request.version, request.variant or None
+        )
+        return fleet_pb2.GetBackendsResponse(classes=[backends_pb(t) for t in tables])
 
 
 class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):

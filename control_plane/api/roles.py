@@ -42,6 +42,7 @@ RPC_ROLES: dict[str, str] = {
     "/skiff.v1.FleetService/ListDevices": VIEWER,
     "/skiff.v1.FleetService/GetDevice": VIEWER,
     "/skiff.v1.FleetService/RevokeDevice": OPERATOR,
+    "/skiff.v1.FleetService/GetBackends": VIEWER,
     # Rollouts.
     "/skiff.v1.RolloutService/CreateRollout": OPERATOR,
     "/skiff.v1.RolloutService/ListRollouts": VIEWER,

@@ -50,6 +50,7 @@ from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
 from control_plane.telemetry import Telemetry
 from control_plane.telemetry.classes import parse_device_class
+from control_plane.telemetry.recommend import Recommendations
 from control_plane.telemetry.rollups import Retention, Roller
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
@@ -156,6 +157,7 @@ class App:
     telemetry: Telemetry
     roller: Roller
     guard: Guard
+    recommendations: Recommendations
 
     @property
     def store(self) -> SqlStore:
@@ -206,6 +208,7 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
         telemetry=Telemetry(store, on_stored=roller.offer),
         roller=roller,
         guard=Guard(store, rollouts, device_class, minute_retention=retention.minute),
+        recommendations=Recommendations(store, device_class),
     )
 
 
@@ -379,7 +382,9 @@ async def _add_services(
         ),
         server,
     )
-    fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(view), server)
+    fleet_pb2_grpc.add_FleetServiceServicer_to_server(
+        FleetServicer(view, app.recommendations, app.store), server
+    )
     fleet_pb2_grpc.add_RolloutServiceServicer_to_server(
         RolloutServicer(app.rollouts, view, app.guard), server
     )
@@ -393,6 +398,7 @@ async def _add_services(
             signing_keys=app.registry.signer,
             poll_interval_s=app.config.poll_interval_s,
             telemetry=telemetry,
+            recommendations=app.recommendations,
         ),
         server,
     )

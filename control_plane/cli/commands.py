@@ -74,9 +74,23 @@ def start_model_ls(*, config: Config, args: argparse.Namespace) -> Output:
     return [views.model_dict(m) for m in page.models], views.models_table(list(page.models))
 
 
+def _backends(config: Config, name: str, number: int | None) -> Output:
+    if number is None:
+        raise errors.InvalidArgument(f"--backends needs a version: {name}:N")
+    from control_plane.cli import fleet_views
+
+    with _client(config) as client:
+        found = client.get_backends(name, number)
+    tables = [fleet_views.backends_dict(t) for t in found.classes]
+    text = fleet_views.backends_text(name, number, found.classes)
+    return {"model": name, "version": number, "classes": tables}, text
+
+
 def start_model_show(*, config: Config, args: argparse.Namespace) -> Output:
     """Show one model's versions (all, page by page, unless --limit), or one version."""
     name, number = parse_ref(args.ref)
+    if args.backends:
+        return _backends(config, name, number)
     limit = limit_of(args)
     with _client(config) as client:
         found = client.get_model(name, number, limit=limit)

@@ -395,3 +395,50 @@ def _minute(ts) -> str | None:
     if not ts.seconds and not ts.nanos:
         return None
     return ts.ToDatetime().strftime("%Y-%m-%d %H:%M")
+
+
+def backends_dict(t: fleet_pb2.ClassBackends) -> dict:
+    """JSON-ready form of one device class's backend table."""
+    return {
+        "variant": t.variant,
+        "device_class": dict(sorted(t.device_class.items())),
+        "recommended": t.recommended or None,
+        "configs": [
+            {
+                "config": c.config,
+                "samples": c.samples,
+                "inferences": c.inferences,
+                **{
+                    k: getattr(c, k) if c.HasField(k) else None
+                    for k in ("p50_us", "p95_us", "crash_rate", "fallback_rate")
+                },
+                "eligible": c.eligible,
+                "why": c.why or None,
+                "recommended": c.config == t.recommended,
+            }
+            for c in t.configs
+        ],
+    }
+
+
+def backends_text(name: str, version: int, classes) -> str:
+    """Describe a version's backend tables for people."""
+    if not classes:
+        return f"{name}:{version}: no telemetry yet (devices report every minute or so)"
+    lines = [f"{name}:{version}  backend configs by device class (last 7 days)"]
+    for t in classes:
+        who = ", ".join(f"{k}={v or '?'}" for k, v in sorted(t.device_class.items()))
+        lines.append(f"  {t.variant}  {who}")
+        for c in t.configs:
+            mark = "*" if c.config == t.recommended else " "
+            p50 = f"{c.p50_us:,.0f}" if c.HasField("p50_us") else "-"
+            p95 = f"{c.p95_us:,.0f}" if c.HasField("p95_us") else "-"
+            crash = f"{c.crash_rate:.2g}" if c.HasField("crash_rate") else "-"
+            fallback = f"{c.fallback_rate:.2g}" if c.HasField("fallback_rate") else "-"
+            note = f"  ({c.why})" if c.why else ""
+            lines.append(
+                f"   {mark} {c.config:<28} samples {c.samples:>10,}  p50 {p50:>8} us"
+                f"  p95 {p95:>8} us  crashes {crash}  fallbacks {fallback}{note}"
+            )
+    lines.append("  * recommended")
+    return "\n".join(lines)

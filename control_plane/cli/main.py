@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("ref", metavar="NAME[:VERSION]")
     add_limit_flag(p, "versions, oldest first")
+    p.add_argument(
+        "--backends",
+        action="store_true",
+        help="show the version's backend configs per device class, from fleet telemetry "
+        "(samples, p50/p95, crash and fallback rates) and which one is recommended",
+    )
     p = msub.add_parser("pull", help="download a decrypted model (admin only)")
     _common(p)
     p.add_argument("ref", metavar="NAME:VERSION")

@@ -1,0 +1,110 @@
+"""Backend recommendations reach real agents: the Sync answer carries the fleet's pick for
+the device's class, the agent tries it first and its golden check decides."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+
+from control_plane.cli.main import main
+from control_plane.store.telemetry import ModelStatsRecord, ReportBatch
+from protos import device_pb2
+from runtime.histogram import LatencyHistogram
+from tests.control_plane.sim.test_sim_cli import run_json
+from tests.control_plane.telemetry.test_rollups import enroll
+from tests.device_agent.conftest import MODEL
+from tests.device_agent.test_agent import rollout, run_agent_cli, status, token
+
+CLASS = {"soc": "sm8650", "device_model": "Pixel 8", "os_version": "14.2"}
+FAST, SLOW = "CPU/normal/t2/mem-normal", "CPU/normal/t1/mem-normal"
+
+
+def report(cp, device: str, n: int, config: str, median_us: float, crashes: int = 0) -> None:
+    h = LatencyHistogram()
+    h.record_many_ns(np.random.default_rng(n).lognormal(np.log(median_us), 0.2, n) * 1000)
+    crash = {"at": "x", "config": config, "reason": "signal", "signal": "SIGSEGV"}
+    now = dt.datetime.now(dt.UTC)
+    stats = ModelStatsRecord(
+        MODEL, 1, "fp32", config, n, 0, 0, h.to_dict(), crashes=(crash,) * crashes
+    )
+    batch = ReportBatch(
+        device,
+        f"b-{config[-14:-11]}-{device[-8:]}",
+        now,
+        now - dt.timedelta(minutes=1),
+        now,
+        0,
+        (stats,),
+        (),
+    )
+    assert cp.app.telemetry.report(batch).result(10)  # as Report stores it
+
+
+def test_the_fleets_pick_is_sent_tried_first_and_checked(cp, tmp_path, capsys, monkeypatch):
+    rollout(cp, 1)
+    store = cp.app.store
+    for _ in range(3):
+        device = enroll(store, **CLASS)
+        report(cp, device, 600, FAST, 800)
+        report(cp, device, 900, SLOW, 2500)
+    other = enroll(store, soc="mt6789")  # another class: its figures do not count here
+    report(cp, other, 5000, SLOW, 100)
+    cp.app.roller.roll()
+
+    with cp.client() as client:
+        tables = client.get_backends(MODEL, 1).classes
+    (mine,) = [t for t in tables if t.device_class["soc"] == "sm8650"]
+    assert mine.device_class == {"soc": "sm8650", "device_model": "Pixel 8", "os_version": "14"}
+    assert mine.recommended == FAST
+    assert [c.config for c in mine.configs] == [FAST, SLOW]
+    assert mine.configs[0].samples == 1800 and 700 < mine.configs[0].p50_us < 900
+    # The same table from the command line, for scripts and for people.
+    show = ["model", "show", f"{MODEL}:1", "--backends", "--home", str(cp.config.home)]
+    monkeypatch.setenv("SKIFF_SERVER", cp.address)
+    doc = run_json(capsys, [*show, "--json"])
+    (row,) = [t for t in doc["classes"] if t["device_class"]["soc"] == "sm8650"]
+    assert row["recommended"] == FAST and row["configs"][0]["recommended"] is True
+    assert row["configs"][1]["samples"] == 2700 and row["configs"][1]["eligible"] is True
+    assert main(show) == 0
+    text = capsys.readouterr().out
+    assert f"* {FAST}" in text and "soc=sm8650" in text
+
+    state = tmp_path / "state"
+    attrs = [a for k, v in CLASS.items() for a in ("--attr", f"{k}={v}")]
+    run = run_agent_cli(cp, state, "--enroll-token", token(cp), *attrs)
+    assert run.returncode == 0, run.stderr
+    active = status(state)["models"][MODEL]["active"]
+    assert active["config"] == FAST
+    (tried,) = active["probes"]  # one golden check, not a probe of every candidate
+    assert tried["config"] == FAST and tried["recommended"] and tried["accepted"]
+
+
+def test_a_config_with_crashes_or_few_samples_is_not_recommended(cp):
+    store = cp.app.store
+    device = enroll(store, **CLASS)
+    report(cp, device, 5000, FAST, 500, crashes=40)  # fastest, but crashes
+    report(cp, device, 300, SLOW, 900)  # too few samples
+    cp.app.roller.roll()
+    (t,) = cp.app.recommendations.table(MODEL, 1)
+    assert t.recommended is None
+    assert [c.why for c in t.configs] == ["crash rate 0.008 > 0.001", "300 of 1000 samples"]
+    assert device_pb2.ModelAssignment().recommended_config == ""
+
+
+def test_a_recommendation_this_device_cannot_honour_falls_back_to_its_own_probe(cp, tmp_path):
+    # OpenCL is fastest on the fleet's phones; this machine's MNN has CPU only.
+    gpu = "OPENCL/normal/t4/mem-normal"
+    rollout(cp, 1)
+    for _ in range(2):
+        report(cp, enroll(cp.app.store, **CLASS), 1500, gpu, 300)
+    cp.app.roller.roll()
+    state = tmp_path / "state"
+    attrs = [a for k, v in CLASS.items() for a in ("--attr", f"{k}={v}")]
+    run = run_agent_cli(cp, state, "--enroll-token", token(cp), *attrs)
+    assert run.returncode == 0, run.stderr
+    active = status(state)["models"][MODEL]["active"]
+    assert active["config"].startswith("CPU/")
+    probes = {p["config"]: p for p in active["probes"]}
+    assert len(probes) > 2  # the full probe ran
+    assert probes[gpu]["recommended"] and not probes[gpu]["accepted"]
