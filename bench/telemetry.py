@@ -10,8 +10,12 @@ messages of the same size. Reported:
 
 * `report_batches_per_s_<db>` and `echo_calls_per_s_<db>`, and their ratio
   `report_vs_echo_<db>` (aim >= 0.3): what storing a batch costs over the transport.
-* `health_query_ms` is not measured yet: the rollups it queries are the next part of
-  issue 10.
+* `health_query_ms_<db>`: the median time of a rollout's health view (every slice's
+  candidate and baseline figures and rule verdicts, control_plane.rollouts.guard) over
+  30 days of rollups of 10k devices: the rows the roller leaves after 30 days of 1-minute
+  reports (1-day and 1-hour rows for 30 days, 1-minute rows for the last 48 hours, per
+  cohort, backend config and SoC) for a rollout that started 30 days ago, sliced by SoC
+  (aim <= 200 ms).
 
 Client, server and database share this machine's two cores.
 
@@ -152,6 +156,167 @@ def run_backend(name: str, db_url: str | None, args) -> dict:
     }
 
 
+HEALTH_DEVICES = 10_000
+HEALTH_DAYS = 30
+SOCS = [f"soc{i}" for i in range(10)]
+OS_MAJORS = ["13", "14"]
+CONFIGS = ["CPU/normal/t2/mem-normal", "OPENCL/low/t4/mem-normal"]
+
+
+def health_query(name: str, db_url: str | None) -> dict:
+    """Fill a database with 30 days of rollups of 10k devices; time the health view."""
+    import numpy as np
+
+    from control_plane.rollouts.guard import Guard
+    from control_plane.store import orm
+    from control_plane.store.rollouts import RolloutRecord
+    from control_plane.store.rollups import RollupKey, encode_buckets
+    from control_plane.store.sql_store import SqlStore
+    from control_plane.telemetry.classes import parse_device_class
+    from control_plane.telemetry.rollups import (
+        BASELINE,
+        CANDIDATE,
+        DAY,
+        HOUR,
+        MINUTE,
+        bucket_start,
+    )
+    from runtime.histogram import LatencyHistogram
+
+    with tempfile.TemporaryDirectory(prefix="skiff-bench-health-") as tmp:
+        store = SqlStore(db_url or f"sqlite:///{tmp}/skiff.db")
+        classes = parse_device_class("soc,device_model,os_version:major")
+        now = dt.datetime.now(dt.UTC)
+        start = bucket_start(now - dt.timedelta(days=HEALTH_DAYS), HOUR)
+        rollout = RolloutRecord(
+            "ro_bench00001",
+            "ctr",
+            2,
+            "fp32",
+            "",
+            (10.0, 50.0, 100.0),
+            0,
+            "active",
+            3600,
+            0,
+            start,
+            "bench",
+            start,
+            halt_rules=("p95_latency_ratio>1.2", "crash_rate>0.001", "error_rate>0.01"),
+            min_devices=50,
+            min_inferences=1000,
+            slice_by="soc",
+        )
+        rng = np.random.default_rng(0)
+        attrs = [
+            {
+                "soc": SOCS[i % len(SOCS)],
+                "device_model": f"Phone {i % 7}",
+                "os_version": OS_MAJORS[i % 2] + ".1",
+            }
+            for i in range(HEALTH_DEVICES)
+        ]
+        with store._scope() as session:  # bench set-up: rows as the roller would leave them
+            session.execute(
+                orm.DeviceRow.__table__.insert(),
+                [
+                    {
+                        "id": f"dev_{i:016x}",
+                        "credential_sha256": f"{i:064x}",
+                        "public_keyset": b"k",
+                        "attributes": a,
+                        "stamped_attributes": {},
+                        "enrollment_token_id": "bench",
+                        "enrolled_at": start,
+                    }
+                    for i, a in enumerate(attrs)
+                ],
+            )
+            session.execute(
+                orm.RolloutDeviceRow.__table__.insert(),
+                [
+                    {
+                        "rollout": rollout.id,
+                        "cohort": CANDIDATE if i % 10 == 0 else BASELINE,
+                        "device_id": f"dev_{i:016x}",
+                        "device_class": classes.of(a),
+                        "last_seen": now,
+                    }
+                    for i, a in enumerate(attrs)
+                ],
+            )
+
+        def row(res, at, key: RollupKey, n: int) -> dict:
+            h = LatencyHistogram()
+            h.record_many_ns(rng.lognormal(np.log(2e6), 0.3, 64))
+            counts = h.counts * (n // 64)
+            return {
+                "resolution_s": res,
+                "bucket_start": at,
+                "key": key.digest,
+                "model": key.model,
+                "version": key.version,
+                "variant": key.variant,
+                "config": key.config,
+                "device_class": key.device_class,
+                "rollout": key.rollout,
+                "cohort": key.cohort,
+                **{
+                    c: 0
+                    for c in (
+                        "errors",
+                        "crashes",
+                        "fallbacks",
+                        "pipeline_firings",
+                        "installs_activated",
+                        "installs_failed",
+                        "installs_rolled_back",
+                    )
+                },
+                "inferences": int(counts.sum()),
+                "crash_signals": {},
+                "latency_count": int(counts.sum()),
+                "latency_sum_ns": int(counts.sum()) * 2_000_000,
+                "latency_min_ns": h.min_ns,
+                "latency_max_ns": h.max_ns,
+                "latency_buckets": encode_buckets(counts),
+            }
+
+        # As the roller keeps a sliced rollout's rows: per cohort, config and SoC.
+        slices = sorted({json.dumps({"soc": a["soc"]}) for a in attrs})
+        keys = [
+            RollupKey("ctr", 2 if cohort == CANDIDATE else 1, "fp32", config, c, rollout.id, cohort)
+            for c in slices
+            for config in CONFIGS
+            for cohort in (CANDIDATE, BASELINE)
+        ]
+        days = [start + dt.timedelta(days=d) for d in range(HEALTH_DAYS + 1)]
+        hours = [start + dt.timedelta(hours=h) for h in range(HEALTH_DAYS * 24 + 1)]
+        minutes = [bucket_start(now, MINUTE) - dt.timedelta(minutes=m) for m in range(48 * 60)]
+        rows = 0
+        for res, buckets in ((DAY, days), (HOUR, hours), (MINUTE, minutes)):
+            for i in range(0, len(buckets), 200):
+                chunk = [row(res, at, k, 60 * 500) for at in buckets[i : i + 200] for k in keys]
+                with store._scope() as session:
+                    session.execute(orm.RollupRow.__table__.insert(), chunk)
+                rows += len(chunk)
+        guard = Guard(store, None, classes)
+        health = guard.health(rollout)  # warm
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            health = guard.health(rollout)
+            times.append((time.perf_counter() - t0) * 1000)
+        store.close()
+    ms = sorted(times)[len(times) // 2]
+    print(
+        f"{name}: health view of a 30-day rollout over {HEALTH_DEVICES:,} devices "
+        f"({rows:,} rollup rows, {len(health.slices)} slices): {ms:.0f} ms median (aim <= 200)",
+        flush=True,
+    )
+    return {f"health_query_ms_{name}": round(ms, 1), "health_rollup_rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 s windows")
@@ -168,7 +333,12 @@ def main() -> None:
         results.update(run_backend("postgresql", pg_url, args))
     finally:
         drop()
-    results["health_query_ms"] = None
+    for name, url, done in (("sqlite", None, None), ("postgresql", *pg_database(PG_ADMIN))):
+        try:
+            results.update(health_query(name, url))
+        finally:
+            if done is not None:
+                done()
     results["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     print(f"reproduce: {results['command']}")
     print(json.dumps(results, sort_keys=True))

@@ -241,6 +241,13 @@ SETTINGS: tuple[Setting, ...] = (
         "Days 1-hour rollups are kept.",
     ),
     Setting(
+        "rollup_day_retention_d",
+        float,
+        400.0,
+        "SKIFF_ROLLUP_DAY_RETENTION_D",
+        "Days 1-day rollups are kept.",
+    ),
+    Setting(
         "telemetry_raw_retention_h",
         float,
         48.0,
@@ -312,6 +319,7 @@ class Config:
     rollup_interval_s: float
     rollup_minute_retention_h: float
     rollup_hour_retention_d: float
+    rollup_day_retention_d: float
     telemetry_raw_retention_h: float
     guard_interval_s: float
 

@@ -170,7 +170,7 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
     registry = registry or build_registry(config)
     store = registry.store
     device_class = parse_device_class(config.device_class)
-    resolver = Resolver(store, device_class)
+    resolver = Resolver(store)
     fleet = Fleet(store, default_enroll_ttl_s=config.enroll_ttl_s)
     feed = ChangeFeed(store)
     watchers = Watchers(resolver=resolver, store=store)
@@ -191,6 +191,7 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
     retention = Retention(
         minute=dt.timedelta(hours=config.rollup_minute_retention_h),
         hour=dt.timedelta(days=config.rollup_hour_retention_d),
+        day=dt.timedelta(days=config.rollup_day_retention_d),
         raw=dt.timedelta(hours=config.telemetry_raw_retention_h),
     )
     roller = Roller(store, resolver, device_class, retention=retention)
@@ -207,7 +208,7 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
         watchers=watchers,
         telemetry=Telemetry(store, on_stored=roller.offer),
         roller=roller,
-        guard=Guard(store, rollouts, device_class, minute_retention=retention.minute),
+        guard=Guard(store, rollouts, device_class, retention=retention),
         recommendations=Recommendations(store, device_class),
     )
 

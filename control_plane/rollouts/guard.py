@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, Verdict, judge, parse_rule
 from control_plane.store.rollouts import RolloutRecord
 from control_plane.store.rollups import Aggregate, RollupKey, RollupStore
-from control_plane.telemetry.classes import DeviceClass, class_values
-from control_plane.telemetry.rollups import BASELINE, CANDIDATE, HOUR, MINUTE, bucket_start
+from control_plane.telemetry.classes import DeviceClass, class_values, parse_dimension
+from control_plane.telemetry.rollups import BASELINE, CANDIDATE, Retention, window_parts
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +114,11 @@ class Guard:
         rollouts,  # control_plane.rollouts.service.Rollouts (which imports this module)
         device_class: DeviceClass,
         *,
-        minute_retention: dt.timedelta = dt.timedelta(hours=48),
+        retention: Retention | None = None,
         clock: Callable[[], dt.datetime] = utcnow,
     ) -> None:
         self._store, self._rollouts, self._class = store, rollouts, device_class
-        self._minute_retention, self._clock = minute_retention, clock
+        self._retention, self._clock = retention or Retention(), clock
 
     # -- health --------------------------------------------------------------------------
 
@@ -126,7 +126,7 @@ class Guard:
         """Return the rollout's health over its current window."""
         now = self._clock()
         since = record.stage_started_at
-        dimension = self._class.dimension(record.slice_by) if record.slice_by else None
+        dimension = parse_dimension(record.slice_by) if record.slice_by else None
         rules = [parse_rule(t) for t in record.halt_rules]
 
         def slice_of(device_class: str) -> str:
@@ -153,14 +153,17 @@ class Guard:
             readmitted = state.get("state", ACTIVE) == ACTIVE and state.get("since")
             if readmitted and dt.datetime.fromisoformat(state["since"]) > since:
                 slice_since = dt.datetime.fromisoformat(state["since"])
-                cohorts = self._cohorts(record.id, slice_since, now, slice_of).get(value, {})
+                # Strict: not a second of what the slice reported before it was readmitted.
+                cohorts = self._cohorts(record.id, slice_since, now, slice_of, strict=True).get(
+                    value, {}
+                )
             else:
                 cohorts = groups.get(value, {})
             slices.append(
                 self._slice(
                     record,
                     rules,
-                    f"{record.slice_by}={value}",
+                    f"{dimension.name}={value}",
                     value,
                     state.get("state", ACTIVE),
                     slice_since,
@@ -204,7 +207,13 @@ class Guard:
         return SliceHealth(name, value, state, since, candidate, baseline, verdicts)
 
     def _cohorts(
-        self, rollout_id: str, since: dt.datetime, now: dt.datetime, slice_of
+        self,
+        rollout_id: str,
+        since: dt.datetime,
+        now: dt.datetime,
+        slice_of,
+        *,
+        strict: bool = False,
     ) -> dict[str, dict[str, tuple[Aggregate, int]]]:
         """Return slice value -> cohort -> (merged aggregate, devices) over [since, now]."""
         memo: dict[str, str] = {}
@@ -215,24 +224,12 @@ class Guard:
                 value = memo[key.device_class] = slice_of(key.device_class)
             return value, key.cohort
 
-        parts: list[dict] = []
-        first_hour = bucket_start(since, HOUR)
-        if first_hour < since and since >= now - self._minute_retention:
-            first_hour += dt.timedelta(seconds=HOUR)
-            parts.append(
-                self._store.merged_rollups(
-                    resolution_s=MINUTE,
-                    since=bucket_start(since, MINUTE),
-                    until=first_hour,
-                    rollout=rollout_id,
-                    group=group,
-                )
-            )
-        parts.append(
+        parts = [
             self._store.merged_rollups(
-                resolution_s=HOUR, since=first_hour, rollout=rollout_id, group=group
+                resolution_s=res, since=start, until=until, rollout=rollout_id, group=group
             )
-        )
+            for res, start, until in window_parts(since, now, self._retention, strict=strict)
+        ]
         out: dict[str, dict[str, tuple[Aggregate, int]]] = {}
         for part in parts:
             for (value, cohort), agg in part.items():

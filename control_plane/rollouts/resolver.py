@@ -22,12 +22,7 @@ from control_plane.rollouts.lifecycle import (
     stage_limit,
 )
 from control_plane.store.rollouts import RolloutRecord, RolloutStore
-from control_plane.telemetry.classes import (
-    DEFAULT_DEVICE_CLASS,
-    DeviceClass,
-    Dimension,
-    parse_device_class,
-)
+from control_plane.telemetry.classes import Dimension, parse_dimension
 
 
 @dataclass(frozen=True)
@@ -117,9 +112,8 @@ def _flat(groups: dict[str, list[LiveRollout]]) -> list[LiveRollout]:
 class Resolver:
     """Keeps the current snapshot; reloads it lazily after the change feed says so."""
 
-    def __init__(self, store: RolloutStore, device_class: DeviceClass | None = None) -> None:
+    def __init__(self, store: RolloutStore) -> None:
         self._store = store
-        self._device_class = device_class or parse_device_class(DEFAULT_DEVICE_CLASS)
         self._lock = threading.Lock()
         self._reload_lock = threading.Lock()
         self._compiled: dict[str, Selector] = {}
@@ -165,7 +159,7 @@ class Resolver:
         excluded = record.rolled_back_slices()
         dimension = None
         if excluded and record.slice_by:
-            dimension = self._device_class.dimension(record.slice_by)
+            dimension = parse_dimension(record.slice_by)
         return LiveRollout(
             record,
             selector,

@@ -35,7 +35,12 @@ from control_plane.store.rollouts import (
     RolloutRecord,
     RolloutStore,
 )
-from control_plane.telemetry.classes import DEFAULT_DEVICE_CLASS, DeviceClass, parse_device_class
+from control_plane.telemetry.classes import (
+    DEFAULT_DEVICE_CLASS,
+    DeviceClass,
+    parse_device_class,
+    parse_dimension,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +121,11 @@ class Rollouts:
         if not VARIANT_NAME.fullmatch(variant):
             raise errors.InvalidArgument(f"invalid variant {variant!r:.40}")
         rules = tuple(str(r) for r in parse_rules(spec.halt_rules))  # position and reason
+        slice_by = ""
         if spec.slice_by:
-            self._class.dimension(spec.slice_by)  # InvalidArgument names the known ones
+            # Stored as the dimension itself ("os_version:major"), so the rollout keeps its
+            # slices whatever the device_class setting becomes later.
+            slice_by = str(self._class.dimension(spec.slice_by))  # else names the known ones
             if not rules:
                 raise errors.InvalidArgument("--slice-by needs at least one --halt rule")
         if not 0 <= spec.min_devices <= MAX_MIN_DEVICES:
@@ -150,7 +158,7 @@ class Rollouts:
             halt_rules=rules,
             min_devices=spec.min_devices,
             min_inferences=spec.min_inferences,
-            slice_by=spec.slice_by,
+            slice_by=slice_by,
         )
         event = RolloutEventRecord(
             now, actor, "create", "", RolloutState.ACTIVE.value, 0, _check_reason(spec.reason)
@@ -223,10 +231,12 @@ class Rollouts:
         check_text("slice value", value, MAX_ATTRIBUTE)
         if not current.slice_by:
             raise errors.FailedPrecondition(f"rollout {rollout_id} is not sliced (no --slice-by)")
-        if name != current.slice_by:
+        dim = parse_dimension(current.slice_by)
+        if name != dim.name:
             raise errors.InvalidArgument(
-                f"rollout {rollout_id} is sliced by {current.slice_by}, not {name!r:.70}"
+                f"rollout {rollout_id} is sliced by {dim.name}, not {name!r:.70}"
             )
+        value = dim.normalize(value)  # os_version=14.1 names slice 14 when sliced by major
         if current.state in (RolloutState.ROLLED_BACK, RolloutState.COMPLETED) and (
             action == "resume"
         ):
@@ -264,7 +274,7 @@ class Rollouts:
             current.state,
             current.stage,
             reason,
-            slice=f"{current.slice_by}={value}",
+            slice=f"{parse_dimension(current.slice_by).name}={value}",
             evidence=evidence or {},
         )
         changed = self._store.set_slice(

@@ -39,10 +39,11 @@ class Dimension:
             raw = (attrs.get("custom") or {}).get(self.name[7:], "")
         else:
             raw = attrs.get(self.name, "")
-        text = str(raw)
-        if self.major:
-            text = re.split(r"[.\-_ ]", text, maxsplit=1)[0]
-        return text
+        return self.normalize(str(raw))
+
+    def normalize(self, value: str) -> str:
+        """Return a value as this dimension stores it (a version's major part for :major)."""
+        return re.split(r"[.\-_ ]", value, maxsplit=1)[0] if self.major else value
 
     def __str__(self) -> str:
         return f"{self.name}:major" if self.major else self.name
@@ -79,25 +80,32 @@ class DeviceClass:
         return ",".join(str(d) for d in self.dimensions)
 
 
+def parse_dimension(part: str) -> Dimension:
+    """Parse one dimension (`soc`, `os_version:major`, `custom.carrier`)."""
+    name, _, modifier = part.strip().partition(":")
+    if name not in CLASS_ATTRIBUTES and not _CUSTOM.fullmatch(name):
+        raise errors.InvalidArgument(
+            f"device_class: unknown attribute {name!r:.70} "
+            f"(use {', '.join(CLASS_ATTRIBUTES)} or custom.NAME)"
+        )
+    if modifier not in ("", "major") or (modifier and name not in _VERSIONED):
+        raise errors.InvalidArgument(
+            f"device_class: {part!r:.70}: only os_version and app_version take ':major'"
+        )
+    return Dimension(name, modifier == "major")
+
+
 def parse_device_class(text: str) -> DeviceClass:
     """Parse `soc,device_model,os_version:major`; InvalidArgument names the bad part."""
     dims: list[Dimension] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        name, _, modifier = part.partition(":")
-        if name not in CLASS_ATTRIBUTES and not _CUSTOM.fullmatch(name):
-            raise errors.InvalidArgument(
-                f"device_class: unknown attribute {name!r:.70} "
-                f"(use {', '.join(CLASS_ATTRIBUTES)} or custom.NAME)"
-            )
-        if modifier not in ("", "major") or (modifier and name not in _VERSIONED):
-            raise errors.InvalidArgument(
-                f"device_class: {part!r:.70}: only os_version and app_version take ':major'"
-            )
+        dim = parse_dimension(part)
+        name = dim.name
         if any(d.name == name for d in dims):
             raise errors.InvalidArgument(f"device_class: {name!r} is listed twice")
-        dims.append(Dimension(name, modifier == "major"))
+        dims.append(dim)
     if not dims or len(dims) > MAX_DIMENSIONS:
         raise errors.InvalidArgument(f"device_class needs 1 to {MAX_DIMENSIONS} attributes")
     return DeviceClass(tuple(dims))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import logging
 import threading
 import time
@@ -39,12 +40,12 @@ from control_plane.store.rollups import (
     RollupStore,
 )
 from control_plane.store.telemetry import ReportBatch
-from control_plane.telemetry.classes import DeviceClass
+from control_plane.telemetry.classes import DeviceClass, parse_dimension
 
 log = logging.getLogger(__name__)
 
-MINUTE, HOUR = 60, 3600
-RESOLUTIONS = (MINUTE, HOUR)
+MINUTE, HOUR, DAY = 60, 3600, 86_400
+RESOLUTIONS = (MINUTE, HOUR, DAY)
 CANDIDATE, BASELINE = "candidate", "baseline"
 BATCHES_PER_ROUND = 2000
 PRUNE_EVERY_S = 600.0
@@ -61,7 +62,43 @@ class Retention:
 
     minute: dt.timedelta = dt.timedelta(hours=48)
     hour: dt.timedelta = dt.timedelta(days=90)
+    day: dt.timedelta = dt.timedelta(days=400)
     raw: dt.timedelta = dt.timedelta(hours=48)
+
+    def of(self, resolution_s: int) -> dt.timedelta:
+        """Return how long rows of a resolution are kept."""
+        return {MINUTE: self.minute, HOUR: self.hour, DAY: self.day}[resolution_s]
+
+
+def window_parts(
+    since: dt.datetime, now: dt.datetime, retention: Retention, *, strict: bool = False
+) -> list[tuple[int, dt.datetime, dt.datetime | None]]:
+    """Cover [since, now] with as few rollup rows as possible: (resolution, from, until).
+
+    Minutes up to the first whole hour, hours up to the first whole day, then days (a
+    bucket's row holds its data so far, so the current day's row reaches `now`). The
+    first minute is the one holding `since`, so up to a minute of data from before it
+    counts; with `strict`, the next one, so nothing from before it does (and a window
+    younger than a minute is empty). Where a resolution is past keeping, the next coarser
+    one starts at the bucket holding `since`.
+    """
+    parts: list[tuple[int, dt.datetime, dt.datetime | None]] = []
+    start = since
+    for res, coarser in ((MINUTE, HOUR), (HOUR, DAY)):
+        first = bucket_start(start, res)
+        if first < start and (strict or res != MINUTE):
+            first += dt.timedelta(seconds=res)
+        until = bucket_start(first, coarser)
+        if until < first:
+            until += dt.timedelta(seconds=coarser)
+        if start < now - retention.of(res):
+            start = bucket_start(start, coarser)  # gone at this resolution: take the whole
+            continue
+        if first < until:
+            parts.append((res, first, until))
+        start = until
+    parts.append((DAY, start, None))  # day-aligned: the end of the hours (or their start)
+    return parts
 
 
 def bucket_start(at: dt.datetime, resolution_s: int) -> dt.datetime:
@@ -162,12 +199,12 @@ class Roller:
         now = self._clock()
         return self._store.prune_telemetry(
             raw_before=now - self._retention.raw,
-            cutoffs={MINUTE: now - self._retention.minute, HOUR: now - self._retention.hour},
+            cutoffs={res: now - self._retention.of(res) for res in RESOLUTIONS},
         )
 
     def _aggregate(self, pending: list[PendingBatch]):
         now = self._clock()
-        oldest = {MINUTE: now - self._retention.minute, HOUR: now - self._retention.hour}
+        oldest = {res: now - self._retention.of(res) for res in RESOLUTIONS}
         snapshot = self._resolver.snapshot()
         staged: dict[str, list[LiveRollout]] = {}
         for r in snapshot.by_id.values():
@@ -189,32 +226,55 @@ class Roller:
         for batch in pending:
             attrs = batch.attributes
             device_class = self._class.of(attrs)
+            # Rollout rows are kept per cohort and slice (the one attribute the rollout is
+            # sliced by, or none): what guardrails read, in as few rows as that takes.
             selecting = {
-                model: [r for r in rollouts if r.selector.matches(attrs)]
+                model: [(r, _slice_class(r, attrs)) for r in rollouts if r.selector.matches(attrs)]
                 for model, rollouts in staged.items()
             }
+            # A device's report counts when it was made, however far ahead its clock runs.
+            at = min(batch.period_end, now)
             for s in batch.models:
                 for key in _keys(s, device_class, selecting.get(s.model, ())):
-                    add(batch.period_end, key, lambda agg, s=s: agg.add_stats(s))
+                    add(at, key, lambda agg, s=s: agg.add_stats(s))
                     if key.rollout:
                         devices.append(
                             CohortDevice(
-                                key.rollout,
-                                key.cohort,
-                                batch.device_id,
-                                device_class,
-                                batch.period_end,
+                                key.rollout, key.cohort, batch.device_id, key.device_class, at
                             )
                         )
             for i in batch.installs:
                 for key in _keys(i, device_class, selecting.get(i.model, ())):
-                    add(i.at, key, lambda agg, i=i: agg.add_install(i))
+                    add(min(i.at, now), key, lambda agg, i=i: agg.add_install(i))
+                    if key.rollout:
+                        devices.append(
+                            CohortDevice(
+                                key.rollout, key.cohort, batch.device_id, key.device_class, at
+                            )
+                        )
         return deltas, devices
+
+
+def _seen(key: RollupKey, device_id: str, at: dt.datetime) -> CohortDevice:
+    return CohortDevice(key.rollout, key.cohort, device_id, key.device_class, at)
+
+
+def _slice_class(rollout: LiveRollout, attrs) -> str:
+    """Return the class a rollout's rows keep for a device: its slice attribute, or none."""
+    spec = rollout.record.slice_by
+    if not spec:
+        return "{}"
+    dim = parse_dimension(spec)
+    return json.dumps({dim.name: dim.value(attrs)}, ensure_ascii=False)
 
 
 def _keys(item, device_class: str, rollouts) -> list[RollupKey]:
     """Return the fleet-wide key of a stats entry or install, and one per rollout cohort."""
-    dims = (item.model, item.version, item.variant, item.config, device_class)
-    return [RollupKey(*dims)] + [
-        RollupKey(*dims, r.record.id, cohort_of(r, item.version, item.variant)) for r in rollouts
+    model, version, variant, config = item.model, item.version, item.variant, item.config
+    dims = (model, version, variant, config)
+    return [RollupKey(*dims, device_class)] + [
+        RollupKey(
+            model, version, variant, config, sliced, r.record.id, cohort_of(r, version, variant)
+        )
+        for r, sliced in rollouts
     ]
