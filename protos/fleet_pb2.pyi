@@ -424,6 +424,26 @@ class CohortFigures(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class DevicesWithEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     DEVICES_FIELD_NUMBER: _builtins.int
     INFERENCES_FIELD_NUMBER: _builtins.int
     ERRORS_FIELD_NUMBER: _builtins.int
@@ -435,6 +455,7 @@ class CohortFigures(_message.Message):
     P95_US_FIELD_NUMBER: _builtins.int
     P99_US_FIELD_NUMBER: _builtins.int
     CRASH_SIGNALS_FIELD_NUMBER: _builtins.int
+    DEVICES_WITH_FIELD_NUMBER: _builtins.int
     devices: _builtins.int
     inferences: _builtins.int
     errors: _builtins.int
@@ -447,6 +468,10 @@ class CohortFigures(_message.Message):
     p99_us: _builtins.float
     @_builtins.property
     def crash_signals(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def devices_with(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Devices with at least one crash, error, fallback or failed install ("crashes", ...)."""
+
     def __init__(
         self,
         *,
@@ -461,10 +486,11 @@ class CohortFigures(_message.Message):
         p95_us: _builtins.float | None = ...,
         p99_us: _builtins.float | None = ...,
         crash_signals: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        devices_with: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "crash_signals", b"crash_signals", "crashes", b"crashes", "devices", b"devices", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "install_failures", b"install_failures", "installs", b"installs", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "crash_signals", b"crash_signals", "crashes", b"crashes", "devices", b"devices", "devices_with", b"devices_with", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "install_failures", b"install_failures", "installs", b"installs", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__p50_us: _TypeAlias = _typing.Literal["p50_us"]  # noqa: Y015
     _WhichOneofArgType__p50_us: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us"]  # noqa: Y015
@@ -750,7 +776,9 @@ class CreateRolloutRequest(_message.Message):
     priority: _builtins.int
     reason: _builtins.str
     min_devices: _builtins.int
-    """Minimum sample per cohort below which a rule neither passes nor fails."""
+    """Minimum sample per cohort below which a rule neither passes nor fails (0: 50 devices,
+    1000 inferences).
+    """
     min_inferences: _builtins.int
     slice_by: _builtins.str
     """A device-class attribute (e.g. "soc"): rules are judged, and failures rolled back,

@@ -59,8 +59,10 @@ def bucket_estimate_ns(index: int, min_ns: float, max_ns: float, where: str = "m
             "low": bucket_low,
             "high": bucket_high,
         }[where]
-    else:
-        estimate = min_ns if index == 0 else max_ns  # outside the log range
+    elif index == 0:  # below 1 µs: anywhere from the minimum up to 1 µs
+        estimate = {"mid": min_ns, "low": min_ns, "high": MIN_NS}[where]
+    else:  # above the log range: from its top up to the maximum
+        estimate = {"mid": max_ns, "low": MIN_NS * 2**DOUBLINGS, "high": max_ns}[where]
     return min(max(estimate, min_ns), max_ns)
 
 

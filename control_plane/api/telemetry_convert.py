@@ -16,12 +16,14 @@ from control_plane.limits import check_text
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.store.telemetry import (
     INSTALL_RESULTS,
+    MAX_REPORT_AGE,
     InstallRecord,
     ModelStatsRecord,
     ReportBatch,
 )
 from control_plane.telemetry.reports import DeviceLatency
 from protos import device_pb2, fleet_pb2
+from runtime.backends import BackendConfig
 from runtime.histogram import N_BUCKETS, SCHEME
 
 BATCH_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
@@ -30,15 +32,34 @@ MAX_INSTALLS = 256
 MAX_EVENTS = 64  # crashes or fallbacks per model stats entry
 MAX_PROBES = 32
 MAX_TEXT = 1000  # reasons and crash details
-MAX_CONFIG = 128
 # A device clock may run ahead a little; a period ending further in the future is refused,
 # and so is anything older than the queue a device keeps (7 days) with a margin.
 CLOCK_SKEW = dt.timedelta(hours=1)
-MAX_AGE = dt.timedelta(days=30)
+MAX_AGE = MAX_REPORT_AGE
 # Counts per batch: summed over many batches they must still fit int64 (fleet show).
 MAX_COUNT = 1 << 40
 MAX_DROPPED = 2**31 - 1
 INT64_MAX = 2**63 - 1
+
+
+MAX_THREADS = 256
+
+
+def _config(value: str, what: str) -> str:
+    """Check a backend config key (runtime.BackendConfig.key); "" is allowed (none).
+
+    Only canonical keys: rollups keep a row per config, so a device must not be able to
+    invent endless spellings of one.
+    """
+    if not value:
+        return value
+    try:
+        config = BackendConfig.from_key(value)
+    except (ValueError, KeyError):
+        config = None
+    if config is None or config.key != value or not 1 <= config.threads <= MAX_THREADS:
+        raise errors.InvalidArgument(f"{what} {value!r:.80} is not a backend config key")
+    return value
 
 
 def _text(value: str, what: str, limit: int = MAX_TEXT) -> str:
@@ -117,15 +138,29 @@ def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
     }
 
 
-def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
+# More than this many inferences per second of a batch's period is no device's real load:
+# refused, so one device cannot outweigh a fleet in the rollups.
+MAX_INFERENCES_PER_S = 100_000
+
+
+def _stats(msg: device_pb2.ModelStats, now: dt.datetime, period_s: float) -> ModelStatsRecord:
     what = f"model stats {msg.model!r:.70}"
+    most = int(MAX_INFERENCES_PER_S * max(period_s, 1.0))
+    if msg.inferences > most:
+        raise errors.InvalidArgument(
+            f"{what}: {msg.inferences} inferences in a {period_s:g} s period is more than "
+            f"{MAX_INFERENCES_PER_S} a second"
+        )
+    latency = histogram_dict(msg.latency, f"{what} latency")
+    if msg.errors > msg.inferences or latency["count"] > msg.inferences:
+        raise errors.InvalidArgument(f"{what}: more errors or timed samples than inferences")
     _version(msg.model, msg.version, msg.variant, "model stats")
     if len(msg.crashes) > MAX_EVENTS or len(msg.fallbacks) > MAX_EVENTS:
         raise errors.InvalidArgument(f"{what}: at most {MAX_EVENTS} crashes and fallbacks each")
     crashes = tuple(
         {
             "at": _when(c.at, f"{what} crash time", now).isoformat(),
-            "config": _text(c.config, f"{what} crash config", MAX_CONFIG),
+            "config": _config(c.config, f"{what} crash config"),
             "reason": _text(c.reason, f"{what} crash reason", 16),
             "signal": _text(c.signal, f"{what} crash signal", 16),
             "idle": c.idle,
@@ -135,8 +170,8 @@ def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
     fallbacks = tuple(
         {
             "at": _when(f.at, f"{what} fallback time", now).isoformat(),
-            "from_config": _text(f.from_config, f"{what} fallback config", MAX_CONFIG),
-            "to_config": _text(f.to_config, f"{what} fallback config", MAX_CONFIG),
+            "from_config": _config(f.from_config, f"{what} fallback config"),
+            "to_config": _config(f.to_config, f"{what} fallback config"),
             "reason": _text(f.reason, f"{what} fallback reason"),
         }
         for f in msg.fallbacks
@@ -145,11 +180,11 @@ def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
         model=msg.model,
         version=msg.version,
         variant=msg.variant,
-        config=_text(msg.config, f"{what} config", MAX_CONFIG),
+        config=_config(msg.config, f"{what} config"),
         inferences=_count(msg.inferences, f"{what} inferences"),
         errors=_count(msg.errors, f"{what} errors"),
         pipeline_firings=_count(msg.pipeline_firings, f"{what} pipeline_firings"),
-        latency=histogram_dict(msg.latency, f"{what} latency"),
+        latency=latency,
         crashes=crashes,
         fallbacks=fallbacks,
     )
@@ -166,7 +201,7 @@ def _install(msg: device_pb2.InstallReport, now: dt.datetime) -> InstallRecord:
         raise errors.InvalidArgument(f"{what}: at most {MAX_PROBES} probes")
     probes = tuple(
         {
-            "config": _text(p.config, f"{what} probe config", MAX_CONFIG),
+            "config": _config(p.config, f"{what} probe config"),
             "accepted": p.accepted,
             "p50_us": _seconds(p.p50_us, f"{what} probe p50_us"),
             "cosine": p.cosine if math.isfinite(p.cosine) else None,
@@ -182,7 +217,7 @@ def _install(msg: device_pb2.InstallReport, now: dt.datetime) -> InstallRecord:
         rollout=_text(msg.rollout, f"{what} rollout", 32),
         result=msg.result,
         reason=_text(msg.reason, f"{what} reason"),
-        config=_text(msg.config, f"{what} config", MAX_CONFIG),
+        config=_config(msg.config, f"{what} config"),
         timings={
             "download_s": _seconds(msg.download_s, f"{what} download_s"),
             "verify_s": _seconds(msg.verify_s, f"{what} verify_s"),
@@ -216,7 +251,7 @@ def report_batch(device_id: str, msg: device_pb2.ReportRequest, now: dt.datetime
         period_start=start,
         period_end=end,
         dropped_batches=_count(msg.dropped_batches, "dropped_batches", MAX_DROPPED),
-        models=tuple(_stats(m, now) for m in msg.models),
+        models=tuple(_stats(m, now, (end - start).total_seconds()) for m in msg.models),
         installs=tuple(_install(i, now) for i in msg.installs),
     )
 

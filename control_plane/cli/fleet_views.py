@@ -246,6 +246,7 @@ def _cohort_dict(c: fleet_pb2.CohortFigures) -> dict:
     for name in ("p50_us", "p95_us", "p99_us"):
         out[name] = getattr(c, name) if c.HasField(name) else None
     out["crash_signals"] = dict(sorted(c.crash_signals.items()))
+    out["devices_with"] = dict(sorted(c.devices_with.items()))
     return out
 
 

@@ -137,12 +137,12 @@ class Guard:
         # early one may have too few: then candidates are compared with the baseline
         # over the whole rollout (what those devices ran before the rollout reached them).
         if since > record.created_at and any(
-            c.get(BASELINE, (None, 0))[1] < max(1, record.min_devices) for c in groups.values()
+            c.get(BASELINE, (None, 0, {}))[1] < max(1, record.min_devices) for c in groups.values()
         ):
             earlier = self._cohorts(record.id, record.created_at, now, slice_of)
             for value, cohorts in groups.items():
                 before = earlier.get(value, {}).get(BASELINE)
-                now_base = cohorts.get(BASELINE, (Aggregate(), 0))
+                now_base = cohorts.get(BASELINE, (Aggregate(), 0, {}))
                 if before is not None and now_base[1] < max(1, record.min_devices):
                     cohorts[BASELINE] = before
         values = set(groups) | set(record.slices)
@@ -176,10 +176,12 @@ class Guard:
         for value, cohorts in groups.items():
             if value in out:
                 continue
-            for cohort, (agg, devices) in cohorts.items():
-                total = merged.setdefault(cohort, [Aggregate(), 0])
+            for cohort, (agg, devices, *rest) in cohorts.items():
+                total = merged.setdefault(cohort, [Aggregate(), 0, {}])
                 total[0].merge(agg)
                 total[1] += devices
+                for kind, k in (rest[0] if rest else {}).items():
+                    total[2][kind] = total[2].get(kind, 0) + k
         overall = self._slice(
             record,
             rules,
@@ -187,13 +189,13 @@ class Guard:
             "",
             record.state,
             since,
-            {k: (a, d) for k, (a, d) in merged.items()},
+            {k: tuple(v) for k, v in merged.items()},
         )
         return Health(record.id, since, overall, tuple(slices))
 
     def _slice(self, record, rules, name, value, state, since, cohorts) -> SliceHealth:
-        candidate = Cohort(*cohorts.get(CANDIDATE, (Aggregate(), 0)))
-        baseline = Cohort(*cohorts.get(BASELINE, (Aggregate(), 0)))
+        candidate = Cohort(*cohorts.get(CANDIDATE, (Aggregate(), 0, {})))
+        baseline = Cohort(*cohorts.get(BASELINE, (Aggregate(), 0, {})))
         verdicts = tuple(
             judge(
                 rule,
@@ -237,11 +239,15 @@ class Guard:
                 if cohort in slot:
                     slot[cohort][0].merge(agg)
                 else:
-                    slot[cohort] = (agg, 0)
-        for cohort, device_class, n in self._store.cohort_device_counts(rollout_id, since=since):
+                    slot[cohort] = (agg, 0, {})
+        counts = self._store.cohort_device_counts(rollout_id, since=since)
+        for cohort, device_class, n, with_incidents in counts:
             value = slice_of(device_class)
-            agg, devices = out.setdefault(value, {}).get(cohort, (Aggregate(), 0))
-            out[value][cohort] = (agg, devices + n)
+            agg, devices, *rest = out.setdefault(value, {}).get(cohort, (Aggregate(), 0, {}))
+            affected = dict(rest[0]) if rest else {}
+            for kind, k in with_incidents.items():
+                affected[kind] = affected.get(kind, 0) + k
+            out[value][cohort] = (agg, devices + n, affected)
         return out
 
     # -- acting --------------------------------------------------------------------------
@@ -290,6 +296,9 @@ class Guard:
                 actor="guardrail",
                 reason=reason,
                 evidence=s.evidence(record),
+                # Only if nobody touched the slice since this health view was read: an
+                # operator's readmission meanwhile starts a new window.
+                expected=record.slices.get(s.value, {}),
             )
             if changed is not None:
                 done.append(f"{record.id}: slice {s.name} rolled back ({reason})")

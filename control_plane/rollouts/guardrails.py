@@ -40,10 +40,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from control_plane import errors
 from control_plane.store.rollups import Aggregate
+from runtime.histogram import MIN_NS
 
 MARGIN_Z = 3.0  # about 1 in 740 one-sided: checked every few seconds, so kept strict
 MAX_RULES = 16
@@ -70,7 +71,7 @@ class HaltRule:
     threshold: float
 
     def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.threshold:g}"
+        return f"{self.metric}{self.op}{self.threshold!r}"  # repr: exactly what was given
 
     def breaks(self, value: float) -> bool:
         """Return whether `value` breaks the rule."""
@@ -137,6 +138,9 @@ class Cohort:
 
     aggregate: Aggregate
     devices: int
+    # Devices with at least one of each incident (crashes, errors, fallbacks,
+    # install_failures): a rate breaking on one device alone is not a regression.
+    affected: dict = field(default_factory=dict)
 
     def figures(self) -> dict:
         """Return the cohort's figures, JSON-able (evidence, CLI, dashboard)."""
@@ -150,6 +154,7 @@ class Cohort:
             "installs": a.installs,
             "install_failures": a.installs_failed + a.installs_rolled_back,
             "crash_signals": dict(sorted(a.crash_signals.items())),
+            "devices_with": dict(sorted(self.affected.items())),
             **{f"p{p}_us": a.quantile_us(p / 100) for p in (50, 95, 99)},
         }
 
@@ -244,7 +249,9 @@ def judge(
             return lacking
         value = failures / c.installs
         low, _ = wilson(failures, c.installs)
-        return _verdict(rule, name, value, low, value, None, sample)
+        return _spread(
+            _verdict(rule, name, value, low, value, None, sample), candidate, "install_failures"
+        )
     lacking = short(
         "candidate",
         candidate,
@@ -258,7 +265,8 @@ def judge(
         events = getattr(c, RATE_METRICS[rule.metric])
         value = events / c.inferences
         low, _ = wilson(events, c.inferences)
-        return _verdict(rule, name, value, low, value, None, sample)
+        verdict = _verdict(rule, name, value, low, value, None, sample)
+        return _spread(verdict, candidate, RATE_METRICS[rule.metric])
     lacking = short(
         "baseline",
         baseline,
@@ -273,14 +281,37 @@ def judge(
         c_low, _ = wilson(c.crashes, c.inferences)
         _, b_high = wilson(b.crashes, b.inferences)
         value = c_rate / b_rate if b_rate else (math.inf if c_rate else 1.0)
-        return _verdict(rule, name, value, c_low / b_high, c_rate, b_rate, sample)
+        verdict = _verdict(rule, name, value, c_low / b_high, c_rate, b_rate, sample)
+        return _spread(verdict, candidate, "crashes")
     q = LATENCY_METRICS[rule.metric]
     c_point, b_point = c.quantile_us(q), b.quantile_us(q)
     c_low, _ = _quantile_bounds(c, q)
     _, b_high = _quantile_bounds(b, q)
-    value = c_point / b_point if b_point else math.inf
-    bound = c_low / b_high if b_high else math.inf
+    # Below 1 µs the histogram cannot tell latencies apart: compare from 1 µs up.
+    floor = MIN_NS / 1000
+    value = max(c_point, floor) / max(b_point, floor)
+    bound = max(c_low, floor) / max(b_high, floor)
     return _verdict(rule, name, value, bound, c_point, b_point, sample)
+
+
+MIN_AFFECTED = 2
+
+
+def _spread(verdict: Verdict, cohort: Cohort, kind: str) -> Verdict:
+    """Pass a failing rate that only one device shows: one device cannot halt a rollout.
+
+    Counts come from devices, and one faulty or hostile device can report any number of
+    crashes or errors; a regression is something several devices see.
+    """
+    seen = cohort.affected.get(kind)
+    if verdict.status != FAIL or seen is None or seen >= MIN_AFFECTED:
+        return verdict
+    return replace(
+        verdict,
+        status=PASS,
+        detail=f"{verdict.detail}, but only {seen} device reports {kind.replace('_', ' ')}"
+        f" (a regression needs {MIN_AFFECTED})",
+    )
 
 
 def _verdict(rule, name, value, bound, candidate, baseline, sample) -> Verdict:

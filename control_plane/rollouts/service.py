@@ -66,6 +66,9 @@ class RolloutSpec:
     slice_by: str = ""
 
 
+# A rollout created without a minimum sample gets these (one device must not decide).
+DEFAULT_MIN_DEVICES = 50
+DEFAULT_MIN_INFERENCES = 1000
 MAX_MIN_DEVICES = 10_000_000
 MAX_MIN_INFERENCES = 1 << 40
 GUARDRAIL = "guardrail"
@@ -156,8 +159,8 @@ class Rollouts:
             created_by=actor,
             stage_started_at=now,
             halt_rules=rules,
-            min_devices=spec.min_devices,
-            min_inferences=spec.min_inferences,
+            min_devices=spec.min_devices or DEFAULT_MIN_DEVICES,
+            min_inferences=spec.min_inferences or DEFAULT_MIN_INFERENCES,
             slice_by=slice_by,
         )
         event = RolloutEventRecord(
@@ -261,9 +264,16 @@ class Rollouts:
         actor: str,
         reason: str,
         evidence: dict | None = None,
+        expected: dict | None = None,
     ) -> RolloutRecord | None:
-        """Roll one slice back or readmit it; None when it already was."""
+        """Roll one slice back or readmit it; None when it already was.
+
+        With `expected` (the guard's call: the slice's state when it looked), also None
+        when the slice changed since, or the rollout is no longer active.
+        """
         current = self.get(rollout_id)
+        if expected is not None and current.state != RolloutState.ACTIVE:
+            return None
         now = self._clock()
         action = "slice_rollback" if state == "rolled_back" else "slice_resume"
         event = RolloutEventRecord(
@@ -278,7 +288,7 @@ class Rollouts:
             evidence=evidence or {},
         )
         changed = self._store.set_slice(
-            rollout_id, value, {"state": state, "since": now.isoformat()}, event
+            rollout_id, value, {"state": state, "since": now.isoformat()}, event, expected=expected
         )
         if changed is not None:
             log.info(

@@ -428,3 +428,9 @@ class RolloutDeviceRow(Base):
     )
     device_class: Mapped[str] = mapped_column(Text)
     last_seen: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    # What this device reported in the cohort: guardrails judge a rate only when more
+    # than one device shows it (one device alone cannot halt a rollout).
+    crashes: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    fallbacks: Mapped[int] = mapped_column(BigInteger, default=0)
+    install_failures: Mapped[int] = mapped_column(BigInteger, default=0)

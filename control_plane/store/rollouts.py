@@ -84,11 +84,19 @@ class RolloutStore(abc.ABC):
 
     @abc.abstractmethod
     def set_slice(
-        self, rollout_id: str, value: str, state: dict, event: RolloutEventRecord
+        self,
+        rollout_id: str,
+        value: str,
+        state: dict,
+        event: RolloutEventRecord,
+        *,
+        expected: dict | None = None,
     ) -> RolloutRecord | None:
         """Set one slice's state, with its audit entry, and bump the revision.
 
-        None (nothing done) when the slice is already in that state.
+        None (nothing done) when the slice is already in that state, or, with `expected`,
+        when it is no longer in that state (someone changed it meanwhile; {} = never
+        changed), or when the rollout is no longer in the state the event says it is.
         """
 
     @abc.abstractmethod

@@ -14,6 +14,7 @@ import datetime as dt
 import hashlib
 import json
 import math
+import signal
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,20 @@ _INSTALL_COUNTER = {
 
 
 INT64_MAX = 2**63 - 1
+# What a crash is counted as: its signal if it was killed by one, else the runtime's reason
+# (runtime.events.CrashEvent); anything else a device sends is "other", so one device
+# cannot grow a rollup row with made-up names.
+_SIGNALS = frozenset(s.name for s in signal.Signals)
+_REASONS = frozenset({"signal", "exit", "deadline", "protocol"})
+
+
+def crash_kind(crash: dict) -> str:
+    """Return the name a crash is counted under (a bounded set)."""
+    name = crash.get("signal") or ""
+    if name in _SIGNALS:
+        return name
+    reason = crash.get("reason") or ""
+    return reason if reason in _REASONS else "other"
 
 
 def saturating_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -102,7 +117,7 @@ class Aggregate:
         self.crashes += len(s.crashes)
         self.fallbacks += len(s.fallbacks)
         self.pipeline_firings += s.pipeline_firings
-        self.crash_signals.update(c.get("signal") or c.get("reason") or "?" for c in s.crashes)
+        self.crash_signals.update(crash_kind(c) for c in s.crashes)
         h = s.latency
         if h.get("scheme") != SCHEME or not h.get("count"):
             return
@@ -222,6 +237,13 @@ class CohortDevice:
     device_id: str
     device_class: str
     last_seen: dt.datetime
+    crashes: int = 0
+    errors: int = 0
+    fallbacks: int = 0
+    install_failures: int = 0
+
+
+INCIDENTS = ("crashes", "errors", "fallbacks", "install_failures")
 
 
 @dataclass(frozen=True)
@@ -257,11 +279,18 @@ class RollupStore(abc.ABC):
 
     @abc.abstractmethod
     def prune_telemetry(
-        self, *, raw_before: dt.datetime, cutoffs: dict[int, dt.datetime]
+        self,
+        *,
+        raw_before: dt.datetime,
+        batches_before: dt.datetime,
+        installs_before: dt.datetime,
+        cutoffs: dict[int, dt.datetime],
     ) -> dict[str, int]:
-        """Delete rolled raw data older than `raw_before` and rollups past their cutoff.
+        """Delete old telemetry; return how many rows of each kind went.
 
-        Return how many rows of each kind went.
+        Rolled model stats before `raw_before`, batch ids (kept for de-duplication)
+        before `batches_before`, install reports before `installs_before`, rollups past
+        their resolution's cutoff.
         """
 
     @abc.abstractmethod
@@ -285,5 +314,9 @@ class RollupStore(abc.ABC):
     @abc.abstractmethod
     def cohort_device_counts(
         self, rollout: str, *, since: dt.datetime
-    ) -> list[tuple[str, str, int]]:
-        """Return (cohort, device_class, devices seen since `since`) for one rollout."""
+    ) -> list[tuple[str, str, int, dict[str, int]]]:
+        """Return one rollout's cohort devices seen since `since`.
+
+        As (cohort, device_class, devices, devices with each kind of incident in
+        INCIDENTS).
+        """

@@ -115,7 +115,13 @@ class SqlRolloutStore(RolloutStore):
             return [_rollout(r, audit=False) for r in session.scalars(stmt)]
 
     def set_slice(
-        self, rollout_id: str, value: str, state: dict, event: RolloutEventRecord
+        self,
+        rollout_id: str,
+        value: str,
+        state: dict,
+        event: RolloutEventRecord,
+        *,
+        expected: dict | None = None,
     ) -> RolloutRecord | None:
         """Set one slice's state under a row lock, with its audit entry."""
         with self._scope() as session:
@@ -125,6 +131,10 @@ class SqlRolloutStore(RolloutStore):
             slices = dict(row.slices or {})
             if slices.get(value, {}).get("state", "active") == state["state"]:
                 return None
+            if expected is not None and slices.get(value, {}) != expected:
+                return None  # changed since the caller looked (an operator's readmission)
+            if row.state != event.from_state:
+                return None  # paused, rolled back or completed since the caller looked
             slices[value] = state
             row.slices = slices
             session.add(_event_row(rollout_id, event))

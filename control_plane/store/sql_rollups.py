@@ -7,12 +7,13 @@ import datetime as dt
 from collections.abc import Callable, Hashable
 
 import numpy as np
-from sqlalchemy import bindparam, delete, func, select, text, true, tuple_, update
+from sqlalchemy import bindparam, case, delete, func, select, text, true, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from control_plane.store import orm
 from control_plane.store.rollups import (
     COUNTERS,
+    INCIDENTS,
     Aggregate,
     CohortDevice,
     PendingBatch,
@@ -139,7 +140,12 @@ class SqlRollupStore(RollupStore):
             return True
 
     def prune_telemetry(
-        self, *, raw_before: dt.datetime, cutoffs: dict[int, dt.datetime]
+        self,
+        *,
+        raw_before: dt.datetime,
+        batches_before: dt.datetime,
+        installs_before: dt.datetime,
+        cutoffs: dict[int, dt.datetime],
     ) -> dict[str, int]:
         """Delete old rolled raw batches (with their stats) and old rollups."""
         b, s, i = orm.TelemetryBatchRow, orm.ModelStatsRow, orm.InstallReportRow
@@ -155,14 +161,18 @@ class SqlRollupStore(RollupStore):
             ).rowcount
             gone["install_reports"] = session.execute(
                 delete(i).where(
-                    i.at < raw_before,
+                    i.at < installs_before,
                     tuple_(i.device_id, i.batch_id).not_in(unrolled),
                 )
             ).rowcount
             gone["batches"] = session.execute(
-                delete(b).where(b.rolled.is_(True), b.received_at < raw_before)
+                delete(b).where(b.rolled.is_(True), b.received_at < batches_before)
             ).rowcount
             gone["rollups"] = 0
+            # Cohort devices not seen for as long as any rollup is kept.
+            oldest = min(cutoffs.values())
+            d = orm.RolloutDeviceRow
+            gone["cohort_devices"] = session.execute(delete(d).where(d.last_seen < oldest)).rowcount
             for resolution, cutoff in cutoffs.items():
                 gone["rollups"] += session.execute(
                     delete(_R).where(_R.c.resolution_s == resolution, _R.c.bucket_start < cutoff)
@@ -237,14 +247,20 @@ class SqlRollupStore(RollupStore):
 
     def cohort_device_counts(
         self, rollout: str, *, since: dt.datetime
-    ) -> list[tuple[str, str, int]]:
-        """Return (cohort, device_class, devices seen since `since`) for one rollout."""
+    ) -> list[tuple[str, str, int, dict[str, int]]]:
+        """Return (cohort, device_class, devices, devices with each incident kind)."""
         d = orm.RolloutDeviceRow
+        with_any = [func.sum(case((d.__table__.c[k] > 0, 1), else_=0)) for k in INCIDENTS]
         with self._read() as session:
             return [
-                (cohort, device_class, n)
-                for cohort, device_class, n in session.execute(
-                    select(d.cohort, d.device_class, func.count())
+                (
+                    cohort,
+                    device_class,
+                    n,
+                    dict(zip(INCIDENTS, (int(x or 0) for x in rest), strict=True)),
+                )
+                for cohort, device_class, n, *rest in session.execute(
+                    select(d.cohort, d.device_class, func.count(), *with_any)
                     .where(d.rollout == rollout, d.last_seen >= since)
                     .group_by(d.cohort, d.device_class)
                 )
@@ -342,34 +358,52 @@ def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggreg
 
 
 def _upsert_cohort_devices(session, dialect, devices: list[CohortDevice]) -> None:
-    latest: dict[tuple, CohortDevice] = {}
+    """Record cohort devices: latest class and time, incidents added up (saturating)."""
+    merged: dict[tuple, dict] = {}
     for d in devices:
         k = (d.rollout, d.cohort, d.device_id)
-        if k not in latest or latest[k].last_seen < d.last_seen:
-            latest[k] = d
-    if not latest:
+        row = merged.get(k)
+        if row is None:
+            row = merged[k] = {
+                "rollout": d.rollout,
+                "cohort": d.cohort,
+                "device_id": d.device_id,
+                "device_class": d.device_class,
+                "last_seen": d.last_seen,
+                **{name: 0 for name in INCIDENTS},
+            }
+        elif row["last_seen"] < d.last_seen:
+            row["device_class"], row["last_seen"] = d.device_class, d.last_seen
+        for name in INCIDENTS:
+            row[name] = clamp(row[name] + getattr(d, name))
+    if not merged:
         return
     table = orm.RolloutDeviceRow.__table__
-    rows = [
-        {
-            "rollout": d.rollout,
-            "cohort": d.cohort,
-            "device_id": d.device_id,
-            "device_class": d.device_class,
-            "last_seen": d.last_seen,
-        }
-        for d in latest.values()
-    ]
     insert = dialect.insert(table)
-    for chunk in _chunks(rows):
+    newer = insert.excluded.last_seen > table.c.last_seen
+    big = 2**62  # both sides stay below it: their sum fits a BIGINT
+    for chunk in _chunks(list(merged.values())):
         session.execute(
             insert.on_conflict_do_update(
                 index_elements=["rollout", "cohort", "device_id"],
                 set_={
-                    "device_class": insert.excluded.device_class,
-                    "last_seen": insert.excluded.last_seen,
+                    "device_class": case(
+                        (newer, insert.excluded.device_class), else_=table.c.device_class
+                    ),
+                    "last_seen": case((newer, insert.excluded.last_seen), else_=table.c.last_seen),
+                    **{
+                        name: _saturating_sum(table.c[name], insert.excluded[name], big)
+                        for name in INCIDENTS
+                    },
                 },
-                where=table.c.last_seen < insert.excluded.last_seen,
             ),
             chunk,
         )
+
+
+def _saturating_sum(stored, added, big: int):
+    """Return SQL for stored + added that stays within a BIGINT (sticks past `big`)."""
+    return case(
+        (stored >= big, stored),
+        else_=stored + case((added >= big, big), else_=added),
+    )

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 INSTALL_RESULTS = ("activated", "failed", "rolled_back")
+# The oldest report accepted (a device keeps 7 days of queue; with a margin). Batch ids are
+# remembered at least this long, so a batch sent again is never counted twice.
+MAX_REPORT_AGE = dt.timedelta(days=30)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from control_plane.store.rollups import (
     RollupKey,
     RollupStore,
 )
-from control_plane.store.telemetry import ReportBatch
+from control_plane.store.telemetry import MAX_REPORT_AGE, ReportBatch
 from control_plane.telemetry.classes import DeviceClass, parse_dimension
 
 log = logging.getLogger(__name__)
@@ -127,13 +127,13 @@ class Roller:
         resolver: Resolver,
         device_class: DeviceClass,
         *,
-        retention: Retention = Retention(),
+        retention: Retention | None = None,
         clock: Callable[[], dt.datetime] = utcnow,
         batches_per_round: int = BATCHES_PER_ROUND,
         straggler_age: dt.timedelta = STRAGGLER_AGE,
     ) -> None:
         self._store, self._resolver, self._class = store, resolver, device_class
-        self._retention, self._clock = retention, clock
+        self._retention, self._clock = retention or Retention(), clock
         self._limit, self._straggler_age = batches_per_round, straggler_age
         self._last_prune = float("-inf")
         self._fresh: collections.deque[ReportBatch] = collections.deque(maxlen=MAX_FRESH)
@@ -155,42 +155,46 @@ class Roller:
         return rolled
 
     def roll(self, max_rounds: int = 50) -> int:
-        """Roll up pending batches, a round at a time, until none are left."""
+        """Roll up what this replica stored (from memory), then stragglers (database).
+
+        Stragglers get their turn every time, however busy the replica: batches missed
+        in memory (a restart, a full queue, a lost race, a database error) are not
+        starved by a steady flow of new ones.
+        """
         total = 0
         for _ in range(max_rounds):
-            n = self.roll_once()
-            total += n
-            if n < self._limit and not self._fresh:
+            with self._fresh_lock:
+                take = min(self._limit, len(self._fresh))
+                fresh = [self._fresh.popleft() for _ in range(take)]
+            if not fresh:
+                break
+            total += self._round(self._from_memory(fresh))
+        for _ in range(max_rounds):
+            before = self._clock() - self._straggler_age
+            pending = self._store.pending_batches(limit=self._limit, received_before=before)
+            total += self._round(pending)
+            if len(pending) < self._limit:
                 break
         return total
 
-    def roll_once(self) -> int:
-        """Roll up one round of pending batches; return how many (0 if beaten to them)."""
-        with self._fresh_lock:
-            fresh = [self._fresh.popleft() for _ in range(min(self._limit, len(self._fresh)))]
-        if fresh:
-            attributes = self._store.device_attributes(sorted({b.device_id for b in fresh}))
-            pending = [
-                PendingBatch(
-                    b.device_id,
-                    b.batch_id,
-                    b.period_end,
-                    attributes[b.device_id],
-                    b.models,
-                    b.installs,
-                )
-                for b in fresh
-                if b.device_id in attributes  # else deleted or revoked meanwhile
-            ]
-        else:
-            before = self._clock() - self._straggler_age
-            pending = self._store.pending_batches(limit=self._limit, received_before=before)
+    def _from_memory(self, fresh: list[ReportBatch]) -> list[PendingBatch]:
+        attributes = self._store.device_attributes(sorted({b.device_id for b in fresh}))
+        return [
+            PendingBatch(
+                b.device_id, b.batch_id, b.period_end, attributes[b.device_id], b.models, b.installs
+            )
+            for b in fresh
+            if b.device_id in attributes  # else deleted or revoked meanwhile
+        ]
+
+    def _round(self, pending: list[PendingBatch]) -> int:
+        """Roll up one round; return how many batches (0 if another roller took some)."""
         if not pending:
-            return len(fresh)
+            return 0
         deltas, devices = self._aggregate(pending)
         keys = [(b.device_id, b.batch_id) for b in pending]
         if not self._store.apply_rollups(keys, deltas, devices):
-            log.info("another roller took some of %d batches first; retrying", len(keys))
+            log.info("another roller took some of %d batches first", len(keys))
             return 0
         return len(keys)
 
@@ -199,6 +203,8 @@ class Roller:
         now = self._clock()
         return self._store.prune_telemetry(
             raw_before=now - self._retention.raw,
+            batches_before=now - max(self._retention.raw, MAX_REPORT_AGE + dt.timedelta(days=1)),
+            installs_before=now - max(self._retention.raw, self._retention.hour),
             cutoffs={res: now - self._retention.of(res) for res in RESOLUTIONS},
         )
 
@@ -238,25 +244,23 @@ class Roller:
                 for key in _keys(s, device_class, selecting.get(s.model, ())):
                     add(at, key, lambda agg, s=s: agg.add_stats(s))
                     if key.rollout:
-                        devices.append(
-                            CohortDevice(
-                                key.rollout, key.cohort, batch.device_id, key.device_class, at
-                            )
-                        )
+                        incidents = {
+                            "crashes": len(s.crashes),
+                            "errors": s.errors,
+                            "fallbacks": len(s.fallbacks),
+                        }
+                        devices.append(_seen(key, batch.device_id, at, **incidents))
             for i in batch.installs:
                 for key in _keys(i, device_class, selecting.get(i.model, ())):
                     add(min(i.at, now), key, lambda agg, i=i: agg.add_install(i))
                     if key.rollout:
-                        devices.append(
-                            CohortDevice(
-                                key.rollout, key.cohort, batch.device_id, key.device_class, at
-                            )
-                        )
+                        failed = int(i.result != "activated")
+                        devices.append(_seen(key, batch.device_id, at, install_failures=failed))
         return deltas, devices
 
 
-def _seen(key: RollupKey, device_id: str, at: dt.datetime) -> CohortDevice:
-    return CohortDevice(key.rollout, key.cohort, device_id, key.device_class, at)
+def _seen(key: RollupKey, device_id: str, at: dt.datetime, **incidents: int) -> CohortDevice:
+    return CohortDevice(key.rollout, key.cohort, device_id, key.device_class, at, **incidents)
 
 
 def _slice_class(rollout: LiveRollout, attrs) -> str:

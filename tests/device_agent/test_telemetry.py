@@ -127,6 +127,9 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
                 "min_ns is above max_ns": inverted,
                 "more than 30 days old": ancient,
                 "invalid model name": lambda m: setattr(m.models[0], "model", "../x"),
+                "more than 100000 a second": lambda m: setattr(m.models[0], "inferences", 10**12),
+                "more errors or timed samples": lambda m: setattr(m.models[0], "errors", 10**6),
+                "is not a backend config key": lambda m: setattr(m.models[0], "config", "GPU!"),
             }
             for expected, mutate in cases.items():
                 msg = report()

@@ -168,3 +168,29 @@ def test_counts_stick_at_the_largest_int64_instead_of_wrapping():
     a = np.array([INT64_MAX - 1, 5], np.int64)
     b = np.array([10, 5], np.int64)
     assert saturating_add(a, b).tolist() == [INT64_MAX, 10]
+
+
+def test_one_device_alone_cannot_fail_a_rate_rule():
+    rule = parse_rule("crash_rate>0.001")
+    base = cohort(50, inferences=100_000)
+    storm = cohort(50, inferences=100_000, crashes=300)
+    one = Cohort(storm.aggregate, 50, {"crashes": 1})
+    v = judge(rule, one, base, min_devices=1, min_inferences=1)
+    assert v.status == PASS and "only 1 device reports crashes" in v.detail
+    many = Cohort(storm.aggregate, 50, {"crashes": 7})
+    assert judge(rule, many, base, min_devices=1, min_inferences=1).status == FAIL
+
+
+def test_sub_microsecond_latencies_never_halt():
+    # Below 1 µs the histogram cannot tell latencies apart: no ratio to judge there.
+    zeros = cohort(50, np.zeros(2000))
+    assert judge(P95, zeros, zeros, min_devices=1, min_inferences=1).status == PASS
+    fast = cohort(50, np.full(2000, 0.99))
+    faster = cohort(50, np.full(2000, 1.08))
+    v = judge(P95, faster, fast, min_devices=1, min_inferences=1)
+    assert v.status == PASS and v.value < 1.2
+
+
+def test_a_rule_is_stored_exactly_as_given():
+    assert str(parse_rule("p95_latency_ratio>1.0000001")) == "p95_latency_ratio>1.0000001"
+    assert parse_rule(str(parse_rule("crash_rate>1e-3"))).threshold == 0.001

@@ -22,7 +22,7 @@ from runtime.histogram import LatencyHistogram
 NOW = dt.datetime(2026, 11, 23, 12, 0, 30, tzinfo=dt.UTC)
 CLASS = parse_device_class("soc,device_model,os_version:major")
 CPU = "CPU/normal/t1/mem-normal"
-DAYS_2 = dt.timedelta(days=2)
+DAYS_2, DAYS_32 = dt.timedelta(days=2), dt.timedelta(days=32)
 
 
 @pytest.fixture
@@ -175,7 +175,14 @@ def test_a_rollout_splits_selected_devices_into_candidate_and_baseline(store):
     counts = store.cohort_device_counts("ro_1", since=NOW - dt.timedelta(hours=1))
     # The device whose install of version 2 failed tried the candidate: it counts there
     # too (install_failure_rate needs those devices), and in the baseline it still runs.
-    assert sorted((c, n) for c, _cls, n in counts) == [("baseline", 1), ("candidate", 2)]
+    assert sorted((c, n) for c, _cls, n, _with in counts) == [("baseline", 1), ("candidate", 2)]
+    with_incidents = {c: w for c, _cls, _n, w in counts}
+    assert with_incidents["candidate"] == {
+        "crashes": 1,
+        "errors": 0,
+        "fallbacks": 0,
+        "install_failures": 1,
+    }
     # Fleet-wide rows hold everyone, rollout rows only the selected.
     assert sum(a.inferences for a in fleet_wide(store).values()) == 18
 
@@ -193,13 +200,19 @@ def test_retention_drops_old_minutes_raw_batches_and_hours(store):
     assert sum(a.latency_count for a in fleet_wide(store, HOUR).values()) == 2
     report(store, device, "batch-late-001", stats(1, [1000.0]), at=NOW - dt.timedelta(hours=2))
     gone = r.prune()
-    assert gone["batches"] == 1  # the rolled old one; the late one waits for the roller
-    assert gone["model_stats"] == 1
+    assert gone["model_stats"] == 1  # the rolled old one's; the late one waits for the roller
+    # Batch ids outlive the stats: a batch sent again (its answer was lost) days later is
+    # still known, and not counted twice.
+    assert gone["batches"] == 0
+    old = ReportBatch(device, "batch-old-0001", NOW, NOW, NOW, 0, (stats(1, [1000.0]),), ())
+    assert store.add_report(old) is False
     r.roll()
     assert sum(a.latency_count for a in fleet_wide(store, HOUR).values()) == 3
     later = Roller(store, FixedResolver(), CLASS, retention=short, clock=lambda: NOW + DAYS_2)
     assert later.prune()["rollups"] >= 3
     assert fleet_wide(store, HOUR) == {}
+    month = Roller(store, FixedResolver(), CLASS, retention=short, clock=lambda: NOW + DAYS_32)
+    assert month.prune()["batches"] == 3
 
 
 def test_batches_handed_over_by_the_writer_are_rolled_without_rereading(store):
@@ -222,3 +235,13 @@ def test_batches_handed_over_by_the_writer_are_rolled_without_rereading(store):
     assert r.roll() == 0
     (agg,) = fleet_wide(store).values()
     assert agg.inferences == 3
+    # A busy replica still rolls what it did not hand over in memory (here: a batch
+    # stored before a restart), in the same call.
+    report(store, device, "batch-restart-01", stats(1, [500.0]))
+    writer = ReportWriter(store, on_stored=r.offer)
+    try:
+        fresh = ReportBatch(device, "batch-fresh-001", NOW, NOW, NOW, 0, (stats(1, [5.0]),), ())
+        assert writer.submit(fresh).result(10)
+    finally:
+        writer.close()
+    assert r.roll() == 2

@@ -86,6 +86,10 @@ def upgrade() -> None:
         sa.Column("device_id", sa.String(32), nullable=False),
         sa.Column("device_class", sa.Text(), nullable=False),
         sa.Column("last_seen", sa.DateTime(timezone=True), nullable=False),
+        *(
+            sa.Column(name, sa.BigInteger(), nullable=False, server_default="0")
+            for name in ("crashes", "errors", "fallbacks", "install_failures")
+        ),
         sa.ForeignKeyConstraint(["device_id"], ["devices.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("rollout", "cohort", "device_id"),
     )
