@@ -1,19 +1,24 @@
-"""The fleet half of `skiff demo`: a staged rollout, then a rollback.
+"""The fleet half of `skiff demo`: a staged rollout, a rollback, then a guarded rollout.
 
 Simulated devices and real agent processes converge to each stage and come back after
 the rollback. It runs against a control plane the demo started: the operator's calls go
 through the same admin client as the CLI; the simulated devices are the fleet
 simulator's, real gRPC clients that verify, download, decrypt and report what they
 install; the agents are `skiff agent run` processes that also serve the model (see
-`device_walkthrough` for what apps do with them while version 2 is out).
+`device_walkthrough` for what apps do with them while version 2 is out). Last, the
+simulated devices report serving telemetry (version 2 made 3x slower on one SoC by the
+simulator's fault injection) and a rollout guarded by halt rules and sliced by SoC rolls
+that SoC back on its own while the rest completes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from control_plane import errors
@@ -21,12 +26,15 @@ from control_plane.api.client import AdminClient
 from control_plane.cli import fleet_views
 from control_plane.demo.demo_agents import DemoAgents
 from control_plane.sim.fleet import FleetSimulator
+from control_plane.sim.profile import parse_profile
 from device_agent.transport import ClientTls
 from protos import fleet_pb2
 
 FLEET_SIZE = 300
 STAGES = (10.0, 50.0, 100.0)
 SELECTOR = "platform=android"
+SLOW_SOC = "sm8550"  # where the guarded rollout's version is slow (injected)
+HALT = ("p95_latency_ratio>1.2", "crash_rate>0.001")
 
 
 def _say(text: str) -> None:
@@ -51,6 +59,7 @@ class FleetDemo:
     ca: Path | None  # what the agents trust (the demo home's CA)
     agents_root: Path
     figures: dict = field(default_factory=dict)
+    loops: list = field(default_factory=list)  # closed by the caller, after the server
 
 
 def run_fleet_demo(
@@ -75,7 +84,16 @@ def run_fleet_demo(
             _say(f"   {a.name} ({attrs}): device {a.device_id()[:12]}… serving {model}:{old}")
         ready = demo.figures["agents_ready_s"]
         _say(f"   {len(AGENTS)} agent processes up and serving in {ready:.1f}s")
-        asyncio.run(_fleet_demo(demo, agents, model=model, old=old, new=new, while_out=while_out))
+        # Not asyncio.run: the loop stays open (idle) until the agents and the server are
+        # done, since gRPC's poller may still hand it events from the simulator's closed
+        # channels; a closed loop would log each as an error.
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(
+                _fleet_demo(demo, agents, model=model, old=old, new=new, while_out=while_out)
+            )
+        finally:
+            demo.loops.append(loop)
 
 
 async def _fleet_demo(
@@ -84,7 +102,8 @@ async def _fleet_demo(
     client = demo.client
     call = _blocking(client)
     token = (await call(client.create_enrollment_token, uses=FLEET_SIZE)).token
-    async with FleetSimulator([demo.address], seed=7, tls=demo.tls) as sim:
+    profile = _slow_on(model, new, SLOW_SOC)
+    async with FleetSimulator([demo.address], seed=7, tls=demo.tls, profile=profile) as sim:
         started = time.monotonic()
         await sim.enroll(FLEET_SIZE, token)
         await sim.sync_all()
@@ -114,7 +133,83 @@ async def _fleet_demo(
         )
         for a in agents.agents:
             _say(f"   {a.name}: serving {model}:{a.serving(model)}")
-    shown = await call(client.get_rollout, staged.id)
+        shown = await call(client.get_rollout, staged.id)
+        _say("\n" + fleet_views.rollout_text(shown))
+        await _guarded_rollout(demo, sim, call, model=model, old=old, new=new)
+
+
+def _slow_on(model: str, version: int, soc: str):
+    """Return the default device profile, with `model:version` 3x slower on `soc`."""
+    doc = json.loads(
+        resources.files("control_plane.sim").joinpath("default_profile.json").read_text()
+    )
+    doc["inject"] = [{"select": f"soc={soc}", "model": f"{model}:{version}", "latency_x": 3.0}]
+    return parse_profile(doc, source="demo profile")
+
+
+async def _guarded_rollout(demo: FleetDemo, sim: FleetSimulator, call, *, model, old, new):
+    client = demo.client
+    sim.report_all(1.0, requests_per_s=200)
+    request = fleet_pb2.CreateRolloutRequest(
+        model=model,
+        version=new,
+        selector=SELECTOR,
+        stages=[20, 100],
+        bake_s=5,
+        halt=list(HALT),
+        min_devices=5,
+        min_inferences=500,
+        slice_by="soc",
+        reason="demo: guarded",
+    )
+    started = time.monotonic()
+    rollout = await call(client.create_rollout, request)
+    _say(
+        f"\n== rollout {rollout.id}: {model}:{new} to `{SELECTOR}` again, in stages 20%, 100%"
+        f" (5 s bake), halted by {', '.join(HALT)}, sliced by soc\n"
+        f"   the simulated devices report latency and crashes every second; {model}:{new} is"
+        f" 3x slower on {SLOW_SOC} (the simulator injects it)"
+    )
+    seen = 0
+    deadline = time.monotonic() + 180
+    while True:
+        shown = await call(client.get_rollout, rollout.id)
+        for e in shown.audit[seen:]:
+            what = f"{e.slice}: " if e.slice else ""
+            _say(
+                f"   {time.monotonic() - started:5.1f}s  {e.actor:<10} {e.action:<15} "
+                f"{what}{e.reason or e.to_state}"
+            )
+            if e.action == "slice_rollback":
+                demo.figures["guard_rollback_s"] = time.monotonic() - started
+                evidence = json.loads(e.evidence_json) if e.evidence_json else {}
+                c, b = evidence.get("candidate", {}), evidence.get("baseline", {})
+                if c.get("p95_us") and b.get("p95_us"):
+                    demo.figures["guard_ratio"] = c["p95_us"] / b["p95_us"]
+                    _say(
+                        f"           evidence: p95 {c['p95_us']:,.0f} us on {c['devices']} "
+                        f"candidate devices vs {b['p95_us']:,.0f} us on {b['devices']} baseline"
+                    )
+        seen = len(shown.audit)
+        if shown.state in ("completed", "paused", "rolled_back"):
+            break
+        if time.monotonic() > deadline:
+            raise errors.Unavailable(f"the guarded rollout did not finish in 180s: {shown.state}")
+        await asyncio.sleep(0.5)
+    await sim.stop_reporting()
+    demo.figures["guard_rollout_id"] = rollout.id
+    demo.figures["guard_s"] = time.monotonic() - started
+    demo.figures["guard_state"] = shown.state
+
+    def settled(d) -> bool:  # the slow SoC back on `old`, the other selected ones on `new`
+        attrs = d.identity.attributes
+        if attrs.get("platform") != "android":
+            return True
+        want = old if attrs.get("soc") == SLOW_SOC else new
+        return d.installed.get(model, (0, ""))[0] == want
+
+    await _until(sim, settled, timeout=60)
+    _say(f"   every {SLOW_SOC} device is back on {model}:{old}; the other SoCs run {model}:{new}")
     _say("\n" + fleet_views.rollout_text(shown))
 
 

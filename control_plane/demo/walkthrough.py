@@ -13,6 +13,7 @@ whether it succeeds, fails or is interrupted (Ctrl-C).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -31,6 +32,7 @@ from control_plane.demo.fleet_walkthrough import (
     AGENTS,
     FLEET_SIZE,
     SELECTOR,
+    SLOW_SOC,
     STAGES,
     FleetDemo,
     run_fleet_demo,
@@ -57,7 +59,10 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
         init_home(config)
         _say(f"== initialised embedded control plane in {config.home}")
     started = time.monotonic()
-    server, port = start_server(config=config, address="127.0.0.1:0")
+    # Telemetry rolled up and guardrails checked every second: the demo is short.
+    quick = dataclasses.replace(config, rollup_interval_s=1.0, guard_interval_s=1.0)
+    server, port = start_server(config=quick, address="127.0.0.1:0")
+    demo = None
     try:
         address = f"127.0.0.1:{port}"
         tls = client_tls(config)
@@ -84,6 +89,8 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
     finally:
         server.stop(grace=2)
         server.app.store.close()
+        for loop in demo.loops if demo is not None else ():
+            loop.close()
     _say(f"== done; state is in {config.home}")
 
 
@@ -104,6 +111,12 @@ def _summary(address: str, home: Path, old: int, new: int, f: dict, took: float)
             f"({f['events'] / f['events_s']:,.0f} events/s through the local API)",
         ),
         ("infer", f"detector:{f['infer_version']} through an agent in {f['infer_us']:.0f} µs"),
+        (
+            "guardrail",
+            f"{f['guard_rollout_id']}: soc={SLOW_SOC} rolled back by p95_latency_ratio>1.2 "
+            f"{f.get('guard_rollback_s', 0):.1f}s in (p95 {f.get('guard_ratio', 0):.1f}x its "
+            f"baseline); the rest {f['guard_state']} in {f['guard_s']:.1f}s",
+        ),
         ("took", f"{took:.0f}s; every agent process stopped"),
     ]
     for name, text in rows:

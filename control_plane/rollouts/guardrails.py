@@ -19,14 +19,16 @@ over the same window (control_plane.telemetry.rollups).
 Each rule ends in one of three verdicts:
 
 - **insufficient**: a cohort it needs has fewer devices than `min_devices` or fewer
-  inferences than `min_inferences` (installs, for install_failure_rate): neither passes
-  nor fails;
+  inferences than `min_inferences` (for install_failure_rate: fewer than `min_devices`
+  install outcomes): neither passes nor fails;
 - **fail**: even the figure most favourable to the candidate within the statistical margin
   breaks the rule. Rates use the Wilson score interval at `MARGIN_Z` standard errors (the
   candidate's lower bound, and for ratios the baseline's upper bound); latency quantiles
   use the distribution-free order-statistic interval (ranks q*n ± z*sqrt(n*q*(1-q))) and
   read the candidate at the lower edge of its bucket, the baseline at the upper edge. So a
-  healthy rollout is not halted by noise or by histogram resolution;
+  healthy rollout is not halted by noise or by histogram resolution. A rate rule also
+  needs at least two candidate devices showing the incident: one device (faulty, or
+  lying) cannot halt a rollout on its own;
 - **pass** otherwise.
 
 The margin treats inferences as independent draws. They are not quite (a slow device

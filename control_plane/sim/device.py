@@ -78,6 +78,7 @@ class SimDevice:
         self.watching = False
         self.reconnects = 0
         self.rejected = ""  # why the server refuses this device for good
+        self.stop_reports = False  # stop_reporting() asks the report loop to end
         self._last_sync = 0.0
         self.reports = 0
 
@@ -198,8 +199,10 @@ class SimDevice:
         """
         await asyncio.sleep(random.uniform(0, interval_s))
         last = dt.datetime.now(dt.UTC)
-        while not self.rejected:
+        while not self.rejected and not self.stop_reports:
             await asyncio.sleep(interval_s)
+            if self.stop_reports:
+                break
             now = dt.datetime.now(dt.UTC)
             batch = load.batch(self.installed, last, now, injections)
             last = now

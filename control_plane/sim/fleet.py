@@ -260,6 +260,15 @@ class FleetSimulator:
         """Count what the fleet is doing now."""
         return fleet_stats(self.devices, self.cache)
 
+    async def stop_reporting(self) -> None:
+        """Stop every device's report loop (a call in flight is let finish)."""
+        tasks = [t for key, t in self._tasks.items() if key.startswith("report-")]
+        for device in self.devices:
+            device.stop_reports = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for key in [k for k in self._tasks if k.startswith("report-")]:
+            del self._tasks[key]
+
     async def close(self) -> None:
         """Cancel every Watch loop and close the channels."""
         tasks = list(self._tasks.values())

@@ -34,7 +34,14 @@ def test_demo_runs_the_whole_loop(tmp_path):
     assert fired and int(fired[1]) == int(fired[2]) > 0, out
     assert re.search(r"user +\d+ at \+ *[\d.]+s  checkout -> \[[-+\d., ]+\]  \(v2\)", out)
     assert re.search(r"detector:2 \(fp32, CPU[^)]*\) answered y \[1, 4\]", out)
+    # The guarded rollout: the slow SoC's slice is rolled back by its guardrail, with the
+    # evidence, while the rest completes; those devices end up where they belong.
+    assert re.search(r"guardrail +slice_rollback +soc=sm8550: .*p95_latency_ratio", out)
+    assert re.search(r"evidence: p95 [\d,]+ us on \d+ candidate devices", out)
+    assert "every sm8550 device is back on detector:1; the other SoCs run detector:2" in out
+    assert re.search(r"guardrail +ro_\w+: soc=sm8550 rolled back .* the rest completed", out)
     assert "== summary" in out and "every agent process stopped" in out
+    assert "Traceback" not in result.stderr
     _no_agent_left(tmp_path / "demo")
     # stdout is the walkthrough only: logs go to stderr.
     assert " INFO " not in out
