@@ -7,6 +7,7 @@ is bounded so one device cannot bloat the database or break a rollup.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import re
 
@@ -51,15 +52,18 @@ def _config(value: str, what: str) -> str:
     Only canonical keys: rollups keep a row per config, so a device must not be able to
     invent endless spellings of one.
     """
-    if not value:
-        return value
+    if value and not _is_config_key(value):
+        raise errors.InvalidArgument(f"{what} {value!r:.80} is not a backend config key")
+    return value
+
+
+@functools.lru_cache(maxsize=1024)  # a fleet reports a handful of configs, over and over
+def _is_config_key(value: str) -> bool:
     try:
         config = BackendConfig.from_key(value)
     except (ValueError, KeyError):
-        config = None
-    if config is None or config.key != value or not 1 <= config.threads <= MAX_THREADS:
-        raise errors.InvalidArgument(f"{what} {value!r:.80} is not a backend config key")
-    return value
+        return False
+    return config.key == value and 1 <= config.threads <= MAX_THREADS
 
 
 def _text(value: str, what: str, limit: int = MAX_TEXT) -> str:
