@@ -6,7 +6,9 @@ from __future__ import annotations
 import datetime as dt
 
 import numpy as np
+import pytest
 
+from control_plane import errors
 from control_plane.cli.main import main
 from control_plane.store.telemetry import ModelStatsRecord, ReportBatch
 from protos import device_pb2
@@ -108,3 +110,19 @@ def test_a_recommendation_this_device_cannot_honour_falls_back_to_its_own_probe(
     probes = {p["config"]: p for p in active["probes"]}
     assert len(probes) > 2  # the full probe ran
     assert probes[gpu]["recommended"] and not probes[gpu]["accepted"]
+
+
+def test_backends_refuse_bad_input_and_callers_without_a_token(cp):
+    with cp.client() as client:
+        for args, error, fragment in [
+            (("../x", 1), errors.InvalidArgument, "name"),
+            ((MODEL, 0), errors.InvalidArgument, "version must be 1"),
+            ((MODEL, 1, "fp32; drop"), errors.InvalidArgument, "invalid variant"),
+            (("nope", 1), errors.NotFound, "nope"),
+        ]:
+            with pytest.raises(error) as caught:
+                client.get_backends(*args)
+            assert fragment in str(caught.value)
+        assert list(client.get_backends(MODEL, 1).classes) == []  # no telemetry yet
+    with cp.client(token="skf_not-a-token") as stranger, pytest.raises(errors.Unauthenticated):
+        stranger.get_backends(MODEL, 1)
