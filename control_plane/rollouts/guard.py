@@ -176,11 +176,11 @@ class Guard:
         for value, cohorts in groups.items():
             if value in out:
                 continue
-            for cohort, (agg, devices, *rest) in cohorts.items():
+            for cohort, (agg, devices, affected) in cohorts.items():
                 total = merged.setdefault(cohort, [Aggregate(), 0, {}])
                 total[0].merge(agg)
                 total[1] += devices
-                for kind, k in (rest[0] if rest else {}).items():
+                for kind, k in affected.items():
                     total[2][kind] = total[2].get(kind, 0) + k
         overall = self._slice(
             record,
@@ -243,8 +243,8 @@ class Guard:
         counts = self._store.cohort_device_counts(rollout_id, since=since)
         for cohort, device_class, n, with_incidents in counts:
             value = slice_of(device_class)
-            agg, devices, *rest = out.setdefault(value, {}).get(cohort, (Aggregate(), 0, {}))
-            affected = dict(rest[0]) if rest else {}
+            agg, devices, affected = out.setdefault(value, {}).get(cohort, (Aggregate(), 0, {}))
+            affected = dict(affected)
             for kind, k in with_incidents.items():
                 affected[kind] = affected.get(kind, 0) + k
             out[value][cohort] = (agg, devices + n, affected)

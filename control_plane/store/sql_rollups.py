@@ -201,13 +201,7 @@ class SqlRollupStore(RollupStore):
             c.device_class,
             c.rollout,
             c.cohort,
-            *(c[name] for name in COUNTERS),
-            c.crash_signals,
-            c.latency_count,
-            c.latency_sum_ns,
-            c.latency_min_ns,
-            c.latency_max_ns,
-            c.latency_buckets,
+            *(c[name] for name in _MERGED),
         ).where(c.resolution_s == resolution_s, c.bucket_start >= since)
         if until is not None:
             stmt = stmt.where(c.bucket_start < until)
@@ -296,25 +290,13 @@ def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggreg
     wanted = list(digests)
     for chunk in _chunks(wanted):
         rows = session.execute(
-            select(
-                c.id,
-                c.resolution_s,
-                c.bucket_start,
-                c.key,
-                *(c[name] for name in COUNTERS),
-                c.crash_signals,
-                c.latency_count,
-                c.latency_sum_ns,
-                c.latency_min_ns,
-                c.latency_max_ns,
-                c.latency_buckets,
-            ).where(
+            select(c.resolution_s, c.bucket_start, c.key, *(c[name] for name in _MERGED)).where(
                 tuple_(c.resolution_s, c.bucket_start, c.key).in_([(r, s, k) for r, s, k in chunk])
             )
         ).all()
         for row in rows:
-            agg = Aggregate(**dict(zip(COUNTERS, row[4 : 4 + len(COUNTERS)], strict=True)))
-            signals, count, sum_ns, low, high, blob = row[4 + len(COUNTERS) :]
+            agg = Aggregate(**dict(zip(COUNTERS, row[3 : 3 + len(COUNTERS)], strict=True)))
+            signals, count, sum_ns, low, high, blob = row[3 + len(COUNTERS) :]
             agg.crash_signals.update(signals or {})
             if count:
                 agg._add_latency(count, sum_ns, low, high)
