@@ -121,10 +121,16 @@ class Aggregate:
         h = s.latency
         if h.get("scheme") != SCHEME or not h.get("count"):
             return
-        add = np.zeros(N_BUCKETS, np.int64)
-        for index, count in h["buckets"]:
-            add[index] += count  # each below 2**40 (telemetry_convert): no overflow here
-        self.buckets = saturating_add(self.buckets, add)
+        pairs = h["buckets"]  # canonical: unique indexes, each count below 2**40
+        if pairs:
+            # In place, on the few buckets a report fills (this is the roller's hot loop;
+            # every aggregate owns its array).
+            index = np.fromiter((i for i, _ in pairs), np.intp, len(pairs))
+            count = np.fromiter((n for _, n in pairs), np.int64, len(pairs))
+            old = self.buckets[index]
+            total = old + count
+            total[total < old] = INT64_MAX  # saturate, never wrap
+            self.buckets[index] = total
         self._add_latency(h["count"], h["sum_ns"], h["min_ns"], h["max_ns"])
 
     def add_install(self, record: InstallRecord) -> None:

@@ -170,6 +170,29 @@ def test_counts_stick_at_the_largest_int64_instead_of_wrapping():
     assert saturating_add(a, b).tolist() == [INT64_MAX, 10]
 
 
+def test_histogram_buckets_added_from_a_report_stick_at_the_largest_int64():
+    from control_plane.store.telemetry import ModelStatsRecord
+    from runtime.histogram import SCHEME
+
+    latency = {
+        "scheme": SCHEME,
+        "count": 3,
+        "sum_ns": 30_000,
+        "min_ns": 9_000,
+        "max_ns": 11_000,
+        "buckets": [[5, 2], [7, 1]],
+    }
+    stats = ModelStatsRecord("det", 1, "fp32", "CPU", 3, 0, 0, latency)
+    agg = Aggregate()
+    agg.buckets[5] = INT64_MAX - 1
+    agg.add_stats(stats)
+    agg.add_stats(stats)
+    assert agg.buckets[[5, 7]].tolist() == [INT64_MAX, 2] and agg.latency_count == 6
+    other = Aggregate()
+    other.add_stats(stats)
+    assert other.buckets.sum() == 3  # each aggregate owns its buckets
+
+
 def test_one_device_alone_cannot_fail_a_rate_rule():
     rule = parse_rule("crash_rate>0.001")
     base = cohort(50, inferences=100_000)
