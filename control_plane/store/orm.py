@@ -434,3 +434,24 @@ class RolloutDeviceRow(Base):
     errors: Mapped[int] = mapped_column(BigInteger, default=0)
     fallbacks: Mapped[int] = mapped_column(BigInteger, default=0)
     install_failures: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class WebSessionRow(Base):
+    """A dashboard login: the SHA-256 of its cookie, bound to the API token it was made with.
+
+    The token is checked again on every request, so revoking it ends its sessions too.
+    """
+
+    __tablename__ = "web_sessions"
+    __table_args__ = (
+        # Serves the prune of expired sessions at login.
+        Index("ix_web_sessions_expires_at", "expires_at"),
+    )
+
+    # Serves the lookup every dashboard request makes.
+    session_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(
+        ForeignKey("api_tokens.token_sha256", ondelete="CASCADE")
+    )
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))

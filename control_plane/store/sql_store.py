@@ -28,6 +28,7 @@ from control_plane.store.sql_fleet import SqlFleetStore, aware
 from control_plane.store.sql_keks import SqlKekStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
 from control_plane.store.sql_rollups import SqlRollupStore
+from control_plane.store.sql_sessions import SqlWebSessionStore
 from control_plane.store.sql_signing_keys import SqlSigningKeyStore
 from control_plane.store.sql_telemetry import SqlTelemetryStore
 from control_plane.store.sql_tokens import SqlTokenStore
@@ -128,11 +129,12 @@ class SqlStore(
     SqlTelemetryStore,
     SqlRollupStore,
     SqlTokenStore,
+    SqlWebSessionStore,
     SqlSigningKeyStore,
     SqlKekStore,
     RegistryStore,
 ):
-    """Registry, fleet, rollout, telemetry, token and signing-key store over any SQLAlchemy URL."""
+    """Registry, fleet, rollout, telemetry, token, session and signing-key store (any SQL URL)."""
 
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         self.url = url
