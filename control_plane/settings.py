@@ -53,6 +53,13 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("grpc", str, "127.0.0.1:7443", "SKIFF_GRPC", "gRPC listen address (HOST:PORT)."),
     Setting("server", str, "", "SKIFF_SERVER", "Address the CLI dials; defaults to `grpc`."),
+    Setting(
+        "http",
+        str,
+        "",
+        "SKIFF_HTTP",
+        "Dashboard and /metrics listen address (HOST:PORT); empty: no dashboard.",
+    ),
     Setting("db", str, "", "SKIFF_DB", "SQLAlchemy URL; default: SQLite in the home folder."),
     Setting("blobs", str, "", "SKIFF_BLOBS", "Blob store URL (file:// or s3://); default: home."),
     Setting("kek", str, "", "SKIFF_KEK", "Key-encryption key: file path or aws-kms:// URL."),
@@ -283,6 +290,7 @@ class Config:
     )
     grpc: str
     server: str
+    http: str
     db: str
     blobs: str
     kek: str

@@ -161,15 +161,60 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
         return fleet_pb2.GetBackendsResponse(classes=[backends_pb(t) for t in tables])
 
 
-class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
-    """Rollouts."""
+class RolloutOps:
+    """Rollout reads and actions as messages: what RolloutService and the dashboard both call.
+
+    One path for every operator action, whatever it came through, so the CLI and the
+    dashboard apply the same checks and write the same audit log.
+    """
 
     def __init__(self, rollouts: Rollouts, view: FleetView, guard: Guard) -> None:
         self._rollouts, self._view, self._guard = rollouts, view, guard
 
-    def _with_counts(self, record) -> fleet_pb2.Rollout:
+    def with_counts(self, record) -> fleet_pb2.Rollout:
+        """Return a rollout's message with its device counts and guardrail health."""
         self._view.flush()  # counts include what devices reported to this replica
         return rollout_pb(record, self._rollouts.counts(record), self._guard.health(record))
+
+    def get(self, rollout_id: str) -> fleet_pb2.Rollout:
+        """Return one rollout with its counts and health."""
+        return self.with_counts(self._rollouts.get(rollout_id))
+
+    def list(self, model: str = "") -> list[fleet_pb2.Rollout]:
+        """Return every rollout (of `model`, if given), without counts."""
+        return [rollout_pb(r) for r in self._rollouts.list(model)]
+
+    def create(self, spec: RolloutSpec, *, actor: str) -> fleet_pb2.Rollout:
+        """Create a rollout."""
+        return rollout_pb(self._rollouts.create(spec, actor=actor))
+
+    def transition(
+        self,
+        rollout_id: str,
+        action: str,
+        *,
+        actor: str,
+        reason: str = "",
+        expected_stage: int | None = None,
+        slice: str = "",
+    ) -> fleet_pb2.Rollout:
+        """Pause, resume, promote or roll back (a slice of) a rollout, as `actor`."""
+        record = self._rollouts.transition(
+            rollout_id,
+            action,
+            actor=actor,
+            reason=reason,
+            expected_stage=expected_stage,
+            slice=slice,
+        )
+        return self.with_counts(record)
+
+
+class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
+    """Rollouts."""
+
+    def __init__(self, ops: RolloutOps) -> None:
+        self._ops = ops
 
     @mapped
     def CreateRollout(self, request, context):  # noqa: D102, N802
@@ -188,25 +233,23 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
             min_inferences=request.min_inferences,
             slice_by=request.slice_by,
         )
-        return rollout_pb(self._rollouts.create(spec, actor=actor))
+        return self._ops.create(spec, actor=actor)
 
     @mapped
     def ListRollouts(self, request, context):  # noqa: D102, N802
         _actor()
-        return fleet_pb2.ListRolloutsResponse(
-            rollouts=[rollout_pb(r) for r in self._rollouts.list(request.model)]
-        )
+        return fleet_pb2.ListRolloutsResponse(rollouts=self._ops.list(request.model))
 
     @mapped
     def GetRollout(self, request, context):  # noqa: D102, N802
         _actor()
-        return self._with_counts(self._rollouts.get(request.id))
+        return self._ops.get(request.id)
 
     @mapped
     def TransitionRollout(self, request, context):  # noqa: D102, N802
         actor = _actor()
         expected = request.expected_stage if request.HasField("expected_stage") else None
-        record = self._rollouts.transition(
+        return self._ops.transition(
             request.id,
             request.action,
             actor=actor,
@@ -214,4 +257,3 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
             expected_stage=expected,
             slice=request.slice,
         )
-        return self._with_counts(record)

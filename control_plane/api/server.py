@@ -29,7 +29,7 @@ from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
 from control_plane.api.background import Periodic
 from control_plane.api.device_service import DeviceServicer
-from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutServicer
+from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutOps, RolloutServicer
 from control_plane.api.health import HealthMonitor
 from control_plane.api.transport import listen_credentials
 from control_plane.blobs import open_blob_store
@@ -158,6 +158,8 @@ class App:
     roller: Roller
     guard: Guard
     recommendations: Recommendations
+    view: FleetView
+    ops: RolloutOps
 
     @property
     def store(self) -> SqlStore:
@@ -196,6 +198,10 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
     )
     roller = Roller(store, resolver, device_class, retention=retention)
     rollouts = Rollouts(store, resolver, device_class=device_class)
+    writer = DeviceWriter(store, interval_s=config.device_flush_s)
+    telemetry = Telemetry(store, on_stored=roller.offer)
+    guard = Guard(store, rollouts, device_class, retention=retention)
+    view = FleetView(fleet, resolver, watchers, writer, telemetry)
     return App(
         config=config,
         registry=registry,
@@ -204,12 +210,14 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
         rollouts=rollouts,
         delivery=delivery,
         feed=feed,
-        writer=DeviceWriter(store, interval_s=config.device_flush_s),
+        writer=writer,
         watchers=watchers,
-        telemetry=Telemetry(store, on_stored=roller.offer),
+        telemetry=telemetry,
         roller=roller,
-        guard=Guard(store, rollouts, device_class, retention=retention),
+        guard=guard,
         recommendations=Recommendations(store, device_class),
+        view=view,
+        ops=RolloutOps(rollouts, view, guard),
     )
 
 
@@ -237,23 +245,39 @@ class _Scheduler:
 
 
 class ServerHandle:
-    """A started-on-demand asyncio gRPC server running on its own event-loop thread."""
+    """A started-on-demand asyncio gRPC server running on its own event-loop thread.
 
-    def __init__(self, app: App, address: str) -> None:
+    With an `http` address, also the dashboard and /metrics (dashboards.server).
+    """
+
+    def __init__(self, app: App, address: str, *, http: str = "") -> None:
         self.app = app
         # Decided before any thread starts, so a refused address leaves nothing running.
         credentials = listen_credentials(app.config, address)
         self.tls = credentials is not None
+        self.dashboard = None
+        if http:
+            from dashboards.server import DashboardServer  # Flask and Plotly only when asked
+
+            self.dashboard = DashboardServer(app, http)  # binds now: a taken port fails here
+        try:
+            self._start_loop(address, credentials)
+        except BaseException:
+            if self.dashboard is not None:
+                self.dashboard.stop()
+            raise
+
+    def _start_loop(self, address: str, credentials: grpc.ServerCredentials | None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="skiff-loop", daemon=True
         )
         self._thread.start()
         self._pool = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="skiff-rpc")
-        self._scheduler = _Scheduler(app, app.config.scheduler_interval_s)
+        self._scheduler = _Scheduler(self.app, self.app.config.scheduler_interval_s)
         self._stopped = threading.Event()
         self._server, self.port = self._call(self._build(address, credentials))
-        self._background = _background(app, self._publish_health)
+        self._background = _background(self.app, self._publish_health)
 
     def _call(self, coro, timeout: float | None = 30):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -298,6 +322,8 @@ class ServerHandle:
         self._scheduler.start()
         for task in self._background:
             task.start()
+        if self.dashboard is not None:
+            self.dashboard.start()
         return self
 
     def _drain_pool(self, timeout: float) -> None:
@@ -324,6 +350,8 @@ class ServerHandle:
         Returns an event that is already set (kept for `server.stop(...).wait()` callers).
         """
         if not self._stopped.is_set():
+            if self.dashboard is not None:
+                self.dashboard.stop()
             for task in self._background:
                 task.stop()
             self._scheduler.stop()
@@ -371,8 +399,6 @@ async def _add_services(
     server: grpc.aio.Server, app: App, auth: Authenticator
 ) -> tuple[object, tuple[str, ...]]:
     """Register every service; returns the health servicer and the names it reports on."""
-    telemetry = app.telemetry
-    view = FleetView(app.fleet, app.resolver, app.watchers, app.writer, telemetry)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(
             app.registry,
@@ -384,11 +410,9 @@ async def _add_services(
         server,
     )
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(
-        FleetServicer(view, app.recommendations, app.store), server
+        FleetServicer(app.view, app.recommendations, app.store), server
     )
-    fleet_pb2_grpc.add_RolloutServiceServicer_to_server(
-        RolloutServicer(app.rollouts, view, app.guard), server
-    )
+    fleet_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(app.ops), server)
     device_pb2_grpc.add_DeviceServiceServicer_to_server(
         DeviceServicer(
             fleet=app.fleet,
@@ -398,7 +422,7 @@ async def _add_services(
             writer=app.writer,
             signing_keys=app.registry.signer,
             poll_interval_s=app.config.poll_interval_s,
-            telemetry=telemetry,
+            telemetry=app.telemetry,
             recommendations=app.recommendations,
         ),
         server,
@@ -427,18 +451,26 @@ async def _add_services(
     return health_servicer, ("", *names)
 
 
-def create_server(config: Config, app: App, address: str) -> tuple[ServerHandle, int]:
-    """Build (not start) a server for `app` on `address`; returns it with the bound port."""
-    handle = ServerHandle(app, address)
+def create_server(
+    config: Config, app: App, address: str, *, http: str | None = None
+) -> tuple[ServerHandle, int]:
+    """Build (not start) a server for `app` on `address`; returns it with the bound port.
+
+    `http` (default: the `http` setting) also serves the dashboard there; its bound port
+    is `handle.dashboard.port`.
+    """
+    handle = ServerHandle(app, address, http=config.http if http is None else http)
     return handle, handle.port
 
 
-def start_server(*, config: Config, address: str | None = None) -> tuple[ServerHandle, int]:
-    """Build the app and a started server; the caller stops it."""
+def start_server(
+    *, config: Config, address: str | None = None, http: str | None = None
+) -> tuple[ServerHandle, int]:
+    """Build the app and a started server (and dashboard, per `http` or the config)."""
     address = address or config.grpc
     listen_credentials(config, address)  # a refused address fails before the database opens
     app = build_app(config)
-    server, port = create_server(config, app, address)
+    server, port = create_server(config, app, address, http=http)
     server.start()
     log.info("skiff control plane listening on port %d", port)
     if not app.store.has_admin_token(now=dt.datetime.now(dt.UTC)):
@@ -454,6 +486,8 @@ def serve(*, config: Config) -> None:
     host = config.grpc.rsplit(":", 1)[0]
     transport = "TLS" if server.tls else "plaintext, this machine only"
     print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
+    if server.dashboard is not None:
+        print(f"dashboard and /metrics at {server.dashboard.url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

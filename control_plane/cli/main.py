@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("server", help="run the control plane")
     _common(p, json_flag=False, remote=False)
     for s in SETTINGS:
-        if s.name in ("grpc", "db", "blobs"):
+        if s.name in ("grpc", "http", "db", "blobs"):
             p.add_argument(f"--{s.name}", help=s.doc)
 
     model = sub.add_parser("model", help="push, list, show and pull models")

@@ -118,6 +118,10 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+# What one round adds: (resolution, bucket start, key) -> the aggregate merged in.
+Deltas = dict[tuple[int, dt.datetime, RollupKey], Aggregate]
+
+
 class Roller:
     """Rolls up stored batches; safe to run on every replica at once."""
 
@@ -138,6 +142,11 @@ class Roller:
         self._last_prune = float("-inf")
         self._fresh: collections.deque[ReportBatch] = collections.deque(maxlen=MAX_FRESH)
         self._fresh_lock = threading.Lock()
+        self._observers: list[Callable[[Deltas], None]] = []
+
+    def observe(self, observer: Callable[[Deltas], None]) -> None:
+        """Call `observer` with the deltas of every round this roller applies (metrics)."""
+        self._observers.append(observer)
 
     def offer(self, batches: list[ReportBatch]) -> None:
         """Hand over batches just stored by this replica (the writer calls this)."""
@@ -196,6 +205,11 @@ class Roller:
         if not self._store.apply_rollups(keys, deltas, devices):
             log.info("another roller took some of %d batches first", len(keys))
             return 0
+        for observer in self._observers:
+            try:
+                observer(deltas)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop the rollups
+                log.exception("rollup observer failed")
         return len(keys)
 
     def prune(self) -> dict[str, int]:

@@ -1,0 +1,191 @@
+"""The dashboard's pages: overview, models, versions, rollouts, login and actions.
+
+Each page renders a document from `data` (the JSON API's); an action posts a form with
+the session's CSRF value and the state the operator saw, and goes through RolloutOps,
+the code `skiff rollout pause|resume|promote|rollback` reaches through gRPC.
+"""
+
+from __future__ import annotations
+
+import re
+
+import flask
+
+from control_plane import errors
+from dashboards.web import data
+from dashboards.web.app import caller, sessions, set_session_cookie, skiff
+from dashboards.web.auth import COOKIE
+
+bp = flask.Blueprint("pages", __name__)
+
+# A path of this site, as the pages link to them: printable URL characters only (no
+# control characters to split a header with, no backslash), bounded.
+_LOCAL_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]{0,500}")
+
+TRANSITION_RPC = "/skiff.v1.RolloutService/TransitionRollout"
+CHART_WINDOWS = (1, 6, 24, 168)
+DEFAULT_HOURS = 6
+ACTION_TEXT = {
+    "pause": "Pause: no device gets this version from now on until it is resumed; devices "
+    "that have it keep it.",
+    "resume": "Resume: the rollout goes on from its current stage.",
+    "promote": "Promote: move to the next stage now (or complete the rollout from its last).",
+    "rollback": "Roll back: every device this rollout moved returns to the version it had "
+    "without it. This cannot be undone.",
+}
+SLICE_TEXT = {
+    "rollback": "Roll back this slice: its devices return to the version they had without "
+    "this rollout; the other slices go on.",
+    "resume": "Readmit this slice: its devices get this version again as the stages allow.",
+}
+
+
+def _hours() -> float:
+    raw = flask.request.args.get("hours", str(DEFAULT_HOURS))
+    try:
+        return float(raw)
+    except ValueError:
+        raise errors.InvalidArgument(f"hours must be a number, not {raw[:20]!r}") from None
+
+
+def _safe_next(target: str | None) -> str:
+    """Return a same-site path to go to after login (never another host, nor a header)."""
+    if not target or not _LOCAL_PATH.fullmatch(target) or target.startswith(("//", "/\\")):
+        return flask.url_for("pages.overview")
+    return target
+
+
+def _page(template: str, **context):
+    return flask.render_template(template, caller=caller(), **context)
+
+
+@bp.route("/login", methods=["GET", "POST"])
+def login():
+    """Show the login form; on a valid token, start a session."""
+    target = _safe_next(flask.request.values.get("next"))
+    if flask.request.method == "GET":
+        return flask.render_template("login.html", next=target, message="")
+    try:
+        secret, record = sessions().login(flask.request.form.get("token", ""))
+    except errors.Unauthenticated as exc:
+        return flask.render_template("login.html", next=target, message=str(exc)), 401
+    response = flask.redirect(target)
+    set_session_cookie(response, secret)
+    flask.current_app.logger.info("dashboard login: token %s (%s)", record.id, record.role)
+    return response
+
+
+@bp.post("/logout")
+def logout():
+    """End this session."""
+    sessions().check_csrf(caller(), flask.request.form.get("csrf"))
+    sessions().logout(flask.request.cookies.get(COOKIE))
+    response = flask.redirect(flask.url_for("pages.login"))
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+@bp.get("/")
+def overview():
+    """Show the fleet overview and the rollouts still in progress."""
+    app = skiff()
+    live = [r for r in data.rollouts(app) if r["state"] in ("active", "paused")]
+    return _page("overview.html", fleet=data.fleet_summary(app), rollouts=live)
+
+
+@bp.get("/models")
+def models():
+    """List every model."""
+    return _page("models.html", models=data.models(skiff()))
+
+
+@bp.get("/models/<name>")
+def model(name: str):
+    """List one model's versions."""
+    return _page("model.html", doc=data.model_versions(skiff(), name))
+
+
+@bp.get("/models/<name>/<int:version>")
+def version(name: str, version: int):
+    """Show a version's backend table and its latency and crash charts."""
+    app, hours = skiff(), _hours()
+    return _page(
+        "version.html",
+        backends=data.backends(app, name, version),
+        series=data.version_series(app, name, version, hours),
+        hours=hours,
+        windows=CHART_WINDOWS,
+    )
+
+
+@bp.get("/rollouts")
+def rollouts():
+    """List every rollout."""
+    return _page("rollouts.html", rollouts=data.rollouts(skiff()))
+
+
+@bp.get("/rollouts/<rollout_id>")
+def rollout(rollout_id: str):
+    """Show a rollout: stages, counts, guardrail figures, slices, charts, audit log."""
+    app, hours = skiff(), _hours()
+    doc = data.rollout(app, rollout_id)
+    return _page(
+        "rollout.html",
+        r=doc,
+        series=data.rollout_series(app, rollout_id, hours),
+        actions=data.allowed_actions(doc["state"]),
+        can_act=caller().may(TRANSITION_RPC),
+        hours=hours,
+        windows=CHART_WINDOWS,
+        notice=flask.request.args.get("done", ""),
+    )
+
+
+@bp.get("/rollouts/<rollout_id>/confirm")
+def confirm(rollout_id: str):
+    """Ask before an action, saying what it will do; the form carries what was seen."""
+    caller().require(TRANSITION_RPC)
+    action = flask.request.args.get("action", "")
+    piece = flask.request.args.get("slice", "")
+    doc = data.rollout(skiff(), rollout_id)
+    texts = SLICE_TEXT if piece else ACTION_TEXT
+    if action not in texts:
+        raise errors.InvalidArgument(f"unknown action {action[:20]!r}")
+    seen = _slice_state(doc, piece) if piece else doc["state"]
+    return _page("confirm.html", r=doc, action=action, slice=piece, seen=seen, text=texts[action])
+
+
+@bp.post("/rollouts/<rollout_id>/actions")
+def act(rollout_id: str):
+    """Apply a confirmed action, refusing a forged or stale form."""
+    who = caller()
+    sessions().check_csrf(who, flask.request.form.get("csrf"))
+    who.require(TRANSITION_RPC)
+    form = flask.request.form
+    action, piece = form.get("action", ""), form.get("slice", "")
+    app = skiff()
+    current = data.rollout(app, rollout_id)
+    now = _slice_state(current, piece) if piece else current["state"]
+    if form.get("seen_state") != now or form.get("seen_stage") != str(current["stage"]):
+        raise errors.FailedPrecondition(
+            f"rollout {rollout_id} changed since this form was shown (it is now {now}, "
+            f"stage {current['stage'] + 1}): look again and retry"
+        )
+    app.ops.transition(
+        rollout_id,
+        action,
+        actor=who.token.name,
+        reason=form.get("reason", "")[:500] or "from the dashboard",
+        expected_stage=None if piece else current["stage"],
+        slice=piece,
+    )
+    done = f"{action} {piece}".strip()
+    return flask.redirect(flask.url_for("pages.rollout", rollout_id=rollout_id, done=done))
+
+
+def _slice_state(doc: dict, piece: str) -> str:
+    """Return the state of one slice of a rollout document; NotFound if it has none such."""
+    for s in (doc.get("health") or {}).get("slices", []):
+        if s["slice"] == piece:
+            return s["state"]
+    raise errors.NotFound(f"rollout {doc['id']} has no slice {piece[:80]!r}")
