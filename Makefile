@@ -33,12 +33,14 @@ demo: install
 # Two workers (2 cores; most tests wait on servers and subprocesses), then the tests that
 # load the whole machine on their own.
 test: install system-deps lint check-protos sanitize
-	$(BIN)/python -m pytest -n 2 -m 'not serial'
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m 'not serial'
 	$(BIN)/python -m pytest -m serial
 
-# Tools the tests drive from outside Python (Debian packages).
+# Tools the tests drive from outside Python (Debian packages); chromium and its driver
+# for the dashboard's browser tests.
 system-deps:
-	@missing=""; for tool in strace:strace cmake:cmake ninja:ninja-build g++:g++; do \
+	@missing=""; for tool in strace:strace cmake:cmake ninja:ninja-build g++:g++ \
+	  chromium:chromium chromedriver:chromium-driver; do \
 	  command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; done; \
 	ldconfig -p | grep -q 'libseccomp\.so\.2 ' || missing="$$missing libseccomp2"; \
 	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq $$missing; fi

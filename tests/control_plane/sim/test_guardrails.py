@@ -62,6 +62,20 @@ def show(cp, rollout_id: str) -> dict:
         return rollout_dict(client.get_rollout(rollout_id))
 
 
+def create_sliced(cp) -> fleet_pb2.Rollout:
+    """Roll det:2 out in two stages, sliced by SoC, under latency and crash rules."""
+    return create(
+        cp,
+        2,
+        stages=[50, 100],
+        bake_s=2,
+        halt=["p95_latency_ratio>1.2", "crash_rate>0.01"],
+        min_devices=3,
+        min_inferences=300,
+        slice_by="soc",
+    )
+
+
 async def baseline_on_v1(sim: FleetSimulator, cp) -> None:
     await enrolled(sim, cp, N)
     await asyncio.to_thread(create, cp, 1)
@@ -77,23 +91,13 @@ def test_a_slow_slice_is_rolled_back_while_the_rest_advances(guarded):
         prof = parse_profile(fleet_profile(inject))
         async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
             await baseline_on_v1(sim, cp)
-            r = await asyncio.to_thread(
-                create,
-                cp,
-                2,
-                stages=[50, 100],
-                bake_s=2,
-                halt=["p95_latency_ratio>1.2", "crash_rate>0.01"],
-                min_devices=3,
-                min_inferences=300,
-                slice_by="soc",
-            )
+            r = await asyncio.to_thread(create_sliced, cp)
 
             def rolled_back():
                 doc = show(cp, r.id)
                 return doc if doc["state"] == "completed" else None
 
-            doc = await asyncio.to_thread(wait_for, rolled_back, 60, "the rollout to complete")
+            doc = await asyncio.to_thread(wait_for, rolled_back, 120, "the rollout to complete")
             socs = {d.id: d.identity.attributes["soc"] for d in sim.devices}
             fast = [i for i, soc in socs.items() if soc == FAST_SOC]
             slow = [i for i, soc in socs.items() if soc == SLOW_SOC]

@@ -1,0 +1,97 @@
+"""/metrics after a simulated fleet reported through a guarded rollout, and the Grafana
+dashboard's queries against the metric names the server really exports."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import dashboards
+from tests.control_plane.sim.test_guardrails import N
+from tests.dashboards.conftest import Site
+
+# One worker runs the module, so its scenario (the `site` fixture) is built once.
+pytestmark = pytest.mark.xdist_group("dashboard-metrics")
+
+GRAFANA = Path(dashboards.__file__).parent / "grafana" / "skiff-fleet.json"
+
+
+def _scrape(site: Site) -> dict:
+    r = site.http().get(site.url + "metrics", headers={"Authorization": f"Bearer {site.cp.token}"})
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
+    samples: dict = {}
+    for family in text_string_to_metric_families(r.text):
+        # Declared names count even before a first sample (a counter no device has hit).
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+        for suffix in suffixes.get(family.type, ("",)):
+            samples.setdefault(family.name + suffix, [])
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    return sum(v for got, v in samples.get(name, []) if labels.items() <= got.items())
+
+
+def test_fleet_and_rollout_gauges(site):
+    m = _scrape(site)
+    assert _value(m, "skiff_devices", platform="android") == N
+    assert _value(m, "skiff_devices", platform="android", state="online") == N
+    assert _value(m, "skiff_rollout_state", rollout=site.guarded, state="completed") == 1
+    assert _value(m, "skiff_rollout_state", rollout=site.guarded, state="active") == 0
+    assert _value(m, "skiff_rollout_stage_percent", rollout=site.staged) == 50
+    doc = site.cli("rollout", "show", site.staged)
+    statuses = {g["status"] for g, _ in m["skiff_rollout_devices"] if g["rollout"] == site.staged}
+    assert statuses == set(doc["counts"])
+    # Which devices a rollout selects and stages is fixed; synced and installed move with
+    # the fleet's reports (and the gauges are read at most every 10 s).
+    for status in ("selected", "in_stage"):
+        got = _value(m, "skiff_rollout_devices", rollout=site.staged, status=status)
+        assert got == doc["counts"][status] > 0
+
+
+def test_counters_and_latency_agree_with_the_rollups(site):
+    site.cp.app.roller.roll()
+    m = _scrape(site)
+    epoch = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+    merged = site.cp.app.store.merged_rollups(
+        resolution_s=60, since=epoch, group=lambda _at, k: (k.model, k.version, k.variant)
+    )
+    assert merged
+    for (model, version, variant), agg in merged.items():
+        labels = {"model": model, "version": str(version), "variant": variant}
+        assert _value(m, "skiff_inferences_total", **labels) == agg.inferences > 0
+        assert _value(m, "skiff_crashes_total", **labels) == agg.crashes
+        count = _value(m, "skiff_inference_latency_seconds_count", **labels)
+        assert count == agg.latency_count
+        buckets = sorted(
+            (float(got["le"]), v)
+            for got, v in m["skiff_inference_latency_seconds_bucket"]
+            if labels.items() <= got.items()
+        )
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and counts[-1] == count  # cumulative; +Inf is all
+        # The bucket holding the fleet's median agrees with the rollup's own p50.
+        p50_s = agg.quantile_us(0.5) / 1e6
+        below = [v for le, v in buckets if le < p50_s]
+        above = [v for le, v in buckets if le >= p50_s]
+        assert (not below or below[-1] <= count / 2) and above[0] >= count / 2
+
+
+def test_every_grafana_query_names_an_exported_metric(site):
+    exported = set(_scrape(site))
+    board = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+    named = {name for e in exprs for name in re.findall(r"\bskiff_[a-z0-9_]+", e)}
+    assert named and named <= exported, named - exported
+    # Every family the server exports is on the board.
+    families = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in exported}
+    shown = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in named}
+    assert families == shown, families ^ shown
