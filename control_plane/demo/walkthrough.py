@@ -61,10 +61,15 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
     started = time.monotonic()
     # Telemetry rolled up and guardrails checked every second: the demo is short.
     quick = dataclasses.replace(config, rollup_interval_s=1.0, guard_interval_s=1.0)
-    server, port = start_server(config=quick, address="127.0.0.1:0")
+    server, port = start_server(config=quick, address="127.0.0.1:0", http="127.0.0.1:0")
     demo = None
     try:
         address = f"127.0.0.1:{port}"
+        trust = f"; its certificate is from {config.tls_ca}" if server.dashboard.tls else ""
+        _say(
+            f"== dashboard at {server.dashboard.url} while the demo runs (log in with the "
+            f"token in {config.home / 'admin.token'}{trust})"
+        )
         tls = client_tls(config)
         work = config.home / "work"
         with AdminClient(address, read_token(config.home), tls) as client:
@@ -83,6 +88,7 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
                 show_infer(first, "detector", work, demo.figures)
 
             run_fleet_demo(demo, model="detector", old=old, new=new, while_out=while_out)
+            demo.figures["dashboard"] = server.dashboard.url
             _summary(address, config.home, old, new, demo.figures, time.monotonic() - started)
             if real_models:
                 run_real_models_demo(client, read_pins(config.home), work, _say)
@@ -118,6 +124,11 @@ def _summary(address: str, home: Path, old: int, new: int, f: dict, took: float)
             f"baseline); the rest {f['guard_state']} in {f['guard_s']:.1f}s",
         ),
         ("took", f"{took:.0f}s; every agent process stopped"),
+        (
+            "dashboard",
+            f"was at {f['dashboard']}; browse this state again with `skiff server --home "
+            f"{home} --http 127.0.0.1:8080`",
+        ),
     ]
     for name, text in rows:
         _say(f"   {name:<14}{text}")

@@ -41,6 +41,7 @@ def test_demo_runs_the_whole_loop(tmp_path):
     assert "every sm8550 device is back on detector:1; the other SoCs run detector:2" in out
     assert re.search(r"guardrail +ro_\w+: soc=sm8550 rolled back .* the rest completed", out)
     assert "== summary" in out and "every agent process stopped" in out
+    assert re.search(r"== dashboard at https?://127\.0\.0\.1:\d+/ while the demo runs", out)
     assert "Traceback" not in result.stderr
     _no_agent_left(tmp_path / "demo")
     # stdout is the walkthrough only: logs go to stderr.
