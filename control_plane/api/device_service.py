@@ -242,5 +242,5 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             batch = await asyncio.to_thread(self._checked, authorization, request)
         else:
             batch = report_batch(device.id, request, dt.datetime.now(dt.UTC))
-        fresh = await asyncio.wrap_future(self._telemetry.report(batch))
+        fresh = await self._telemetry.report_async(batch)
         return device_pb2.ReportResponse(duplicate=not fresh)

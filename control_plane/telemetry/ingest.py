@@ -10,6 +10,7 @@ acknowledged batch is never lost; a batch the store refuses fails only its own c
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import queue
@@ -46,6 +47,20 @@ class ReportWriter:
     def submit(self, batch: ReportBatch) -> concurrent.futures.Future:
         """Queue a batch; the future resolves to True (stored) or False (a repeat)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(batch, future)
+        return future
+
+    def submit_async(self, batch: ReportBatch) -> asyncio.Future:
+        """Queue a batch from a coroutine; the running loop's future resolves as `submit`'s.
+
+        A group's futures on one loop are resolved in one hand-over to that loop, not one
+        wake-up (and GIL hand-back) per batch as `asyncio.wrap_future` would cost.
+        """
+        future = asyncio.get_running_loop().create_future()
+        self._put(batch, future)
+        return future
+
+    def _put(self, batch: ReportBatch, future) -> None:
         with self._lock:
             if self._closed:
                 raise errors.Unavailable("the server is shutting down; report again later")
@@ -56,7 +71,6 @@ class ReportWriter:
                 self._queue.put_nowait((batch, future))
             except queue.Full:
                 raise errors.Unavailable("too many reports waiting; report again later") from None
-        return future
 
     def close(self, timeout: float = 10.0) -> None:
         """Store what is queued, then stop the thread."""
@@ -81,7 +95,7 @@ class ReportWriter:
                 group = [item for item in group if item is not _STOP]
             # A call that went away cancelled its future: its batch is dropped (the
             # device sends it again). The rest can no longer be cancelled.
-            group = [item for item in group if item[1].set_running_or_notify_cancel()]
+            group = [item for item in group if _still_wanted(item[1])]
             if group:
                 try:
                     self._write(group)
@@ -97,12 +111,39 @@ class ReportWriter:
                 log.exception("storing %d report batches failed", len(batches))
                 exc = errors.Unavailable("storing the report failed; report again later")
             results = [exc] * len(group)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for (_, future), result in zip(group, results, strict=True):
-            if isinstance(result, Exception):
-                future.set_exception(result)
+            if isinstance(future, asyncio.Future):
+                by_loop.setdefault(future.get_loop(), []).append((future, result))
             else:
-                future.set_result(result)
+                _settle(future, result)
+        for loop, settled in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle_all, settled)
+            except RuntimeError:  # that loop has closed: nobody is waiting any more
+                pass
         if self._on_stored is not None:
             stored = [b for b, r in zip(batches, results, strict=True) if r is True]
             if stored:
                 self._on_stored(stored)
+
+
+def _still_wanted(future) -> bool:
+    """Return False for a cancelled future (its call went away); mark the rest running."""
+    if isinstance(future, asyncio.Future):
+        return not future.done()  # a racy read, but a late cancel only wastes the store
+    return future.set_running_or_notify_cancel()
+
+
+def _settle(future, result) -> None:
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _settle_all(settled: list) -> None:
+    """Resolve a group's futures on their loop (skipping calls cancelled meanwhile)."""
+    for future, result in settled:
+        if not future.done():
+            _settle(future, result)

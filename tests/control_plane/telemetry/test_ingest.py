@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -15,9 +16,11 @@ class SlowStore:
 
     def __init__(self) -> None:
         self.go = threading.Event()
+        self.entered = threading.Event()
         self.groups: list[list[str]] = []
 
     def add_reports(self, batches):
+        self.entered.set()
         self.go.wait(10)
         self.groups.append([b for b in batches])
         return [errors.NotFound("no such device") if b == "ghost" else True for b in batches]
@@ -63,3 +66,54 @@ def test_a_closed_writer_refuses_new_batches():
     writer.close()
     with pytest.raises(errors.Unavailable):
         writer.submit("a")
+
+
+def test_a_coroutine_hears_its_own_result_with_one_loop_wakeup_per_group():
+    store = SlowStore()
+    writer = ReportWriter(store)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        handovers = []
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            if args and isinstance(args[0], list):  # the writer's hand-over of a group
+                handovers.append(len(args[0]))
+            return threadsafe(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        first = writer.submit_async("a")
+        await asyncio.to_thread(store.entered.wait, 5)  # the writer holds "a" in the store
+        rest = [writer.submit_async(x) for x in ("b", "ghost", "gone", "c")]
+        rest[2].cancel()  # that call went away before the writer took its batch
+        store.go.set()
+        assert await asyncio.wait_for(first, 5) is True
+        assert await rest[0] is True and await rest[3] is True
+        with pytest.raises(errors.NotFound):
+            await rest[1]
+        assert store.groups == [["a"], ["b", "ghost", "c"]]
+        assert handovers == [1, 3]  # one wake-up of this loop per group, not per batch
+
+    try:
+        asyncio.run(main())
+    finally:
+        writer.close()
+
+
+def test_a_coroutine_cancelled_while_its_batch_is_stored_leaves_the_writer_working():
+    store = SlowStore()
+    writer = ReportWriter(store)
+
+    async def main() -> None:
+        first = writer.submit_async("a")
+        await asyncio.to_thread(store.entered.wait, 5)
+        first.cancel()  # too late to drop the batch: it is stored, nobody is answered
+        store.go.set()
+        assert await asyncio.wait_for(writer.submit_async("b"), 5) is True
+        assert store.groups == [["a"], ["b"]]
+
+    try:
+        asyncio.run(main())
+    finally:
+        writer.close()
