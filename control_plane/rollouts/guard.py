@@ -142,7 +142,7 @@ class Guard:
             earlier = self._cohorts(record.id, record.created_at, now, slice_of)
             for value, cohorts in groups.items():
                 before = earlier.get(value, {}).get(BASELINE)
-                now_base = cohorts.get(BASELINE, (Aggregate(), 0, {}))
+                now_base = cohorts.get(BASELINE, (Aggregate(), 0, {}, {}))
                 if before is not None and now_base[1] < max(1, record.min_devices):
                     cohorts[BASELINE] = before
         values = set(groups) | set(record.slices)
@@ -176,12 +176,14 @@ class Guard:
         for value, cohorts in groups.items():
             if value in out:
                 continue
-            for cohort, (agg, devices, affected) in cohorts.items():
-                total = merged.setdefault(cohort, [Aggregate(), 0, {}])
+            for cohort, (agg, devices, affected, by_config) in cohorts.items():
+                total = merged.setdefault(cohort, [Aggregate(), 0, {}, {}])
                 total[0].merge(agg)
                 total[1] += devices
                 for kind, k in affected.items():
                     total[2][kind] = total[2].get(kind, 0) + k
+                for config, part in by_config.items():
+                    total[3].setdefault(config, Aggregate()).merge(part)
         overall = self._slice(
             record,
             rules,
@@ -194,8 +196,8 @@ class Guard:
         return Health(record.id, since, overall, tuple(slices))
 
     def _slice(self, record, rules, name, value, state, since, cohorts) -> SliceHealth:
-        candidate = Cohort(*cohorts.get(CANDIDATE, (Aggregate(), 0, {})))
-        baseline = Cohort(*cohorts.get(BASELINE, (Aggregate(), 0, {})))
+        candidate = Cohort(*cohorts.get(CANDIDATE, (Aggregate(), 0, {}, {})))
+        baseline = Cohort(*cohorts.get(BASELINE, (Aggregate(), 0, {}, {})))
         verdicts = tuple(
             judge(
                 rule,
@@ -216,15 +218,15 @@ class Guard:
         slice_of,
         *,
         strict: bool = False,
-    ) -> dict[str, dict[str, tuple[Aggregate, int]]]:
-        """Return slice value -> cohort -> (merged aggregate, devices) over [since, now]."""
+    ) -> dict[str, dict[str, tuple]]:
+        """Return slice value -> cohort -> (aggregate, devices, affected, by config)."""
         memo: dict[str, str] = {}
 
         def group(_at: dt.datetime, key: RollupKey):
             value = memo.get(key.device_class)
             if value is None:
                 value = memo[key.device_class] = slice_of(key.device_class)
-            return value, key.cohort
+            return value, key.cohort, key.config
 
         parts = [
             self._store.merged_rollups(
@@ -232,22 +234,23 @@ class Guard:
             )
             for res, start, until in window_parts(since, now, self._retention, strict=strict)
         ]
-        out: dict[str, dict[str, tuple[Aggregate, int]]] = {}
+        out: dict[str, dict[str, tuple]] = {}
         for part in parts:
-            for (value, cohort), agg in part.items():
+            for (value, cohort, config), agg in part.items():
                 slot = out.setdefault(value, {})
-                if cohort in slot:
-                    slot[cohort][0].merge(agg)
-                else:
-                    slot[cohort] = (agg, 0, {})
+                merged, _, _, by_config = slot.setdefault(cohort, (Aggregate(), 0, {}, {}))
+                merged.merge(agg)
+                by_config.setdefault(config, Aggregate()).merge(agg)
         counts = self._store.cohort_device_counts(rollout_id, since=since)
         for cohort, device_class, n, with_incidents in counts:
             value = slice_of(device_class)
-            agg, devices, affected = out.setdefault(value, {}).get(cohort, (Aggregate(), 0, {}))
+            agg, devices, affected, by_config = out.setdefault(value, {}).get(
+                cohort, (Aggregate(), 0, {}, {})
+            )
             affected = dict(affected)
             for kind, k in with_incidents.items():
                 affected[kind] = affected.get(kind, 0) + k
-            out[value][cohort] = (agg, devices + n, affected)
+            out[value][cohort] = (agg, devices + n, affected, by_config)
         return out
 
     # -- acting --------------------------------------------------------------------------

@@ -26,7 +26,8 @@ Each rule ends in one of three verdicts:
   candidate's lower bound, and for ratios the baseline's upper bound); latency quantiles
   use the distribution-free order-statistic interval (ranks q*n ± z*sqrt(n*q*(1-q))) and
   read the candidate at the lower edge of its bucket, the baseline at the upper edge. So a
-  healthy rollout is not halted by noise or by histogram resolution. A rate rule also
+  healthy rollout is not halted by noise or by histogram resolution. Latency is compared
+  per backend config, like with like (see `latency_ratio`). A rate rule also
   needs at least two candidate devices showing the incident: one device (faulty, or
   lying) cannot halt a rollout on its own;
 - **pass** otherwise.
@@ -143,6 +144,8 @@ class Cohort:
     # Devices with at least one of each incident (crashes, errors, fallbacks,
     # install_failures): a rate breaking on one device alone is not a regression.
     affected: dict = field(default_factory=dict)
+    # The aggregate split by the backend config the devices ran (latency rules).
+    by_config: dict[str, Aggregate] = field(default_factory=dict)
 
     def figures(self) -> dict:
         """Return the cohort's figures, JSON-able (evidence, CLI, dashboard)."""
@@ -286,14 +289,38 @@ def judge(
         verdict = _verdict(rule, name, value, c_low / b_high, c_rate, b_rate, sample)
         return _spread(verdict, candidate, "crashes")
     q = LATENCY_METRICS[rule.metric]
-    c_point, b_point = c.quantile_us(q), b.quantile_us(q)
-    c_low, _ = _quantile_bounds(c, q)
-    _, b_high = _quantile_bounds(b, q)
+    value, bound = latency_ratio(candidate, baseline, q)
+    return _verdict(rule, name, value, bound, c.quantile_us(q), b.quantile_us(q), sample)
+
+
+def latency_ratio(candidate: Cohort, baseline: Cohort, q: float) -> tuple[float, float]:
+    """Return the candidate/baseline ratio of quantile `q`, and its margin-side bound.
+
+    Compared per backend config both cohorts ran, then combined as a weighted geometric
+    mean with weights n_c * n_b / (n_c + n_b) (a config thin in either cohort counts
+    little). Backends differ twice over in speed, and which devices happen to be on the
+    new version is a draw: pooled, a candidate with more CPU-only devices than the
+    baseline looked 1.4x slower on p95 with nothing wrong. A version that moves devices
+    to a slower backend does so by falling back, which `fallback_rate` watches. Cohorts
+    with no config in common are compared pooled.
+    """
+    pairs = [
+        (agg, baseline.by_config[config])
+        for config, agg in sorted(candidate.by_config.items())
+        if agg.latency_count and baseline.by_config.get(config, Aggregate()).latency_count
+    ] or [(candidate.aggregate, baseline.aggregate)]
     # Below 1 µs the histogram cannot tell latencies apart: compare from 1 µs up.
     floor = MIN_NS / 1000
-    value = max(c_point, floor) / max(b_point, floor)
-    bound = max(c_low, floor) / max(b_high, floor)
-    return _verdict(rule, name, value, bound, c_point, b_point, sample)
+    log_value = log_bound = total = 0.0
+    for c, b in pairs:
+        c_low, _ = _quantile_bounds(c, q)
+        _, b_high = _quantile_bounds(b, q)
+        n_c, n_b = c.latency_count, b.latency_count
+        weight = n_c * n_b / (n_c + n_b)
+        log_value += weight * math.log(max(c.quantile_us(q), floor) / max(b.quantile_us(q), floor))
+        log_bound += weight * math.log(max(c_low, floor) / max(b_high, floor))
+        total += weight
+    return math.exp(log_value / total), math.exp(log_bound / total)
 
 
 MIN_AFFECTED = 2

@@ -89,6 +89,37 @@ def lognormal(n, median_us, seed):
 P95 = parse_rule("p95_latency_ratio>1.2")
 
 
+GPU, CPU = "OPENCL/low/t4/mem-normal", "CPU/normal/t4/mem-normal"
+
+
+def by_config(devices, parts: dict) -> Cohort:
+    """A cohort whose devices ran several backend configs (latencies per config)."""
+    split = {config: cohort(1, latencies).aggregate for config, latencies in parts.items()}
+    total = Aggregate()
+    for agg in split.values():
+        total.merge(agg)
+    return Cohort(total, devices, {}, split)
+
+
+def test_latency_is_compared_per_backend_config_like_with_like():
+    # GPU devices run 2.5x faster than CPU ones, and the candidate happened to get mostly
+    # CPU devices: pooled, it looks 1.7x slower on p95 with nothing wrong with it.
+    candidate = by_config(50, {GPU: lognormal(400, 400, 1), CPU: lognormal(3600, 1000, 2)})
+    baseline = by_config(50, {GPU: lognormal(3600, 400, 3), CPU: lognormal(400, 1000, 4)})
+    limits = {"min_devices": 20, "min_inferences": 500}
+    pooled = judge(P95, Cohort(candidate.aggregate, 50), Cohort(baseline.aggregate, 50), **limits)
+    assert pooled.status == FAIL and pooled.value > 1.5  # what comparing pooled concluded
+    fair = judge(P95, candidate, baseline, **limits)
+    assert fair.status == PASS and 0.9 < fair.value < 1.1, fair
+    # 2x slower on every backend is a regression whatever the mix.
+    slow = by_config(50, {GPU: lognormal(400, 800, 5), CPU: lognormal(3600, 2000, 6)})
+    assert judge(P95, slow, baseline, **limits).status == FAIL
+    # Nothing in common to compare like with like: pooled, as before.
+    other = by_config(50, {"CPU/normal/t1/mem-normal": lognormal(4000, 3000, 7)})
+    moved = judge(P95, other, baseline, **limits)
+    assert moved.status == FAIL and moved.value > 2
+
+
 def test_the_same_distribution_never_halts():
     # Twenty draws of two cohorts from one distribution: noise alone never fails the rule.
     for seed in range(20):
