@@ -377,9 +377,19 @@ def test_concurrent_calls_are_capped_by_the_setting(tmp_path):
             started = threading.Event()
             futures.append(_stalled_upload(stub, metadata, release, started))
             assert started.wait(10)
-        with pytest.raises(grpc.RpcError) as caught:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # `started` is the client sending its first chunk; the server counts the call a
+        # moment later (under load, after a check sent at once). Until both uploads hold
+        # their slots a check may pass; once they do, every check is refused.
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                break
+            assert time.monotonic() < deadline, "a third call was never refused"
+            time.sleep(0.05)
     finally:
         release.set()
         for future in futures:
