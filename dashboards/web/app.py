@@ -121,9 +121,14 @@ def _authenticate():
 
 
 def _same_origin() -> None:
-    """Refuse a POST another site's page sent (defence in depth beside CSRF and SameSite)."""
+    """Refuse a POST another site's page sent (defence in depth beside CSRF and SameSite).
+
+    Browsers send our own origin on our forms; "null" comes from sandboxed frames and
+    opaque origins, which is how another site would post the login form (login CSRF).
+    Scripts send no Origin and are held to the CSRF value or a bearer token instead.
+    """
     origin = flask.request.headers.get("Origin")
-    if origin and origin != "null" and urlsplit(origin).netloc != flask.request.host:
+    if origin is not None and (origin == "null" or urlsplit(origin).netloc != flask.request.host):
         raise errors.PermissionDenied("cross-origin request refused")
 
 
@@ -144,7 +149,9 @@ def _headers(response: flask.Response) -> flask.Response:
     response.headers.setdefault("Content-Security-Policy", CSP)
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["X-Frame-Options"] = "DENY"
-    response.headers["Referrer-Policy"] = "no-referrer"
+    # Not no-referrer: with it browsers send "Origin: null" on our own form posts, and a
+    # null origin is also what an attacker's sandboxed frame sends (see _same_origin).
+    response.headers["Referrer-Policy"] = "same-origin"
     if flask.current_app.extensions["skiff.secure_cookies"]:
         response.headers["Strict-Transport-Security"] = "max-age=31536000"
     if not flask.request.path.startswith("/static/"):
