@@ -43,10 +43,12 @@ def _pg_admin_engine():
 
 
 @contextlib.contextmanager
-def fresh_pg_database() -> Iterator[str]:
+def fresh_pg_database(template: str | None = None) -> Iterator[str]:
     """Create an empty PostgreSQL database on the local server; drop it afterwards.
 
-    On CI (CI set) an unreachable server fails the test: the PostgreSQL run is mandatory.
+    With `template` (a database's URL, nobody connected to it), the new database is a copy
+    of that one. On CI (CI set) an unreachable server fails the test: the PostgreSQL run
+    is mandatory.
     """
     import uuid
 
@@ -56,7 +58,8 @@ def fresh_pg_database() -> Iterator[str]:
     name = f"skiff_test_{uuid.uuid4().hex[:12]}"
     try:
         with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
+            copy = "" if template is None else f' TEMPLATE "{template.rsplit("/", 1)[1]}"'
+            conn.execute(text(f'CREATE DATABASE "{name}"{copy}'))
     except exc.OperationalError as error:
         admin.dispose()
         if on_ci():

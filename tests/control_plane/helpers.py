@@ -7,6 +7,7 @@ carries the CA along (see Address).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from control_plane.api.transport import client_tls
 from control_plane.home import init_home, read_token
 from control_plane.pins import read_pins
 from control_plane.registry.registry import Registry
-from control_plane.settings import Config, load_config
+from control_plane.settings import CONFIG_FILE, Config, load_config
 from device_agent.signing_keys import KeyRing
 from device_agent.transport import ClientTls, channel_credentials
 
@@ -99,14 +100,23 @@ class ControlPlane:
 
 
 def start_control_plane(home: Path, **settings) -> ControlPlane:
+    """Serve `home` on a free loopback port, initialising it first unless it already is."""
     overrides = {"grpc": "127.0.0.1:0", **settings}
-    init_home(load_config(home, overrides, environ={}))
+    if not (home / CONFIG_FILE).exists():
+        init_home(load_config(home, overrides, environ={}))
     # Read again: init chose the TLS certificate, so this server speaks TLS like a real one.
     config = load_config(home, overrides, environ={})
     app = build_app(config)
     server, port = create_server(config, app, "127.0.0.1:0")
     server.start()
     return ControlPlane(config, app, server, port, read_token(config.home))
+
+
+def copy_home(source: Path, target: Path) -> None:
+    """Copy an initialised home; its config file names its own files by absolute path."""
+    shutil.copytree(source, target)
+    config = target / CONFIG_FILE
+    config.write_text(config.read_text().replace(str(source), str(target)))
 
 
 def spawn_server(

@@ -15,6 +15,7 @@ as parameters, and the redundant alias tells ruff the import is deliberate (F401
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 
 import grpc
@@ -25,15 +26,16 @@ from control_plane.api.fleet_convert import attributes_pb
 from control_plane.api.grpc_errors import status_for
 from device_agent.connection import DeviceCallError
 from protos import device_pb2, fleet_pb2
+from tests.conftest import fresh_pg_database
 from tests.control_plane.api.device_helpers import Device, run
-from tests.control_plane.helpers import start_control_plane
+from tests.control_plane.helpers import copy_home, start_control_plane
 
 ANDROID = {"platform": "android", "app_version": "5.3", "soc": "sm8650"}
 PG = pytest.param("postgresql", marks=pytest.mark.postgres)
 
 
 @pytest.fixture(scope="module", params=["sqlite", PG])
-def plane(request, tmp_path_factory, onnx_path):
+def plane(request, tmp_path_factory, published_template):
     """One control plane per database with det:1 (fp32) and det:2 (fp32 + int8) pushed.
 
     Device reports are written behind every 30 s here (0.5 s by default) so that the
@@ -41,16 +43,17 @@ def plane(request, tmp_path_factory, onnx_path):
     that must see the reports (ListDevices, GetDevice, GetRollout) flush first anyway.
     """
     settings = {"scheduler_interval_s": 0.2, "device_flush_s": 30.0}
-    if request.param == "postgresql":
-        settings["db"] = request.getfixturevalue("module_pg_url")
-    cp = start_control_plane(tmp_path_factory.mktemp("plane") / "home", **settings)
-    try:
-        with cp.client() as client:
-            client.push(onnx_path, name="det")
-            client.push(onnx_path, name="det", variants=("int8",))
-        yield cp
-    finally:
-        cp.stop()
+    template_home, template_db = published_template(request.param)
+    home = tmp_path_factory.mktemp("plane") / "home"
+    copy_home(template_home, home)
+    with contextlib.ExitStack() as stack:
+        if template_db is not None:
+            settings["db"] = stack.enter_context(fresh_pg_database(template=template_db))
+        cp = start_control_plane(home, **settings)
+        try:
+            yield cp
+        finally:
+            cp.stop()
 
 
 @pytest.fixture(params=["sqlite", PG])

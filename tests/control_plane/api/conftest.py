@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 
 from control_plane.demo import sample_models
-from tests.control_plane.helpers import start_control_plane
+from tests.conftest import fresh_pg_database
+from tests.control_plane.helpers import copy_home, start_control_plane
+
+SETTINGS = {"scheduler_interval_s": 0.2, "device_flush_s": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -13,22 +20,70 @@ def onnx_path(tmp_path_factory):
     return path
 
 
+def _push_det(cp, onnx_path: Path) -> None:
+    """Publish det:1 (fp32) and det:2 (fp32 + int8) from the same ONNX file."""
+    with cp.client() as client:
+        client.push(onnx_path, name="det")
+        client.push(onnx_path, name="det", variants=("int8",))
+
+
+@pytest.fixture(scope="session")
+def published_template(tmp_path_factory) -> Iterator[Callable[[str], tuple[Path, str | None]]]:
+    """Return `get(kind)`: a stopped home (and PostgreSQL database) with det:1 and det:2.
+
+    Pushing runs MNN in child processes (seconds); each worker builds one home per
+    database kind, on first use, and every `published` test starts from a copy of it.
+    """
+    built: dict[str, tuple[Path, str | None]] = {}
+    with contextlib.ExitStack() as stack:
+
+        def get(kind: str) -> tuple[Path, str | None]:
+            if kind not in built:
+                settings = dict(SETTINGS)
+                if kind == "postgresql":
+                    settings["db"] = stack.enter_context(fresh_pg_database())
+                home = tmp_path_factory.mktemp(f"published-{kind}") / "home"
+                cp = start_control_plane(home, **settings)
+                try:
+                    onnx = home.parent / "det.onnx"
+                    onnx.write_bytes(sample_models.tiny_mlp_onnx(seed=1))
+                    _push_det(cp, onnx)
+                finally:
+                    cp.stop()
+                built[kind] = home, settings.get("db")
+            return built[kind]
+
+        yield get
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def cp(request, tmp_path):
-    settings = {"scheduler_interval_s": 0.2, "device_flush_s": 0.1}
-    if request.param == "postgresql":
+    """A control plane of the test's own; for a test that asks for `published` as well,
+    one that starts from a copy of the published template instead of an empty home."""
+    settings = dict(SETTINGS)
+    home = tmp_path / "home"
+    if "published" in request.fixturenames:
+        template_home, template_db = request.getfixturevalue("published_template")(request.param)
+        copy_home(template_home, home)
+        if template_db is not None:
+            settings["db"] = request.getfixturevalue("_pg_copy")(template_db)
+    elif request.param == "postgresql":
         settings["db"] = request.getfixturevalue("pg_url")
-    plane = start_control_plane(tmp_path / "home", **settings)
+    plane = start_control_plane(home, **settings)
     yield plane
     plane.stop()
 
 
 @pytest.fixture
-def published(cp, onnx_path):
+def _pg_copy() -> Iterator[Callable[[str], str]]:
+    """Return `copy(url)`: a new database copied from `url`, dropped after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda url: stack.enter_context(fresh_pg_database(template=url))
+
+
+@pytest.fixture
+def published(cp):
     """The control plane with det:1 and det:2 (fp32 + int8) pushed."""
-    with cp.client() as client:
-        client.push(onnx_path, name="det")
-        client.push(onnx_path, name="det", variants=("int8",))
     return cp
 
 
