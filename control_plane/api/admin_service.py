@@ -19,7 +19,7 @@ from control_plane.api.golden_convert import accuracy_pb, golden_pb, golden_requ
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.signing_convert import chain_pb, signing_key_pb
 from control_plane.registry import memfd
-from control_plane.registry.golden import MAX_GOLDEN_UPLOAD
+from control_plane.registry.contract import MAX_GOLDEN_UPLOAD
 from control_plane.registry.keys import KekRotation
 from control_plane.registry.registry import Registry
 from control_plane.registry.requests import (

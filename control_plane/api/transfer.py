@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from control_plane import errors
-from control_plane.registry.golden import MAX_GOLDEN_UPLOAD
+from control_plane.registry.contract import MAX_GOLDEN_UPLOAD
 from protos import admin_pb2
 
 CHUNK = 1 << 20

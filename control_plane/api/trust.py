@@ -11,7 +11,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from control_plane import errors
-from control_plane.registry.registry import BASE_VARIANT, MANIFEST_SCHEMA
+from control_plane.registry.contract import BASE_VARIANT, MANIFEST_SCHEMA
 from device_agent.assignment import AssignmentRejected
 from device_agent.signing_keys import KeyRing
 from protos import common_pb2

@@ -6,7 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
-from control_plane.registry.golden import DEFAULT_MIN_COSINE
+from control_plane.registry.contract import DEFAULT_MIN_COSINE
 
 __all__ = ["add_golden_flags", "golden_options"]
 

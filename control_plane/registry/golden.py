@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from control_plane import errors
+from control_plane.registry.contract import DEFAULT_MIN_COSINE, MAX_GOLDEN_UPLOAD
 from control_plane.registry.mnn_tools import TensorSpec
 from runtime.golden import MAX_GOLDEN_BYTES, Golden, Tolerance, output_errors
 from runtime.npz import read_npz, write_npz
@@ -34,8 +35,6 @@ __all__ = [
     "reference_golden",
 ]
 
-DEFAULT_MIN_COSINE = 0.99
-MAX_GOLDEN_UPLOAD = 64 << 20  # compressed; golden inputs are a handful of samples
 # All golden inputs together, in the model's dtypes: what the server holds (a few times
 # over) while a push runs, and what every device receives.
 MAX_GOLDEN_INPUT_BYTES = 64 << 20

@@ -35,6 +35,7 @@ from control_plane.crypto import (
 from control_plane.crypto.keyring import Keyring
 from control_plane.crypto.segments import SegmentHasher, encode_digests
 from control_plane.registry import evaluation, gc, memfd, mnn_tools
+from control_plane.registry.contract import BASE_VARIANT, MANIFEST_SCHEMA
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.requests import (
     PushRequest,
@@ -55,9 +56,7 @@ from control_plane.store.base import (
 
 log = logging.getLogger(__name__)
 
-BASE_VARIANT = "fp32"
 AEAD_NAME = "AES256_GCM_HKDF_1MB"
-MANIFEST_SCHEMA = "skiff.manifest/v1"
 # Concurrent MNN children per push; each holds a copy of a variant's weights.
 INSPECT_WORKERS = 2
 # What golden data's ciphertext is bound to in place of a variant name (variant names are

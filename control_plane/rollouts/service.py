@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from control_plane import errors
 from control_plane.fleet.selector import parse_selector
 from control_plane.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
+from control_plane.registry.contract import BASE_VARIANT
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.guardrails import parse_rules
 from control_plane.rollouts.lifecycle import (
@@ -45,7 +46,6 @@ from control_plane.telemetry.classes import (
 log = logging.getLogger(__name__)
 
 ROLLOUT_PREFIX = "ro_"
-BASE_VARIANT = "fp32"
 
 
 @dataclass(frozen=True)

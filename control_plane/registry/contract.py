@@ -1,0 +1,17 @@
+"""Names and defaults of the registry that the server, the CLI and the API share.
+
+Nothing heavy is imported here, so a client (`skiff --help`, a script) does not load
+numpy and the MNN tooling just to know them.
+"""
+
+from __future__ import annotations
+
+# Every version has this variant: the model as published (converted to MNN), in fp32.
+BASE_VARIANT = "fp32"
+# The manifest format a version's signature covers (control_plane.registry.registry).
+MANIFEST_SCHEMA = "skiff.manifest/v1"
+# A derived variant's outputs must reach this cosine similarity with fp32's unless the
+# publisher sets another floor (`--min-cosine`).
+DEFAULT_MIN_COSINE = 0.99
+# A push's golden data (.npz), compressed; golden inputs are a handful of samples.
+MAX_GOLDEN_UPLOAD = 64 << 20
