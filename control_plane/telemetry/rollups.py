@@ -166,17 +166,24 @@ class Roller:
     def roll(self, max_rounds: int = 50) -> int:
         """Roll up what this replica stored (from memory), then stragglers (database).
 
-        Stragglers get their turn every time, however busy the replica: batches missed
-        in memory (a restart, a full queue, a lost race, a database error) are not
-        starved by a steady flow of new ones.
+        Only the batches waiting when the call begins: those stored meanwhile wait for
+        the next call. A round costs mostly its rollup rows (one per group and bucket,
+        however many batches fill it), so chasing the stream in small rounds cost more
+        per batch the busier the replica got (on PostgreSQL, 0.9 ms a batch instead of
+        0.2 ms, and a third of Report's throughput). Stragglers get their turn every time,
+        however busy the replica: batches missed in memory (a restart, a full queue, a
+        lost race, a database error) are not starved by a steady flow of new ones.
         """
         total = 0
+        with self._fresh_lock:
+            waiting = len(self._fresh)
         for _ in range(max_rounds):
             with self._fresh_lock:
-                take = min(self._limit, len(self._fresh))
+                take = min(self._limit, waiting, len(self._fresh))
                 fresh = [self._fresh.popleft() for _ in range(take)]
             if not fresh:
                 break
+            waiting -= take
             total += self._round(self._from_memory(fresh))
         for _ in range(max_rounds):
             before = self._clock() - self._straggler_age

@@ -245,3 +245,33 @@ def test_batches_handed_over_by_the_writer_are_rolled_without_rereading(store):
     finally:
         writer.close()
     assert r.roll() == 2
+
+
+def test_a_roll_takes_what_was_waiting_and_leaves_later_batches_to_the_next(store):
+    """A roll chasing batches that arrive while it runs does ever smaller rounds, each
+    costing a merge of every row it touches: on PostgreSQL it ran for seconds and took a
+    third of Report's throughput. Later batches wait for the next roll, in one round."""
+    device = enroll(store, soc="s")
+    start = NOW - dt.timedelta(minutes=1)
+
+    def stored(prefix: str, n: int) -> list[ReportBatch]:
+        batches = [
+            ReportBatch(device, f"{prefix}-{i:04d}", NOW, start, NOW, 0, (stats(1, [5.0]),), ())
+            for i in range(n)
+        ]
+        assert store.add_reports(batches) == [True] * n
+        return batches
+
+    r = Roller(store, FixedResolver(), CLASS, clock=lambda: NOW, batches_per_round=2)
+    rounds: list[int] = []
+    later = iter([stored("batch-late-a", 3), stored("batch-late-b", 3)])
+
+    def arrive(deltas) -> None:  # after each round, more batches have come in
+        rounds.append(sum(agg.inferences for (res, _, _), agg in deltas.items() if res == HOUR))
+        r.offer(next(later, []))
+
+    r.observe(arrive)
+    r.offer(stored("batch-first", 5))
+    assert r.roll() == 5 and rounds == [2, 2, 1]
+    assert r.roll() == 6  # what came in meanwhile, in the next call
+    assert rounds[3:] == [2, 2, 2]
