@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Sequence
 
-from sqlalchemy import or_, select
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -57,11 +59,17 @@ class SqlTelemetryStore(TelemetryStore):
     def _add_reports(self, batches: Sequence[ReportBatch]) -> list[bool | errors.SkiffError]:
         try:
             with self._scope() as session:
-                dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+                pg = session.get_bind().dialect.name == "postgresql"
+                dialect = postgresql if pg else sqlite
                 wanted = sorted({b.device_id for b in batches})
-                known = set(
-                    session.scalars(select(orm.DeviceRow.id).where(orm.DeviceRow.id.in_(wanted)))
-                )
+                if pg:  # one statement text whatever the group's size (psycopg caches it)
+                    known = set(session.scalars(_KNOWN_PG, {"ids": wanted}))
+                else:
+                    known = set(
+                        session.scalars(
+                            select(orm.DeviceRow.id).where(orm.DeviceRow.id.in_(wanted))
+                        )
+                    )
                 results: list[bool | errors.SkiffError] = []
                 fresh: list[ReportBatch] = []
                 seen: set[tuple[str, str]] = set()
@@ -78,24 +86,15 @@ class SqlTelemetryStore(TelemetryStore):
                     return results
                 # Claim the batch ids first: a concurrent copy of the same batch waits on
                 # its row and then finds it taken (nothing else of it is written).
-                table = orm.TelemetryBatchRow.__table__
-                claimed = {
-                    (row.device_id, row.batch_id)
-                    for row in session.execute(
-                        dialect.insert(table)
-                        .on_conflict_do_nothing(index_elements=["device_id", "batch_id"])
-                        .returning(table.c.device_id, table.c.batch_id),
-                        [_batch_values(b) for b in fresh],
-                    )
-                }
+                claim = _claim_pg if pg else _claim
+                claimed = claim(session, fresh)
                 stored = [b for b in fresh if (b.device_id, b.batch_id) in claimed]
                 stats = [_stats_values(b, s) for b in stored for s in b.models]
-                for rows, table in (
-                    (stats, orm.ModelStatsRow.__table__),
-                    ([_install_values(b, i) for b in stored for i in b.installs], _INSTALLS),
-                ):
-                    if rows:
-                        session.execute(table.insert(), rows)
+                if stats:
+                    (_copy_stats if pg else _insert_stats)(session, stats)
+                installs = [_install_values(b, i) for b in stored for i in b.installs]
+                if installs:
+                    session.execute(_INSTALLS.insert(), installs)
                 for b in stored:
                     for record in sorted(b.installs, key=lambda i: i.at):
                         _apply_install(session, dialect, b.device_id, record)
@@ -135,6 +134,65 @@ class SqlTelemetryStore(TelemetryStore):
             ).all()
             rows.reverse()
             return [StatsRow(aware(x.period_start), aware(x.period_end), _stats(x)) for x in rows]
+
+
+# PostgreSQL: statements whose text does not grow with the group. Long statements built
+# per group (IN lists, multi-row VALUES) were parsed afresh by psycopg each time and rows
+# sent one by one by executemany: most of a Report's cost in the writer.
+_KNOWN_PG = text("SELECT id FROM devices WHERE id = ANY(CAST(:ids AS text[]))")
+_CLAIM_PG = text(
+    "INSERT INTO telemetry_batches"
+    " (device_id, batch_id, received_at, period_start, period_end, dropped_batches, rolled)"
+    " SELECT *, false FROM unnest(CAST(:device_id AS text[]), CAST(:batch_id AS text[]),"
+    " CAST(:received_at AS timestamptz[]), CAST(:period_start AS timestamptz[]),"
+    " CAST(:period_end AS timestamptz[]), CAST(:dropped_batches AS integer[]))"
+    " ON CONFLICT (device_id, batch_id) DO NOTHING RETURNING device_id, batch_id"
+)
+_STATS = orm.ModelStatsRow.__table__
+_STATS_COLUMNS = [c.name for c in _STATS.columns if c.name != "id"]
+_JSON_COLUMNS = {"latency", "events"}
+
+
+def _claim(session: Session, batches: Sequence[ReportBatch]) -> set[tuple[str, str]]:
+    """Insert the batches' rows unless already there; return the keys this call inserted."""
+    table = orm.TelemetryBatchRow.__table__
+    return {
+        (row.device_id, row.batch_id)
+        for row in session.execute(
+            sqlite.insert(table)
+            .on_conflict_do_nothing(index_elements=["device_id", "batch_id"])
+            .returning(table.c.device_id, table.c.batch_id),
+            [_batch_values(b) for b in batches],
+        )
+    }
+
+
+def _claim_pg(session: Session, batches: Sequence[ReportBatch]) -> set[tuple[str, str]]:
+    """`_claim` on PostgreSQL, in one statement of fixed text (columns as arrays)."""
+    rows = [_batch_values(b) for b in batches]
+    columns = ("device_id", "batch_id", "received_at", "period_start", "period_end")
+    params = {c: [r[c] for r in rows] for c in (*columns, "dropped_batches")}
+    return {(row.device_id, row.batch_id) for row in session.execute(_CLAIM_PG, params)}
+
+
+def _insert_stats(session: Session, rows: list[dict]) -> None:
+    session.execute(_STATS.insert(), rows)
+
+
+def _copy_stats(session: Session, rows: list[dict]) -> None:
+    """Insert stats rows with COPY (PostgreSQL): one stream, rows formatted by psycopg's C."""
+    import psycopg  # only ever with a PostgreSQL store
+
+    sql = f"COPY {_STATS.name} ({', '.join(_STATS_COLUMNS)}) FROM STDIN"
+    try:
+        cursor = session.connection().connection.driver_connection.cursor()
+        with cursor, cursor.copy(sql) as copy:
+            for row in rows:
+                copy.write_row(
+                    [json.dumps(row[c]) if c in _JSON_COLUMNS else row[c] for c in _STATS_COLUMNS]
+                )
+    except psycopg.Error as exc:  # raw driver errors: wrapped as SQLAlchemy's, then sorted
+        raise sa_exc.DBAPIError.instance(sql, None, exc, psycopg.Error) from exc
 
 
 def _batch_values(batch: ReportBatch) -> dict:

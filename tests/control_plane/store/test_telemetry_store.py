@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from control_plane import errors
 from control_plane.fleet.devices import Fleet
 from control_plane.store.sql_store import SqlStore
 from control_plane.store.telemetry import InstallRecord, ModelStatsRecord, ReportBatch
@@ -138,3 +139,38 @@ def test_an_outcome_older_than_the_recorded_one_changes_nothing(store):
     store.add_report(batch(device, "o-000002", installs=(install(1, "activated", at=old),)))
     assert store.count_model_states("det", 5, "fp32") == (0, 1, 0)
     assert store.count_model_states("det", 1, "fp32") == (0, 0, 0)
+
+
+def test_a_group_stores_each_batch_once_and_refuses_only_the_bad_ones(store):
+    """One transaction for many batches (PostgreSQL: arrays and COPY): repeats within the
+    group and from before are False, an unknown device fails its own batch only, and the
+    stats come back exactly as sent, crash and fallback reports included."""
+    a, b = enroll(store), enroll(store)
+    crash = {"at": NOW.isoformat(), "config": "CPU", "reason": "signal", "signal": "SIGSEGV"}
+    fallback = {"at": NOW.isoformat(), "from_config": "OPENCL", "to_config": "CPU", "reason": "x"}
+    sent = ModelStatsRecord(
+        "det",
+        2,
+        "int8",
+        "CPU/normal/t1/mem-normal",
+        inferences=12,
+        errors=1,
+        pipeline_firings=3,
+        latency=histogram(100, 250, 250, 9000),
+        crashes=(crash,),
+        fallbacks=(fallback,),
+    )
+    assert store.add_report(batch(a, "batch-before")) is True
+    group = [
+        batch(a, "batch-g-1", models=(sent, stats(1, 5))),
+        batch(a, "batch-g-1", models=(sent,)),  # the same batch twice in one group
+        batch(a, "batch-before"),
+        batch("dev_nobody", "batch-g-2"),
+        batch(b, "batch-g-1", installs=(install(2, "failed", reason="self-test"),)),
+    ]
+    results = store.add_reports(group)
+    assert results[:3] == [True, False, False] and results[4] is True
+    assert isinstance(results[3], errors.NotFound) and "dev_nobody" in str(results[3])
+    rows = store.device_stats(a, since=NOW - dt.timedelta(days=1))
+    assert sorted((r.stats for r in rows), key=lambda s: s.version) == [stats(1, 5), sent]
+    assert [i.result for i in store.recent_installs(b, limit=5)] == ["failed"]
