@@ -13,7 +13,8 @@ A profile is JSON in one of three shapes:
                                                         (an iPhone never has an rk3588)
 
 Any shape may add `"inject": [...]`: faults a slice of the fleet shows in what it reports
-while it runs one version (see control_plane.sim.telemetry).
+while it runs one version (see control_plane.sim.telemetry). A profile of faults alone,
+`{"inject": [...]}`, applies them to the default fleet (default_profile.json).
 
 Device i's attributes depend only on the seed, i and the profile, never on how many
 devices were made before it, so a run that adds devices leaves the old ones as they were.
@@ -25,7 +26,7 @@ import json
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -114,14 +115,17 @@ def _parse(data: object) -> Profile:
         raise errors.InvalidArgument("must be a JSON object")
     shapes = [k for k in ("devices", "mix", "classes") if k in data]
     unknown = sorted(set(data) - {"devices", "mix", "classes", "description", "inject"})
-    if unknown or len(shapes) != 1:
-        raise errors.InvalidArgument(
-            "must have exactly one of 'devices', 'mix' or 'classes'"
-            + (f" (unknown key {', '.join(map(repr, unknown))})" if unknown else "")
-        )
+    if unknown:
+        raise errors.InvalidArgument(f"unknown key {', '.join(map(repr, unknown))}")
+    if len(shapes) > 1:
+        raise errors.InvalidArgument("has more than one of 'devices', 'mix' and 'classes'")
+    if not shapes and "inject" not in data:
+        raise errors.InvalidArgument("needs 'devices', 'mix', 'classes' or 'inject'")
     from control_plane.sim.telemetry import parse_injections
 
     injections = parse_injections(data.get("inject", []))
+    if not shapes:  # faults only: on the default fleet
+        return replace(load_profile(), injections=injections)
     if "devices" in data:
         return Profile(devices=_parse_devices(data["devices"]), injections=injections)
     if "mix" in data:

@@ -59,8 +59,8 @@ def test_explicit_list_cycles_and_tags_are_independent():
     ("data", "message"),
     [
         ([], "must be a JSON object"),
-        ({}, "exactly one of 'devices', 'mix' or 'classes'"),
-        ({"mix": {"platform": {"ios": 1}}, "devices": []}, "exactly one of"),
+        ({}, "needs 'devices', 'mix', 'classes' or 'inject'"),
+        ({"mix": {"platform": {"ios": 1}}, "devices": []}, "more than one of"),
         ({"mixes": {}}, "unknown key 'mixes'"),
         (
             {"mix": {"platform": {"android": 0.7, "ios": 0.2}}},

@@ -105,3 +105,44 @@ def test_the_control_plane_sees_the_slowed_slice(cp):
         base = load.median_us(MODEL, 2, [])
         factor = 3.0 if socs[device] == SLOW_SOC else 1.0
         assert measured / base == pytest.approx(factor, rel=0.1), (socs[device], measured, base)
+
+
+def test_a_profile_of_faults_alone_applies_them_to_the_default_fleet(tmp_path):
+    """The profile exactly as operators write it: no fleet of its own, a slice slowed by
+    SoC and another crashing by a device-model glob, on one version only."""
+    from control_plane.sim.profile import load_profile
+
+    path = tmp_path / "faults.json"
+    path.write_text(
+        '{"inject": [{"select": "soc=sm8450", "model": "ctr:2", "latency_x": 3.0},'
+        ' {"select": "device_model~Moto*", "model": "ctr:2", "crash_rate": 0.01}]}'
+    )
+    prof = load_profile(path)
+    default = load_profile()
+    fleet = [prof.attributes(7, i) for i in range(400)]
+    assert fleet == [default.attributes(7, i) for i in range(400)]
+    slow = [a for a in fleet if a["soc"] == "sm8450"]
+    moto = [a for a in fleet if a["device_model"].startswith("Moto")]
+    plain = [a for a in fleet if a["soc"] not in ("sm8450",) and a["platform"] == "android"]
+    assert slow and moto and plain  # the default fleet has both slices, and others
+    end = dt.datetime.now(dt.UTC)
+
+    def crashes(attrs: dict, version: int) -> tuple[int, int]:
+        """Crashes and inferences over 20 one-minute batches at 10 requests a second."""
+        load, crashed, runs = Load("dev_x", attrs, seed=1, requests_per_s=10), 0, 0
+        for _ in range(20):
+            period = (end - dt.timedelta(seconds=60), end)
+            (s,) = load.batch({"ctr": (version, "fp32")}, *period, prof.injections).models
+            crashed, runs = crashed + len(s.crashes), runs + s.inferences
+        return crashed, runs
+
+    for attrs in slow[:3]:
+        load = Load("dev_s", attrs, seed=1)
+        assert load.median_us("ctr", 2, prof.injections) == pytest.approx(
+            3 * load.median_us("ctr", 2, [])
+        )
+        assert load.median_us("ctr", 1, prof.injections) == load.median_us("ctr", 1, [])
+    crashed, runs = crashes(moto[0], 2)
+    assert 0.007 < crashed / runs < 0.013  # 1% of about 12,000 inferences
+    assert crashes(moto[0], 1)[0] < 0.001 * crashes(moto[0], 1)[1]  # v1 runs clean
+    assert crashes(plain[0], 2)[0] < 0.001 * crashes(plain[0], 2)[1]
