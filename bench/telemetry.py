@@ -12,6 +12,8 @@ Reported:
 
 * `report_batches_per_s_<db>` and `echo_calls_per_s_<db>`, and their ratio
   `report_vs_echo_<db>` (aim >= 0.3): what storing a batch costs over the transport.
+  `report_batches_per_s`, `report_vs_echo` and `health_query_ms` without a suffix are the
+  weaker database's figures.
 * `health_query_ms_<db>`: the median time of a rollout's health view (every slice's
   candidate and baseline figures and rule verdicts, control_plane.rollouts.guard) over
   30 days of rollups of 10k devices: the rows the roller leaves after 30 days of 1-minute
@@ -352,6 +354,13 @@ def main() -> None:
         finally:
             if done is not None:
                 done()
+    # The bare keys hold the weaker database's figure: what the aims are checked against.
+    for key, worst in (
+        ("report_batches_per_s", min),
+        ("report_vs_echo", min),
+        ("health_query_ms", max),
+    ):
+        results[key] = worst(results[f"{key}_sqlite"], results[f"{key}_postgresql"])
     results["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     print(f"reproduce: {results['command']}")
     print(json.dumps(results, sort_keys=True))
