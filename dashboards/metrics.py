@@ -5,8 +5,11 @@ Two kinds, each with bounded label sets:
   state, and per rollout its state, stage and device counts (rollouts in progress, and
   those that ended in the last day);
 - counters and a latency histogram this replica adds to as its roller merges device
-  reports (sum them over replicas: each batch is rolled by exactly one). Labels are
-  model, version and variant, at most MAX_SERIES combinations (the rest are "other").
+  reports (sum them over replicas: each batch is rolled by exactly one), fleet-wide by
+  model, version, variant, backend config and device class (at most MAX_SERIES label
+  sets, the rest "other"), and per rollout by cohort (candidate or baseline) and slice,
+  the figures guardrails judge (at most MAX_ROLLOUT_SERIES);
+- and per rollout the slices guardrails or operators rolled back.
 
 The latency histogram's `le` bounds are boundaries of the devices' own histogram buckets
 (powers of two microseconds), so converting is exact.
@@ -31,6 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from control_plane.rollouts.lifecycle import RolloutState
 from control_plane.store.rollups import Aggregate
+from control_plane.telemetry.classes import class_values, parse_dimension
 from control_plane.telemetry.rollups import MINUTE
 from runtime.histogram import BUCKETS_PER_DOUBLING, N_BUCKETS
 
@@ -42,7 +46,8 @@ if TYPE_CHECKING:
 disable_created_metrics()
 
 SCRAPE_CACHE_S = 10.0
-MAX_SERIES = 200
+MAX_SERIES = 1000
+MAX_ROLLOUT_SERIES = 400
 MAX_ROLLOUTS = 100
 ENDED_SHOWN = dt.timedelta(days=1)
 OTHER = "other"
@@ -51,12 +56,16 @@ LE_DOUBLINGS = tuple(range(3, 25))
 _LE_INDEX = np.array([d * BUCKETS_PER_DOUBLING + 1 for d in LE_DOUBLINGS])
 LE_SECONDS = tuple((2**d) / 1e6 for d in LE_DOUBLINGS)
 COUNTED = ("inferences", "errors", "crashes", "fallbacks", "pipeline_firings")
+LABELS = ("model", "version", "variant", "config", "device_class")
+ROLLOUT_LABELS = ("rollout", "cohort", "slice")
+ROLLOUT_COUNTED = ("inferences", "errors", "crashes", "fallbacks")
 
 
 class _Latency:
     """Cumulative per-label latency buckets, exported as one Prometheus histogram."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
         self.buckets: dict[tuple[str, ...], np.ndarray] = {}
         self.sums: dict[tuple[str, ...], float] = {}
 
@@ -66,11 +75,7 @@ class _Latency:
         self.sums[labels] = self.sums.get(labels, 0.0) + agg.latency_sum_ns / 1e9
 
     def family(self) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(
-            "skiff_inference_latency_seconds",
-            "Inference latency reported by devices, merged by this replica's roller.",
-            labels=("model", "version", "variant"),
-        )
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         for labels, counts in sorted(self.buckets.items()):
             cumulative = np.cumsum(counts)
             below = [float(cumulative[i - 1]) for i in _LE_INDEX]  # buckets wholly under le
@@ -87,49 +92,78 @@ class Metrics:
         self._app = app
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
-        self._labels: set[tuple[str, str, str]] = set()
+        self._labels: set[tuple[str, ...]] = set()
+        self._rollout_labels: set[tuple[str, ...]] = set()
+        by = "reported by devices, merged by this replica's roller"
         self._counters = {
             name: Counter(
                 f"skiff_{name}",
-                f"{name.replace('_', ' ').capitalize()} reported by devices, merged by this "
-                "replica's roller.",
-                ("model", "version", "variant"),
+                f"{name.replace('_', ' ').capitalize()} {by}.",
+                LABELS,
                 registry=self.registry,
             )
             for name in COUNTED
+        }
+        self._rollout_counters = {
+            name: Counter(
+                f"skiff_rollout_{name}",
+                f"{name.capitalize()} of a rollout's cohort and slice, {by}.",
+                ROLLOUT_LABELS,
+                registry=self.registry,
+            )
+            for name in ROLLOUT_COUNTED
         }
         self._batches = Counter(
             "skiff_rollup_rounds",
             "Roll-up rounds this replica applied.",
             registry=self.registry,
         )
-        self._latency = _Latency()
+        self._latency = _Latency(
+            "skiff_inference_latency_seconds", f"Inference latency {by}.", LABELS
+        )
+        self._rollout_latency = _Latency(
+            "skiff_rollout_latency_seconds",
+            f"Inference latency of a rollout's cohort and slice, {by}.",
+            ROLLOUT_LABELS,
+        )
         self._cache: tuple[float, list] = (float("-inf"), [])
         self.registry.register(_ScrapeCollector(self))
         app.roller.observe(self.on_rolled)
 
-    def _bounded(self, key) -> tuple[str, str, str]:
-        labels = (key.model, str(key.version), key.variant)
-        if labels not in self._labels:
-            if len(self._labels) >= MAX_SERIES:
-                return (OTHER, OTHER, OTHER)
-            self._labels.add(labels)
+    def _bounded(self, key) -> tuple[str, ...]:
+        if key.rollout:
+            labels = (key.rollout, key.cohort, slice_label(key.device_class))
+            seen, most = self._rollout_labels, MAX_ROLLOUT_SERIES
+        else:
+            labels = (
+                key.model,
+                str(key.version),
+                key.variant,
+                key.config,
+                class_label(key.device_class),
+            )
+            seen, most = self._labels, MAX_SERIES
+        if labels not in seen:
+            if len(seen) >= most:
+                return (OTHER,) * len(labels)
+            seen.add(labels)
         return labels
 
     def on_rolled(self, deltas: Deltas) -> None:
-        """Count what one roll-up round merged (fleet-wide minute rows: each report once)."""
+        """Count what one roll-up round merged (minute rows: each report once)."""
         with self._lock:
             self._batches.inc()
             for (resolution, _at, key), agg in deltas.items():
-                if resolution != MINUTE or key.rollout:
+                if resolution != MINUTE:
                     continue
                 labels = self._bounded(key)
-                for name in COUNTED:
+                counters = self._rollout_counters if key.rollout else self._counters
+                for name, counter in counters.items():
                     value = getattr(agg, name)
                     if value:
-                        self._counters[name].labels(*labels).inc(value)
+                        counter.labels(*labels).inc(value)
                 if agg.latency_count:
-                    self._latency.add(labels, agg)
+                    (self._rollout_latency if key.rollout else self._latency).add(labels, agg)
 
     def render(self) -> tuple[bytes, str]:
         """Return the exposition text and its content type."""
@@ -140,11 +174,11 @@ class Metrics:
         with self._lock:
             at, families = self._cache
             if time.monotonic() - at < SCRAPE_CACHE_S:
-                return [*families, self._latency.family()]
+                return [*families, self._latency.family(), self._rollout_latency.family()]
         families = _fleet_families(self._app) + _rollout_families(self._app)
         with self._lock:
             self._cache = (time.monotonic(), families)
-            return [*families, self._latency.family()]
+            return [*families, self._latency.family(), self._rollout_latency.family()]
 
 
 class _ScrapeCollector:
@@ -192,16 +226,34 @@ def _rollout_families(app: App) -> list:
         "Devices of a rollout in progress, by status.",
         labels=("rollout", "status"),
     )
+    slices = GaugeMetricFamily(
+        "skiff_rollout_slice_rolled_back",
+        "1 for each slice of a sliced rollout that is rolled back (by a guardrail or an "
+        "operator); readmitted slices are gone.",
+        labels=("rollout", "slice"),
+    )
     for r in shown:
         for s in RolloutState:
             state.add_metric([r.id, r.model, str(r.version), s.value], float(r.state == s))
         stage.add_metric([r.id], float(r.stages[r.stage]))
+        for value in sorted(r.rolled_back_slices()):
+            slices.add_metric([r.id, f"{parse_dimension(r.slice_by).name}={value}"], 1.0)
         if r.state in ended:
             continue
         c = app.rollouts.counts(r)
         for status in ("selected", "in_stage", "synced", "installed", "failed"):
             counts.add_metric([r.id, status], getattr(c, status))
-    return [state, stage, counts]
+    return [state, stage, counts, slices]
+
+
+def class_label(device_class: str) -> str:
+    """Return a stored device class as a label: `soc=sm8450, os_version=14`, sorted."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(class_values(device_class).items()))
+
+
+def slice_label(slice_class: str) -> str:
+    """Return a rollout row's slice as a label: `soc=sm8450`, or `all` if unsliced."""
+    return class_label(slice_class) or "all"
 
 
 def _last_change(record) -> dt.datetime:

@@ -12,13 +12,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import dashboards
-from tests.control_plane.sim.test_guardrails import N
+from dashboards.metrics import class_label, slice_label
+from tests.control_plane.sim.test_guardrails import SLOW_SOC, N
 from tests.dashboards.conftest import Site
 
 # One worker runs the module, so its scenario (the `site` fixture) is built once.
 pytestmark = pytest.mark.xdist_group("dashboard-metrics")
 
 GRAFANA = Path(dashboards.__file__).parent / "grafana" / "skiff-fleet.json"
+LATENCY = "skiff_inference_latency_seconds"
 
 
 def _scrape(site: Site) -> dict:
@@ -56,32 +58,78 @@ def test_fleet_and_rollout_gauges(site):
         assert got == doc["counts"][status] > 0
 
 
+def _agrees(m: dict, family: str, labels: dict, agg) -> None:
+    """The exported counters and latency histogram of one label set equal its rollup."""
+    prefix = "skiff_rollout_" if family == "rollout" else "skiff_"
+    assert _value(m, f"{prefix}inferences_total", **labels) == agg.inferences > 0
+    assert _value(m, f"{prefix}crashes_total", **labels) == agg.crashes
+    assert _value(m, f"{prefix}errors_total", **labels) == agg.errors
+    latency = "skiff_rollout_latency_seconds" if family == "rollout" else LATENCY
+    count = _value(m, f"{latency}_count", **labels)
+    assert count == agg.latency_count
+    buckets = sorted(
+        (float(got["le"]), v) for got, v in m[f"{latency}_bucket"] if labels.items() <= got.items()
+    )
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts) and counts[-1] == count  # cumulative; +Inf is all
+    # The bucket holding the median agrees with the rollup's own p50.
+    p50_s = agg.quantile_us(0.5) / 1e6
+    below = [v for le, v in buckets if le < p50_s]
+    above = [v for le, v in buckets if le >= p50_s]
+    assert (not below or below[-1] <= count / 2) and above[0] >= count / 2
+
+
 def test_counters_and_latency_agree_with_the_rollups(site):
     site.cp.app.roller.roll()
     m = _scrape(site)
     epoch = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
     merged = site.cp.app.store.merged_rollups(
-        resolution_s=60, since=epoch, group=lambda _at, k: (k.model, k.version, k.variant)
+        resolution_s=60,
+        since=epoch,
+        group=lambda _at, k: (k.model, k.version, k.variant, k.config, k.device_class),
     )
-    assert merged
-    for (model, version, variant), agg in merged.items():
-        labels = {"model": model, "version": str(version), "variant": variant}
-        assert _value(m, "skiff_inferences_total", **labels) == agg.inferences > 0
-        assert _value(m, "skiff_crashes_total", **labels) == agg.crashes
-        count = _value(m, "skiff_inference_latency_seconds_count", **labels)
-        assert count == agg.latency_count
-        buckets = sorted(
-            (float(got["le"]), v)
-            for got, v in m["skiff_inference_latency_seconds_bucket"]
-            if labels.items() <= got.items()
-        )
-        counts = [v for _, v in buckets]
-        assert counts == sorted(counts) and counts[-1] == count  # cumulative; +Inf is all
-        # The bucket holding the fleet's median agrees with the rollup's own p50.
-        p50_s = agg.quantile_us(0.5) / 1e6
-        below = [v for le, v in buckets if le < p50_s]
-        above = [v for le, v in buckets if le >= p50_s]
-        assert (not below or below[-1] <= count / 2) and above[0] >= count / 2
+    configs = {key[3] for key in merged}
+    assert len(merged) > len(configs) > 1  # several backend configs and device classes
+    for (model, version, variant, config, device_class), agg in merged.items():
+        labels = {
+            "model": model,
+            "version": str(version),
+            "variant": variant,
+            "config": config,
+            "device_class": class_label(device_class),
+        }
+        assert "soc=" in labels["device_class"]
+        _agrees(m, "fleet", labels, agg)
+
+
+def test_rollout_cohorts_and_slices_agree_with_the_health_view(site):
+    """What guardrails judge is exported per rollout, cohort and slice: Grafana can show
+    a candidate beside its baseline, and which slices were rolled back."""
+    site.cp.app.roller.roll()
+    m = _scrape(site)
+    epoch = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+    merged = site.cp.app.store.merged_rollups(
+        resolution_s=60,
+        since=epoch,
+        rollout=site.guarded,
+        group=lambda _at, k: (k.cohort, k.device_class),
+    )
+    assert {cohort for cohort, _ in merged} == {"candidate", "baseline"}
+    for (cohort, slice_class), agg in merged.items():
+        labels = {"rollout": site.guarded, "cohort": cohort, "slice": slice_label(slice_class)}
+        assert labels["slice"].startswith("soc=")
+        _agrees(m, "rollout", labels, agg)
+    rolled_back = {
+        got["slice"]
+        for got, v in m["skiff_rollout_slice_rolled_back"]
+        if got["rollout"] == site.guarded and v == 1
+    }
+    doc = site.cli("rollout", "show", site.guarded)
+    assert (
+        rolled_back
+        == {s["slice"] for s in doc["health"]["slices"] if s["state"] == "rolled_back"}
+        == {f"soc={SLOW_SOC}"}
+    )
 
 
 def test_every_grafana_query_names_an_exported_metric(site):
