@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -78,6 +78,13 @@ def pg_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test."""
     with fresh_pg_database() as url:
         yield url
+
+
+@pytest.fixture
+def pg_copy() -> Iterator[Callable[[str], str]]:
+    """Return `copy(url)`: a new PostgreSQL database copied from `url`, dropped afterwards."""
+    with contextlib.ExitStack() as stack:
+        yield lambda url: stack.enter_context(fresh_pg_database(template=url))
 
 
 @pytest.fixture(scope="module")

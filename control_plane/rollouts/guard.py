@@ -134,17 +134,27 @@ class Guard:
 
         groups = self._cohorts(record.id, since, now, slice_of)
         # The last stage leaves no baseline (every selected device is a candidate), and an
-        # early one may have too few: then candidates are compared with the baseline
-        # over the whole rollout (what those devices ran before the rollout reached them).
-        if since > record.created_at and any(
-            c.get(BASELINE, (None, 0, {}))[1] < max(1, record.min_devices) for c in groups.values()
-        ):
-            earlier = self._cohorts(record.id, record.created_at, now, slice_of)
-            for value, cohorts in groups.items():
-                before = earlier.get(value, {}).get(BASELINE)
-                now_base = cohorts.get(BASELINE, (Aggregate(), 0, {}, {}))
-                if before is not None and now_base[1] < max(1, record.min_devices):
-                    cohorts[BASELINE] = before
+        # early one (or a readmitted slice's window) may have too little: then candidates
+        # are compared with the baseline over the whole rollout (what those devices ran
+        # before the rollout reached them, or while their slice was rolled back).
+        whole: dict = {}
+
+        def fill_baseline(value: str, cohorts: dict, window_start: dt.datetime) -> None:
+            if window_start <= record.created_at:
+                return
+            agg, devices, *_ = cohorts.get(BASELINE, (Aggregate(), 0))
+            if devices >= max(1, record.min_devices) and agg.inferences >= max(
+                1, record.min_inferences
+            ):
+                return
+            if not whole:
+                whole.update(self._cohorts(record.id, record.created_at, now, slice_of))
+            before = whole.get(value, {}).get(BASELINE)
+            if before is not None:
+                cohorts[BASELINE] = before
+
+        for value, cohorts in groups.items():
+            fill_baseline(value, cohorts, since)
         values = set(groups) | set(record.slices)
         slices: list[SliceHealth] = []
         for value in sorted(values) if dimension else ():
@@ -153,10 +163,12 @@ class Guard:
             readmitted = state.get("state", ACTIVE) == ACTIVE and state.get("since")
             if readmitted and dt.datetime.fromisoformat(state["since"]) > since:
                 slice_since = dt.datetime.fromisoformat(state["since"])
-                # Strict: not a second of what the slice reported before it was readmitted.
+                # Strict: not a second of what the slice's candidates reported before it
+                # was readmitted (its baseline may come from the whole rollout, as above).
                 cohorts = self._cohorts(record.id, slice_since, now, slice_of, strict=True).get(
                     value, {}
                 )
+                fill_baseline(value, cohorts, slice_since)
             else:
                 cohorts = groups.get(value, {})
             slices.append(

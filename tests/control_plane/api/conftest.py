@@ -66,19 +66,12 @@ def cp(request, tmp_path):
         template_home, template_db = request.getfixturevalue("published_template")(request.param)
         copy_home(template_home, home)
         if template_db is not None:
-            settings["db"] = request.getfixturevalue("_pg_copy")(template_db)
+            settings["db"] = request.getfixturevalue("pg_copy")(template_db)
     elif request.param == "postgresql":
         settings["db"] = request.getfixturevalue("pg_url")
     plane = start_control_plane(home, **settings)
     yield plane
     plane.stop()
-
-
-@pytest.fixture
-def _pg_copy() -> Iterator[Callable[[str], str]]:
-    """Return `copy(url)`: a new database copied from `url`, dropped after the test."""
-    with contextlib.ExitStack() as stack:
-        yield lambda url: stack.enter_context(fresh_pg_database(template=url))
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ a copy of it (its own database, blobs and keys), so rollouts never leak between 
 
 from __future__ import annotations
 
-import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,9 @@ import pytest
 from control_plane.api.server import build_app, create_server
 from control_plane.demo import sample_models
 from control_plane.home import read_token
-from control_plane.settings import CONFIG_FILE, load_config
+from control_plane.settings import load_config
+from tests.conftest import fresh_pg_database
+from tests.control_plane import helpers
 from tests.control_plane.helpers import ControlPlane, start_control_plane
 
 MODEL = "det"
@@ -51,14 +53,13 @@ def wait_for(check, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="session")
-def template_home(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("sim-template")
-    cp = start_control_plane(tmp / "home")
+def _template(home: Path, **settings) -> Path:
+    """Push det:1 and det:2 into a new home; return it, stopped."""
+    cp = start_control_plane(home, **settings)
     try:
         with cp.client() as client:
             for version in (1, 2):
-                path = tmp / f"det-{version}.onnx"
+                path = home.parent / f"det-{version}.onnx"
                 path.write_bytes(sample_models.tiny_mlp_onnx(seed=version))
                 client.push(path, name=MODEL)
     finally:
@@ -66,12 +67,22 @@ def template_home(tmp_path_factory) -> Path:
     return cp.config.home
 
 
+@pytest.fixture(scope="session")
+def template_home(tmp_path_factory) -> Path:
+    return _template(tmp_path_factory.mktemp("sim-template") / "home")
+
+
+@pytest.fixture(scope="session")
+def pg_template(tmp_path_factory) -> Iterator[tuple[Path, str]]:
+    """The template on PostgreSQL: its home and its database (copy both, `pg_copy`)."""
+    with fresh_pg_database() as url:
+        yield _template(tmp_path_factory.mktemp("sim-pg-template") / "home", db=url), url
+
+
 def copy_home(template_home: Path, tmp_path: Path) -> Path:
-    """Copy the template home (its own database, blobs and keys)."""
+    """Copy the template home (its own database, blobs and keys) to `tmp_path/home`."""
     home = tmp_path / "home"
-    shutil.copytree(template_home, home)
-    config = home / CONFIG_FILE  # it names the template's files: point it at the copies
-    config.write_text(config.read_text().replace(str(template_home), str(home)))
+    helpers.copy_home(template_home, home)
     return home
 
 

@@ -4,19 +4,20 @@ back (or pauses the rollout) and lets the rest advance; on SQLite and PostgreSQL
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
+import subprocess
 
 import pytest
 
 from control_plane import errors
 from control_plane.cli.fleet_views import rollout_dict
-from control_plane.demo import sample_models
 from control_plane.sim import FleetSimulator, SimOptions
 from control_plane.sim.profile import parse_profile
 from protos import fleet_pb2
-from tests.control_plane.helpers import start_control_plane
 from tests.control_plane.sim.conftest import MODEL, copy_home, serve, wait_for
 from tests.control_plane.sim.test_fleet import enrolled
+from tests.control_plane.test_cli import skiff
 
 FAST = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
 SLOW_SOC, FAST_SOC = "sm8450", "sm8650"
@@ -30,14 +31,9 @@ def guarded(request, template_home, tmp_path):
     if request.param == "sqlite":
         cp = serve(copy_home(template_home, tmp_path), **QUICK)
     else:
-        cp = start_control_plane(
-            tmp_path / "pg-home", db=request.getfixturevalue("pg_url"), **QUICK
-        )
-        with cp.client() as client:
-            for version in (1, 2):
-                path = tmp_path / f"det-{version}.onnx"
-                path.write_bytes(sample_models.tiny_mlp_onnx(seed=version))
-                client.push(path, name=MODEL)
+        home, url = request.getfixturevalue("pg_template")
+        db = request.getfixturevalue("pg_copy")(url)
+        cp = serve(copy_home(home, tmp_path), db=db, **QUICK)
     yield cp
     cp.stop()
 
@@ -179,3 +175,79 @@ def test_a_failing_rule_without_slices_pauses_the_rollout_and_a_short_sample_hol
     assert pause["evidence"]["failed"] == ["crash_rate>0.001"]
     assert pause["evidence"]["candidate"]["crashes"] > 0
     json.dumps(doc)  # what `rollout show --json` prints is plain JSON
+
+
+def _cli(cp, *args: str) -> subprocess.CompletedProcess:
+    """Run `skiff ...` against `cp` (its home, so its CA and token)."""
+    env = {"SKIFF_HOME": str(cp.config.home), "SKIFF_SERVER": str(cp.address), "SKIFF_TOKEN": ""}
+    return skiff(*args, env=env)
+
+
+def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
+    """The operator's whole path: create with guardrail flags, watch `rollout show`, readmit
+    the rolled-back slice with `rollout resume ID --slice`; its devices get the version back,
+    and the guard judges the slice again on what it reports from then on only."""
+    cp = guarded
+    inject = [{"select": f"soc={SLOW_SOC}", "model": f"{MODEL}:2", "latency_x": 3.0}]
+
+    async def scenario() -> tuple[str, dict, str, dict, dict]:
+        prof = parse_profile(fleet_profile(inject))
+        async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
+            await baseline_on_v1(sim, cp)
+            created = await asyncio.to_thread(
+                _cli,
+                cp,
+                *("rollout", "create", f"{MODEL}:2", "--stages", "100", "--bake", "1h"),
+                *("--halt", "p95_latency_ratio>1.2", "--halt", "crash_rate>0.01"),
+                *("--min-devices", "3", "--min-inferences", "300", "--slice-by", "soc", "--json"),
+            )
+            rid = json.loads(created.stdout)["id"]
+
+            def slice_state(want: str, after: int = 0):
+                doc = show(cp, rid)
+                states = {s["slice"]: s["state"] for s in doc["health"]["slices"]}
+                rollbacks = [e for e in doc["audit"] if e["action"] == "slice_rollback"]
+                ok = states.get(f"soc={SLOW_SOC}") == want and len(rollbacks) >= after
+                return doc if ok else None
+
+            first = await asyncio.to_thread(
+                wait_for, lambda: slice_state("rolled_back", 1), 90, "the slice rolled back"
+            )
+            slow = [d.id for d in sim.devices if d.identity.attributes["soc"] == SLOW_SOC]
+            await sim.wait_synced(MODEL, 1, installed=True, devices=slow, timeout=30)
+            text = (await asyncio.to_thread(_cli, cp, "rollout", "show", rid)).stdout
+            resumed = await asyncio.to_thread(
+                _cli,
+                cp,
+                *("rollout", "resume", rid, "--slice", f"soc={SLOW_SOC}"),
+                *("--reason", "driver fixed", "--json"),
+            )
+            readmitted = json.loads(resumed.stdout)
+            # Its devices run the version again; still slow, the slice goes back again. Its
+            # window opens at the first whole minute after the readmission: up to a minute.
+            await sim.wait_synced(MODEL, 2, installed=True, devices=slow, timeout=30)
+            again = await asyncio.to_thread(
+                wait_for, lambda: slice_state("rolled_back", 2), 150, "a second rollback"
+            )
+            return rid, first, text, readmitted, again
+
+    rid, first, text, readmitted, again = asyncio.run(scenario())
+    assert first["guardrails"] == {
+        "halt_rules": ["p95_latency_ratio>1.2", "crash_rate>0.01"],
+        "min_devices": 3,
+        "min_inferences": 300,
+        "slice_by": "soc",
+    }
+    # `rollout show` (text) names each slice, its state and its figures.
+    assert f"soc={SLOW_SOC}" in text and "rolled_back" in text and f"soc={FAST_SOC}" in text
+    states = {s["slice"]: s["state"] for s in readmitted["health"]["slices"]}
+    assert states[f"soc={SLOW_SOC}"] == "active"
+    resume = readmitted["audit"][-1]
+    assert (resume["action"], resume["slice"]) == ("slice_resume", f"soc={SLOW_SOC}")
+    assert resume["reason"] == "driver fixed" and resume["actor"] == "admin"
+    # The second verdict rests on reports made after the readmission only.
+    second = [e for e in again["audit"] if e["action"] == "slice_rollback"][-1]
+    at = dt.datetime.fromisoformat
+    assert at(second["evidence"]["since"]) >= at(resume["at"]) and second["at"] > resume["at"]
+    assert second["evidence"]["failed"] == ["p95_latency_ratio>1.2"]
+    assert again["state"] == "active"  # the other slice goes on
