@@ -248,3 +248,41 @@ def test_sub_microsecond_latencies_never_halt():
 def test_a_rule_is_stored_exactly_as_given():
     assert str(parse_rule("p95_latency_ratio>1.0000001")) == "p95_latency_ratio>1.0000001"
     assert parse_rule(str(parse_rule("crash_rate>1e-3"))).threshold == 0.001
+
+
+@pytest.mark.parametrize(
+    ("metric", "count"), [("error_rate", "errors"), ("fallback_rate", "fallbacks")]
+)
+def test_error_and_fallback_rates_halt_on_their_own_counts(metric, count):
+    rule = parse_rule(f"{metric}>0.01")
+    base = cohort(50, inferences=100_000)
+    spread = {count: 50}  # how many devices showed it: a regression, not one device
+    bad = cohort(50, inferences=100_000, **{count: 3000})
+    bad = Cohort(bad.aggregate, bad.devices, spread)
+    v = judge(rule, bad, base, min_devices=20, min_inferences=1000)
+    assert v.status == FAIL and v.value == pytest.approx(0.03) and v.bound > 0.01
+    fine = Cohort(cohort(50, inferences=100_000, **{count: 500}).aggregate, 50, spread)
+    assert judge(rule, fine, base, min_devices=20, min_inferences=1000).status == PASS
+    # The other incidents do not count towards this rule.
+    other = "fallbacks" if count == "errors" else "errors"
+    noisy = Cohort(cohort(50, inferences=100_000, **{other: 9000}).aggregate, 50, {other: 50})
+    assert judge(rule, noisy, base, min_devices=20, min_inferences=1000).status == PASS
+
+
+@pytest.mark.parametrize("quantile", [50, 99])
+def test_p50_and_p99_ratios_judge_their_own_quantile(quantile):
+    rule = parse_rule(f"p{quantile}_latency_ratio>1.2")
+    base = cohort(50, lognormal(20_000, 1000, 1))
+    # Only the slowest 2% got 3x slower: p99 moves, the median does not.
+    rng = np.random.default_rng(2)
+    tail = lognormal(20_000, 1000, 3)
+    slowest = tail > np.quantile(tail, 0.98)
+    tail[slowest] *= 3
+    v = judge(rule, cohort(50, tail), base, min_devices=20, min_inferences=1000)
+    assert v.status == (FAIL if quantile == 99 else PASS), v
+    # Everything 1.5x slower: both fail, each on its own quantile's figures.
+    slow = cohort(50, lognormal(20_000, 1500, int(rng.integers(100))))
+    v = judge(rule, slow, base, min_devices=20, min_inferences=1000)
+    assert v.status == FAIL and v.value == pytest.approx(1.5, rel=0.08)
+    assert v.candidate == pytest.approx(slow.aggregate.quantile_us(quantile / 100))
+    assert v.baseline == pytest.approx(base.aggregate.quantile_us(quantile / 100))
