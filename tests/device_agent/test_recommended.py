@@ -11,8 +11,8 @@ import pytest
 from control_plane import errors
 from control_plane.cli.main import main
 from control_plane.store.telemetry import ModelStatsRecord, ReportBatch
-from protos import device_pb2
 from runtime.histogram import LatencyHistogram
+from tests.control_plane.api.device_helpers import Device
 from tests.control_plane.sim.test_sim_cli import run_json
 from tests.control_plane.telemetry.test_rollups import enroll
 from tests.device_agent.conftest import MODEL
@@ -71,6 +71,11 @@ def test_the_fleets_pick_is_sent_tried_first_and_checked(cp, tmp_path, capsys, m
     assert main(show) == 0
     text = capsys.readouterr().out
     assert f"* {FAST}" in text and "soc=sm8650" in text
+    # The Sync answer of a device of that class carries the pick and its sample size; a
+    # device of another class gets that class's, and one of a class nobody reported, none.
+    assert _suggested(cp, CLASS) == (FAST, 1800)
+    assert _suggested(cp, {"soc": "mt6789"}) == (SLOW, 5000)
+    assert _suggested(cp, {"soc": "a17pro"}) == ("", 0)
 
     state = tmp_path / "state"
     attrs = [a for k, v in CLASS.items() for a in ("--attr", f"{k}={v}")]
@@ -91,7 +96,15 @@ def test_a_config_with_crashes_or_few_samples_is_not_recommended(cp):
     (t,) = cp.app.recommendations.table(MODEL, 1)
     assert t.recommended is None
     assert [c.why for c in t.configs] == ["crash rate 0.008 > 0.001", "300 of 1000 samples"]
-    assert device_pb2.ModelAssignment().recommended_config == ""
+    rollout(cp, 1)
+    assert _suggested(cp, CLASS) == ("", 0)  # Sync suggests nothing: the device probes
+
+
+def _suggested(cp, attributes: dict) -> tuple[str, int]:
+    """Enroll a device with `attributes`; return what its Sync answer recommends for det."""
+    answer = Device.enroll(cp.address, token(cp), attributes).sync_raw()
+    (assigned,) = [m for m in answer.models if m.model == MODEL]
+    return assigned.recommended_config, assigned.recommended_samples
 
 
 def test_a_recommendation_this_device_cannot_honour_falls_back_to_its_own_probe(cp, tmp_path):
