@@ -155,8 +155,10 @@ def _stats(msg: device_pb2.ModelStats, now: dt.datetime, period_s: float) -> Mod
             f"{what}: {msg.inferences} inferences in a {period_s:g} s period is more than "
             f"{MAX_INFERENCES_PER_S} a second"
         )
+    inferences = _count(msg.inferences, f"{what} inferences")
+    failed = _count(msg.errors, f"{what} errors")
     latency = histogram_dict(msg.latency, f"{what} latency")
-    if msg.errors > msg.inferences or latency["count"] > msg.inferences:
+    if failed > inferences or latency["count"] > inferences:
         raise errors.InvalidArgument(f"{what}: more errors or timed samples than inferences")
     _version(msg.model, msg.version, msg.variant, "model stats")
     if len(msg.crashes) > MAX_EVENTS or len(msg.fallbacks) > MAX_EVENTS:
@@ -185,8 +187,8 @@ def _stats(msg: device_pb2.ModelStats, now: dt.datetime, period_s: float) -> Mod
         version=msg.version,
         variant=msg.variant,
         config=_config(msg.config, f"{what} config"),
-        inferences=_count(msg.inferences, f"{what} inferences"),
-        errors=_count(msg.errors, f"{what} errors"),
+        inferences=inferences,
+        errors=failed,
         pipeline_firings=_count(msg.pipeline_firings, f"{what} pipeline_firings"),
         latency=latency,
         crashes=crashes,

@@ -113,6 +113,16 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
             def ancient(m):
                 m.period_start.FromSeconds(86400)
 
+            def negative_bucket(m):  # the total still adds up: -1 + 1 + ... = count
+                h = m.models[0].latency
+                h.bucket_index.extend([0, 1])
+                h.bucket_count.extend([-1, 1])
+
+            def negative_count(m):
+                h = m.models[0].latency
+                del h.bucket_index[:], h.bucket_count[:]
+                h.count = -1
+
             cases = {
                 "must be 8 to 64": lambda m: setattr(m, "batch_id", "x"),
                 "is not 'log2": bad_scheme,
@@ -130,6 +140,14 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
                 "more than 100000 a second": lambda m: setattr(m.models[0], "inferences", 10**12),
                 "more errors or timed samples": lambda m: setattr(m.models[0], "errors", 10**6),
                 "is not a backend config key": lambda m: setattr(m.models[0], "config", "GPU!"),
+                "inferences must be between 0": lambda m: setattr(m.models[0], "inferences", -5),
+                "errors must be between 0": lambda m: setattr(m.models[0], "errors", -1),
+                "pipeline_firings must be between 0": lambda m: setattr(
+                    m.models[0], "pipeline_firings", -3
+                ),
+                "bad histogram bucket": negative_bucket,
+                "latency count must be between 0": negative_count,
+                "dropped_batches must be between 0": lambda m: setattr(m, "dropped_batches", -1),
             }
             for expected, mutate in cases.items():
                 msg = report()
