@@ -98,6 +98,17 @@ def _sign_in(driver, site: Site, path: str) -> None:
 def test_login_then_every_page_matches_the_cli(browser, site):
     _sign_in(browser, site, "rollouts")
 
+    # Rollouts: every one `rollout ls --json` lists, with its state and guardrails.
+    _open(browser, site, "rollouts", "rollouts")
+    listed = site.cli("rollout", "ls")
+    rows = browser.find_elements(By.CSS_SELECTOR, "table.rollouts tbody tr[data-rollout]")
+    assert sorted(r.get_attribute("data-rollout") for r in rows) == sorted(r["id"] for r in listed)
+    for r in listed:
+        row = f"table.rollouts tr[data-rollout='{r['id']}']"
+        assert _text(browser, f"{row} .state") == r["state"]
+        for rule in r["guardrails"]["halt_rules"]:
+            assert rule in _text(browser, row)
+
     # Overview: devices, online and per platform, as `skiff fleet ls --json` counts them.
     _open(browser, site, "", "overview")
     devices = site.cli("fleet", "ls")
@@ -168,3 +179,17 @@ def test_pause_from_the_dashboard_goes_through_the_audit_log(browser, site):
     last = doc["audit"][-1]
     assert last["action"] == "pause" and last["reason"] == "paused from the browser test"
     assert last["actor"] == site.cli("token", "ls")[0]["name"]  # the admin token's name
+
+    # And resumed the same way: the rollout runs again, the audit log has both.
+    browser.find_element(By.ID, "action-resume").click()
+    WebDriverWait(browser, 15).until(EC.presence_of_element_located((By.ID, "confirm")))
+    browser.find_element(By.ID, "reason").send_keys("resumed from the browser test")
+    browser.find_element(By.ID, "confirm").click()
+    WebDriverWait(browser, 15).until(EC.presence_of_element_located((By.ID, "notice")))
+    assert _text(browser, "#state") == "active"
+    doc = site.cli("rollout", "show", site.staged)
+    assert doc["state"] == "active"
+    assert [(e["action"], e["reason"]) for e in doc["audit"][-2:]] == [
+        ("pause", "paused from the browser test"),
+        ("resume", "resumed from the browser test"),
+    ]
