@@ -169,9 +169,9 @@ class App:
 
 def build_app(config: Config, registry: Registry | None = None) -> App:
     """Assemble the domain (no network yet)."""
+    device_class = parse_device_class(config.device_class)  # a bad setting fails first
     registry = registry or build_registry(config)
     store = registry.store
-    device_class = parse_device_class(config.device_class)
     resolver = Resolver(store)
     fleet = Fleet(store, default_enroll_ttl_s=config.enroll_ttl_s)
     feed = ChangeFeed(store)

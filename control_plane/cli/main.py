@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Alembic says at INFO which of its plugins it set up, on every import: noise.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:
         return _run(args)
     except errors.SkiffError as exc:
