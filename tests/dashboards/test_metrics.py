@@ -79,14 +79,19 @@ def _agrees(m: dict, family: str, labels: dict, agg) -> None:
     assert (not below or below[-1] <= count / 2) and above[0] >= count / 2
 
 
-def test_counters_and_latency_agree_with_the_rollups(site):
+def _rolled_up(site: Site, group, **where) -> tuple[dict, dict]:
+    """Roll up what is pending; return the scrape and the minute rollups merged by `group`."""
     site.cp.app.roller.roll()
-    m = _scrape(site)
     epoch = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
     merged = site.cp.app.store.merged_rollups(
-        resolution_s=60,
-        since=epoch,
-        group=lambda _at, k: (k.model, k.version, k.variant, k.config, k.device_class),
+        resolution_s=60, since=epoch, group=lambda _at, k: group(k), **where
+    )
+    return _scrape(site), merged
+
+
+def test_counters_and_latency_agree_with_the_rollups(site):
+    m, merged = _rolled_up(
+        site, lambda k: (k.model, k.version, k.variant, k.config, k.device_class)
     )
     configs = {key[3] for key in merged}
     assert len(merged) > len(configs) > 1  # several backend configs and device classes
@@ -105,15 +110,7 @@ def test_counters_and_latency_agree_with_the_rollups(site):
 def test_rollout_cohorts_and_slices_agree_with_the_health_view(site):
     """What guardrails judge is exported per rollout, cohort and slice: Grafana can show
     a candidate beside its baseline, and which slices were rolled back."""
-    site.cp.app.roller.roll()
-    m = _scrape(site)
-    epoch = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
-    merged = site.cp.app.store.merged_rollups(
-        resolution_s=60,
-        since=epoch,
-        rollout=site.guarded,
-        group=lambda _at, k: (k.cohort, k.device_class),
-    )
+    m, merged = _rolled_up(site, lambda k: (k.cohort, k.device_class), rollout=site.guarded)
     assert {cohort for cohort, _ in merged} == {"candidate", "baseline"}
     for (cohort, slice_class), agg in merged.items():
         labels = {"rollout": site.guarded, "cohort": cohort, "slice": slice_label(slice_class)}
