@@ -137,7 +137,7 @@ class Guard:
         # early one (or a readmitted slice's window) may have too little: then candidates
         # are compared with the baseline over the whole rollout (what those devices ran
         # before the rollout reached them, or while their slice was rolled back).
-        whole: dict = {}
+        whole: list[dict] = []  # the whole rollout's cohorts, read once if needed
 
         def fill_baseline(value: str, cohorts: dict, window_start: dt.datetime) -> None:
             if window_start <= record.created_at:
@@ -148,8 +148,8 @@ class Guard:
             ):
                 return
             if not whole:
-                whole.update(self._cohorts(record.id, record.created_at, now, slice_of))
-            before = whole.get(value, {}).get(BASELINE)
+                whole.append(self._cohorts(record.id, record.created_at, now, slice_of))
+            before = whole[0].get(value, {}).get(BASELINE)
             if before is not None:
                 cohorts[BASELINE] = before
 
