@@ -6,10 +6,17 @@ Two kinds, each with bounded label sets:
   those that ended in the last day);
 - counters and a latency histogram this replica adds to as its roller merges device
   reports (sum them over replicas: each batch is rolled by exactly one), fleet-wide by
-  model, version, variant, backend config and device class (at most MAX_SERIES label
-  sets, the rest "other"), and per rollout by cohort (candidate or baseline) and slice,
-  the figures guardrails judge (at most MAX_ROLLOUT_SERIES);
+  model, version, variant, backend config and device class, and per rollout by cohort
+  (candidate or baseline) and slice, the figures guardrails judge;
 - and per rollout the slices guardrails or operators rolled back.
+
+Devices say what they run and what they are, so label values come from outside. Label
+sets are bounded so that no device, and no fleet of many device models, can crowd out the
+series of a new version: only published versions get labels of their own (the rest are
+all "other"); each version gets at most PER_VERSION (config, class) pairs and each rollout
+PER_ROLLOUT (cohort, slice) pairs, beyond which they pool as "other" under the version's
+or rollout's own labels; MAX_SERIES and MAX_ROLLOUT_SERIES cap the whole; label values
+are cut at MAX_LABEL characters.
 
 The latency histogram's `le` bounds are boundaries of the devices' own histogram buckets
 (powers of two microseconds), so converting is exact.
@@ -17,6 +24,7 @@ The latency histogram's `le` bounds are boundaries of the devices' own histogram
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import threading
 import time
@@ -46,8 +54,12 @@ if TYPE_CHECKING:
 disable_created_metrics()
 
 SCRAPE_CACHE_S = 10.0
-MAX_SERIES = 1000
-MAX_ROLLOUT_SERIES = 400
+MAX_SERIES = 2000
+MAX_ROLLOUT_SERIES = 1000
+PER_VERSION = 100
+PER_ROLLOUT = 64
+MAX_LABEL = 80
+PUBLISHED_REFRESH_S = 30.0
 MAX_ROLLOUTS = 100
 ENDED_SHOWN = dt.timedelta(days=1)
 OTHER = "other"
@@ -94,6 +106,9 @@ class Metrics:
         self._lock = threading.Lock()
         self._labels: set[tuple[str, ...]] = set()
         self._rollout_labels: set[tuple[str, ...]] = set()
+        self._per_owner: collections.Counter = collections.Counter()  # version / rollout
+        self._published: dict[str, int] = {}  # model -> latest version
+        self._published_at = float("-inf")
         by = "reported by devices, merged by this replica's roller"
         self._counters = {
             name: Counter(
@@ -131,26 +146,50 @@ class Metrics:
         app.roller.observe(self.on_rolled)
 
     def _bounded(self, key) -> tuple[str, ...]:
+        """Return the labels a rollup key is counted under (see the module docstring)."""
         if key.rollout:
-            labels = (key.rollout, key.cohort, slice_label(key.device_class))
-            seen, most = self._rollout_labels, MAX_ROLLOUT_SERIES
+            owner = (key.rollout,)
+            detail = (key.cohort, _cut(slice_label(key.device_class)))
+            seen, most, each = self._rollout_labels, MAX_ROLLOUT_SERIES, PER_ROLLOUT
         else:
-            labels = (
-                key.model,
-                str(key.version),
-                key.variant,
-                key.config,
-                class_label(key.device_class),
-            )
-            seen, most = self._labels, MAX_SERIES
-        if labels not in seen:
-            if len(seen) >= most:
-                return (OTHER,) * len(labels)
-            seen.add(labels)
-        return labels
+            if not 1 <= key.version <= self._published.get(key.model, 0):
+                return (OTHER,) * len(LABELS)
+            owner = (key.model, str(key.version), key.variant[:MAX_LABEL])
+            detail = (_cut(key.config), _cut(class_label(key.device_class)))
+            seen, most, each = self._labels, MAX_SERIES, PER_VERSION
+        pooled = owner + (OTHER,) * len(detail)
+        # The last place of each owner, and of all, is kept for the owner's pool.
+        for labels, room in ((owner + detail, 1), (pooled, 0)):
+            if labels in seen:
+                return labels
+            if self._per_owner[owner] < each - room and len(seen) < most - room:
+                seen.add(labels)
+                self._per_owner[owner] += 1
+                return labels
+        return (OTHER,) * len(pooled)
+
+    def _refresh_published(self, deltas: Deltas) -> None:
+        """Re-read the published versions when a report names one not known yet."""
+        fresh = time.monotonic() - self._published_at < PUBLISHED_REFRESH_S
+        unknown = any(
+            not key.rollout and key.version > self._published.get(key.model, 0)
+            for (_res, _at, key) in deltas
+        )
+        if fresh and not unknown or time.monotonic() - self._published_at < 1.0:
+            return
+        self._published_at = time.monotonic()
+        published, after = {}, ""
+        while True:  # page by page: a registry of many models is read in bounded pieces
+            page = self._app.registry.list_models(after=after, limit=500)
+            published.update({m.name: m.latest_version for m in page})
+            if len(page) < 500:
+                break
+            after = page[-1].name
+        self._published = published
 
     def on_rolled(self, deltas: Deltas) -> None:
         """Count what one roll-up round merged (minute rows: each report once)."""
+        self._refresh_published(deltas)
         with self._lock:
             self._batches.inc()
             for (resolution, _at, key), agg in deltas.items():
@@ -244,6 +283,10 @@ def _rollout_families(app: App) -> list:
         for status in ("selected", "in_stage", "synced", "installed", "failed"):
             counts.add_metric([r.id, status], getattr(c, status))
     return [state, stage, counts, slices]
+
+
+def _cut(value: str) -> str:
+    return value if len(value) <= MAX_LABEL else value[: MAX_LABEL - 1] + "…"
 
 
 def class_label(device_class: str) -> str:

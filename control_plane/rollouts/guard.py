@@ -143,9 +143,9 @@ class Guard:
             if window_start <= record.created_at:
                 return
             agg, devices, *_ = cohorts.get(BASELINE, (Aggregate(), 0))
-            if devices >= max(1, record.min_devices) and agg.inferences >= max(
-                1, record.min_inferences
-            ):
+            # As `judge` counts: inferences for rates, timed ones (no errors) for latency.
+            sample = min(agg.inferences, agg.latency_count)
+            if devices >= max(1, record.min_devices) and sample >= max(1, record.min_inferences):
                 return
             if not whole:
                 whole.append(self._cohorts(record.id, record.created_at, now, slice_of))
