@@ -21,8 +21,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from control_plane.sim import FleetSimulator, SimOptions
-from control_plane.sim.profile import parse_profile
 from tests.control_plane.helpers import ControlPlane
 from tests.control_plane.sim.conftest import (  # noqa: F401 - the session fixture
     MODEL,
@@ -35,10 +33,9 @@ from tests.control_plane.sim.test_guardrails import (
     FAST_SOC,
     QUICK,
     SLOW_SOC,
-    baseline_on_v1,
     create,
     create_sliced,
-    fleet_profile,
+    fleet_on_v1,
     show,
 )
 
@@ -103,11 +100,7 @@ def _run_fleet(site: Site, ready: threading.Event, failed: list) -> None:
     inject = [{"select": f"soc={SLOW_SOC}", "model": f"{MODEL}:2", "latency_x": 3.0}]
 
     async def main() -> None:
-        profile = parse_profile(fleet_profile(inject))
-        options = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
-        sim_at = FleetSimulator([cp.address], profile=profile, options=options, tls=cp.tls)
-        async with sim_at as sim:
-            await baseline_on_v1(sim, cp)
+        async with fleet_on_v1(cp, inject) as sim:
             r = await asyncio.to_thread(create_sliced, cp)
             site.guarded = r.id
 

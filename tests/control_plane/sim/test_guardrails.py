@@ -4,9 +4,11 @@ back (or pauses the rollout) and lets the rest advance; on SQLite and PostgreSQL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import subprocess
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -72,11 +74,16 @@ def create_sliced(cp) -> fleet_pb2.Rollout:
     )
 
 
-async def baseline_on_v1(sim: FleetSimulator, cp) -> None:
-    await enrolled(sim, cp, N)
-    await asyncio.to_thread(create, cp, 1)
-    await sim.wait_synced(MODEL, 1, installed=True, timeout=30)
-    sim.report_all(0.25, requests_per_s=300)
+@contextlib.asynccontextmanager
+async def fleet_on_v1(cp, inject: list) -> AsyncIterator[FleetSimulator]:
+    """N simulated devices with `inject`'s faults, all running and reporting det:1."""
+    prof = parse_profile(fleet_profile(inject))
+    async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
+        await enrolled(sim, cp, N)
+        await asyncio.to_thread(create, cp, 1)
+        await sim.wait_synced(MODEL, 1, installed=True, timeout=30)
+        sim.report_all(0.25, requests_per_s=300)
+        yield sim
 
 
 def test_a_slow_slice_is_rolled_back_while_the_rest_advances(guarded):
@@ -84,9 +91,7 @@ def test_a_slow_slice_is_rolled_back_while_the_rest_advances(guarded):
     inject = [{"select": f"soc={SLOW_SOC}", "model": f"{MODEL}:2", "latency_x": 3.0}]
 
     async def scenario() -> tuple[dict, dict]:
-        prof = parse_profile(fleet_profile(inject))
-        async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
-            await baseline_on_v1(sim, cp)
+        async with fleet_on_v1(cp, inject) as sim:
             r = await asyncio.to_thread(create_sliced, cp)
 
             def rolled_back():
@@ -131,9 +136,7 @@ def test_a_failing_rule_without_slices_pauses_the_rollout_and_a_short_sample_hol
     inject = [{"select": "", "model": f"{MODEL}:2", "crash_rate": 0.05}]
 
     async def scenario() -> tuple[dict, dict]:
-        prof = parse_profile(fleet_profile(inject))
-        async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
-            await baseline_on_v1(sim, cp)
+        async with fleet_on_v1(cp, inject):
             # Too few devices for the rule to judge: the stage bakes but does not advance.
             held = await asyncio.to_thread(
                 create,
@@ -191,9 +194,7 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
     inject = [{"select": f"soc={SLOW_SOC}", "model": f"{MODEL}:2", "latency_x": 3.0}]
 
     async def scenario() -> tuple[str, dict, str, dict, dict]:
-        prof = parse_profile(fleet_profile(inject))
-        async with FleetSimulator([cp.address], profile=prof, options=FAST, tls=cp.tls) as sim:
-            await baseline_on_v1(sim, cp)
+        async with fleet_on_v1(cp, inject) as sim:
             created = await asyncio.to_thread(
                 _cli,
                 cp,
