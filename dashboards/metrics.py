@@ -154,7 +154,7 @@ class Metrics:
         else:
             if not 1 <= key.version <= self._published.get(key.model, 0):
                 return (OTHER,) * len(LABELS)
-            owner = (key.model, str(key.version), key.variant[:MAX_LABEL])
+            owner = (key.model, str(key.version), key.variant)  # all validated names
             detail = (_cut(key.config), _cut(class_label(key.device_class)))
             seen, most, each = self._labels, MAX_SERIES, PER_VERSION
         pooled = owner + (OTHER,) * len(detail)
@@ -175,7 +175,9 @@ class Metrics:
             not key.rollout and key.version > self._published.get(key.model, 0)
             for (_res, _at, key) in deltas
         )
-        if fresh and not unknown or time.monotonic() - self._published_at < 1.0:
+        # Re-read every PUBLISHED_REFRESH_S, or sooner (at most once a second) when a
+        # report names a version newer than the last read.
+        if (fresh and not unknown) or time.monotonic() - self._published_at < 1.0:
             return
         self._published_at = time.monotonic()
         published, after = {}, ""
