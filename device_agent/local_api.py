@@ -4,7 +4,10 @@ Apps on the device call it; nothing here crosses the network. The socket is crea
 mode 0660 inside the agent's 0700 state directory: who may call is who may reach the
 socket (the agent's user, or its group once an operator opens the directory to it).
 Every request is checked before it reaches the runtime: a malformed tensor is an
-INVALID_ARGUMENT naming the problem, never a crash of the agent.
+INVALID_ARGUMENT naming the problem, never a crash of the agent. What apps ask of a
+model's pipeline is bounded (`device_agent.limits`): a push over its rate, or a
+subscriber over the count, is RESOURCE_EXHAUSTED naming the limit, a push's with when to
+retry (also as gRPC's `grpc-retry-pushback-ms` trailer), and nothing of it is done.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from device_agent.limits import Overloaded, pushback_ms
 from device_agent.pipelines import Closed, EventsRejected, NoPipeline, Pipelines, Result
 from device_agent.serving import NotServing, Serving
 from device_agent.state import AgentError, one_line
@@ -180,6 +184,14 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def PushEvents(self, request, context):  # noqa: D102, N802
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        try:  # on the loop, before the push queues: a flood is turned away at the door
+            self._pipelines.admit(request.model, len(request.events))
+        except NoPipeline as exc:
+            await context.abort(_no_pipeline_code(exc), str(exc))
+        except EventsRejected as exc:
+            await context.abort(_INVALID, one_line(exc, 500))
+        except Overloaded as exc:
+            await _abort_overloaded(context, exc)
         gone = threading.Event()
         context.add_done_callback(lambda _: gone.set())
         remaining = context.time_remaining()
@@ -217,9 +229,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             await context.abort(_no_pipeline_code(exc), str(exc))
         except Closed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except EventsRejected as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Overloaded as exc:
+            await _abort_overloaded(context, exc)
         try:
+            # Headers now: the app knows its subscription is live before it pushes.
+            await context.send_initial_metadata(())
             while True:
                 result, dropped = await sub.next()
                 if result is None:
@@ -231,6 +245,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _REJECTED = {"late": grpc.StatusCode.OUT_OF_RANGE, "cancelled": grpc.StatusCode.CANCELLED}
+
+
+async def _abort_overloaded(context, exc: Overloaded) -> None:
+    trailer = ()
+    if exc.retry_after_s is not None:
+        trailer = (("grpc-retry-pushback-ms", str(pushback_ms(exc.retry_after_s))),)
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailer)
 
 
 def _no_pipeline_code(exc: NoPipeline) -> grpc.StatusCode:

@@ -21,6 +21,10 @@ timestamp cannot push the watermark into the future and make every later event l
 A push whose caller gave up before it was applied is not applied; one the caller gave
 up on while its model runs completes: a retry after DEADLINE_EXCEEDED may apply a batch
 twice (at-least-once).
+
+What apps may ask of a model in all is bounded as well (`device_agent.limits`): events
+and model runs a second, and open subscriptions. `admit` lets a push in or refuses it
+whole (Overloaded) before it queues for the model.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from device_agent.limits import MAX_EVENTS, AppLimits, Overloaded, RateLimits
 from device_agent.serving import NotServing, Serving
 from device_agent.state import one_line
 from device_agent.telemetry import Collector
 
 log = logging.getLogger("skiff.agent")
 
-MAX_EVENTS = 65_536
 # What one push may hold of feature rows and firings; a wider pipeline takes fewer events.
 PUSH_BYTES = 128 << 20
 # Events further ahead of this device's clock are refused: one bad timestamp would move
@@ -50,7 +54,6 @@ PUSH_BYTES = 128 << 20
 MAX_AHEAD_MS = 3_600_000
 QUEUE_RESULTS = 1024
 QUEUE_BYTES = 64 << 20
-MAX_SUBSCRIBERS = 64
 
 
 class EventsRejected(ValueError):
@@ -158,11 +161,22 @@ class _Active:
 
 
 class Pipelines:
-    """Every served model's pipeline and its subscribers; thread-safe."""
+    """Every served model's pipeline and its subscribers; thread-safe.
 
-    def __init__(self, serving: Serving, collector: Collector) -> None:
+    `limits` bound what apps ask of each model; `clock` (monotonic seconds) paces them.
+    """
+
+    def __init__(
+        self,
+        serving: Serving,
+        collector: Collector,
+        limits: AppLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._serving = serving
         self._collector = collector
+        self.limits = limits or AppLimits()
+        self._rates = RateLimits(self.limits, clock)
         self._lock = threading.Lock()
         self._active: dict[str, _Active] = {}
         self._subscribers: dict[str, list[Subscription]] = {}
@@ -214,6 +228,7 @@ class Pipelines:
         with self._lock:
             self._active.pop(name, None)
             self._broken.pop(name, None)
+        self._rates.forget(name)
 
     def describe(self, name: str) -> dict | None:
         """Return the serving pipeline's spec (JSON data), or None."""
@@ -231,8 +246,11 @@ class Pipelines:
             if self._closed:
                 raise Closed("the agent is stopping")
             subs = self._subscribers.setdefault(name, [])
-            if len(subs) >= MAX_SUBSCRIBERS:
-                raise EventsRejected(f"{name} already has {MAX_SUBSCRIBERS} subscribers")
+            if len(subs) >= self.limits.subscribers:
+                raise Overloaded(
+                    f"{name} already has {len(subs)} subscribers, at most "
+                    f"{self.limits.subscribers} per model: retry once one has left"
+                )
             subs.append(sub)
         return sub
 
@@ -271,6 +289,18 @@ class Pipelines:
 
     # -- events --------------------------------------------------------------------------------
 
+    def admit(self, name: str, events: int) -> None:
+        """Let a push of `events` events to `name` in, before it queues (cheap: any thread).
+
+        Raises NoPipeline; EventsRejected if the push is larger than the burst (it would
+        never get in); Overloaded (with `retry_after_s`) if it is over the model's rate
+        now. A push refused here took nothing from the bucket and applies nothing.
+        """
+        self._check(name)
+        if events > self.limits.events_burst:
+            raise EventsRejected(f"{events} events in one push; at most {self.limits.events_burst}")
+        self._rates.admit(name, events)
+
     def push(
         self,
         name: str,
@@ -281,10 +311,12 @@ class Pipelines:
     ) -> PushSummary:
         """Apply a batch of `agent_pb2.Event`s and run the model at each firing.
 
-        Raises NoPipeline, or EventsRejected naming the first bad event (the batch is
-        then not applied at all). Firings whose model run fails are sent to subscribers
-        with their error and counted in `errors`. A batch whose caller has gone
-        (`cancelled()`) before it is applied is not applied.
+        Let it in with `admit` first: pushes are not paced here, only their firings
+        counted against the model's runs a second. Raises NoPipeline, or EventsRejected
+        naming the first bad event (the batch is then not applied at all). Firings
+        whose model run fails are sent to subscribers with their error and counted in
+        `errors`. A batch whose caller has gone (`cancelled()`) before it is applied is
+        not applied.
         """
         active = self._check(name)
         while True:
@@ -313,6 +345,7 @@ class Pipelines:
             raise EventsRejected(str(exc), "late") from None
         except (StreamInputError, BatchFormatError) as exc:
             raise EventsRejected(str(exc)) from None
+        self._rates.charge_runs(name, len(firings))
         errors = 0
         for firing in firings:
             result = self._run(name, active, firing)

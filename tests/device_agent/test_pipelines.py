@@ -52,6 +52,8 @@ class Subscriber:
     def __init__(self, state, model=MODEL) -> None:
         self.results: list[agent_pb2.PipelineResult] = []
         self.error: grpc.RpcError | None = None
+        self.ended = False
+        self._changed = threading.Condition()
         self._call = stub(state).Subscribe(agent_pb2.SubscribeRequest(model=model))
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -59,16 +61,31 @@ class Subscriber:
     def _read(self) -> None:
         try:
             for result in self._call:
-                self.results.append(result)
+                with self._changed:
+                    self.results.append(result)
+                    self._changed.notify_all()
         except grpc.RpcError as exc:
             self.error = exc
+        finally:
+            with self._changed:
+                self.ended = True
+                self._changed.notify_all()
+
+    def subscribed(self) -> None:
+        """Wait until the agent holds the subscription (it answers with headers then)."""
+        self._call.initial_metadata()
+        assert not self.ended, self.error
 
     def wait_for(self, n: int, timeout: float = 30) -> list[agent_pb2.PipelineResult]:
-        deadline = time.monotonic() + timeout
-        while len(self.results) < n and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(self.results) >= n, (len(self.results), n, self.error)
-        return self.results[:n]
+        with self._changed:
+            self._changed.wait_for(lambda: len(self.results) >= n or self.ended, timeout)
+            assert len(self.results) >= n, (len(self.results), n, self.error)
+            return self.results[:n]
+
+    def wait_ended(self, timeout: float = 30) -> grpc.RpcError | None:
+        self._thread.join(timeout)
+        assert self.ended
+        return self.error
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -92,7 +109,7 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
         status = stub(state).Status(agent_pb2.StatusRequest(), timeout=10)
         assert list(status.models[0].pipeline_triggers) == ["checkout"]
         sub = Subscriber(state)
-        time.sleep(0.3)  # the subscription is registered before the first push
+        sub.subscribed()  # registered before the first push
 
         # The same events through a local copy of the pipeline give the expected inputs.
         spec = parse_pipeline(activity_pipeline())

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from device_agent import pipelines
+from device_agent.limits import AppLimits, Overloaded, TokenBucket
 from device_agent.pipelines import (
+    MAX_EVENTS,
     Closed,
     EventsRejected,
     NoPipeline,
@@ -79,6 +81,19 @@ class FakeServing:
         self.runs += 1
         x = inputs["x"]
         return self.slot, "CPU", {"y": x * 2}, 1000
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def slot(version: int, doc: dict | None) -> dict:
@@ -224,3 +239,66 @@ def test_feature_values_that_overflow_the_input_dtype_fail_that_firing_only():
     done = push(p, events([NOW, NOW + 1], v=1e39))  # beyond float32's 3.4e38
     assert (done.firings, done.errors) == (2, 2) and serving.runs == 0
     assert push(p, events([NOW + 2], k=2, v=1.0)).errors == 0
+
+
+def test_the_default_rate_lets_a_full_push_in_and_says_when_the_next_one_fits():
+    clock = FakeClock()
+    p = Pipelines(FakeServing(), Collector(), clock=clock)
+    p.activate("m", slot(1, spec()), FakeModel())
+    with pytest.raises(EventsRejected, match=f"at most {MAX_EVENTS}"):
+        p.admit("m", MAX_EVENTS + 1)  # it would never fit: not a rate refusal
+    p.admit("m", MAX_EVENTS)
+    with pytest.raises(Overloaded, match="10000 events/s") as caught:
+        p.admit("m", MAX_EVENTS)
+    assert caught.value.retry_after_s == pytest.approx(MAX_EVENTS / 10_000)
+    clock.advance(caught.value.retry_after_s)
+    p.admit("m", MAX_EVENTS)
+    with pytest.raises(NoPipeline):
+        p.admit("other", 1)  # no bucket for a name that serves nothing
+
+
+def test_firings_over_the_run_budget_are_run_and_hold_back_the_next_push():
+    clock = FakeClock()
+    serving = FakeServing()
+    p = Pipelines(serving, Collector(), AppLimits(runs_per_s=10, runs_burst=5), clock)
+    p.activate("m", slot(1, spec()), FakeModel())
+    p.admit("m", 8)
+    assert push(p, events([NOW + i for i in range(8)])).firings == 8  # never cut short
+    assert serving.runs == 8
+    with pytest.raises(Overloaded, match="10 model runs/s") as caught:
+        p.admit("m", 1)
+    assert caught.value.retry_after_s == pytest.approx(0.4)  # 3 overdrawn + 1 to run
+    clock.advance(0.39)
+    with pytest.raises(Overloaded):
+        p.admit("m", 1)
+    clock.advance(0.01)
+    p.admit("m", 1)
+
+
+def test_each_model_has_its_own_subscriber_slots_and_a_leaver_frees_one():
+    p = Pipelines(FakeServing(), Collector(), AppLimits(subscribers=2))
+    p.activate("m", slot(1, spec()), FakeModel())
+    p.activate("n", slot(1, spec()), FakeModel())
+
+    async def scenario() -> None:
+        first, _ = p.subscribe("m"), p.subscribe("m")
+        with pytest.raises(Overloaded, match="at most 2 per model") as caught:
+            p.subscribe("m")
+        assert caught.value.retry_after_s is None
+        p.subscribe("n")
+        p.unsubscribe(first)
+        p.subscribe("m")
+
+    asyncio.run(scenario())
+
+
+def test_a_clock_stepping_back_neither_drains_nor_fills_a_bucket():
+    clock = FakeClock()
+    bucket = TokenBucket(10, 20, clock)
+    bucket.take(20)
+    clock.advance(-5)
+    assert bucket.level() == 0
+    clock.advance(5.5)  # back where it was, then half a second on
+    assert bucket.level() == pytest.approx(5)
+    with pytest.raises(ValueError, match="events_per_s must be > 0"):
+        AppLimits(events_per_s=0)
