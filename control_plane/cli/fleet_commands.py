@@ -65,7 +65,9 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="--enroll: stamp this attribute on every device that enrolls (repeatable)",
+        help="--enroll: stamp this attribute on every device that enrolls (repeatable); "
+        "stamped attributes are attested: the device cannot change them, `@KEY` clauses match "
+        "only them",
     )
     p.add_argument(
         "--offline",
@@ -85,7 +87,12 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     fsub = fleet.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = fsub.add_parser("ls", help="list devices (those a selector picks)")
     common(p)
-    p.add_argument("--select", default="", metavar="EXPR", help="e.g. platform=android,tags=beta")
+    p.add_argument(
+        "--select",
+        default="",
+        metavar="EXPR",
+        help="e.g. platform=android,tags=beta; @tags=internal matches attested values only",
+    )
     add_limit_flag(p, "devices, by id")
     p = fsub.add_parser("show", help="show one device")
     common(p)

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, NoReturn
 
 from control_plane import errors
-from control_plane.fleet.attributes import CUSTOM, STANDARD_KEYS
+from control_plane.fleet.attributes import ATTESTED, CUSTOM, STANDARD_KEYS
 
 if TYPE_CHECKING:
     from control_plane.fleet.selector import Clause
@@ -47,6 +47,7 @@ _REFUSED = {
     "number": (frozenset({"~"}), "compares as a number"),
 }
 _NO_CUSTOM: Mapping[str, str] = MappingProxyType({})
+_NOTHING_ATTESTED: Mapping[str, object] = MappingProxyType({})
 
 Test = Callable[[Mapping], object]
 Fail = Callable[[str, int], NoReturn]
@@ -98,6 +99,20 @@ _device_number = functools.lru_cache(maxsize=4096)(_parse_number)
 
 
 def _compile(clause: Clause, op_pos: int, positions: tuple[int, ...], fail: Fail) -> Test:
+    test = _compile_plain(clause, op_pos, positions, fail)
+    return _attested(test) if clause.attested else test
+
+
+def _attested(test: Test) -> Test:
+    # The attested part has the canonical shape too, so the plain test runs on it as is;
+    # a device with nothing attested gets an empty mapping, where every clause fails.
+    def attested_test(attrs: Mapping) -> object:
+        return test(attrs.get(ATTESTED, _NOTHING_ATTESTED))
+
+    return attested_test
+
+
+def _compile_plain(clause: Clause, op_pos: int, positions: tuple[int, ...], fail: Fail) -> Test:
     key, op = clause.key, clause.op
     kind = _KINDS.get(key, "custom")
     refused, because = _REFUSED.get(kind, ((), ""))

@@ -8,6 +8,31 @@ A key a device does not report is absent rather than empty, so "does not report 
 one spelling; selectors rely on that (a clause on an absent key never matches). An empty
 `tags` list is kept: it says the device reports tags and has none. Every function here
 returns the canonical form and raises InvalidArgument naming the key and the rule.
+
+**Attested attributes.** What an enrollment token stamps is attested: the device cannot
+change it, add to it or take from it. A device's *effective* attributes (what
+`effective_attributes` returns, what every Sync stores in `devices.attributes` and what
+every selector is evaluated on: the resolver, delivery, Download, the telemetry roller,
+`fleet ls --select`) are the canonical shape above plus, when the token stamped anything,
+the reserved key `"attested"` holding the stamped attributes in that same canonical shape:
+
+    {"region": "eu", "tags": ["internal"], "platform": "android",
+     "attested": {"region": "eu", "tags": ["internal"]}}
+
+Stamped values always win (key by key, custom keys one by one) and stamped tags are
+exclusive: when the token stamps tags, the tags the device reports are ignored. A token
+stamps tags only when it names at least one: an empty stamped list is no stamp (the wire
+cannot tell "no tags" from "tags not given", so every token made over gRPC without tags
+stored an empty list). So every attested value is also the effective value: a plain
+clause (`tags=internal`) sees reported and stamped values alike, while an `@` clause
+(`@tags=internal`) looks only under `"attested"`.
+
+The key travels inside the one dict on purpose: every caller that evaluates a selector
+gets it without passing anything new, and none can forget to. A device cannot forge it:
+`normalize_attributes`, which every reported set goes through, refuses `"attested"`, and
+only `effective_attributes` adds it, from the token's record. A device enrolled before
+attestation existed gets its `"attested"` at its next Sync; until then `@` clauses do not
+match it (they fail closed), and its stored tags may still hold what it claimed.
 """
 
 from __future__ import annotations
@@ -29,6 +54,8 @@ STANDARD_KEYS = (
     "tags",
 )
 CUSTOM = "custom"
+# The reserved key of the effective attributes that holds the attested ones (see above).
+ATTESTED = "attested"
 MAX_TEXT = MAX_ATTRIBUTE
 MAX_TAGS = 32
 MAX_CUSTOM = 32
@@ -44,6 +71,10 @@ def normalize_attributes(raw: Mapping[str, object]) -> dict:
     """Validate `raw` and return its canonical form (see the module docstring)."""
     if not isinstance(raw, Mapping):
         raise errors.InvalidArgument(f"attributes must be a mapping, not {type(raw).__name__}")
+    if ATTESTED in raw:
+        raise errors.InvalidArgument(
+            f"attribute key {ATTESTED!r} is reserved: only an enrollment token attests attributes"
+        )
     unknown = sorted(repr(key) for key in raw if key not in _ALLOWED_KEYS)
     if unknown:
         raise errors.InvalidArgument(
@@ -60,18 +91,30 @@ def normalize_attributes(raw: Mapping[str, object]) -> dict:
     return out
 
 
-def merge_attributes(reported: Mapping, stamped: Mapping) -> dict:
-    """Return `reported` overridden key by key by `stamped` (from an enrollment token).
+def effective_attributes(reported: Mapping, stamped: Mapping) -> dict:
+    """Return a device's effective attributes: `reported` under `stamped`, with `"attested"`.
 
-    Custom keys override one by one and tags are the union, so a token can add a tag or
-    pin a custom key without erasing what the device reports about itself.
+    Stamped keys win key by key and custom keys one by one; stamped tags (at least one)
+    replace the reported ones, so a device cannot add a tag to a set its token fixed.
+    What the token stamps is also kept under `"attested"` (absent when it stamps
+    nothing), which `@` selector clauses read. See the module docstring.
     """
     mine, theirs = normalize_attributes(reported), normalize_attributes(stamped)
-    merged = {**mine, **theirs}
-    if "tags" in mine and "tags" in theirs:
-        merged["tags"] = [*mine["tags"], *theirs["tags"]]
-    merged[CUSTOM] = {**mine.get(CUSTOM, {}), **theirs.get(CUSTOM, {})}
-    return normalize_attributes(merged)
+    if theirs.get("tags") == []:
+        # No stamp: the wire cannot tell "no tags" from "tags not given", so every token
+        # made over gRPC without tags stored an empty list (see the module docstring).
+        del theirs["tags"]
+    merged = normalize_attributes(
+        {**mine, **theirs, CUSTOM: {**mine.get(CUSTOM, {}), **theirs.get(CUSTOM, {})}}
+    )
+    if theirs:
+        merged[ATTESTED] = theirs
+    return merged
+
+
+def attested_attributes(effective: Mapping) -> dict:
+    """Return the attested part of effective attributes ({} when nothing is attested)."""
+    return dict(effective.get(ATTESTED, {}))
 
 
 def parse_attr_flags(items: Sequence[str]) -> dict:

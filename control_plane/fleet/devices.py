@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from control_plane import errors
 from control_plane.crypto.device_keys import check_public_keyset
-from control_plane.fleet.attributes import merge_attributes, normalize_attributes
+from control_plane.fleet.attributes import effective_attributes, normalize_attributes
 from control_plane.fleet.selector import parse_selector
 from control_plane.limits import MAX_NAME, MAX_REASON, check_text
 from control_plane.store.fleet import (
@@ -75,7 +75,11 @@ class Fleet:
     def create_enrollment_token(
         self, *, actor: str, ttl_s: int = 0, uses: int = 0, attributes: dict, name: str = ""
     ) -> NewToken:
-        """Make an enrollment token; `attributes` are stamped on every device using it."""
+        """Make an enrollment token; `attributes` are stamped on every device using it.
+
+        Stamped attributes are attested: its devices cannot change them (stamped tags
+        replace reported ones), and `@` selector clauses match only them.
+        """
         ttl_s = ttl_s or self._default_ttl
         if not 0 < ttl_s <= MAX_ENROLL_TTL_S:
             raise errors.InvalidArgument(f"ttl must be between 1s and {MAX_ENROLL_TTL_S}s")
@@ -110,7 +114,7 @@ class Fleet:
         def make(record: EnrollmentTokenRecord):
             device = DeviceRecord(
                 id=DEVICE_PREFIX + secrets.token_hex(8),
-                attributes=merge_attributes(reported, record.attributes),
+                attributes=effective_attributes(reported, record.attributes),
                 enrolled_at=now,
                 last_seen=now,
                 online_until=None,
@@ -188,8 +192,12 @@ class Fleet:
                     del self._auth_cache[digest]
 
     def device_attributes(self, device: DeviceAuth, reported: dict) -> dict:
-        """Return a Sync's effective attributes: what it reports, under what is stamped."""
-        return merge_attributes(normalize_attributes(reported), device.stamped_attributes)
+        """Return a Sync's effective attributes: what it reports, under what is stamped.
+
+        The result carries the attested (stamped) ones under `"attested"`: it is what
+        Sync stores and hands to every selector (see `fleet.attributes`).
+        """
+        return effective_attributes(reported, device.stamped_attributes)
 
     # -- operators ------------------------------------------------------------------------
 

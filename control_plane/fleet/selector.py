@@ -8,6 +8,12 @@ compiles each clause into a closure over precomputed constants: `matches` runs n
 and compiles no pattern, and device-side version and number strings go through bounded
 caches (a fleet reports few distinct ones). A clause on a key the device does not report
 never matches, `!=` and `not in` included: "unknown" is not "different".
+
+A clause prefixed with `@` (`@tags=internal`, `@region in (eu, us)`, `@tier!=free`) is
+the same clause over the device's attested attributes only: those its enrollment token
+stamped, which the device cannot change (`fleet.attributes`, key `"attested"`). A device
+without that attested key never matches it, `!=` and `not in` included, whatever it
+reports. Custom keys keep their one spelling, bare (`@tier=gold`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from control_plane.fleet._selector_compile import _device_number as _device_numb
 from control_plane.fleet._selector_compile import _device_version as _device_version
 
 __all__ = [
+    "ATTESTED_MARK",
     "LIST_OPERATORS",
     "MAX_CLAUSES",
     "MAX_TEXT",
@@ -49,6 +56,7 @@ MAX_CLAUSES = 64
 MAX_VALUES = 256
 LIST_OPERATORS = ("in", "not in")
 SYMBOL_OPERATORS = ("=", "!=", "<", "<=", ">", ">=", "~")
+ATTESTED_MARK = "@"
 _SPACE = frozenset(" \t\r\n")
 _OP_CHARS = frozenset("=!<>~")
 _KEY_START = frozenset(string.ascii_letters + "_")
@@ -70,16 +78,21 @@ class SelectorError(errors.InvalidArgument):
 
 @dataclass(frozen=True)
 class Clause:
-    """One condition: `values` has one entry except for `in` and `not in`."""
+    """One condition: `values` has one entry except for `in` and `not in`.
+
+    `attested` (written `@key`) restricts it to the device's attested attributes.
+    """
 
     key: str
     op: str
     values: tuple[str, ...]
+    attested: bool = False
 
     def __str__(self) -> str:
+        key = ATTESTED_MARK + self.key if self.attested else self.key
         if self.op in LIST_OPERATORS:
-            return f"{self.key} {self.op} ({', '.join(map(_quote, self.values))})"
-        return f"{self.key}{self.op}{_quote(self.values[0])}"
+            return f"{key} {self.op} ({', '.join(map(_quote, self.values))})"
+        return f"{key}{self.op}{_quote(self.values[0])}"
 
 
 def _quote(value: str) -> str:
@@ -105,7 +118,7 @@ class Selector:
         return True
 
     def keys(self) -> frozenset[str]:
-        """Return the attribute keys the clauses look at."""
+        """Return the attribute keys the clauses look at (`@tags` counts as `tags`)."""
         return frozenset(clause.key for clause in self.clauses)
 
     def __str__(self) -> str:
@@ -188,6 +201,7 @@ class _Parser:
             self.fail("trailing ','", comma)
 
     def clause(self) -> tuple[Clause, Test]:
+        attested = self.attested_mark()
         key = self.key()
         self.skip(_SPACE)
         op_pos = self.pos
@@ -198,8 +212,19 @@ class _Parser:
             self.skip(_SPACE)
             positions = (self.pos,)
             values = (self.value(f"after {op!r}"),)
-        clause = Clause(key, op, values)
+        clause = Clause(key, op, values, attested)
         return clause, _compile(clause, op_pos, positions, self.fail)
+
+    def attested_mark(self) -> bool:
+        if self.peek() != ATTESTED_MARK:
+            return False
+        self.pos += 1
+        char = self.peek()
+        # A key, or a mistake in one that `key` names better (a digit first, quotes).
+        if char not in _KEY_CHARS and char != '"':
+            found = f"found {char!r}" if char else "found the end"
+            self.fail(f"expected a key right after '@' (as in @tags=beta), {found}")
+        return True
 
     def key(self) -> str:
         char = self.peek()

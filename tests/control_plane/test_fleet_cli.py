@@ -48,6 +48,18 @@ def test_fleet_and_rollouts_from_the_command_line(server, model_file):  # noqa: 
     )
     assert [d["id"] for d in picked] == [android.id]
     assert picked[0]["attributes"] == {"platform": "android", "region": "eu", "tags": ["lab"]}
+    assert picked[0]["attested"] == {"region": "eu", "tags": ["lab"]}
+    claimer = Device.enroll(_address(server), plain, {"platform": "linux", "region": "eu"})
+    attested = json.loads(
+        skiff("fleet", "ls", "--select", "@region=eu, @tags=lab", "--json", env=env).stdout
+    )
+    assert sorted(d["id"] for d in attested) == sorted([android.id, ios.id])
+    shown = json.loads(skiff("fleet", "show", claimer.id, "--json", env=env).stdout)
+    assert shown["attributes"]["region"] == "eu" and shown["attested"] == {}
+    text = skiff("fleet", "show", android.id, env=env).stdout
+    assert "  attributes  platform=android, region=eu, tags=lab\n" in text
+    assert "  attested    region=eu, tags=lab  (stamped by its enrollment token)\n" in text
+    assert "  attested    -\n" in skiff("fleet", "show", claimer.id, env=env).stdout
 
     rid = skiff(
         "rollout",

@@ -56,9 +56,12 @@ def test_enrollment_token_rules(cp):
     first = enroll(once.token, {"region": "us", "platform": "linux", "tags": ["x"]})
     with cp.client() as client:
         shown = client.get_device(first.device_id)
-    # Stamped attributes win over what the device says; the rest is kept.
+    # Stamped attributes win over what the device says and are attested; the rest is
+    # kept. Stamped tags replace the reported ones (they were the union before).
     assert shown.attributes.region == "eu" and shown.attributes.platform == "linux"
-    assert set(shown.attributes.tags) == {"lab", "x"}
+    assert list(shown.attributes.tags) == ["lab"]
+    assert (shown.attested.region, list(shown.attested.tags)) == ("eu", ["lab"])
+    assert not shown.attested.platform
     with pytest.raises(DeviceCallError, match="used up") as used_up:
         enroll(once.token)
     assert used_up.value.code == grpc.StatusCode.UNAUTHENTICATED

@@ -1,4 +1,4 @@
-"""Canonical device attributes: normalisation, limits, merging, CLI flags."""
+"""Canonical device attributes: normalisation, limits, stamped and attested ones, CLI flags."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 
 from control_plane import errors
 from control_plane.fleet.attributes import (
+    ATTESTED,
     STANDARD_KEYS,
-    merge_attributes,
+    attested_attributes,
+    effective_attributes,
     normalize_attributes,
     parse_attr_flags,
 )
@@ -192,46 +194,80 @@ def test_custom_values_limits():
         normalize_attributes({"custom": ["a"]})
 
 
-def test_merge_stamped_overrides_key_by_key():
+def test_stamped_overrides_key_by_key_and_is_attested():
     reported = {"platform": "android", "region": "us", "soc": "sm8650", "ram_mb": 4096}
     stamped = {"region": "eu", "ram_mb": 8192}
-    assert merge_attributes(reported, stamped) == {
+    assert effective_attributes(reported, stamped) == {
         "platform": "android",
         "soc": "sm8650",
         "ram_mb": 8192,
         "region": "eu",
+        "attested": {"ram_mb": 8192, "region": "eu"},
     }
 
 
-def test_merge_custom_per_key_and_tags_union():
+def test_custom_keys_per_key_and_stamped_tags_exclusive():
+    # Before attestation tags were the union ("field" was kept): a device could add
+    # any tag to a set its token fixed.
     reported = {"tags": ["beta", "field"], "custom": {"batch": "8", "tier": "free"}}
     stamped = {"tags": ["beta", "fleet-a"], "custom": {"tier": "gold"}}
-    assert merge_attributes(reported, stamped) == {
-        "tags": ["beta", "field", "fleet-a"],
+    assert effective_attributes(reported, stamped) == {
+        "tags": ["beta", "fleet-a"],
         "custom": {"batch": "8", "tier": "gold"},
+        "attested": {"tags": ["beta", "fleet-a"], "custom": {"tier": "gold"}},
     }
 
 
-def test_merge_keeps_either_side_tags_when_the_other_has_none():
-    assert merge_attributes({"tags": ["a"]}, {})["tags"] == ["a"]
-    assert merge_attributes({}, {"tags": ["b"]})["tags"] == ["b"]
-    assert merge_attributes({}, {}) == {}
+def test_reported_tags_count_only_where_the_token_stamps_none():
+    assert effective_attributes({"tags": ["a"]}, {}) == {"tags": ["a"]}
+    assert effective_attributes({"tags": ["a"]}, {"region": "eu"})["tags"] == ["a"]
+    assert effective_attributes({}, {"tags": ["b"]})["tags"] == ["b"]
+    # An empty stamped list is no stamp: over gRPC every token without tags stores one.
+    assert effective_attributes({"tags": ["a"]}, {"tags": [], "soc": "x"}) == {
+        "soc": "x",
+        "tags": ["a"],
+        "attested": {"soc": "x"},
+    }
+    assert effective_attributes({}, {"tags": []}) == {}
+    assert effective_attributes({}, {}) == {}
 
 
-def test_merge_result_is_canonical_and_checked():
-    merged = merge_attributes({"custom": {"z": "1"}}, {"custom": {"a": "2"}, "ram_mb": "16"})
+def test_nothing_stamped_means_nothing_attested():
+    out = effective_attributes({"platform": "android", "custom": {"x": "1"}}, {})
+    assert ATTESTED not in out and attested_attributes(out) == {}
+    assert attested_attributes(effective_attributes({}, {"soc": "a1"})) == {"soc": "a1"}
+
+
+def test_a_device_cannot_report_the_attested_key():
+    forged = {"tags": ["internal"]}
+    with pytest.raises(errors.InvalidArgument, match="'attested' is reserved"):
+        normalize_attributes({"platform": "android", ATTESTED: forged})
+    with pytest.raises(errors.InvalidArgument, match="'attested' is reserved"):
+        effective_attributes({ATTESTED: forged}, {})
+    with pytest.raises(errors.InvalidArgument, match="'attested' is reserved"):
+        effective_attributes({}, {ATTESTED: forged})  # nor can a token nest it
+    # A custom key of that name is only a custom key, never the attested set.
+    out = effective_attributes({"custom": {ATTESTED: "yes"}}, {})
+    assert out == {"custom": {ATTESTED: "yes"}} and attested_attributes(out) == {}
+
+
+def test_effective_result_is_canonical_and_checked():
+    merged = effective_attributes({"custom": {"z": "1"}}, {"custom": {"a": "2"}, "ram_mb": "16"})
     assert list(merged["custom"]) == ["a", "z"]
     assert merged["ram_mb"] == 16
-    too_many = [f"t{i}" for i in range(20)]
-    with pytest.raises(errors.InvalidArgument, match="at most 32 tags"):
-        merge_attributes({"tags": too_many}, {"tags": [t + "x" for t in too_many]})
+    assert merged[ATTESTED] == {"ram_mb": 16, "custom": {"a": "2"}}
+    too_many = {f"k{i}": "v" for i in range(20)}
+    with pytest.raises(errors.InvalidArgument, match="at most 32 keys"):
+        effective_attributes(
+            {"custom": too_many}, {"custom": {k + "x": v for k, v in too_many.items()}}
+        )
 
 
-def test_merge_validates_both_sides():
+def test_effective_validates_both_sides():
     with pytest.raises(errors.InvalidArgument, match="unknown attribute key 'zone'"):
-        merge_attributes({"zone": "a"}, {})
+        effective_attributes({"zone": "a"}, {})
     with pytest.raises(errors.InvalidArgument, match="'region' must not contain control"):
-        merge_attributes({}, {"region": "e\nu"})
+        effective_attributes({}, {"region": "e\nu"})
 
 
 def test_parse_attr_flags_fills_slots_tags_and_custom():
@@ -312,5 +348,44 @@ def test_normalize_is_idempotent(raw):
         assert len(set(raw.get("tags", []))) > 32
         return
     assert normalize_attributes(once) == once
-    assert merge_attributes(once, {}) == once
-    assert merge_attributes({}, once) == once
+    assert effective_attributes(once, {}) == once
+    stamp = _stamp(once)
+    assert effective_attributes({}, once) == ({**stamp, ATTESTED: stamp} if stamp else {})
+
+
+def _stamp(stamped: dict) -> dict:
+    """What a canonical stamp attests: all of it, but an empty tag list is no stamp."""
+    return {k: v for k, v in stamped.items() if (k, v) != ("tags", [])}
+
+
+def _canonical(raw: dict) -> dict | None:
+    try:
+        return normalize_attributes(raw)
+    except errors.InvalidArgument:  # more than 32 tags
+        return None
+
+
+@given(_attrs.map(_canonical), _attrs.map(_canonical), _attrs.map(_canonical))
+def test_a_device_reporting_an_attested_attribute_cannot_change_or_add_to_it(
+    reported, other, stamped
+):
+    if None in (reported, other, stamped):
+        return
+    out = effective_attributes(reported, stamped)
+    stamped = _stamp(stamped)
+    # Every stamped value is the effective one, tags whole, custom keys one by one.
+    for key, value in stamped.items():
+        if key != "custom":
+            assert out[key] == value, key
+    for key, value in stamped.get("custom", {}).items():
+        assert out["custom"][key] == value, key
+    # What is attested is exactly what the token stamped, whatever the device reports.
+    assert attested_attributes(out) == stamped
+    assert attested_attributes(effective_attributes(other, stamped)) == stamped
+    # What the token leaves alone is the device's to report.
+    for key, value in reported.items():
+        if key not in stamped and key != "custom":
+            assert out[key] == value, key
+    for key, value in reported.get("custom", {}).items():
+        if key not in stamped.get("custom", {}):
+            assert out["custom"][key] == value, key

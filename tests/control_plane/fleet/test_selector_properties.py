@@ -1,17 +1,18 @@
-"""The selector language: round trip through canonical text, and a reference evaluator."""
+"""The selector language: round trip through canonical text, a reference evaluator, `@`."""
 
 from __future__ import annotations
 
 import fnmatch
 import operator
 import re
+from dataclasses import replace
 from fractions import Fraction
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control_plane import errors
-from control_plane.fleet.attributes import normalize_attributes
+from control_plane.fleet.attributes import effective_attributes, normalize_attributes
 from control_plane.fleet.selector import Clause, parse_selector
 from tests.control_plane.fleet._selector_cases import BARE, PIXEL
 
@@ -40,7 +41,15 @@ def _values(op: str, pool: list[str], glob_pool: list[str] = GLOBS) -> st.Search
 
 
 @st.composite
-def clauses(draw, free_text: bool = False) -> Clause:
+def clauses(draw, free_text: bool = False, attested: bool | None = None) -> Clause:
+    """A clause on any kind of key; `@` (attested) one time in four unless `attested`."""
+    if attested is None:
+        attested = draw(st.sampled_from([False, False, False, True]))
+    return replace(draw(_plain_clauses(free_text)), attested=attested)
+
+
+@st.composite
+def _plain_clauses(draw, free_text: bool = False) -> Clause:
     kind = draw(st.sampled_from(["version", "text", "ram", "custom", "tags"]))
     words = st.text(st.characters(exclude_categories=("Cc", "Cs")), max_size=12)
     if kind == "version":
@@ -77,11 +86,12 @@ def selector_texts(draw, free_text: bool = False) -> tuple[str, list[Clause]]:
 
     def clause(c: Clause) -> str:
         s = [draw(_space) for _ in range(4)]
+        key = "@" + c.key if c.attested else c.key
         if c.op in ("in", "not in"):
             op = c.op.replace(" ", " " + draw(_space))
             inner = ",".join(f"{draw(_space)}{value(v)}{draw(_space)}" for v in c.values)
-            return f"{s[0]}{c.key} {s[1]}{op} {s[2]}({inner}){s[3]}"
-        return f"{s[0]}{c.key}{s[1]}{c.op}{s[2]}{value(c.values[0])}{s[3]}"
+            return f"{s[0]}{key} {s[1]}{op} {s[2]}({inner}){s[3]}"
+        return f"{s[0]}{key}{s[1]}{c.op}{s[2]}{value(c.values[0])}{s[3]}"
 
     return ",".join(clause(c) for c in made), made
 
@@ -152,6 +162,8 @@ def _ref_tags(op: str, values: tuple[str, ...], tags: list[str]) -> bool:
 
 def _ref_clause(c: Clause, attrs: dict) -> bool:
     kind = _REF_KINDS.get(c.key, "custom")
+    if c.attested:  # the same clause, over what the enrollment token stamped only
+        attrs = attrs.get("attested", {})
     where = attrs.get("custom", {}) if kind == "custom" else attrs
     if c.key not in where:
         return False
@@ -249,3 +261,58 @@ def test_reference_evaluator_sanity():
     assert reference_matches(made, PIXEL)
     assert not reference_matches(made, {**PIXEL, "app_version": "5.1"})
     assert not reference_matches(made, BARE)
+
+
+# -- `@` clauses: attested values only --------------------------------------------------
+
+
+@given(selector_texts(), _devices, _devices, st.data())
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_matches_agrees_with_the_reference_on_stamped_devices(case, reported, stamped, data):
+    text, made = case
+    selector = parse_selector(text)
+    reported, stamped = _steer(reported, made, data), _steer(stamped, made, data)
+    attrs = effective_attributes(reported, stamped)
+    assert selector.matches(attrs) is reference_matches(made, attrs), (str(selector), attrs)
+    for clause in made:
+        one = parse_selector(str(clause))
+        assert one.matches(attrs) is _ref_clause(clause, attrs), (str(clause), attrs)
+
+
+@given(clauses(attested=False), _devices, _devices, _devices, st.data())
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_attested_clauses_never_match_unattested_values(clause, reported, other, stamped, data):
+    attested = parse_selector(str(replace(clause, attested=True)))
+    plain = parse_selector(str(clause))
+    # Steered so that the plain clause often matches what the device reports.
+    reported = _steer(reported, [clause], data)
+    stamped = _steer(stamped, [clause], data)
+    # Whatever a device reports, without a stamp no `@` clause matches it.
+    assert not attested.matches(reported)
+    assert not attested.matches(effective_attributes(reported, {}))
+    # With one, the `@` clause is the plain clause on the stamp alone: what the device
+    # reports neither adds to nor changes its answer.
+    outcome = attested.matches(effective_attributes(reported, stamped))
+    assert outcome is plain.matches(_stamp(stamped))
+    assert outcome is attested.matches(effective_attributes(other, stamped))
+    # A value the device claims and the token did not stamp never makes `@` match.
+    assert not attested.matches(effective_attributes(reported, _without(stamped, clause.key)))
+
+
+def _stamp(stamped: dict) -> dict:
+    """What a canonical stamp attests: all of it, but an empty tag list is no stamp."""
+    return {k: v for k, v in stamped.items() if (k, v) != ("tags", [])}
+
+
+def _without(attrs: dict, key: str) -> dict:
+    """Return canonical `attrs` without `key` (a custom key is looked for under custom)."""
+    custom = {k: v for k, v in attrs.get("custom", {}).items() if k != key}
+    rest = {k: v for k, v in attrs.items() if k not in (key, "custom")}
+    return normalize_attributes({**rest, "custom": custom})
+
+
+def test_attested_properties_are_not_vacuous():
+    # Guards the properties above against an evaluator where `@` never matches at all.
+    stamped = normalize_attributes({"tags": ["beta"], "custom": {"tier": "gold"}})
+    for text in ("@tags=beta", "@tier=gold", "@tags not in (x)"):
+        assert parse_selector(text).matches(effective_attributes({"tags": ["x"]}, stamped))

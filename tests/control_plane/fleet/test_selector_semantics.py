@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from control_plane import errors
+from control_plane.fleet.attributes import effective_attributes
 from control_plane.fleet.selector import compare_versions, parse_selector, parse_version
 from tests.control_plane.fleet._selector_cases import BARE, PIXEL, matches
 
@@ -211,6 +212,83 @@ def test_a_missing_key_never_matches(text):
 def test_the_missing_key_list_covers_every_operator():
     ops = {parse_selector(text).clauses[0].op for text in EVERY_OPERATOR_ON_EVERY_KIND}
     assert ops == {"=", "!=", "<", "<=", ">", ">=", "~", "in", "not in"}
+
+
+# -- `@` clauses: attested values only --------------------------------------------------
+
+# PIXEL's values, every one reported by the device itself (enrolled with a token that
+# stamps nothing), and the same values every one stamped by its token.
+CLAIMED = effective_attributes(PIXEL, {})
+STAMPED = effective_attributes({}, PIXEL)
+# Each key on PIXEL, clause by clause: these all match PIXEL's values.
+EVERY_KEY_MATCHING_PIXEL = [
+    "platform=android",
+    "platform!=ios",
+    "platform not in (ios)",
+    "device_model~Pixel*",
+    "soc in (tensor_g3, sm8650)",
+    "region=eu",
+    "app_version>=5.10",
+    "os_version<15",
+    "os_version!=13",
+    "ram_mb>4096",
+    "ram_mb not in (4096)",
+    "tags=beta",
+    "tags!=internal",
+    "tags not in (internal)",
+    "tags~dog*",
+    "tier=gold",
+    "tier!=free",
+    "batch<=8",
+    "ratio in (0.5)",
+]
+
+
+@pytest.mark.parametrize("text", EVERY_KEY_MATCHING_PIXEL)
+def test_an_attested_clause_matches_only_attested_values(text):
+    assert matches(text, CLAIMED) and matches(text, STAMPED)
+    assert not matches("@" + text, CLAIMED)
+    assert not matches("@" + text, PIXEL)
+    assert matches("@" + text, STAMPED)
+
+
+@pytest.mark.parametrize("text", EVERY_OPERATOR_ON_EVERY_KIND)
+def test_an_attested_clause_on_a_key_not_attested_never_matches(text):
+    # The device reports a value for every key (one that satisfies the `=` clauses);
+    # its token stamps other keys, or nothing.
+    reported = {
+        "platform": "x",
+        "app_version": "1",
+        "os_version": "1",
+        "ram_mb": 1,
+        "tags": ["x"],
+        "custom": {"batch": "1", "tier": "x"},
+    }
+    selector = parse_selector("@" + text)
+    assert not selector.matches(BARE)
+    for stamped in ({}, {"custom": {"other": "1"}}, {"region": "x"}):
+        device = effective_attributes(reported, stamped)
+        assert not selector.matches(device)
+
+
+def test_an_empty_stamped_tag_list_attests_no_tags():
+    # Over gRPC a token without tags stores an empty list: the device's own tags count,
+    # unattested, and no `@tags` clause matches (not even `!=`).
+    device = effective_attributes({"tags": ["internal"]}, {"tags": [], "region": "eu"})
+    assert matches("tags=internal", device) and matches("@region=eu", device)
+    for text in ("@tags=internal", "@tags!=internal", "@tags not in (x)", "@tags~*"):
+        assert not matches(text, device), text
+
+
+def test_the_reproduction_a_claimed_tag_is_not_an_attested_one():
+    public = effective_attributes({"tags": ["internal"]}, {"region": "eu"})
+    insider = effective_attributes({}, {"tags": ["internal"]})
+    assert matches("tags=internal", public)  # a plain clause sees what a device says
+    assert not matches("@tags=internal", public)
+    assert matches("@tags=internal", insider)
+    # Custom keys: one spelling, bare, attested or not.
+    assert matches("@tier=gold", effective_attributes({}, {"custom": {"tier": "gold"}}))
+    assert not matches("@tier=gold", effective_attributes({"custom": {"tier": "gold"}}, {}))
 
 
 @pytest.mark.parametrize("version", ["abc", "5.x", "5..2", "", "v5", "5.2-beta", "-1", " 5"])

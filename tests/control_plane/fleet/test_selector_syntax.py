@@ -28,6 +28,9 @@ from tests.control_plane.fleet._selector_cases import BARE, PIXEL, matches
         ("region!=eu,tags=beta", "region!=eu, tags=beta"),
         ("device_model~Pixel*", "device_model~Pixel*"),
         ("os_version>=14, ram_mb>4096", "os_version>=14, ram_mb>4096"),
+        ("@tags=internal", "@tags=internal"),
+        ("@region in (eu,us), platform=android", "@region in (eu, us), platform=android"),
+        ("@tier = gold ,@ram_mb>=4096", "@tier=gold, @ram_mb>=4096"),
     ],
 )
 def test_examples_parse_to_canonical_text(text, canonical):
@@ -60,6 +63,20 @@ def test_clauses_and_keys():
         Clause("soc", "=", ("x",)),
     )
     assert selector.keys() == frozenset({"soc", "batch"})
+
+
+def test_attested_clauses_and_keys():
+    selector = parse_selector('@tags=internal, tags=beta, @region not in (us, "x y"), @tier~g*')
+    assert selector.clauses == (
+        Clause("tags", "=", ("internal",), attested=True),
+        Clause("tags", "=", ("beta",)),
+        Clause("region", "not in", ("us", "x y"), attested=True),
+        Clause("tier", "~", ("g*",), attested=True),
+    )
+    assert selector.keys() == frozenset({"tags", "region", "tier"})
+    # `@tags=x` and `tags=x` are different selectors (and rollouts).
+    assert parse_selector("@tags=x") != parse_selector("tags=x")
+    assert str(Clause("soc", "in", ("a", "b c"), attested=True)) == '@soc in (a, "b c")'
 
 
 @pytest.mark.parametrize("text", ["", " ", " \t\r\n "])
@@ -172,6 +189,20 @@ def test_clause_str_quotes_only_when_needed():
         ("platform=and$roid", 12, "'$' is not allowed in an unquoted value"),
         ("platform=(x)", 9, "unexpected '(' where a value should be"),
         ('platform="a"b', 12, "expected ',' between clauses"),
+        ("@", 1, "expected a key right after '@'"),
+        ("@ tags=x", 1, "expected a key right after '@' (as in @tags=beta), found ' '"),
+        ("@@tags=x", 1, "expected a key right after '@'"),
+        ("@,tags=x", 1, "expected a key right after '@'"),
+        ("tags=x, @", 9, "right after '@' (as in @tags=beta), found the end"),
+        ("@9lives=1", 1, "a key must start with a letter or '_'"),
+        ('@"tags"=x', 1, "keys are not quoted"),
+        ("tags@=x", 4, "'@' is not allowed in a key"),
+        ("tags=@x", 5, "unexpected '@' where a value should be"),
+        ("@tags>3", 5, "operator '>' cannot be used on 'tags'"),
+        ("@region<eu", 7, "operator '<' cannot be used on 'region'"),
+        ("@ram_mb~4*", 7, "operator '~' cannot be used on 'ram_mb'"),
+        ("@app_version>=abc", 14, "'abc' is not a version"),
+        ("@batch>lots", 7, "'lots' is not a number"),
     ],
 )
 def test_error_positions_and_reasons(text, position, reason):
