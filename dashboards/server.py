@@ -20,6 +20,7 @@ from device_agent.transport import host_of, is_loopback
 
 if TYPE_CHECKING:
     from control_plane.api.server import App
+    from control_plane.api.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,12 @@ def _split(address: str) -> tuple[str, int]:
 
 
 class DashboardServer:
-    """The dashboard on `address`; `port` is the one bound (tests pass port 0)."""
+    """The dashboard on `address`; `port` is the one bound (tests pass port 0).
 
-    def __init__(self, app: App, address: str) -> None:
+    `throttle` counts failed logins (default: control_plane.api.throttle's limits).
+    """
+
+    def __init__(self, app: App, address: str, *, throttle: Throttle | None = None) -> None:
         from dashboards.metrics import Metrics
         from dashboards.web.app import create_app
 
@@ -50,7 +54,7 @@ class DashboardServer:
                 "tls_cert and tls_key or listen on 127.0.0.1"
             )
         self.metrics = Metrics(app)
-        web = create_app(app, secure_cookies=self.tls, metrics=self.metrics)
+        web = create_app(app, secure_cookies=self.tls, metrics=self.metrics, throttle=throttle)
         self._server = wsgi.Server(
             (host, port),
             web,

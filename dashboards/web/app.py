@@ -3,11 +3,14 @@
 Server-rendered pages (Jinja2, autoescaped) over the JSON API's documents, charts drawn
 in the browser by Plotly from its own package (served here: nothing comes from a CDN),
 and `/metrics` for Prometheus. Every request but the login page, static files and the
-health check needs a session cookie (pages) or a bearer token (API, metrics).
+health check needs a session cookie (pages) or a bearer token (API, metrics). Logins and
+bearer tokens are guesses at a token: both go through one failure throttle, keyed by the
+socket's peer address (no proxy header is trusted), answering 429 with Retry-After.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -18,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from control_plane import errors
 from control_plane.api.server import App
+from control_plane.api.throttle import Throttle, Throttled, client_key
 from dashboards.metrics import Metrics
 from dashboards.web.auth import COOKIE, SESSION_TTL, Caller, Sessions
 
@@ -32,6 +36,7 @@ CSP = (
 )
 # One table from domain errors to HTTP statuses (as the gRPC API has one to status codes).
 HTTP_STATUS: tuple[tuple[type[errors.SkiffError], int], ...] = (
+    (Throttled, 429),
     (errors.InvalidArgument, 400),
     (errors.TooLarge, 413),
     (errors.OutOfRange, 400),
@@ -51,8 +56,17 @@ def status_of(exc: errors.SkiffError) -> int:
     return next((code for kind, code in HTTP_STATUS if isinstance(exc, kind)), 500)
 
 
-def create_app(app: App, *, secure_cookies: bool, metrics: Metrics | None = None) -> flask.Flask:
-    """Return the dashboard for `app`; `secure_cookies` when served over TLS."""
+def create_app(
+    app: App,
+    *,
+    secure_cookies: bool,
+    metrics: Metrics | None = None,
+    throttle: Throttle | None = None,
+) -> flask.Flask:
+    """Return the dashboard for `app`; `secure_cookies` when served over TLS.
+
+    `throttle` counts failed logins and bad bearer tokens (default: its standard limits).
+    """
     from dashboards.web import api, pages
 
     web = flask.Flask(__name__, static_folder="static", template_folder="templates")
@@ -61,6 +75,9 @@ def create_app(app: App, *, secure_cookies: bool, metrics: Metrics | None = None
     web.extensions["skiff.sessions"] = Sessions(app.store, app.store)
     web.extensions["skiff.secure_cookies"] = secure_cookies
     web.extensions["skiff.metrics"] = metrics or Metrics(app)
+    web.extensions["skiff.throttle"] = (
+        Throttle(name="dashboard login") if throttle is None else throttle
+    )
     web.register_blueprint(pages.bp)
     web.register_blueprint(api.bp, url_prefix="/api/v1")
 
@@ -95,6 +112,23 @@ def sessions() -> Sessions:
     return flask.current_app.extensions["skiff.sessions"]
 
 
+def attempt() -> contextlib.AbstractContextManager[None]:
+    """Return the throttle's guard over a token check by this request's client address.
+
+    Throttled before the check when the address (or everyone) failed too often;
+    Unauthenticated from inside counts as a failure. See control_plane.api.throttle.
+    """
+    throttle: Throttle = flask.current_app.extensions["skiff.throttle"]
+    return throttle.attempt(client_key(flask.request.remote_addr or ""))
+
+
+def retry_after(response: flask.Response, exc: errors.SkiffError) -> flask.Response:
+    """Add Retry-After (whole seconds) to the answer to a throttled request."""
+    if isinstance(exc, Throttled):
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
+
+
 def caller() -> Caller:
     """Return the authenticated caller of this request."""
     return flask.g.caller
@@ -114,7 +148,8 @@ def _authenticate():
         return None
     authorization = flask.request.headers.get("Authorization")
     if authorization and is_api():
-        flask.g.caller = sessions().bearer(authorization)
+        with attempt():
+            flask.g.caller = sessions().bearer(authorization)
     else:
         flask.g.caller = sessions().resolve(flask.request.cookies.get(COOKIE))
     return None
@@ -165,11 +200,13 @@ def _skiff_error(exc: errors.SkiffError):
         log.error("dashboard %s %s: %s", flask.request.method, flask.request.path, exc)
     if is_api():
         kind = type(exc).__name__
-        return {"error": {"code": kind, "message": str(exc)}}, status
+        body = {"error": {"code": kind, "message": str(exc)}}
+        return retry_after(flask.make_response(body, status), exc)
     if status == 401:
         target = flask.request.full_path.rstrip("?") if flask.request.method == "GET" else "/"
         return flask.redirect(flask.url_for("pages.login", next=target))
-    return flask.render_template("error.html", status=status, message=str(exc)), status
+    page = flask.render_template("error.html", status=status, message=str(exc))
+    return retry_after(flask.make_response(page, status), exc)
 
 
 def _http_error(exc: HTTPException):

@@ -12,8 +12,17 @@ import re
 import flask
 
 from control_plane import errors
+from control_plane.api.throttle import Throttled
 from dashboards.web import data
-from dashboards.web.app import caller, sessions, set_session_cookie, skiff
+from dashboards.web.app import (
+    attempt,
+    caller,
+    retry_after,
+    sessions,
+    set_session_cookie,
+    skiff,
+    status_of,
+)
 from dashboards.web.auth import COOKIE
 
 bp = flask.Blueprint("pages", __name__)
@@ -61,14 +70,19 @@ def _page(template: str, **context):
 
 @bp.route("/login", methods=["GET", "POST"])
 def login():
-    """Show the login form; on a valid token, start a session."""
+    """Show the login form; on a valid token, start a session.
+
+    Throttled per client address and overall (429 with Retry-After, the token unchecked).
+    """
     target = _safe_next(flask.request.values.get("next"))
     if flask.request.method == "GET":
         return flask.render_template("login.html", next=target, message="")
     try:
-        secret, record = sessions().login(flask.request.form.get("token", ""))
-    except errors.Unauthenticated as exc:
-        return flask.render_template("login.html", next=target, message=str(exc)), 401
+        with attempt():
+            secret, record = sessions().login(flask.request.form.get("token", ""))
+    except (errors.Unauthenticated, Throttled) as exc:
+        page = flask.render_template("login.html", next=target, message=str(exc))
+        return retry_after(flask.make_response(page, status_of(exc)), exc)
     response = flask.redirect(target)
     set_session_cookie(response, secret)
     flask.current_app.logger.info("dashboard login: token %s (%s)", record.id, record.role)
