@@ -269,6 +269,21 @@ SETTINGS: tuple[Setting, ...] = (
         "How often guardrails check running rollouts.",
     ),
     Setting(
+        "guard_outliers",
+        int,
+        1,
+        "SKIFF_GUARD_OUTLIERS",
+        "How many devices no guardrail verdict or backend recommendation may hinge on: "
+        "that many are left out each way, and a failing verdict needs one more showing it.",
+    ),
+    Setting(
+        "recommend_min_devices",
+        int,
+        3,
+        "SKIFF_RECOMMEND_MIN_DEVICES",
+        "Distinct devices a backend config needs on a device class before it is recommended.",
+    ),
+    Setting(
         "signing_overlap_s",
         int,
         7 * 86_400,
@@ -330,6 +345,8 @@ class Config:
     rollup_day_retention_d: float
     telemetry_raw_retention_h: float
     guard_interval_s: float
+    guard_outliers: int
+    recommend_min_devices: int
 
     @property
     def dial_address(self) -> str:

@@ -7,6 +7,12 @@ state. `Agent.run()` does that on start, on every revision the Watch stream push
 whenever the poll interval runs out, reconnecting with exponential backoff and full
 jitter, until `stop` is set.
 
+Time is the control plane's: each signed answer says when it was signed and echoes the
+agent's nonce, so the agent measures its clock's offset from it (device_agent.clock),
+judges expiry on the control plane's time, stamps its reports with it, and says in one
+line (log, `agent status`, telemetry) when its own clock is far off. Each answer it
+accepts is acknowledged (`Ack`): only then does the control plane count it as synced.
+
 With `serve=True`, `run()` also serves the installed models to apps on the device
 (device_agent.local_api), swaps each newly activated version in, goes back to the
 previous version when the active one fails at run time, and reports telemetry
@@ -17,15 +23,28 @@ previous version when the active one fails at run time, and reports telemetry
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from control_plane.fleet.wire import attributes_pb
-from device_agent.assignment import AssignmentRejected, new_nonce, verify_sync
+from device_agent.assignment import (
+    AssignmentRejected,
+    VerifiedAssignment,
+    new_nonce,
+    verify_sync,
+)
+from device_agent.clock import (
+    ServerClock,
+    load_reading,
+    save_reading,
+    skew_notice,
+    skewed,
+)
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s, open_channel
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
@@ -90,7 +109,9 @@ class Agent:
         attributes: dict | None = None,
         serve: bool = False,
         report_interval_s: float = REPORT_INTERVAL_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` is the device's wall clock (Unix seconds); tests set it hours off."""
         self.state = state
         self.server = server
         self._tls = tls
@@ -104,7 +125,10 @@ class Agent:
         self.identity: Identity | None = None
         self.installer: Installer | None = None
         self.reporter: Reporter | None = None
-        self.collector = Collector()
+        # The control plane's time, measured at every accepted answer.
+        self.server_clock = ServerClock(clock)
+        self._skew_said: float | None = None
+        self.collector = Collector(self.server_clock)
         self.serving: Serving | None = None
         self.pipelines: Pipelines | None = None
         self.reachable = False
@@ -121,6 +145,9 @@ class Agent:
         # Before any artifact is decrypted: no core file may ever carry a plaintext model.
         forbid_core_dumps()
         self.state.lock()
+        stored = load_reading(self.state.path)
+        if stored is not None:  # until this run's first answer: the last run's offset
+            self.server_clock.assume_offset(stored.offset_s)
         try:
             self._channel = open_channel(self.server, self._tls)
             self.identity = await self._identity()
@@ -203,7 +230,7 @@ class Agent:
             device_id=reply.device_id,
             credential=reply.credential,
             private_keyset=keys.private_keyset(),
-            pinned=KeyRing.from_enrollment(reply, dt.datetime.now(dt.UTC)),
+            pinned=KeyRing.from_enrollment(reply, self.server_clock.now_datetime()),
             attributes=attributes,
         )
         self.state.save_identity(identity)
@@ -257,11 +284,15 @@ class Agent:
             for name, (v, variant) in sorted(self.installer.active().items())
         ]
         nonce = new_nonce()
+        sent = self.server_clock.monotonic()
         response = await self._conn.sync(
             attributes_pb(self.identity.attributes), installed, last_revision, nonce=nonce
         )
+        received = self.server_clock.monotonic()
         self.reachable = True
-        now = dt.datetime.now(dt.UTC)
+        # Keys are judged on the control plane's time as last measured (the wall clock
+        # before any measurement); expiry on the answer's own signed time.
+        now = self.server_clock.now_datetime()
         pinned = self.identity.pinned.update(response.signing_keys, now)
         try:
             assignment = verify_sync(
@@ -270,11 +301,13 @@ class Agent:
                 nonce=nonce,
                 keys=pinned.valid_keys(now),
                 last_revision=last_revision,
-                now=now,
+                round_trip_s=received - sent,
             )
         except AssignmentRejected as exc:
             log.warning("assignment refused: %s", exc)
             raise
+        self._measure_clock(assignment, sent, received)
+        await self._ack(response)
         if pinned != self.identity.pinned:  # learnt an endorsed rotation
             self.identity = Identity(**{**self.identity.__dict__, "pinned": pinned})
             self.state.save_identity(self.identity)
@@ -284,7 +317,7 @@ class Agent:
             done = await self.installer.install(self._conn, m)
             outcome.installs.append(done)
             if done.new:  # queued at once: a later model's failure must not lose it
-                self.queue_installs([install_report(done)])
+                self.queue_installs([install_report(done, self.server_clock.now())])
         for name in set(self.installer.pointers()) - set(assignment.models):
             self.installer.remove(name)
             if self.serving is not None:
@@ -303,6 +336,26 @@ class Agent:
             sync = sync.failed("; ".join(failures))
         self.state.save_sync(sync)
         return outcome
+
+    def _measure_clock(self, assignment: VerifiedAssignment, sent: float, received: float) -> None:
+        """Take the control plane's time from an accepted answer; say a large offset once."""
+        if assignment.issued_at is None:
+            return
+        reading = self.server_clock.measure(assignment.issued_at.timestamp(), sent, received)
+        self._skew_said, line = skew_notice(self._skew_said, reading.offset_s)
+        if line:
+            log.log(logging.WARNING if skewed(reading.offset_s) else logging.INFO, line)
+        save_reading(self.state.path, reading)
+
+    async def _ack(self, response: device_pb2.SyncResponse) -> None:
+        """Tell the control plane this answer was accepted (it then counts us synced)."""
+        try:
+            await self._conn.ack(response.document, response.document_signature)
+        except DeviceCallError as exc:
+            if exc.code in AUTH_CODES:
+                raise
+            # The install goes ahead; the next accepted answer is acknowledged again.
+            log.warning("could not acknowledge revision %d: %s", response.revision, exc.message)
 
     # -- daemon ------------------------------------------------------------------------------
 
@@ -412,7 +465,9 @@ class Agent:
         if previous is None:
             log.error("%s: no previous version to go back to (%s)", name, reason)
             return
-        self.queue_installs(rollback_reports(name, current, previous, reason))
+        self.queue_installs(
+            rollback_reports(name, current, previous, reason, at=self.server_clock.now())
+        )
         await self._serve_slot(name, previous)
 
     def status(self) -> agent_pb2.StatusResponse:

@@ -1,11 +1,17 @@
 """Checks a Sync answer before a device acts on it (the device side of delivery).
 
-The control plane signs one document per answer: the device id, a revision that only
-grows, an expiry, and per model the version, variant, version uid and digests. A device
-accepts an answer only if that document verifies under a pinned key, names this device,
-is not older than the last answer it accepted, has not expired, and agrees with every
-assignment it carries, down to the manifest (itself signed) and the wrapped key. So a
-replayed, older, expired, re-targeted or mixed-and-matched answer is refused.
+The control plane signs one document per answer: the device id, the device's nonce, a
+revision that only grows, the time it signed (`issued_at`), an expiry, and per model the
+version, variant, version uid and digests. A device accepts an answer only if that
+document verifies under a pinned key, names this device, echoes its nonce, is not older
+than the last answer it accepted, has not expired, and agrees with every assignment it
+carries, down to the manifest (itself signed) and the wrapped key. So a replayed, older,
+expired, re-targeted or mixed-and-matched answer is refused.
+
+Expiry is judged on the control plane's time, never on the device's clock (which may be
+a day off): the echoed nonce proves the answer was signed after the request left, so at
+most the round trip ago, and `issued_at` says when that was on the control plane's
+clock (device_agent.clock measures the device's offset from the same reading).
 """
 
 from __future__ import annotations
@@ -154,6 +160,8 @@ class VerifiedAssignment:
     revision: int
     expires_at: dt.datetime
     models: dict[str, VerifiedModel]
+    # The control plane's time as it signed the answer (None from a server that omits it).
+    issued_at: dt.datetime | None = None
 
 
 def new_nonce() -> bytes:
@@ -168,12 +176,17 @@ def verify_sync(
     nonce: bytes,
     keys: Sequence[PublicKey],
     last_revision: int,
-    now: dt.datetime,
+    now: dt.datetime | None = None,
+    round_trip_s: float = 0.0,
 ) -> VerifiedAssignment:
     """Check a SyncResponse end to end; AssignmentRejected names the first problem.
 
     `nonce` is what the device sent with this Sync: an answer recorded earlier (even at
-    the same revision, for the same device) does not carry it and is refused.
+    the same revision, for the same device) does not carry it and is refused. Expiry is
+    judged at `now` when the caller gives the control plane's time; without it, on the
+    answer's own signed `issued_at` plus `round_trip_s` (the longest the answer can have
+    been on its way, since it echoes the nonce), so a device clock that is off plays no
+    part and the allowance for the trip is bounded by the trip itself.
     """
     doc = verify_signed(response.document, response.document_signature, keys)
     if doc.get("schema") != ASSIGNMENT_SCHEMA:
@@ -187,17 +200,32 @@ def verify_sync(
         raise AssignmentRejected(f"assignment revision {revision} is older than {last_revision}")
     if revision != response.revision:
         raise AssignmentRejected("response revision differs from the signed one")
-    try:
-        expires = dt.datetime.fromisoformat(doc["expires_at"])
-    except (KeyError, TypeError, ValueError):
-        raise AssignmentRejected("assignment has no valid expiry") from None
+    expires = _signed_time(doc, "expires_at", "expiry")
+    issued = _signed_time(doc, "issued_at", "issue time") if "issued_at" in doc else None
+    if now is None:
+        if issued is None:
+            raise AssignmentRejected("assignment has no valid issue time")
+        now = issued + dt.timedelta(seconds=max(0.0, round_trip_s))
+        judged = f"control plane time {now.isoformat(timespec='seconds')}, signed within the trip"
+    else:
+        judged = f"judged at {now.isoformat(timespec='seconds')}"
     if expires <= now:
-        raise AssignmentRejected(f"assignment expired at {doc['expires_at']}")
+        raise AssignmentRejected(f"assignment expired at {doc['expires_at']} ({judged})")
     entries = doc.get("models", {})
     if sorted(entries) != sorted(m.model for m in response.models):
         raise AssignmentRejected("assignments differ from the signed list of models")
     models = {m.model: _verified_model(m, entries[m.model], keys) for m in response.models}
-    return VerifiedAssignment(device_id, revision, expires, models)
+    return VerifiedAssignment(device_id, revision, expires, models, issued)
+
+
+def _signed_time(doc: dict, key: str, what: str) -> dt.datetime:
+    try:
+        value = dt.datetime.fromisoformat(doc[key])
+    except (KeyError, TypeError, ValueError):
+        raise AssignmentRejected(f"assignment has no valid {what}") from None
+    if value.tzinfo is None:
+        raise AssignmentRejected(f"assignment has no valid {what} (no time zone)")
+    return value
 
 
 MAX_CONFIG_KEY = 128

@@ -109,6 +109,11 @@ class DeviceConnection:
         )
         return await self._unary(self._stub.Sync, request)
 
+    async def ack(self, document: bytes, signature: bytes) -> device_pb2.AckResponse:
+        """Say this device accepted the Sync answer signed as `document`/`signature`."""
+        request = device_pb2.AckRequest(document=document, document_signature=signature)
+        return await self._unary(self._stub.Ack, request)
+
     async def report(self, batch: device_pb2.ReportRequest) -> device_pb2.ReportResponse:
         """Send one telemetry batch (sending it again is harmless: applied once)."""
         return await self._unary(self._stub.Report, batch, retries=1)

@@ -50,13 +50,15 @@ class Reporter:
         self.interval_s = interval_s
         self._send, self._collect_events, self._reached = send, collect_events, reached
         self._now = asyncio.Event()
+        # This run's first period must not overlap the last one queued (and sent) before.
+        collector.resume_after(outbox.period_end)
 
     def queue_installs(self, reports: list[device_pb2.InstallReport]) -> None:
         """Queue install outcomes and send them soon."""
         if not reports:
             return
         try:
-            self.outbox.put(install_batch(reports))
+            self.outbox.put(install_batch(reports, self.collector.clock))
         except (OSError, sqlite3.Error) as exc:
             log.warning("cannot queue install reports: %s", exc)
             return

@@ -6,6 +6,7 @@ import fcntl
 import os
 from pathlib import Path
 
+from device_agent.clock import describe_offset, load_reading
 from device_agent.install import Installer
 from device_agent.state import AgentError, StateDir
 
@@ -55,6 +56,7 @@ def read_status(path: Path) -> dict:
             if not failed
             else {k: failed.get(k) for k in ("version", "variant", "reason", "at")},
         }
+    clock = load_reading(state.path)
     return {
         "device_id": identity.device_id if identity else "",
         "server": identity.server if identity else "",
@@ -65,5 +67,10 @@ def read_status(path: Path) -> dict:
         "last_sync": sync.last_sync,
         "last_error": sync.last_error,
         "last_error_at": sync.last_error_at,
+        # The device's wall clock minus the control plane's time at the last accepted
+        # answer (positive: ahead); None before the first. Reports use the latter's time.
+        "clock_offset_s": round(clock.offset_s, 3) if clock else None,
+        "clock_measured_at": clock.to_json()["measured_at"] if clock else None,
+        "clock": describe_offset(clock.offset_s) if clock else None,
         "models": models,
     }

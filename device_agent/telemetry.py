@@ -9,6 +9,13 @@ oldest batches go first and are counted, and the next batch sent carries that co
 `Collector` gathers serving stats between reports: per model version and backend config,
 a mergeable latency histogram, inference and error counts, the worker crashes and
 backend fallbacks the runtime recorded, and pipeline firings.
+
+Every time a batch carries is the control plane's (device_agent.clock), whatever the
+device's own clock says, and a device's periods follow one another without overlap: each
+starts where the last one ended (a stretch with nothing to report is covered by the next
+batch), and the first of a run starts no earlier than the last one queued before it (the
+outbox keeps that end), since the control plane refuses a period that overlaps one it
+has.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import math
 import os
 import secrets
 import sqlite3
@@ -28,6 +36,7 @@ from pathlib import Path
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from control_plane.limits import strip_control
+from device_agent.clock import ServerClock
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
 
@@ -118,7 +127,22 @@ class Outbox:
                 "INSERT INTO batches (batch_id, created_at, body) VALUES (?, ?, ?)",
                 (batch.batch_id, now, body),
             )
+            if batch.models:  # where the next run's first period may start
+                db.execute(
+                    "INSERT INTO counters VALUES ('period_end_ns', ?) ON CONFLICT(name) "
+                    "DO UPDATE SET value = MAX(value, excluded.value)",
+                    (batch.period_end.ToNanoseconds(),),
+                )
             self._enforce(db, now)
+
+    @property
+    def period_end(self) -> float | None:
+        """Return the end (control plane time) of the last serving period ever queued."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT value FROM counters WHERE name = 'period_end_ns'"
+            ).fetchone()
+        return row[0] / 1e9 if row else None
 
     def _enforce(self, db: sqlite3.Connection, now: float) -> None:
         dropped = db.execute(
@@ -226,11 +250,21 @@ class _Stats:
 class Collector:
     """Serving stats since the last report, per (model, version, variant, config)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: ServerClock | None = None) -> None:
+        """Stamp periods with `clock` (the control plane's time; default the wall clock)."""
         self._lock = threading.Lock()
         self._stats: dict[tuple[str, int, str, str], _Stats] = {}
-        self._since = time.time()
+        self.clock = clock or ServerClock()
+        self._started = self.clock.monotonic()  # the first period starts here
+        self._floor = -math.inf
+        self._last_end: float | None = None
         self._totals: dict[str, list[int]] = {}
+
+    def resume_after(self, end: float | None) -> None:
+        """Start the first period no earlier than `end` (a previous run's last period end)."""
+        if end is not None:
+            with self._lock:
+                self._floor = end
 
     def totals(self) -> dict[str, tuple[int, int]]:
         """Return (inferences, errors) per model since the agent started."""
@@ -271,16 +305,29 @@ class Collector:
             entry.fallbacks.extend(fallbacks)
 
     def cut(self) -> device_pb2.ReportRequest | None:
-        """Return the stats since the last cut as a batch (None if nothing happened)."""
-        now = time.time()
+        """Return the stats since the last cut as a batch (None if nothing happened).
+
+        The period starts where the last one ended and ends now, on the control plane's
+        time; with nothing to report it goes on, and the next batch covers it.
+        """
+        now = self.clock.now()
         with self._lock:
+            if not self._stats:
+                return None
             stats, self._stats = self._stats, {}
-            since, self._since = self._since, now
-        if not stats:
-            return None
+            start = self._last_end
+            if start is None:
+                start = max(self.clock.at(self._started), self._floor)
+            end = self._last_end = max(now, start)  # a clock re-measured back never overlaps
         batch = device_pb2.ReportRequest(
-            batch_id=new_batch_id(), period_start=timestamp(since), period_end=timestamp(now)
+            batch_id=new_batch_id(), period_start=timestamp(start), period_end=timestamp(end)
         )
+        if self.clock.reading is not None:
+            batch.clock_offset_s = self.clock.offset_s
+
+        def within(t: float) -> Timestamp:  # a runtime event's wall time, in the period
+            return timestamp(min(max(self.clock.of_wall_time(t), start), end))
+
         for (model, version, variant, config), s in sorted(stats.items()):
             batch.models.append(
                 device_pb2.ModelStats(
@@ -292,8 +339,8 @@ class Collector:
                     inferences=s.inferences,
                     errors=s.errors,
                     pipeline_firings=s.pipeline_firings,
-                    crashes=[_crash_pb(c) for c in s.crashes[-MAX_EVENTS:]],
-                    fallbacks=[_fallback_pb(f) for f in s.fallbacks[-MAX_EVENTS:]],
+                    crashes=[_crash_pb(c, within(c.time)) for c in s.crashes[-MAX_EVENTS:]],
+                    fallbacks=[_fallback_pb(f, within(f.time)) for f in s.fallbacks[-MAX_EVENTS:]],
                 )
             )
         return batch
@@ -314,9 +361,9 @@ def histogram_pb(h: LatencyHistogram) -> device_pb2.LatencyHistogram:
     return msg
 
 
-def _crash_pb(c) -> device_pb2.CrashReport:
+def _crash_pb(c, at: Timestamp) -> device_pb2.CrashReport:
     return device_pb2.CrashReport(
-        at=timestamp(c.time),
+        at=at,
         config=c.config.key,
         reason=c.reason,
         signal=c.signal or "",
@@ -324,31 +371,42 @@ def _crash_pb(c) -> device_pb2.CrashReport:
     )
 
 
-def _fallback_pb(f) -> device_pb2.FallbackReport:
+def _fallback_pb(f, at: Timestamp) -> device_pb2.FallbackReport:
     return device_pb2.FallbackReport(
-        at=timestamp(f.time),
+        at=at,
         from_config=f.from_config.key,
         to_config=f.to_config.key if f.to_config else "",
         reason=clip(f.reason),
     )
 
 
-def install_batch(reports: list[device_pb2.InstallReport]) -> device_pb2.ReportRequest:
-    """Return a batch carrying install outcomes only (queued as soon as they happen)."""
-    now = time.time()
-    return device_pb2.ReportRequest(
+def install_batch(
+    reports: list[device_pb2.InstallReport], clock: ServerClock | None = None
+) -> device_pb2.ReportRequest:
+    """Return a batch carrying install outcomes only (queued as soon as they happen).
+
+    Stamped now on `clock` (the control plane's time; without one, the wall clock).
+    """
+    now = clock.now() if clock is not None else time.time()
+    batch = device_pb2.ReportRequest(
         batch_id=new_batch_id(),
         period_start=timestamp(now),
         period_end=timestamp(now),
         installs=reports,
     )
+    if clock is not None and clock.reading is not None:
+        batch.clock_offset_s = clock.offset_s
+    return batch
 
 
-def install_report(o) -> device_pb2.InstallReport:
-    """Return one install outcome (device_agent.install.InstallOutcome) as its report."""
+def install_report(o, at: float | None = None) -> device_pb2.InstallReport:
+    """Return one install outcome (device_agent.install.InstallOutcome) as its report.
+
+    `at` is when it happened on the control plane's clock (default: the wall clock now).
+    """
     t = o.timings
     return device_pb2.InstallReport(
-        at=timestamp(dt.datetime.now(dt.UTC)),
+        at=timestamp(time.time() if at is None else at),
         model=o.model,
         version=o.version,
         variant=o.variant,
@@ -376,10 +434,13 @@ def install_report(o) -> device_pb2.InstallReport:
 
 
 def rollback_reports(
-    model: str, failed: dict, previous: dict, reason: str
+    model: str, failed: dict, previous: dict, reason: str, at: float | None = None
 ) -> list[device_pb2.InstallReport]:
-    """Return the reports of a rollback: `failed` rolled back, `previous` active again."""
-    now = timestamp(dt.datetime.now(dt.UTC))
+    """Return the reports of a rollback: `failed` rolled back, `previous` active again.
+
+    `at` is when, on the control plane's clock (default: the wall clock now).
+    """
+    now = timestamp(time.time() if at is None else at)
     return [
         device_pb2.InstallReport(
             at=now,

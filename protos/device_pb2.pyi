@@ -342,8 +342,11 @@ class SyncResponse(_message.Message):
     revision: _builtins.int
     document: _builtins.bytes
     """Canonical JSON, signed with Ed25519: device id, the request's nonce, revision,
-    issued_at, expires_at and, per model, version, variant, uid, sizes and digests. The device checks every assignment
-    above against it.
+    issued_at, expires_at and, per model, version, variant, uid, sizes and digests. The
+    device checks every assignment above against it. issued_at is the control plane's
+    time as it signed (to the microsecond): the answer echoes the device's nonce, so it
+    was signed within the device's round trip, and the device measures its clock's offset
+    from it and judges expiry on the control plane's time, never on its own clock.
     """
     document_signature: _builtins.bytes
     signing_key_id: _builtins.str
@@ -374,6 +377,44 @@ class SyncResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SyncResponse: _TypeAlias = SyncResponse  # noqa: Y015
+
+@_typing.final
+class AckRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    DOCUMENT_SIGNATURE_FIELD_NUMBER: _builtins.int
+    document: _builtins.bytes
+    """The document and signature of the SyncResponse the device accepted, unchanged."""
+    document_signature: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        document: _builtins.bytes = ...,
+        document_signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "document_signature", b"document_signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckRequest: _TypeAlias = AckRequest  # noqa: Y015
+
+@_typing.final
+class AckResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckResponse: _TypeAlias = AckResponse  # noqa: Y015
 
 @_typing.final
 class WatchRequest(_message.Message):
@@ -749,10 +790,17 @@ class ReportRequest(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     INSTALLS_FIELD_NUMBER: _builtins.int
     DROPPED_BATCHES_FIELD_NUMBER: _builtins.int
+    CLOCK_OFFSET_S_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.str
     """Chosen by the device, unique among its batches: [A-Za-z0-9_-]{8,64}."""
     dropped_batches: _builtins.int
     """Batches the device's offline queue dropped (oldest first) since its last report."""
+    clock_offset_s: _builtins.float
+    """The device's wall clock minus the control plane's time, in seconds (positive: the
+    device is ahead), as it last measured it from a Sync answer; unset before it has.
+    Every time in the batch (period, crashes, fallbacks, installs) is already in the
+    control plane's time, and a device's periods follow one another without overlap.
+    """
     @_builtins.property
     def period_start(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -770,12 +818,15 @@ class ReportRequest(_message.Message):
         models: _abc.Iterable[Global___ModelStats] | None = ...,
         installs: _abc.Iterable[Global___InstallReport] | None = ...,
         dropped_batches: _builtins.int = ...,
+        clock_offset_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["period_end", b"period_end", "period_start", b"period_start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_clock_offset_s", b"_clock_offset_s", "clock_offset_s", b"clock_offset_s", "period_end", b"period_end", "period_start", b"period_start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "dropped_batches", b"dropped_batches", "installs", b"installs", "models", b"models", "period_end", b"period_end", "period_start", b"period_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clock_offset_s", b"_clock_offset_s", "batch_id", b"batch_id", "clock_offset_s", b"clock_offset_s", "dropped_batches", b"dropped_batches", "installs", b"installs", "models", b"models", "period_end", b"period_end", "period_start", b"period_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__clock_offset_s: _TypeAlias = _typing.Literal["clock_offset_s"]  # noqa: Y015
+    _WhichOneofArgType__clock_offset_s: _TypeAlias = _typing.Literal["_clock_offset_s", b"_clock_offset_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__clock_offset_s) -> _WhichOneofReturnType__clock_offset_s | None: ...
 
 Global___ReportRequest: _TypeAlias = ReportRequest  # noqa: Y015
 

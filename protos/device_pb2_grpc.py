@@ -44,6 +44,11 @@ class DeviceServiceStub:
                 request_serializer=protos_dot_device__pb2.SyncRequest.SerializeToString,
                 response_deserializer=protos_dot_device__pb2.SyncResponse.FromString,
                 _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/skiff.v1.DeviceService/Ack',
+                request_serializer=protos_dot_device__pb2.AckRequest.SerializeToString,
+                response_deserializer=protos_dot_device__pb2.AckResponse.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/skiff.v1.DeviceService/Watch',
                 request_serializer=protos_dot_device__pb2.WatchRequest.SerializeToString,
@@ -75,6 +80,15 @@ class DeviceServiceServicer:
     def Sync(self, request, context):
         """Returns the device's desired models as a signed assignment, with each artifact's
         descriptor and the data key wrapped to the device's public key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ack(self, request, context):
+        """The device accepted a Sync answer: it sends back the signed document it verified.
+        Only then does the control plane count it as synced to the versions the document
+        names (an answer the device refused never counts).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +128,11 @@ def add_DeviceServiceServicer_to_server(servicer, server):
                     servicer.Sync,
                     request_deserializer=protos_dot_device__pb2.SyncRequest.FromString,
                     response_serializer=protos_dot_device__pb2.SyncResponse.SerializeToString,
+            ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=protos_dot_device__pb2.AckRequest.FromString,
+                    response_serializer=protos_dot_device__pb2.AckResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -185,6 +204,33 @@ class DeviceService:
             '/skiff.v1.DeviceService/Sync',
             protos_dot_device__pb2.SyncRequest.SerializeToString,
             protos_dot_device__pb2.SyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skiff.v1.DeviceService/Ack',
+            protos_dot_device__pb2.AckRequest.SerializeToString,
+            protos_dot_device__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,7 +35,9 @@ class CreateEnrollmentTokenRequest(_message.Message):
     name: _builtins.str
     @_builtins.property
     def attributes(self) -> _device_pb2.DeviceAttributes:
-        """Stamped on every device that enrolls with the token; the device cannot override them."""
+        """Stamped on every device that enrolls with the token, and attested: the device cannot
+        override them (stamped tags replace the ones it reports), and `@key` clauses match them.
+        """
 
     def __init__(
         self,
@@ -143,10 +145,22 @@ class Device(_message.Message):
     SYNCED_FIELD_NUMBER: _builtins.int
     RECENT_INSTALLS_FIELD_NUMBER: _builtins.int
     LATENCY_FIELD_NUMBER: _builtins.int
+    ATTESTED_FIELD_NUMBER: _builtins.int
+    REPORTS_REFUSED_FIELD_NUMBER: _builtins.int
+    LAST_REFUSAL_FIELD_NUMBER: _builtins.int
+    LAST_REFUSAL_AT_FIELD_NUMBER: _builtins.int
+    CLOCK_OFFSET_S_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     online: _builtins.bool
     """A Watch stream is open."""
     revoked: _builtins.bool
+    reports_refused: _builtins.int
+    """Report batches the control plane refused from this device (invalid, overlapping an
+    accepted period, over the rate), and the latest reason: those figures are not counted.
+    """
+    last_refusal: _builtins.str
+    clock_offset_s: _builtins.float
+    """The device's clock minus the control plane's, as of its latest report."""
     @_builtins.property
     def attributes(self) -> _device_pb2.DeviceAttributes: ...
     @_builtins.property
@@ -169,6 +183,15 @@ class Device(_message.Message):
     def latency(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceLatency]:
         """Per model version and backend config: latency over its recent reports (GetDevice only)."""
 
+    @_builtins.property
+    def attested(self) -> _device_pb2.DeviceAttributes:
+        """The attested attributes: those its enrollment token stamped, with the same values as
+        in `attributes` (stamped values win, stamped tags replace reported ones). The device
+        cannot change them; selector clauses written `@key` match only these.
+        """
+
+    @_builtins.property
+    def last_refusal_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -183,12 +206,19 @@ class Device(_message.Message):
         synced: _abc.Iterable[_device_pb2.InstalledModel] | None = ...,
         recent_installs: _abc.Iterable[_device_pb2.InstallReport] | None = ...,
         latency: _abc.Iterable[Global___DeviceLatency] | None = ...,
+        attested: _device_pb2.DeviceAttributes | None = ...,
+        reports_refused: _builtins.int = ...,
+        last_refusal: _builtins.str = ...,
+        last_refusal_at: _timestamp_pb2.Timestamp | None = ...,
+        clock_offset_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "enrolled_at", b"enrolled_at", "last_seen", b"last_seen"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_clock_offset_s", b"_clock_offset_s", "attested", b"attested", "attributes", b"attributes", "clock_offset_s", b"clock_offset_s", "enrolled_at", b"enrolled_at", "last_refusal_at", b"last_refusal_at", "last_seen", b"last_seen"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "desired", b"desired", "enrolled_at", b"enrolled_at", "id", b"id", "installed", b"installed", "last_seen", b"last_seen", "latency", b"latency", "online", b"online", "recent_installs", b"recent_installs", "revoked", b"revoked", "synced", b"synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clock_offset_s", b"_clock_offset_s", "attested", b"attested", "attributes", b"attributes", "clock_offset_s", b"clock_offset_s", "desired", b"desired", "enrolled_at", b"enrolled_at", "id", b"id", "installed", b"installed", "last_refusal", b"last_refusal", "last_refusal_at", b"last_refusal_at", "last_seen", b"last_seen", "latency", b"latency", "online", b"online", "recent_installs", b"recent_installs", "reports_refused", b"reports_refused", "revoked", b"revoked", "synced", b"synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__clock_offset_s: _TypeAlias = _typing.Literal["clock_offset_s"]  # noqa: Y015
+    _WhichOneofArgType__clock_offset_s: _TypeAlias = _typing.Literal["_clock_offset_s", b"_clock_offset_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__clock_offset_s) -> _WhichOneofReturnType__clock_offset_s | None: ...
 
 Global___Device: _TypeAlias = Device  # noqa: Y015
 
@@ -610,6 +640,13 @@ class RolloutHealth(_message.Message):
     SINCE_FIELD_NUMBER: _builtins.int
     OVERALL_FIELD_NUMBER: _builtins.int
     SLICES_FIELD_NUMBER: _builtins.int
+    OUTSIDE_REPORTS_FIELD_NUMBER: _builtins.int
+    OUTSIDE_DEVICES_FIELD_NUMBER: _builtins.int
+    outside_reports: _builtins.int
+    """Reports the rollout concerns that fall in neither cohort by assignment (a device
+    reporting the version it was not assigned, or not the one it was): kept, never judged.
+    """
+    outside_devices: _builtins.int
     @_builtins.property
     def since(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -622,10 +659,12 @@ class RolloutHealth(_message.Message):
         since: _timestamp_pb2.Timestamp | None = ...,
         overall: Global___SliceHealth | None = ...,
         slices: _abc.Iterable[Global___SliceHealth] | None = ...,
+        outside_reports: _builtins.int = ...,
+        outside_devices: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["overall", b"overall", "since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["overall", b"overall", "since", b"since", "slices", b"slices"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outside_devices", b"outside_devices", "outside_reports", b"outside_reports", "overall", b"overall", "since", b"since", "slices", b"slices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -951,6 +990,7 @@ class BackendFigures(_message.Message):
     FALLBACK_RATE_FIELD_NUMBER: _builtins.int
     ELIGIBLE_FIELD_NUMBER: _builtins.int
     WHY_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
     config: _builtins.str
     samples: _builtins.int
     """Timed inferences (the sample of p50/p95)."""
@@ -960,8 +1000,13 @@ class BackendFigures(_message.Message):
     crash_rate: _builtins.float
     fallback_rate: _builtins.float
     eligible: _builtins.bool
-    """Enough samples, crash and fallback rates within bounds; else `why` says what is not."""
+    """Enough devices and samples, crash and fallback rates within bounds; else `why` says
+    what is not. p50/p95 and the rates are judged with each device capped and the
+    fastest and slowest few left out (one device cannot make a config the pick).
+    """
     why: _builtins.str
+    devices: _builtins.int
+    """Distinct devices behind these figures."""
     def __init__(
         self,
         *,
@@ -974,10 +1019,11 @@ class BackendFigures(_message.Message):
         fallback_rate: _builtins.float | None = ...,
         eligible: _builtins.bool = ...,
         why: _builtins.str = ...,
+        devices: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_crash_rate", b"_crash_rate", "_fallback_rate", b"_fallback_rate", "_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "crash_rate", b"crash_rate", "fallback_rate", b"fallback_rate", "p50_us", b"p50_us", "p95_us", b"p95_us"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_crash_rate", b"_crash_rate", "_fallback_rate", b"_fallback_rate", "_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "config", b"config", "crash_rate", b"crash_rate", "eligible", b"eligible", "fallback_rate", b"fallback_rate", "inferences", b"inferences", "p50_us", b"p50_us", "p95_us", b"p95_us", "samples", b"samples", "why", b"why"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_crash_rate", b"_crash_rate", "_fallback_rate", b"_fallback_rate", "_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "config", b"config", "crash_rate", b"crash_rate", "devices", b"devices", "eligible", b"eligible", "fallback_rate", b"fallback_rate", "inferences", b"inferences", "p50_us", b"p50_us", "p95_us", b"p95_us", "samples", b"samples", "why", b"why"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__crash_rate: _TypeAlias = _typing.Literal["crash_rate"]  # noqa: Y015
     _WhichOneofArgType__crash_rate: _TypeAlias = _typing.Literal["_crash_rate", b"_crash_rate"]  # noqa: Y015

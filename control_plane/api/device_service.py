@@ -2,6 +2,8 @@
 
 Runs on the asyncio server. Sync, Watch and Download are coroutines so thousands of idle
 Watch streams cost no threads; Enroll writes to the database and runs in the thread pool.
+A device counts as synced to a version only once it acknowledged (Ack) the signed answer
+naming it, never merely because Sync answered: a device may refuse an answer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.signing_convert import chain_pb
 from control_plane.api.telemetry_convert import report_batch
+from control_plane.api.throttle import Throttle, peer_key
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import associated_data
@@ -24,6 +27,7 @@ from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
+from control_plane.store.telemetry import ReportBatch
 from control_plane.telemetry import Telemetry
 from control_plane.telemetry.recommend import Recommendations
 from protos import device_pb2, device_pb2_grpc
@@ -110,7 +114,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         poll_interval_s: int,
         telemetry: Telemetry,
         recommendations: Recommendations | None = None,
+        enroll_throttle: Throttle | None = None,
     ) -> None:
+        self._enroll_throttle = enroll_throttle or Throttle(name="enroll")
         self._fleet, self._store, self._delivery = fleet, store, delivery
         self._telemetry, self._recommendations = telemetry, recommendations
         self._watchers, self._writer = watchers, writer
@@ -122,11 +128,14 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
     @mapped
     def Enroll(self, request, context):  # noqa: D102, N802
-        device, credential = self._fleet.enroll(
-            token=request.enrollment_token,
-            attributes=attributes_dict(request.attributes),
-            public_keyset=request.public_keyset,
-        )
+        # Bad enrollment tokens are guesses: throttled per client address and overall
+        # (RESOURCE_EXHAUSTED, saying when to retry); good ones are never held back.
+        with self._enroll_throttle.attempt(peer_key(context.peer())):
+            device, credential = self._fleet.enroll(
+                token=request.enrollment_token,
+                attributes=attributes_dict(request.attributes),
+                public_keyset=request.public_keyset,
+            )
         return device_pb2.EnrollResponse(
             device_id=device.id,
             credential=credential,
@@ -168,9 +177,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         result: SyncResult = self._delivery.sync(device, attrs, installed, request.nonce)
         desired = {a.model: a.desired for a in result.assignments}
         self._remember(device.id, attrs)
-        synced = tuple(ModelState(m, d.version, d.variant) for m, d in desired.items())
         now = dt.datetime.now(dt.UTC)
-        self._writer.add(DeviceUpdate(device.id, now, attrs, installed, synced))
+        # Not `synced`: that waits for the device's Ack of this answer.
+        self._writer.add(DeviceUpdate(device.id, now, attrs, installed))
         self._watchers.note_sync_threadsafe(device.id, attrs, desired)
         return device_pb2.SyncResponse(
             revision=result.revision,
@@ -187,6 +196,18 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
     @mapped_async
     async def Sync(self, request, context):  # noqa: D102, N802
         return await asyncio.to_thread(self._sync, _authorization(context), request)
+
+    def _ack(self, authorization: str | None, request) -> device_pb2.AckResponse:
+        device = self._fleet.authenticate(authorization)
+        synced = self._delivery.accepted(device.id, request.document, request.document_signature)
+        self._writer.add(DeviceUpdate(device.id, dt.datetime.now(dt.UTC), synced=synced))
+        return device_pb2.AckResponse()
+
+    @mapped_async
+    async def Ack(self, request, context):  # noqa: D102, N802
+        # A signature check and a dict update: in a thread only because authenticating a
+        # credential not cached yet reads the database.
+        return await asyncio.to_thread(self._ack, _authorization(context), request)
 
     def _watch_state(self, device_id: str):
         record = self._store.get_device(device_id)
@@ -227,7 +248,15 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
     def _checked(self, authorization: str | None, request):
         device = self._fleet.authenticate(authorization)
-        return report_batch(device.id, request, dt.datetime.now(dt.UTC))
+        return self._convert(device.id, request)
+
+    def _convert(self, device_id: str, request) -> ReportBatch:
+        try:
+            return report_batch(device_id, request, dt.datetime.now(dt.UTC))
+        except errors.InvalidArgument as exc:
+            # Counted on the device (`fleet show`): its telemetry is not reaching rollups.
+            self._telemetry.refused(device_id, str(exc))
+            raise
 
     @mapped_async
     async def Report(self, request, context):  # noqa: D102, N802
@@ -241,6 +270,6 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         if device is None:
             batch = await asyncio.to_thread(self._checked, authorization, request)
         else:
-            batch = report_batch(device.id, request, dt.datetime.now(dt.UTC))
+            batch = self._convert(device.id, request)
         fresh = await self._telemetry.report_async(batch)
         return device_pb2.ReportResponse(duplicate=not fresh)

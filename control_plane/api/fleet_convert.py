@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from control_plane.fleet.attributes import attested_attributes
 from control_plane.fleet.wire import (  # noqa: F401 - re-exported for the API layer
     attributes_dict,
     attributes_pb,
@@ -31,11 +32,15 @@ def states_pb(items: tuple[ModelState, ...]) -> list[device_pb2.InstalledModel]:
     ]
 
 
+INT64_MAX = 2**63 - 1
+
+
 def device_pb(d: DeviceRecord, *, online: bool, desired: dict[str, Desired]) -> fleet_pb2.Device:
     """Return the message for a device with its derived desired state."""
-    return fleet_pb2.Device(
+    msg = fleet_pb2.Device(
         id=d.id,
         attributes=attributes_pb(d.attributes),
+        attested=attributes_pb(attested_attributes(d.attributes)),
         enrolled_at=timestamp(d.enrolled_at),
         last_seen=timestamp(d.last_seen),
         online=online,
@@ -46,10 +51,14 @@ def device_pb(d: DeviceRecord, *, online: bool, desired: dict[str, Desired]) -> 
             m: fleet_pb2.DesiredModel(version=x.version, variant=x.variant, rollout=x.rollout)
             for m, x in desired.items()
         },
+        reports_refused=min(d.reports_refused, INT64_MAX),
+        last_refusal=d.last_refusal,
     )
-
-
-INT64_MAX = 2**63 - 1
+    if d.last_refusal_at is not None:
+        msg.last_refusal_at.CopyFrom(timestamp(d.last_refusal_at))
+    if d.clock_offset_s is not None:
+        msg.clock_offset_s = d.clock_offset_s
+    return msg
 
 
 def rollout_pb(
@@ -97,6 +106,8 @@ def rollout_pb(
                 since=timestamp(health.since),
                 overall=_slice_pb(health.overall),
                 slices=[_slice_pb(s) for s in health.slices],
+                outside_reports=min(health.outside_reports, INT64_MAX),
+                outside_devices=health.outside_devices,
             )
         )
     return msg

@@ -51,6 +51,7 @@ RPC_ROLES: dict[str, str] = {
     # The device API.
     "/skiff.v1.DeviceService/Enroll": ENROLLMENT,
     "/skiff.v1.DeviceService/Sync": DEVICE,
+    "/skiff.v1.DeviceService/Ack": DEVICE,
     "/skiff.v1.DeviceService/Watch": DEVICE,
     "/skiff.v1.DeviceService/Download": DEVICE,
     "/skiff.v1.DeviceService/Report": DEVICE,

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,6 +31,7 @@ from control_plane.api.background import Periodic
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutOps, RolloutServicer
 from control_plane.api.health import HealthMonitor
+from control_plane.api.throttle import Throttle
 from control_plane.api.transport import listen_credentials
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import ManifestSigner, open_kek
@@ -51,6 +52,7 @@ from control_plane.store.sql_store import SqlStore
 from control_plane.telemetry import Telemetry
 from control_plane.telemetry.classes import parse_device_class
 from control_plane.telemetry.recommend import Recommendations
+from control_plane.telemetry.robust import check_robustness
 from control_plane.telemetry.rollups import Retention, Roller
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
@@ -160,6 +162,8 @@ class App:
     recommendations: Recommendations
     view: FleetView
     ops: RolloutOps
+    # Bad enrollment tokens, per client address and overall (in memory, per replica).
+    enroll_throttle: Throttle = field(default_factory=lambda: Throttle(name="enroll"))
 
     @property
     def store(self) -> SqlStore:
@@ -170,6 +174,7 @@ class App:
 def build_app(config: Config, registry: Registry | None = None) -> App:
     """Assemble the domain (no network yet)."""
     device_class = parse_device_class(config.device_class)  # a bad setting fails first
+    check_robustness(config.guard_outliers, config.recommend_min_devices)
     registry = registry or build_registry(config)
     store = registry.store
     resolver = Resolver(store)
@@ -200,7 +205,7 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
     rollouts = Rollouts(store, resolver, device_class=device_class)
     writer = DeviceWriter(store, interval_s=config.device_flush_s)
     telemetry = Telemetry(store, on_stored=roller.offer)
-    guard = Guard(store, rollouts, device_class, retention=retention)
+    guard = Guard(store, rollouts, device_class, outliers=config.guard_outliers)
     view = FleetView(fleet, resolver, watchers, writer, telemetry)
     return App(
         config=config,
@@ -215,7 +220,12 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
         telemetry=telemetry,
         roller=roller,
         guard=guard,
-        recommendations=Recommendations(store, device_class),
+        recommendations=Recommendations(
+            store,
+            device_class,
+            min_devices=config.recommend_min_devices,
+            outliers=config.guard_outliers,
+        ),
         view=view,
         ops=RolloutOps(rollouts, view, guard),
     )
@@ -424,6 +434,7 @@ async def _add_services(
             poll_interval_s=app.config.poll_interval_s,
             telemetry=app.telemetry,
             recommendations=app.recommendations,
+            enroll_throttle=app.enroll_throttle,
         ),
         server,
     )

@@ -44,6 +44,7 @@ INT64_MAX = 2**63 - 1
 
 
 MAX_THREADS = 256
+MAX_CLOCK_OFFSET_S = 100 * 365 * 86_400.0  # a clock a century off is no clock
 
 
 def _config(value: str, what: str) -> str:
@@ -142,19 +143,10 @@ def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
     }
 
 
-# More than this many inferences per second of a batch's period is no device's real load:
-# refused, so one device cannot outweigh a fleet in the rollups.
-MAX_INFERENCES_PER_S = 100_000
-
-
-def _stats(msg: device_pb2.ModelStats, now: dt.datetime, period_s: float) -> ModelStatsRecord:
+def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
+    # How many inferences a period may hold is checked against the server's clock when
+    # the batch is stored (control_plane.telemetry.budget), not against what it declares.
     what = f"model stats {msg.model!r:.70}"
-    most = int(MAX_INFERENCES_PER_S * max(period_s, 1.0))
-    if msg.inferences > most:
-        raise errors.InvalidArgument(
-            f"{what}: {msg.inferences} inferences in a {period_s:g} s period is more than "
-            f"{MAX_INFERENCES_PER_S} a second"
-        )
     inferences = _count(msg.inferences, f"{what} inferences")
     failed = _count(msg.errors, f"{what} errors")
     latency = histogram_dict(msg.latency, f"{what} latency")
@@ -250,14 +242,20 @@ def report_batch(device_id: str, msg: device_pb2.ReportRequest, now: dt.datetime
     end = _when(msg.period_end, "period_end", now)
     if end < start:
         raise errors.InvalidArgument("period_end is before period_start")
+    offset = msg.clock_offset_s if msg.HasField("clock_offset_s") else None
+    if offset is not None and not (math.isfinite(offset) and abs(offset) <= MAX_CLOCK_OFFSET_S):
+        raise errors.InvalidArgument(
+            f"clock_offset_s must be a finite number of seconds within ±{MAX_CLOCK_OFFSET_S:g}"
+        )
     return ReportBatch(
+        clock_offset_s=offset,
         device_id=device_id,
         batch_id=msg.batch_id,
         received_at=now,
         period_start=start,
         period_end=end,
         dropped_batches=_count(msg.dropped_batches, "dropped_batches", MAX_DROPPED),
-        models=tuple(_stats(m, now, (end - start).total_seconds()) for m in msg.models),
+        models=tuple(_stats(m, now) for m in msg.models),
         installs=tuple(_install(i, now) for i in msg.installs),
     )
 

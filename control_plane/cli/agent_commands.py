@@ -213,6 +213,8 @@ def _status_text(body: dict) -> str:
         f"agent    {'running (pid ' + str(body['pid']) + ')' if body['running'] else 'stopped'}",
         f"revision {body['revision']}   last sync {body['last_sync'] or 'never'}",
     ]
+    if body.get("clock"):
+        lines.append(f"clock    {body['clock']} (measured {body['clock_measured_at']})")
     if body["last_error"]:
         lines.append(f"error    {body['last_error']} ({body['last_error_at']})")
     for name, m in sorted(body["models"].items()):

@@ -40,11 +40,14 @@ def _states(items) -> dict:
 def device_dict(d: fleet_pb2.Device, *, telemetry: bool = False) -> dict:
     """JSON-ready form of a device (the shape `skiff sim --json` prints too).
 
+    `attested` holds the attributes its enrollment token stamped (a part of `attributes`,
+    with the same values; {} when none), the ones `@key` selector clauses match.
     With `telemetry` (`fleet show`), also its recent install outcomes and latency.
     """
     body = {
         "id": d.id,
         "attributes": attributes_dict(d.attributes),
+        "attested": attributes_dict(d.attested),
         "enrolled_at": _ts(d.enrolled_at),
         "last_seen": _ts(d.last_seen),
         "online": d.online,
@@ -55,6 +58,10 @@ def device_dict(d: fleet_pb2.Device, *, telemetry: bool = False) -> dict:
             m: {"version": x.version, "variant": x.variant, "rollout": x.rollout}
             for m, x in sorted(d.desired.items())
         },
+        "reports_refused": d.reports_refused,
+        "last_refusal": d.last_refusal or None,
+        "last_refusal_at": _ts(d.last_refusal_at),
+        "clock_offset_s": d.clock_offset_s if d.HasField("clock_offset_s") else None,
     }
     if telemetry:
         body["recent_installs"] = [install_dict(i) for i in d.recent_installs]
@@ -138,16 +145,25 @@ def devices_table(devices: list[fleet_pb2.Device]) -> Table | str:
 def device_text(d: fleet_pb2.Device) -> str:
     """Describe one device for people, with its recent installs and latency per model."""
     body = device_dict(d, telemetry=True)
-    attrs = ", ".join(f"{k}={v}" for k, v in body["attributes"].items())
+    attested = _attributes_text(body["attested"])
     lines = [
         d.id + ("  (revoked)" if d.revoked else ""),
-        f"  attributes  {attrs or '-'}",
+        f"  attributes  {_attributes_text(body['attributes']) or '-'}",
+        "  attested    " + (f"{attested}  (stamped by its enrollment token)" if attested else "-"),
         f"  enrolled    {body['enrolled_at']}",
         f"  last seen   {body['last_seen'] or '-'}  online: {'yes' if d.online else 'no'}",
         f"  desired     {_desired_text(body['desired'])}",
         f"  synced      {_models(body['synced'])}",
         f"  installed   {_models(body['installed'])}",
     ]
+    offset = body["clock_offset_s"]
+    if offset is not None and abs(offset) >= CLOCK_NOTE_S:
+        lines.append(f"  clock       {_offset_text(offset)} (times it reports are corrected)")
+    if body["reports_refused"]:
+        lines.append(
+            f"  refused     {body['reports_refused']} report batches, not counted; latest at"
+            f" {body['last_refusal_at']}: {body['last_refusal']}"
+        )
     if body["latency"]:
         lines.append("  latency (recent reports)")
         for x in body["latency"]:
@@ -170,6 +186,25 @@ def device_text(d: fleet_pb2.Device) -> str:
             why = f"  ({i['reason']})" if i["reason"] else ""
             lines.append(f"    {i['at']}  {i['model']}:{i['version']}  {i['result']}{took}{why}")
     return "\n".join(lines)
+
+
+# A device clock this far off the control plane's is worth a line in `fleet show`.
+CLOCK_NOTE_S = 300.0
+
+
+def _offset_text(offset_s: float) -> str:
+    way = "ahead of" if offset_s > 0 else "behind"
+    size = abs(offset_s)
+    amount = f"{size / 3600:.1f} h" if size >= 3600 else f"{size:.0f} s"
+    return f"{amount} {way} the control plane's"
+
+
+def _attributes_text(attrs: dict) -> str:
+    parts = [f"{k}={v}" for k, v in attrs.items() if k not in ("tags", "custom")]
+    if "tags" in attrs:
+        parts.append(f"tags={','.join(attrs['tags'])}")
+    parts += [f"{k}={v}" for k, v in attrs.get("custom", {}).items()]
+    return ", ".join(parts)
 
 
 def _us(value: float | None) -> str:
@@ -277,6 +312,7 @@ def _health_dict(h: fleet_pb2.RolloutHealth) -> dict:
         "since": _ts(h.since),
         "overall": _slice_dict(h.overall),
         "slices": [_slice_dict(s) for s in h.slices],
+        "outside": {"reports": h.outside_reports, "devices": h.outside_devices},
     }
 
 
@@ -306,6 +342,11 @@ def _health_lines(r: fleet_pb2.Rollout) -> list[str]:
         )
         for v in s.rules:
             lines.append(f"      {v.status:<12} {v.rule:<26} {v.detail}")
+    if h.outside_reports:
+        lines.append(
+            f"    outside the cohorts: {h.outside_reports} reports from {h.outside_devices}"
+            " devices (not what they were assigned: kept, never judged)"
+        )
     return lines
 
 
@@ -407,6 +448,7 @@ def backends_dict(t: fleet_pb2.ClassBackends) -> dict:
         "configs": [
             {
                 "config": c.config,
+                "devices": c.devices,
                 "samples": c.samples,
                 "inferences": c.inferences,
                 **{
@@ -438,7 +480,8 @@ def backends_text(name: str, version: int, classes) -> str:
             fallback = f"{c.fallback_rate:.2g}" if c.HasField("fallback_rate") else "-"
             note = f"  ({c.why})" if c.why else ""
             lines.append(
-                f"   {mark} {c.config:<28} samples {c.samples:>10,}  p50 {p50:>8} us"
+                f"   {mark} {c.config:<28} devices {c.devices:>6,}  samples {c.samples:>10,}"
+                f"  p50 {p50:>8} us"
                 f"  p95 {p95:>8} us  crashes {crash}  fallbacks {fallback}{note}"
             )
     lines.append("  * recommended")

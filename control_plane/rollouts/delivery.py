@@ -1,10 +1,13 @@
 """What a device gets from Sync and Download: signed assignments, wrapped keys, bytes.
 
 An assignment is a document signed with the control plane's active signing key (device id, a
-revision that only grows, an expiry, and per model the version, variant, version uid and
-digests), in the spirit of Uptane's director repository: the device rejects a replayed,
-older, expired or mixed-and-matched answer. Only a device assigned a version ever gets
-its data key (HPKE-wrapped to that device) or its bytes.
+revision that only grows, the time it was signed and an expiry, and per model the version,
+variant, version uid and digests), in the spirit of Uptane's director repository: the
+device rejects a replayed, older, expired or mixed-and-matched answer. Only a device
+assigned a version ever gets its data key (HPKE-wrapped to that device) or its bytes.
+
+A device that accepts an answer sends its document back (`accepted`): only then is it
+counted as synced to those versions, so an answer a device refused never counts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from control_plane.registry.signing_keys import SigningKeys
 from control_plane.rollouts.resolver import Desired, Resolver
 from control_plane.store.base import RegistryStore, VariantRecord, VersionRecord
 from control_plane.store.fleet import DeviceAuth, ModelState
+from device_agent.assignment import AssignmentRejected, load_public_keys, verify_signed
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 _VERSION_CACHE = 1024
@@ -32,6 +36,8 @@ _KEY_CACHE = 256
 _KEY_CACHE_TTL_S = 600.0
 _ENCRYPTER_CACHE = 100_000
 MIN_NONCE, MAX_NONCE = 16, 64
+# The largest document a device may send back (256 models make about 150 KiB).
+MAX_ACK_DOCUMENT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,8 @@ class Delivery:
         # Unwrapping goes to the KEK (maybe a KMS round trip); a Sync storm must not.
         self._data_keys = _LruCache(_KEY_CACHE, _KEY_CACHE_TTL_S)
         self._encrypters = _LruCache(_ENCRYPTER_CACHE)
+        # The verifying keys, parsed once per change of the valid PEMs (not per Ack).
+        self._verifiers: tuple[tuple[bytes, ...], list] = ((), [])
 
     def desired(self, device_id: str, attrs: Mapping) -> tuple[int, dict[str, Desired]]:
         """Return the current revision and this device's desired models."""
@@ -127,7 +135,8 @@ class Delivery:
             self._assign(device, model, d, (model, d.version, d.variant) in have)
             for model, d in sorted(desired.items())
         )
-        now = self._clock().replace(microsecond=0)
+        # To the microsecond: devices measure their clock's offset from issued_at.
+        now = self._clock()
         signed = self._signer.sign(
             {
                 "schema": ASSIGNMENT_SCHEMA,
@@ -140,6 +149,46 @@ class Delivery:
             }
         )
         return SyncResult(revision, assignments, signed.body, signed.signature, signed.key_id)
+
+    def accepted(self, device_id: str, document: bytes, signature: bytes) -> tuple[ModelState, ...]:
+        """Return the models of an answer `device_id` says it accepted (what it is synced to).
+
+        The document must be one this control plane signed (under a key valid now), for this
+        device, and not expired: InvalidArgument, PermissionDenied or FailedPrecondition.
+        """
+        if len(document) > MAX_ACK_DOCUMENT:
+            raise errors.InvalidArgument(f"document is over {MAX_ACK_DOCUMENT} bytes")
+        try:
+            doc = verify_signed(document, signature, self._verifying_keys())
+        except AssignmentRejected as exc:
+            raise errors.InvalidArgument(
+                f"not an assignment this control plane signed: {exc}"
+            ) from None
+        if doc.get("schema") != ASSIGNMENT_SCHEMA:
+            raise errors.InvalidArgument(f"unknown assignment schema {doc.get('schema')!r:.40}")
+        if doc.get("device") != device_id:
+            raise errors.PermissionDenied("the assignment is for another device")
+        try:
+            expires = dt.datetime.fromisoformat(doc["expires_at"])
+            models = tuple(
+                ModelState(name, int(e["version"]), str(e["variant"]))
+                for name, e in sorted(doc["models"].items())
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise errors.InvalidArgument("the assignment is malformed") from None
+        if expires <= self._clock():
+            raise errors.FailedPrecondition(
+                f"the assignment expired at {doc['expires_at']}: Sync again"
+            )
+        return models
+
+    def _verifying_keys(self) -> list:
+        pems = tuple(self._signer.valid_public_keys())
+        cached, keys = self._verifiers
+        if cached != pems:
+            keys = load_public_keys(pems)
+            self._verifiers = (pems, keys)
+        return keys
 
     def _assign(self, device: DeviceAuth, model: str, d: Desired, installed: bool) -> Assignment:
         version = self.version(model, d.version)

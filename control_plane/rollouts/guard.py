@@ -5,8 +5,11 @@ current window (since the stage started; for a readmitted slice, since it was re
 where the window has too few baseline devices, as in the last stage, the baseline over
 the whole rollout),
 per slice of the `slice_by` attribute and over all slices still in, with each halt rule's
-verdict (control_plane.rollouts.guardrails). It is read from the rollups: whole hours from
-1-hour rows, the window's first partial hour from 1-minute rows.
+verdict (control_plane.rollouts.guardrails). It is read from the rollout's device rows
+(one per device, backend config, cohort and window: control_plane.telemetry.rollups), so
+each device's own figures are there to be capped and trimmed, and cohorts are by
+assignment: what a device says it runs never puts it in a cohort. Reports outside both
+cohorts are counted (`outside_reports`), never judged.
 
 The guard runs every few seconds on every replica. For each active rollout with rules:
 
@@ -29,9 +32,10 @@ from dataclasses import dataclass, field
 
 from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, Verdict, judge, parse_rule
 from control_plane.store.rollouts import RolloutRecord
-from control_plane.store.rollups import Aggregate, RollupKey, RollupStore
+from control_plane.store.rollups import OUTSIDE, DeviceRollup, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values, parse_dimension
-from control_plane.telemetry.rollups import BASELINE, CANDIDATE, Retention, window_parts
+from control_plane.telemetry.robust import DEFAULT_OUTLIERS
+from control_plane.telemetry.rollups import BASELINE, CANDIDATE
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,10 @@ class Health:
     since: dt.datetime
     overall: SliceHealth
     slices: tuple[SliceHealth, ...] = field(default_factory=tuple)
+    # Reports the rollout concerns that fall in neither cohort (a device reporting the
+    # version without being assigned it, or what it is not assigned): kept, never judged.
+    outside_reports: int = 0
+    outside_devices: int = 0
 
     def to_dict(self) -> dict:
         """Return the health view, JSON-able."""
@@ -97,6 +105,7 @@ class Health:
             "since": self.since.isoformat(),
             "overall": self.overall.to_dict(),
             "slices": [s.to_dict() for s in self.slices],
+            "outside": {"reports": self.outside_reports, "devices": self.outside_devices},
         }
 
 
@@ -114,63 +123,68 @@ class Guard:
         rollouts,  # control_plane.rollouts.service.Rollouts (which imports this module)
         device_class: DeviceClass,
         *,
-        retention: Retention | None = None,
         clock: Callable[[], dt.datetime] = utcnow,
+        outliers: int = DEFAULT_OUTLIERS,
     ) -> None:
         self._store, self._rollouts, self._class = store, rollouts, device_class
-        self._retention, self._clock = retention or Retention(), clock
+        self._clock, self._outliers = clock, outliers
 
     # -- health --------------------------------------------------------------------------
 
     def health(self, record: RolloutRecord) -> Health:
         """Return the rollout's health over its current window."""
-        now = self._clock()
         since = record.stage_started_at
         dimension = parse_dimension(record.slice_by) if record.slice_by else None
         rules = [parse_rule(t) for t in record.halt_rules]
+        memo: dict[str, str] = {}
 
         def slice_of(device_class: str) -> str:
-            return dimension.value(class_values(device_class)) if dimension else ""
+            value = memo.get(device_class)
+            if value is None:
+                value = dimension.value(class_values(device_class)) if dimension else ""
+                memo[device_class] = value
+            return value
 
-        groups = self._cohorts(record.id, since, now, slice_of)
-        # The last stage leaves no baseline (every selected device is a candidate), and an
-        # early one (or a readmitted slice's window) may have too little: then candidates
-        # are compared with the baseline over the whole rollout (what those devices ran
-        # before the rollout reached them, or while their slice was rolled back).
-        whole: list[dict] = []  # the whole rollout's cohorts, read once if needed
+        # slice value -> cohort -> rows (every window of the rollout)
+        rows: dict[str, dict[str, list[DeviceRollup]]] = {}
+        outside: list[DeviceRollup] = []
+        for row in self._store.device_rollups(record.id):
+            if row.key.cohort == OUTSIDE:
+                outside.append(row)
+                continue
+            rows.setdefault(slice_of(row.device_class), {}).setdefault(row.key.cohort, []).append(
+                row
+            )
 
-        def fill_baseline(value: str, cohorts: dict, window_start: dt.datetime) -> None:
-            if window_start <= record.created_at:
-                return
-            agg, devices, *_ = cohorts.get(BASELINE, (Aggregate(), 0))
-            # As `judge` counts: inferences for rates, timed ones (no errors) for latency.
-            sample = min(agg.inferences, agg.latency_count)
-            if devices >= max(1, record.min_devices) and sample >= max(1, record.min_inferences):
-                return
-            if not whole:
-                whole.append(self._cohorts(record.id, record.created_at, now, slice_of))
-            before = whole[0].get(value, {}).get(BASELINE)
-            if before is not None:
-                cohorts[BASELINE] = before
+        def cohorts(value: str, window: dt.datetime) -> dict[str, Cohort]:
+            mine = rows.get(value, {})
+            current = {
+                cohort: Cohort(r for r in found if r.key.window >= window)
+                for cohort, found in mine.items()
+            }
+            # The last stage leaves no baseline (every selected device is a candidate), and
+            # an early one (or a readmitted slice's window) may have too little: then the
+            # candidates are compared with the slice's baseline over the whole rollout (what
+            # those devices ran before the rollout reached them, or while their slice was
+            # rolled back).
+            base = current.get(BASELINE, Cohort())
+            sample = min(base.aggregate.inferences, base.aggregate.latency_count)
+            enough = base.devices >= max(1, record.min_devices, 2 * self._outliers + 1)
+            if window > record.created_at and not (
+                enough and sample >= max(1, record.min_inferences)
+            ):
+                current[BASELINE] = Cohort(mine.get(BASELINE, ()))
+            return current
 
-        for value, cohorts in groups.items():
-            fill_baseline(value, cohorts, since)
-        values = set(groups) | set(record.slices)
         slices: list[SliceHealth] = []
-        for value in sorted(values) if dimension else ():
+        for value in sorted(set(rows) | set(record.slices)) if dimension else ():
             state = record.slices.get(value, {})
             slice_since = since
             readmitted = state.get("state", ACTIVE) == ACTIVE and state.get("since")
             if readmitted and dt.datetime.fromisoformat(state["since"]) > since:
-                slice_since = dt.datetime.fromisoformat(state["since"])
                 # Strict: not a second of what the slice's candidates reported before it
                 # was readmitted (its baseline may come from the whole rollout, as above).
-                cohorts = self._cohorts(record.id, slice_since, now, slice_of, strict=True).get(
-                    value, {}
-                )
-                fill_baseline(value, cohorts, slice_since)
-            else:
-                cohorts = groups.get(value, {})
+                slice_since = dt.datetime.fromisoformat(state["since"])
             slices.append(
                 self._slice(
                     record,
@@ -179,23 +193,17 @@ class Guard:
                     value,
                     state.get("state", ACTIVE),
                     slice_since,
-                    cohorts,
+                    cohorts(value, slice_since),
                 )
             )
         # The whole rollout: every slice still in.
-        merged: dict[str, list] = {}
         out = record.rolled_back_slices()
-        for value, cohorts in groups.items():
+        merged: dict[str, list[DeviceRollup]] = {}
+        for value in rows:
             if value in out:
                 continue
-            for cohort, (agg, devices, affected, by_config) in cohorts.items():
-                total = merged.setdefault(cohort, [Aggregate(), 0, {}, {}])
-                total[0].merge(agg)
-                total[1] += devices
-                for kind, k in affected.items():
-                    total[2][kind] = total[2].get(kind, 0) + k
-                for config, part in by_config.items():
-                    total[3].setdefault(config, Aggregate()).merge(part)
+            for cohort, found in cohorts(value, since).items():
+                merged.setdefault(cohort, []).extend(found.members.rows)
         overall = self._slice(
             record,
             rules,
@@ -203,13 +211,20 @@ class Guard:
             "",
             record.state,
             since,
-            {k: tuple(v) for k, v in merged.items()},
+            {cohort: Cohort(found) for cohort, found in merged.items()},
         )
-        return Health(record.id, since, overall, tuple(slices))
+        return Health(
+            record.id,
+            since,
+            overall,
+            tuple(slices),
+            outside_reports=sum(r.reports for r in outside),
+            outside_devices=len({r.key.device_id for r in outside}),
+        )
 
     def _slice(self, record, rules, name, value, state, since, cohorts) -> SliceHealth:
-        candidate = Cohort(*cohorts.get(CANDIDATE, (Aggregate(), 0, {}, {})))
-        baseline = Cohort(*cohorts.get(BASELINE, (Aggregate(), 0, {}, {})))
+        candidate = cohorts.get(CANDIDATE, Cohort())
+        baseline = cohorts.get(BASELINE, Cohort())
         verdicts = tuple(
             judge(
                 rule,
@@ -217,53 +232,11 @@ class Guard:
                 baseline,
                 min_devices=record.min_devices,
                 min_inferences=record.min_inferences,
+                outliers=self._outliers,
             )
             for rule in rules
         )
         return SliceHealth(name, value, state, since, candidate, baseline, verdicts)
-
-    def _cohorts(
-        self,
-        rollout_id: str,
-        since: dt.datetime,
-        now: dt.datetime,
-        slice_of,
-        *,
-        strict: bool = False,
-    ) -> dict[str, dict[str, tuple]]:
-        """Return slice value -> cohort -> (aggregate, devices, affected, by config)."""
-        memo: dict[str, str] = {}
-
-        def group(_at: dt.datetime, key: RollupKey):
-            value = memo.get(key.device_class)
-            if value is None:
-                value = memo[key.device_class] = slice_of(key.device_class)
-            return value, key.cohort, key.config
-
-        parts = [
-            self._store.merged_rollups(
-                resolution_s=res, since=start, until=until, rollout=rollout_id, group=group
-            )
-            for res, start, until in window_parts(since, now, self._retention, strict=strict)
-        ]
-        out: dict[str, dict[str, tuple]] = {}
-        for part in parts:
-            for (value, cohort, config), agg in part.items():
-                slot = out.setdefault(value, {})
-                merged, _, _, by_config = slot.setdefault(cohort, (Aggregate(), 0, {}, {}))
-                merged.merge(agg)
-                by_config.setdefault(config, Aggregate()).merge(agg)
-        counts = self._store.cohort_device_counts(rollout_id, since=since)
-        for cohort, device_class, n, with_incidents in counts:
-            value = slice_of(device_class)
-            agg, devices, affected, by_config = out.setdefault(value, {}).get(
-                cohort, (Aggregate(), 0, {}, {})
-            )
-            affected = dict(affected)
-            for kind, k in with_incidents.items():
-                affected[kind] = affected.get(kind, 0) + k
-            out[value][cohort] = (agg, devices + n, affected, by_config)
-        return out
 
     # -- acting --------------------------------------------------------------------------
 

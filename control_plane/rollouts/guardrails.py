@@ -40,13 +40,21 @@ gives many slow inferences); the cohorts are random samples of the same selected
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from control_plane import errors
-from control_plane.store.rollups import Aggregate
+from control_plane.store.rollups import Aggregate, DeviceRollup
+from control_plane.telemetry.robust import (
+    DEFAULT_OUTLIERS,
+    Devices,
+    left_out,
+    quantile_weights,
+    robust_rate,
+)
 from runtime.histogram import MIN_NS
 
 MARGIN_Z = 3.0  # about 1 in 740 one-sided: checked every few seconds, so kept strict
@@ -136,16 +144,28 @@ def parse_rules(texts: Sequence[str]) -> tuple[HaltRule, ...]:
 
 
 @dataclass(frozen=True)
-class Cohort:
-    """What one cohort reported over the window, and how many devices reported it."""
+class Pooled:
+    """Figures judged: a cohort's aggregate (capped and trimmed, or raw) and by config."""
 
     aggregate: Aggregate
-    devices: int
-    # Devices with at least one of each incident (crashes, errors, fallbacks,
-    # install_failures): a rate breaking on one device alone is not a regression.
-    affected: dict = field(default_factory=dict)
-    # The aggregate split by the backend config the devices ran (latency rules).
     by_config: dict[str, Aggregate] = field(default_factory=dict)
+
+
+class Cohort:
+    """One cohort over the window: each device's own rows (control_plane.telemetry.robust)."""
+
+    def __init__(self, rows: Iterable[DeviceRollup] = ()) -> None:
+        self.members = Devices(rows)
+
+    @property
+    def devices(self) -> int:
+        """Return how many devices reported in the cohort."""
+        return len(self.members)
+
+    @functools.cached_property
+    def aggregate(self) -> Aggregate:
+        """Return everything the cohort's devices reported, as reported (not capped)."""
+        return self.members.pooled()
 
     def figures(self) -> dict:
         """Return the cohort's figures, JSON-able (evidence, CLI, dashboard)."""
@@ -159,7 +179,10 @@ class Cohort:
             "installs": a.installs,
             "install_failures": a.installs_failed + a.installs_rolled_back,
             "crash_signals": dict(sorted(a.crash_signals.items())),
-            "devices_with": dict(sorted(self.affected.items())),
+            "devices_with": {
+                kind: self.members.with_any(kind)
+                for kind in ("crashes", "errors", "fallbacks", "install_failures")
+            },
             **{f"p{p}_us": a.quantile_us(p / 100) for p in (50, 95, 99)},
         }
 
@@ -218,10 +241,19 @@ def judge(
     *,
     min_devices: int,
     min_inferences: int,
+    outliers: int = DEFAULT_OUTLIERS,
 ) -> Verdict:
-    """Return the verdict of one rule on one slice's cohorts."""
+    """Return the verdict of one rule on one slice's cohorts.
+
+    Judged on each cohort capped and trimmed (`outliers` devices each way: see
+    control_plane.telemetry.robust), so that many devices can neither fail a healthy
+    cohort nor pass a failing one; a failing verdict also needs `max(2, outliers + 1)`
+    candidate devices that each show the problem.
+    """
+    k = max(0, outliers)
+    needed_devices = max(1, min_devices, 2 * k + 1)
     c, b = candidate.aggregate, baseline.aggregate
-    sample = {
+    sample: dict = {
         "candidate_devices": candidate.devices,
         "baseline_devices": baseline.devices,
         "candidate_inferences": c.inferences,
@@ -229,71 +261,102 @@ def judge(
     }
     name = str(rule)
 
-    def short(who: str, cohort: Cohort, count: int, unit: str, needed: int) -> Verdict | None:
-        if cohort.devices < max(1, min_devices):
-            return Verdict(
-                name,
-                INSUFFICIENT,
-                detail=f"{who}: {cohort.devices} of {min_devices} devices needed",
-                sample=sample,
-            )
+    def short(who: str, cohort: Cohort, count: float, unit: str, needed: int) -> Verdict | None:
+        if cohort.devices < needed_devices:
+            why = f"{cohort.devices} of {needed_devices} devices needed"
+            if needed_devices > max(1, min_devices):
+                why += f" ({outliers} each way are left out)"
+            return Verdict(name, INSUFFICIENT, detail=f"{who}: {why}", sample=sample)
         if count < max(1, needed):
             return Verdict(
                 name,
                 INSUFFICIENT,
-                detail=f"{who}: {count} of {needed} {unit} needed",
+                detail=f"{who}: {count:.0f} of {needed} {unit} needed",
                 sample=sample,
             )
         return None
 
     if rule.metric == "install_failure_rate":
-        failures = c.installs_failed + c.installs_rolled_back
-        sample = {**sample, "candidate_installs": c.installs}
-        lacking = short("candidate", candidate, c.installs, "installs", min_devices)
+        failures, outcomes, weights = robust_rate(
+            candidate.members, "install_failures", "install_outcomes", k
+        )
+        sample |= {"candidate_installs": c.installs, "left_out": _left_out(candidate, weights)}
+        lacking = short("candidate", candidate, outcomes, "installs", min_devices)
         if lacking:
             return lacking
-        value = failures / c.installs
-        low, _ = wilson(failures, c.installs)
-        return _spread(
-            _verdict(rule, name, value, low, value, None, sample), candidate, "install_failures"
-        )
-    lacking = short(
-        "candidate",
-        candidate,
-        c.latency_count if "latency" in rule.metric else c.inferences,
-        "inferences",
-        min_inferences,
-    )
-    if lacking:
-        return lacking
-    if rule.metric in RATE_METRICS:
-        events = getattr(c, RATE_METRICS[rule.metric])
-        value = events / c.inferences
-        low, _ = wilson(events, c.inferences)
+        value = failures / outcomes
+        low, _ = wilson(failures, outcomes)
         verdict = _verdict(rule, name, value, low, value, None, sample)
-        return _spread(verdict, candidate, RATE_METRICS[rule.metric])
-    lacking = short(
-        "baseline",
-        baseline,
-        b.latency_count if "latency" in rule.metric else b.inferences,
-        "inferences",
-        min_inferences,
-    )
-    if lacking:
-        return lacking
-    if rule.metric == "crash_rate_ratio":
-        c_rate, b_rate = c.crashes / c.inferences, b.crashes / b.inferences
-        c_low, _ = wilson(c.crashes, c.inferences)
-        _, b_high = wilson(b.crashes, b.inferences)
+        return _spread(verdict, candidate, "install_failures", k)
+    if rule.metric in RATE_METRICS or rule.metric == "crash_rate_ratio":
+        kind = RATE_METRICS.get(rule.metric, "crashes")
+        events, n, weights = robust_rate(candidate.members, kind, "inferences", k)
+        sample["left_out"] = _left_out(candidate, weights)
+        lacking = short("candidate", candidate, n, "inferences", min_inferences)
+        if lacking:
+            return lacking
+        if rule.metric in RATE_METRICS:
+            value = events / n
+            low, _ = wilson(events, n)
+            return _spread(
+                _verdict(rule, name, value, low, value, None, sample), candidate, kind, k
+            )
+        b_events, b_n, b_weights = robust_rate(baseline.members, "crashes", "inferences", k)
+        sample["left_out"] |= _left_out(baseline, b_weights, "baseline")
+        lacking = short("baseline", baseline, b_n, "inferences", min_inferences)
+        if lacking:
+            return lacking
+        c_rate, b_rate = events / n, b_events / b_n
+        c_low, _ = wilson(events, n)
+        _, b_high = wilson(b_events, b_n)
         value = c_rate / b_rate if b_rate else (math.inf if c_rate else 1.0)
         verdict = _verdict(rule, name, value, c_low / b_high, c_rate, b_rate, sample)
-        return _spread(verdict, candidate, "crashes")
+        return _spread(verdict, candidate, "crashes", k)
     q = LATENCY_METRICS[rule.metric]
-    value, bound = latency_ratio(candidate, baseline, q)
-    return _verdict(rule, name, value, bound, c.quantile_us(q), b.quantile_us(q), sample)
+    c_weights, b_weights = quantile_weights([candidate.members, baseline.members], q, k)
+    sample["left_out"] = _left_out(candidate, c_weights) | _left_out(
+        baseline, b_weights, "baseline"
+    )
+    judged_c = Pooled(candidate.members.pooled(c_weights), candidate.members.by_config(c_weights))
+    judged_b = Pooled(baseline.members.pooled(b_weights), baseline.members.by_config(b_weights))
+    for who, cohort, judged in (
+        ("candidate", candidate, judged_c),
+        ("baseline", baseline, judged_b),
+    ):
+        lacking = short(who, cohort, judged.aggregate.latency_count, "inferences", min_inferences)
+        if lacking:
+            return lacking
+    value, bound = latency_ratio(judged_c, judged_b, q)
+    verdict = _verdict(
+        rule,
+        name,
+        value,
+        bound,
+        judged_c.aggregate.quantile_us(q),
+        judged_b.aggregate.quantile_us(q),
+        sample,
+    )
+    if verdict.status != FAIL:
+        return verdict
+    slower = sum(
+        rule.breaks(latency_ratio(_own(candidate, i), judged_b, q)[0])
+        for i in range(candidate.devices)
+    )
+    return _spread(verdict, candidate, "", k, seen=slower, what="is that much slower")
 
 
-def latency_ratio(candidate: Cohort, baseline: Cohort, q: float) -> tuple[float, float]:
+def _own(cohort: Cohort, position: int) -> Pooled:
+    """Return one device's own figures (uncapped) as a Pooled."""
+    mine = cohort.members.device(position)
+    return Pooled(mine.pooled(), mine.by_config())
+
+
+def _left_out(cohort: Cohort, weights, who: str = "candidate") -> dict:
+    gone = left_out(cohort.members, weights)
+    return {who: gone} if gone else {}
+
+
+def latency_ratio(candidate: Pooled, baseline: Pooled, q: float) -> tuple[float, float]:
     """Return the candidate/baseline ratio of quantile `q`, and its margin-side bound.
 
     Compared per backend config both cohorts ran, then combined as a weighted geometric
@@ -313,6 +376,8 @@ def latency_ratio(candidate: Cohort, baseline: Cohort, q: float) -> tuple[float,
     floor = MIN_NS / 1000
     log_value = log_bound = total = 0.0
     for c, b in pairs:
+        if not (c.latency_count and b.latency_count):
+            continue
         c_low, _ = _quantile_bounds(c, q)
         _, b_high = _quantile_bounds(b, q)
         n_c, n_b = c.latency_count, b.latency_count
@@ -320,26 +385,41 @@ def latency_ratio(candidate: Cohort, baseline: Cohort, q: float) -> tuple[float,
         log_value += weight * math.log(max(c.quantile_us(q), floor) / max(b.quantile_us(q), floor))
         log_bound += weight * math.log(max(c_low, floor) / max(b_high, floor))
         total += weight
+    if not total:
+        return 1.0, 1.0
     return math.exp(log_value / total), math.exp(log_bound / total)
 
 
 MIN_AFFECTED = 2
 
 
-def _spread(verdict: Verdict, cohort: Cohort, kind: str) -> Verdict:
-    """Pass a failing rate that only one device shows: one device cannot halt a rollout.
+def _spread(
+    verdict: Verdict,
+    cohort: Cohort,
+    kind: str,
+    outliers: int,
+    *,
+    seen: int | None = None,
+    what: str = "",
+) -> Verdict:
+    """Pass a failing verdict that too few devices show: a few devices cannot halt a rollout.
 
-    Counts come from devices, and one faulty or hostile device can report any number of
-    crashes or errors; a regression is something several devices see.
+    Counts come from devices, and a faulty or hostile device can report any number of
+    crashes or errors, or any latency; a regression is something several devices see:
+    at least MIN_AFFECTED, and more than the `outliers` any verdict must withstand.
     """
-    seen = cohort.affected.get(kind)
-    if verdict.status != FAIL or seen is None or seen >= MIN_AFFECTED:
+    if verdict.status != FAIL:
+        return verdict
+    if seen is None:
+        seen = cohort.members.with_any(kind)
+        what = f"reports {kind.replace('_', ' ')}"
+    needed = max(MIN_AFFECTED, outliers + 1)
+    if seen >= needed:
         return verdict
     return replace(
         verdict,
         status=PASS,
-        detail=f"{verdict.detail}, but only {seen} device reports {kind.replace('_', ' ')}"
-        f" (a regression needs {MIN_AFFECTED})",
+        detail=f"{verdict.detail}, but only {seen} device {what} (a regression needs {needed})",
     )
 
 

@@ -9,6 +9,7 @@ rollouts from the database.
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +63,20 @@ class LiveRollout:
         """Return whether the current stage includes this (selected) device."""
         return self.limit >= BUCKETS or bucket(self.record.id, device_id) < self.limit
 
+    def included_at(self, device_id: str, at: dt.datetime) -> bool:
+        """Return whether the stage in effect at `at` included this (selected) device.
+
+        Before the current stage began, the stage before it (before the rollout began,
+        none); telemetry is rolled seconds after it is made, but a queued report may
+        predate a stage (or two: then it is judged by the one just before).
+        """
+        record = self.record
+        if at >= record.stage_started_at or record.state == RolloutState.COMPLETED:
+            return self.includes(device_id)
+        if record.stage == 0 or at < record.created_at:
+            return False
+        return bucket(record.id, device_id) < stage_limit(record.stages, record.stage - 1)
+
 
 class Snapshot:
     """Every live rollout at one fleet revision, ready to resolve devices against."""
@@ -85,13 +100,18 @@ class Snapshot:
         self.models = tuple(sorted(set(staged) | set(done)))
         self.by_id = {r.record.id: r for r in (*_flat(staged), *_flat(done))}
 
-    def desired_model(self, model: str, device_id: str, attrs: Mapping) -> Desired | None:
-        """Return what `model` should be on this device, or None."""
+    def desired_model(
+        self, model: str, device_id: str, attrs: Mapping, *, excluding: str = ""
+    ) -> Desired | None:
+        """Return what `model` should be on this device, or None.
+
+        With `excluding`, as if that rollout were not there.
+        """
         for r in self._staged.get(model, ()):
-            if r.selects(attrs) and r.includes(device_id):
+            if r.record.id != excluding and r.selects(attrs) and r.includes(device_id):
                 return r.desired
         for r in self._done.get(model, ()):
-            if r.selects(attrs):
+            if r.record.id != excluding and r.selects(attrs):
                 return r.desired
         return None
 

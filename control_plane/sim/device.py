@@ -2,11 +2,17 @@
 
 It syncs, verifies the signed assignment against the keys it pinned at enrollment (and
 their successors, each accepted only through an endorsement by a key already pinned),
-unwraps each new version's data key with its own key pair, has the artifact checked
-(downloaded and decrypted once per process, see `artifacts`), counts it installed and
-Syncs again so the server records what it runs. It holds a Watch stream and Syncs (after
-a little jitter) when the server pushes a revision; when the stream dies it reconnects
-with full-jitter backoff and, while it cannot, Syncs on the server's poll interval.
+acknowledges the answer it accepted (so the server counts it synced), measures the
+control plane's time from it as the agent does (device_agent.clock), unwraps each new
+version's data key with its own key pair, has the artifact checked (downloaded and
+decrypted once per process, see `artifacts`), counts it installed and Syncs again so the
+server records what it runs. It holds a Watch stream and Syncs (after a little jitter)
+when the server pushes a revision; when the stream dies it reconnects with full-jitter
+backoff and, while it cannot, Syncs on the server's poll interval.
+
+Its reports go through a queue (`outbox.ReportQueue`) as an agent's do: one batch per
+period, periods back to back on the control plane's time, sent oldest first, kept through
+an outage and delivered in order once the control plane is back.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import grpc
 from control_plane import errors
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.sim.artifacts import ArtifactCache
+from control_plane.sim.outbox import ReportQueue
 from control_plane.sim.state import Identity
 from device_agent.assignment import (
     AssignmentRejected,
@@ -31,6 +38,7 @@ from device_agent.assignment import (
     new_nonce,
     verify_sync,
 )
+from device_agent.clock import ServerClock
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.signing_keys import KeyRing
@@ -44,6 +52,8 @@ SYNC_ATTEMPTS = 3
 # A stream that stayed up this long was healthy: the next failure starts backoff afresh.
 STABLE_S = 5.0
 AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+# A batch refused with this will never be taken: dropped and counted, not retried.
+REFUSED = grpc.StatusCode.INVALID_ARGUMENT
 
 Target = tuple[str, int, str]  # (model, version, variant)
 
@@ -58,6 +68,7 @@ class SimDevice:
         *,
         cache: ArtifactCache,
         notify: Callable[[SimDevice], None] = lambda device: None,
+        outbox: ReportQueue | None = None,
     ) -> None:
         self.identity, self.id = identity, identity.device_id
         self._conn = DeviceConnection(channel, identity.credential)
@@ -80,7 +91,11 @@ class SimDevice:
         self.rejected = ""  # why the server refuses this device for good
         self.stop_reports = False  # stop_reporting() asks the report loop to end
         self._last_sync = 0.0
-        self.reports = 0
+        self.reports = 0  # batches the control plane took
+        self.clock = ServerClock()  # the control plane's time, measured at every Sync
+        self.outbox = outbox or ReportQueue()
+        self._period_start: float | None = None  # control plane time the next period starts
+        self._flushing = asyncio.Lock()
 
     # -- sync and install -----------------------------------------------------------------
 
@@ -120,8 +135,10 @@ class SimDevice:
             for m, (v, variant) in sorted(self.installed.items())
         ]
         nonce = new_nonce()
+        sent = self.clock.monotonic()
         response = await self._conn.sync(self._attrs, installed, self.revision, nonce=nonce)
-        at, now = time.monotonic(), dt.datetime.now(dt.UTC)
+        at = received = self.clock.monotonic()
+        now = self.clock.now_datetime()
         # Learn a rotated key only through its endorsement; forget keys past their end.
         self._pinned = self._pinned.update(response.signing_keys, now)
         assignment = verify_sync(
@@ -130,8 +147,11 @@ class SimDevice:
             nonce=nonce,
             keys=self._pinned.valid_keys(now),
             last_revision=self.revision,
-            now=now,
+            round_trip_s=received - sent,
         )
+        if assignment.issued_at is not None:
+            self.clock.measure(assignment.issued_at.timestamp(), sent, received)
+        await self._ack(response)
         self.revision, self.desired = assignment.revision, assignment.models
         self.poll_interval_s = response.poll_interval_s or self.poll_interval_s
         self.syncs += 1
@@ -140,6 +160,15 @@ class SimDevice:
             self.synced_at.setdefault((m.model, m.version, m.variant), at)
         self._notify(self)
         return assignment
+
+    async def _ack(self, response: device_pb2.SyncResponse) -> None:
+        """Acknowledge an accepted answer; a failure is counted and the device goes on."""
+        try:
+            await self._conn.ack(response.document, response.document_signature)
+        except DeviceCallError as exc:
+            if exc.code in AUTH_CODES:
+                raise
+            self.failures[f"ack_{exc.code.name.lower()}"] += 1
 
     async def _install(self, assignment: VerifiedAssignment) -> bool:
         """Install every assigned version not yet installed; return whether any changed."""
@@ -192,29 +221,70 @@ class SimDevice:
     # -- telemetry --------------------------------------------------------------------------
 
     async def report_forever(self, load, interval_s: float, injections) -> None:
-        """Report what its models did every `interval_s` (first after a random phase).
-
-        A batch the control plane does not take is dropped and counted: the simulator
-        keeps no outbox (the agent does, see device_agent.telemetry).
-        """
+        """Report what its models did every `interval_s` (first after a random phase)."""
         await asyncio.sleep(random.uniform(0, interval_s))
-        last = dt.datetime.now(dt.UTC)
+        self.start_reporting()
         while not self.rejected and not self.stop_reports:
             await asyncio.sleep(interval_s)
             if self.stop_reports:
                 break
-            now = dt.datetime.now(dt.UTC)
-            batch = load.batch(self.installed, last, now, injections)
-            last = now
-            if batch is None:
-                continue
-            try:
-                await self._conn.report(batch)
+            self.cut_report(load, injections)
+            await self.flush_reports()
+
+    def start_reporting(self) -> None:
+        """Begin the first period now (control plane time), unless one is under way."""
+        if self._period_start is None:
+            self._period_start = self.clock.now()
+
+    def cut_report(self, load, injections) -> device_pb2.ReportRequest | None:
+        """Queue the batch of the period since the last cut; None if it had nothing.
+
+        Periods are back to back on the control plane's time (one that had nothing to
+        report leaves a gap, never an overlap).
+        """
+        self.start_reporting()
+        start = self._period_start
+        end = self._period_start = max(self.clock.now(), start)
+        batch = load.batch(
+            self.installed,
+            dt.datetime.fromtimestamp(start, dt.UTC),
+            dt.datetime.fromtimestamp(end, dt.UTC),
+            injections,
+        )
+        if batch is None:
+            return None
+        if self.clock.reading is not None:
+            batch.clock_offset_s = self.clock.offset_s
+        self.outbox.put(batch)
+        self._notify(self)
+        return batch
+
+    async def flush_reports(self) -> int:
+        """Send queued batches oldest first until one is not taken; return how many were.
+
+        A batch refused as invalid is dropped (counted); any other failure (the control
+        plane or its database away, a lost reply) leaves it first in the queue, to go
+        again, unchanged, at the next flush: the server applies a batch id once.
+        """
+        sent = 0
+        async with self._flushing:
+            while (batch := self.outbox.head()) is not None and not self.rejected:
+                try:
+                    await self._conn.report(batch)
+                except DeviceCallError as exc:
+                    self.failures[f"report_{exc.code.name.lower()}"] += 1
+                    if exc.code == REFUSED:
+                        self.outbox.refuse(batch)
+                        continue
+                    if exc.code in AUTH_CODES:
+                        self.rejected = exc.message
+                    break
+                self.outbox.ack(batch)
                 self.reports += 1
-            except DeviceCallError as exc:
-                self.failures[f"report_{exc.code.name.lower()}"] += 1
-                if exc.code in AUTH_CODES:
-                    self.rejected = exc.message
+                sent += 1
+        if sent:
+            self._notify(self)
+        return sent
 
     # -- views ------------------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ def summary_json(stats: FleetStats, *, elapsed_s: float, enrolled: int, reused: 
         "downloads": stats.downloads,
         "bytes_downloaded": stats.bytes_downloaded,
         "reports": stats.reports,
+        "reports_queued": stats.reports_queued,
+        "reports_dropped": stats.reports_dropped,
         "failures": dict(sorted(stats.failures.items())),
         "converged": {
             _label(t): {"desired": c.desired, "installed": c.installed}

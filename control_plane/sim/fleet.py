@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +29,7 @@ from control_plane import errors
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.sim.artifacts import ArtifactCache
 from control_plane.sim.device import SimDevice, Target
+from control_plane.sim.outbox import ReportQueue
 from control_plane.sim.profile import Profile, load_profile
 from control_plane.sim.state import Identity
 from control_plane.sim.stats import FleetStats, fleet_stats
@@ -39,6 +40,8 @@ from device_agent.connection import (
     open_channel,
 )
 from device_agent.identity import DeviceKeyPair
+from device_agent.reporting import FLUSH_ON_STOP_S
+from device_agent.telemetry import MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
 from device_agent.transport import ClientTls
 
 SIM_CHANNEL_OPTIONS = [
@@ -62,6 +65,9 @@ class SimOptions:
     sync_jitter_s: float = 0.5
     # Enroll and Sync calls in flight at once in `enroll` and `sync_all`.
     concurrency: int = 128
+    # Each device's queue of reports while the control plane is away: an agent's bounds.
+    report_queue_bytes: int = MAX_QUEUE_BYTES
+    report_queue_age_s: float = MAX_QUEUE_AGE_S
 
 
 class FleetSimulator:
@@ -118,8 +124,16 @@ class FleetSimulator:
         added = []
         for identity in identities:
             index = len(self.devices)
+            outbox = ReportQueue(
+                max_bytes=self.options.report_queue_bytes,
+                max_age_s=self.options.report_queue_age_s,
+            )
             device = SimDevice(
-                identity, self._channel(index), cache=self.cache, notify=self._notified
+                identity,
+                self._channel(index),
+                cache=self.cache,
+                notify=self._notified,
+                outbox=outbox,
             )
             self._address[device.id] = self._address_at(index)
             self.devices.append(device)
@@ -252,6 +266,26 @@ class FleetSimulator:
                     f"({_describe([by_id[i] for i in sorted(pending)[:3]])})"
                 ) from None
 
+    async def wait_until(
+        self, check: Callable[[], bool], *, timeout: float = 60.0, what: str = "the fleet"
+    ) -> None:
+        """Wait until `check()` holds; Unavailable naming `what` after `timeout`.
+
+        It looks again whenever a device syncs, installs, queues or sends a report.
+        """
+        deadline = time.monotonic() + timeout
+        while not check():
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=max(left, 0))
+            except TimeoutError:
+                if check():
+                    return
+                raise errors.Unavailable(
+                    f"timed out after {timeout:g}s waiting for {what}"
+                ) from None
+
     def sync_counts(self) -> dict[str, int]:
         """Return how many Syncs each device has completed."""
         return {d.id: d.syncs for d in self.devices}
@@ -260,14 +294,27 @@ class FleetSimulator:
         """Count what the fleet is doing now."""
         return fleet_stats(self.devices, self.cache)
 
-    async def stop_reporting(self) -> None:
-        """Stop every device's report loop (a call in flight is let finish)."""
+    async def stop_reporting(self, flush_s: float = FLUSH_ON_STOP_S) -> None:
+        """Stop every device's report loop, then send what is queued (as agents do).
+
+        A loop is cancelled where it waits (a Report cut short stays queued, and its
+        resend is applied once); the queues then get at most `flush_s`.
+        """
         tasks = [t for key, t in self._tasks.items() if key.startswith("report-")]
         for device in self.devices:
             device.stop_reports = True
+        for task in tasks:
+            task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for key in [k for k in self._tasks if k.startswith("report-")]:
             del self._tasks[key]
+        queued = [d for d in self.devices if len(d.outbox) and not d.rejected]
+        if queued and flush_s > 0:
+            flushes = [asyncio.create_task(d.flush_reports()) for d in queued]
+            _, late = await asyncio.wait(flushes, timeout=flush_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*flushes, return_exceptions=True)
 
     async def close(self) -> None:
         """Cancel every Watch loop and close the channels."""

@@ -97,6 +97,8 @@ async def _run(plan: Plan) -> tuple[dict, object]:
         [plan.address], profile=plan.profile, seed=plan.seed, tls=plan.tls
     ) as sim:
         await _until_done_or_stopped(sim, plan)
+        if plan.report_interval_s:  # what is queued gets a few seconds, as agents give it
+            await sim.stop_reporting()
         # Counted before the streams close, so `watching` says how many were up.
         return _report(sim, plan, time.monotonic() - started)
 

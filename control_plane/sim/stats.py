@@ -34,6 +34,8 @@ class FleetStats:
     failures: dict[str, int] = field(default_factory=dict)
     targets: dict[Target, TargetCount] = field(default_factory=dict)
     reports: int = 0  # telemetry batches the control plane took
+    reports_queued: int = 0  # batches waiting for the control plane
+    reports_dropped: int = 0  # batches dropped: queue bounds, or refused as invalid
 
 
 def fleet_stats(devices: Sequence[SimDevice], cache: ArtifactCache) -> FleetStats:
@@ -65,4 +67,6 @@ def fleet_stats(devices: Sequence[SimDevice], cache: ArtifactCache) -> FleetStat
         failures=dict(failures),
         targets={t: TargetCount(n, done[t]) for t, n in sorted(desired.items())},
         reports=sum(d.reports for d in devices),
+        reports_queued=sum(len(d.outbox) for d in devices),
+        reports_dropped=sum(d.outbox.dropped for d in devices),
     )

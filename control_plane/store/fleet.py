@@ -53,6 +53,12 @@ class DeviceRecord:
     revoked_reason: str
     installed: tuple[ModelState, ...]
     synced: tuple[ModelState, ...]
+    # Report batches refused (invalid, overlapping, over the rate) and the latest reason.
+    reports_refused: int = 0
+    last_refusal: str = ""
+    last_refusal_at: dt.datetime | None = None
+    # The device's clock minus the control plane's at its latest report.
+    clock_offset_s: float | None = None
 
 
 @dataclass(frozen=True)

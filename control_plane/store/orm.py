@@ -8,6 +8,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -178,6 +179,15 @@ class DeviceRow(Base):
     online_until: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     revoked_reason: Mapped[str] = mapped_column(String(256), default="")
+    # Report batches the control plane refused (invalid, overlapping, over the rate), and
+    # the latest reason: `fleet show` tells an operator a device's telemetry is not counted.
+    reports_refused: Mapped[int] = mapped_column(BigInteger, default=0)
+    last_refusal: Mapped[str] = mapped_column(String(256), default="")
+    last_refusal_at: Mapped[dt.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
+    # How far the device's clock was from the control plane's at its latest report.
+    clock_offset_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class DeviceModelRow(Base):
@@ -412,28 +422,73 @@ class RollupRow(Base):
     latency_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
 
 
-class RolloutDeviceRow(Base):
-    """A device seen reporting as part of a rollout's cohort.
+class DeviceRollupRow(Base):
+    """One device's merged telemetry in one scope: a rollout's cohort window, or the fleet.
 
-    Guardrails count devices, and distinct devices do not add up across rollup buckets.
+    Guardrails and backend recommendations judge devices, not samples (one device must
+    not decide a verdict), so they need each device's own figures: a row per device and
+    backend config, per rollout cohort and window (scope = rollout id), or fleet-wide per
+    model version (scope ""). Histograms are stored sparse, as in `telemetry_rollups`.
     """
 
-    __tablename__ = "rollout_devices"
-    __table_args__ = (Index("ix_rollout_devices_seen", "rollout", "last_seen"),)
+    __tablename__ = "device_rollups"
+    __table_args__ = (
+        # Serves a rollout's health view (every row of one rollout) and the recommendations
+        # of one version (scope "", then model and version).
+        Index("ix_device_rollups_scope", "scope", "model", "version"),
+        # Serves retention.
+        Index("ix_device_rollups_seen", "scope", "last_seen"),
+    )
 
-    rollout: Mapped[str] = mapped_column(String(32), primary_key=True)
-    cohort: Mapped[str] = mapped_column(String(16), primary_key=True)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    # SHA-256 of every dimension below (control_plane.store.rollups.DeviceKey.digest);
+    # serves the roller's merge.
+    key: Mapped[str] = mapped_column(String(64), unique=True)
+    scope: Mapped[str] = mapped_column(String(32))
+    window_start: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    cohort: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    variant: Mapped[str] = mapped_column(String(16))
+    config: Mapped[str] = mapped_column(String(128))
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    # Canonical JSON: the device class (fleet rows) or the rollout's slice (rollout rows).
+    device_class: Mapped[str] = mapped_column(Text)
+    last_seen: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    # Stats entries and install outcomes merged into the row.
+    reports: Mapped[int] = mapped_column(BigInteger, default=0)
+    inferences: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    crashes: Mapped[int] = mapped_column(BigInteger, default=0)
+    fallbacks: Mapped[int] = mapped_column(BigInteger, default=0)
+    pipeline_firings: Mapped[int] = mapped_column(BigInteger, default=0)
+    installs_activated: Mapped[int] = mapped_column(BigInteger, default=0)
+    installs_failed: Mapped[int] = mapped_column(BigInteger, default=0)
+    installs_rolled_back: Mapped[int] = mapped_column(BigInteger, default=0)
+    crash_signals: Mapped[dict] = mapped_column(JSON, default=dict)
+    latency_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    latency_sum_ns: Mapped[int] = mapped_column(BigInteger, default=0)
+    latency_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    latency_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    latency_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+
+
+class ReportPeriodRow(Base):
+    """Where the last accepted report period of one device and model ended.
+
+    The server, not the device, decides how much time a report may cover: a new period of
+    the same model may not start before this (no overlaps, no backdating), so however a
+    device words its periods, they add up to no more than the time since it enrolled.
+    """
+
+    __tablename__ = "report_periods"
+
+    # Serves the check of every Report (one device's models).
     device_id: Mapped[str] = mapped_column(
         ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True
     )
-    device_class: Mapped[str] = mapped_column(Text)
-    last_seen: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
-    # What this device reported in the cohort: guardrails judge a rate only when more
-    # than one device shows it (one device alone cannot halt a rollout).
-    crashes: Mapped[int] = mapped_column(BigInteger, default=0)
-    errors: Mapped[int] = mapped_column(BigInteger, default=0)
-    fallbacks: Mapped[int] = mapped_column(BigInteger, default=0)
-    install_failures: Mapped[int] = mapped_column(BigInteger, default=0)
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    period_end: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
 class WebSessionRow(Base):

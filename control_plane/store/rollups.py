@@ -234,22 +234,125 @@ class PendingBatch:
     installs: tuple[InstallRecord, ...]
 
 
-@dataclass(frozen=True)
-class CohortDevice:
-    """A device seen reporting as part of a rollout's cohort."""
+# Scope of the fleet-wide device rows (backend recommendations), and their one window.
+FLEET = ""
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+OUTSIDE = "outside"
 
-    rollout: str
+
+@dataclass(frozen=True)
+class DeviceKey:
+    """One device's row: in a rollout's cohort and window, or fleet-wide (scope FLEET).
+
+    A rollout's rows are per window (`window` is the start of the stage, or of a slice's
+    readmission, the report fell in), so a cohort's figures over its current window are
+    a sum of whole rows, per device: guardrails need each device's own figures to keep any
+    one device from deciding a verdict (control_plane.telemetry.robust).
+    """
+
+    scope: str
+    window: dt.datetime
     cohort: str
+    model: str
+    version: int
+    variant: str
+    config: str
     device_id: str
+
+    @property
+    def digest(self) -> str:
+        """Return the row's identity (SHA-256 hex of every field)."""
+        text = json.dumps(
+            [
+                self.scope,
+                int(self.window.timestamp()),
+                self.cohort,
+                self.model,
+                self.version,
+                self.variant,
+                self.config,
+                self.device_id,
+            ],
+            ensure_ascii=False,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class DeviceDelta:
+    """What a roller round adds to one device row."""
+
     device_class: str
     last_seen: dt.datetime
-    crashes: int = 0
-    errors: int = 0
-    fallbacks: int = 0
-    install_failures: int = 0
+    reports: int = 0
+    aggregate: Aggregate = field(default_factory=Aggregate)
+
+    def add(self, other: DeviceDelta) -> None:
+        """Merge another delta of the same row (the later class wins)."""
+        if other.last_seen >= self.last_seen:
+            self.device_class, self.last_seen = other.device_class, other.last_seen
+        self.reports += other.reports
+        self.aggregate.merge(other.aggregate)
 
 
-INCIDENTS = ("crashes", "errors", "fallbacks", "install_failures")
+@dataclass(frozen=True)
+class DeviceRollup:
+    """A stored device row: its key, latest class and time, reports and aggregate.
+
+    The histogram is kept sparse (`index`, `counts`): a rollout may hold a row for every
+    device of a large fleet, and a dense histogram is 218 counts.
+    """
+
+    key: DeviceKey
+    device_class: str
+    last_seen: dt.datetime
+    reports: int
+    counters: dict[str, int]
+    crash_signals: dict[str, int]
+    latency_count: int
+    latency_sum_ns: int
+    latency_min_ns: int | None
+    latency_max_ns: int | None
+    index: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def of(
+        cls,
+        key: DeviceKey,
+        aggregate: Aggregate,
+        *,
+        device_class: str = "{}",
+        last_seen: dt.datetime = EPOCH,
+        reports: int = 1,
+    ) -> DeviceRollup:
+        """Return a row holding `aggregate` (what the store reads back after a merge)."""
+        index = np.flatnonzero(aggregate.buckets)
+        return cls(
+            key=key,
+            device_class=device_class,
+            last_seen=last_seen,
+            reports=reports,
+            counters={name: getattr(aggregate, name) for name in COUNTERS},
+            crash_signals=dict(aggregate.crash_signals),
+            latency_count=aggregate.latency_count,
+            latency_sum_ns=aggregate.latency_sum_ns,
+            latency_min_ns=aggregate.latency_min_ns,
+            latency_max_ns=aggregate.latency_max_ns,
+            index=index.astype("<u2"),
+            counts=aggregate.buckets[index].astype("<i8"),
+        )
+
+    def aggregate(self) -> Aggregate:
+        """Return the row as a (dense) aggregate."""
+        agg = Aggregate(**self.counters)
+        agg.crash_signals.update(self.crash_signals)
+        if self.latency_count:
+            agg._add_latency(
+                self.latency_count, self.latency_sum_ns, self.latency_min_ns, self.latency_max_ns
+            )
+            agg.buckets[self.index.astype(np.intp)] = self.counts
+        return agg
 
 
 @dataclass(frozen=True)
@@ -276,9 +379,9 @@ class RollupStore(abc.ABC):
         self,
         batches: list[tuple[str, str]],
         deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate],
-        cohort_devices: list[CohortDevice],
+        device_deltas: dict[DeviceKey, DeviceDelta],
     ) -> bool:
-        """Merge `deltas` into the rollups and mark `batches` rolled, in one transaction.
+        """Merge `deltas` and `device_deltas`, and mark `batches` rolled, in one transaction.
 
         False (and nothing written) when another roller rolled any of them first.
         """
@@ -291,12 +394,14 @@ class RollupStore(abc.ABC):
         batches_before: dt.datetime,
         installs_before: dt.datetime,
         cutoffs: dict[int, dt.datetime],
+        rollout_devices_before: dt.datetime,
+        fleet_devices_before: dt.datetime,
     ) -> dict[str, int]:
         """Delete old telemetry; return how many rows of each kind went.
 
         Rolled model stats before `raw_before`, batch ids (kept for de-duplication)
         before `batches_before`, install reports before `installs_before`, rollups past
-        their resolution's cutoff.
+        their resolution's cutoff, device rows last seen before their scope's cutoff.
         """
 
     @abc.abstractmethod
@@ -318,11 +423,15 @@ class RollupStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def cohort_device_counts(
-        self, rollout: str, *, since: dt.datetime
-    ) -> list[tuple[str, str, int, dict[str, int]]]:
-        """Return one rollout's cohort devices seen since `since`.
+    def device_rollups(
+        self,
+        scope: str,
+        *,
+        model: str | None = None,
+        version: int | None = None,
+        seen_since: dt.datetime | None = None,
+    ) -> list[DeviceRollup]:
+        """Return the device rows of one scope (a rollout id, or FLEET).
 
-        As (cohort, device_class, devices, devices with each kind of incident in
-        INCIDENTS).
+        Optionally only one model version's, and only rows seen since `seen_since`.
         """

@@ -76,6 +76,10 @@ def _device(row: orm.DeviceRow, models: Sequence[orm.DeviceModelRow]) -> DeviceR
         revoked_reason=row.revoked_reason,
         installed=_states(models, "installed"),
         synced=_states(models, "synced"),
+        reports_refused=row.reports_refused or 0,
+        last_refusal=row.last_refusal or "",
+        last_refusal_at=aware(row.last_refusal_at),
+        clock_offset_s=row.clock_offset_s,
     )
 
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 import collections
 import datetime as dt
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 
 import numpy as np
-from sqlalchemy import bindparam, case, delete, func, select, text, true, tuple_, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import and_, bindparam, delete, or_, select, text, true, tuple_, update
 
 from control_plane.store import orm
 from control_plane.store.rollups import (
     COUNTERS,
-    INCIDENTS,
+    FLEET,
     Aggregate,
-    CohortDevice,
+    DeviceDelta,
+    DeviceKey,
+    DeviceRollup,
     PendingBatch,
     RollupKey,
     RollupStore,
@@ -111,9 +113,9 @@ class SqlRollupStore(RollupStore):
         self,
         batches: list[tuple[str, str]],
         deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate],
-        cohort_devices: list[CohortDevice],
+        device_deltas: dict[DeviceKey, DeviceDelta],
     ) -> bool:
-        """Merge `deltas` and mark `batches` rolled in one transaction; False if beaten."""
+        """Merge the deltas and mark `batches` rolled in one transaction; False if beaten."""
         with self._scope() as session:
             pg = session.get_bind().dialect.name == "postgresql"
             if pg:
@@ -136,7 +138,7 @@ class SqlRollupStore(RollupStore):
                 session.rollback()
                 return False
             _merge_rows(session, deltas)
-            _upsert_cohort_devices(session, postgresql if pg else sqlite, cohort_devices)
+            _merge_device_rows(session, device_deltas)
             return True
 
     def prune_telemetry(
@@ -146,8 +148,10 @@ class SqlRollupStore(RollupStore):
         batches_before: dt.datetime,
         installs_before: dt.datetime,
         cutoffs: dict[int, dt.datetime],
+        rollout_devices_before: dt.datetime,
+        fleet_devices_before: dt.datetime,
     ) -> dict[str, int]:
-        """Delete old rolled raw batches (with their stats) and old rollups."""
+        """Delete old rolled raw batches (with their stats), old rollups and device rows."""
         b, s, i = orm.TelemetryBatchRow, orm.ModelStatsRow, orm.InstallReportRow
         gone: dict[str, int] = {}
         with self._scope() as session:
@@ -169,10 +173,15 @@ class SqlRollupStore(RollupStore):
                 delete(b).where(b.rolled.is_(True), b.received_at < batches_before)
             ).rowcount
             gone["rollups"] = 0
-            # Cohort devices not seen for as long as any rollup is kept.
-            oldest = min(cutoffs.values())
-            d = orm.RolloutDeviceRow
-            gone["cohort_devices"] = session.execute(delete(d).where(d.last_seen < oldest)).rowcount
+            d = orm.DeviceRollupRow
+            gone["device_rollups"] = session.execute(
+                delete(d).where(
+                    or_(
+                        and_(d.scope != FLEET, d.last_seen < rollout_devices_before),
+                        and_(d.scope == FLEET, d.last_seen < fleet_devices_before),
+                    )
+                )
+            ).rowcount
             for resolution, cutoff in cutoffs.items():
                 gone["rollups"] += session.execute(
                     delete(_R).where(_R.c.resolution_s == resolution, _R.c.bucket_start < cutoff)
@@ -239,26 +248,25 @@ class SqlRollupStore(RollupStore):
                 merged[g].buckets = _sum_sparse(indexes, counts)
         return merged
 
-    def cohort_device_counts(
-        self, rollout: str, *, since: dt.datetime
-    ) -> list[tuple[str, str, int, dict[str, int]]]:
-        """Return (cohort, device_class, devices, devices with each incident kind)."""
-        d = orm.RolloutDeviceRow
-        with_any = [func.sum(case((d.__table__.c[k] > 0, 1), else_=0)) for k in INCIDENTS]
-        with self._read() as session:
-            return [
-                (
-                    cohort,
-                    device_class,
-                    n,
-                    dict(zip(INCIDENTS, (int(x or 0) for x in rest), strict=True)),
-                )
-                for cohort, device_class, n, *rest in session.execute(
-                    select(d.cohort, d.device_class, func.count(), *with_any)
-                    .where(d.rollout == rollout, d.last_seen >= since)
-                    .group_by(d.cohort, d.device_class)
-                )
-            ]
+    def device_rollups(
+        self,
+        scope: str,
+        *,
+        model: str | None = None,
+        version: int | None = None,
+        seen_since: dt.datetime | None = None,
+    ) -> list[DeviceRollup]:
+        """Return the device rows of one scope (optionally one version, seen since)."""
+        c = _D.c
+        stmt = select(*(c[name] for name in _DEVICE_READ)).where(c.scope == scope)
+        if model is not None:
+            stmt = stmt.where(c.model == model)
+        if version is not None:
+            stmt = stmt.where(c.version == version)
+        if seen_since is not None:
+            stmt = stmt.where(c.last_seen >= seen_since)
+        with self._read_connection() as conn:
+            return [_device_rollup(row) for row in conn.execute(stmt)]
 
 
 def _sum_sparse(indexes: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarray:
@@ -339,53 +347,93 @@ def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggreg
         session.execute(_UPDATE, changed)
 
 
-def _upsert_cohort_devices(session, dialect, devices: list[CohortDevice]) -> None:
-    """Record cohort devices: latest class and time, incidents added up (saturating)."""
-    merged: dict[tuple, dict] = {}
-    for d in devices:
-        k = (d.rollout, d.cohort, d.device_id)
-        row = merged.get(k)
-        if row is None:
-            row = merged[k] = {
-                "rollout": d.rollout,
-                "cohort": d.cohort,
-                "device_id": d.device_id,
-                "device_class": d.device_class,
-                "last_seen": d.last_seen,
-                **{name: 0 for name in INCIDENTS},
-            }
-        elif row["last_seen"] < d.last_seen:
-            row["device_class"], row["last_seen"] = d.device_class, d.last_seen
-        for name in INCIDENTS:
-            row[name] = clamp(row[name] + getattr(d, name))
-    if not merged:
-        return
-    table = orm.RolloutDeviceRow.__table__
-    insert = dialect.insert(table)
-    newer = insert.excluded.last_seen > table.c.last_seen
-    big = 2**62  # both sides stay below it: their sum fits a BIGINT
-    for chunk in _chunks(list(merged.values())):
-        session.execute(
-            insert.on_conflict_do_update(
-                index_elements=["rollout", "cohort", "device_id"],
-                set_={
-                    "device_class": case(
-                        (newer, insert.excluded.device_class), else_=table.c.device_class
-                    ),
-                    "last_seen": case((newer, insert.excluded.last_seen), else_=table.c.last_seen),
-                    **{
-                        name: _saturating_sum(table.c[name], insert.excluded[name], big)
-                        for name in INCIDENTS
-                    },
-                },
-            ),
-            chunk,
-        )
+_D = orm.DeviceRollupRow.__table__
+_DEVICE_KEY = (
+    "scope",
+    "window_start",
+    "cohort",
+    "model",
+    "version",
+    "variant",
+    "config",
+    "device_id",
+)
+_DEVICE_VALUES = ("device_class", "last_seen", "reports", *_MERGED)
+_DEVICE_READ = (*_DEVICE_KEY, *_DEVICE_VALUES)
+_DEVICE_UPDATE = (
+    _D.update()
+    .where(_D.c.key == bindparam("b_key"))
+    .values({name: bindparam("b_" + name) for name in _DEVICE_VALUES})
+)
+_EMPTY_INDEX = np.zeros(0, "<u2")
+_EMPTY_COUNTS = np.zeros(0, "<i8")
 
 
-def _saturating_sum(stored, added, big: int):
-    """Return SQL for stored + added that stays within a BIGINT (sticks past `big`)."""
-    return case(
-        (stored >= big, stored),
-        else_=stored + case((added >= big, big), else_=added),
+def _device_rollup(row) -> DeviceRollup:
+    values = dict(zip(_DEVICE_READ, row, strict=True))
+    key = DeviceKey(*(values[name] for name in _DEVICE_KEY))
+    key = replace(key, window=aware(key.window))
+    if values["latency_count"]:
+        index, counts = decode_buckets(values["latency_buckets"])
+    else:
+        index, counts = _EMPTY_INDEX, _EMPTY_COUNTS
+    return DeviceRollup(
+        key=key,
+        device_class=values["device_class"],
+        last_seen=aware(values["last_seen"]),
+        reports=values["reports"],
+        counters={name: values[name] for name in COUNTERS},
+        crash_signals=dict(values["crash_signals"] or {}),
+        latency_count=values["latency_count"],
+        latency_sum_ns=values["latency_sum_ns"],
+        latency_min_ns=values["latency_min_ns"],
+        latency_max_ns=values["latency_max_ns"],
+        index=index,
+        counts=counts,
     )
+
+
+def _merge_device_rows(session, deltas: dict[DeviceKey, DeviceDelta]) -> None:
+    """Add each device delta to its row (read, merge, write), or insert the row."""
+    by_digest = {key.digest: (key, delta) for key, delta in deltas.items()}
+    existing: dict[str, DeviceRollup] = {}
+    for chunk in _chunks(list(by_digest)):
+        for row in session.execute(
+            select(_D.c.key, *(_D.c[name] for name in _DEVICE_READ)).where(_D.c.key.in_(chunk))
+        ):
+            existing[row[0]] = _device_rollup(row[1:])
+    new, changed = [], []
+    for digest, (key, delta) in by_digest.items():
+        found = existing.get(digest)
+        agg, reports = delta.aggregate, delta.reports
+        device_class, last_seen = delta.device_class, delta.last_seen
+        if found is not None:
+            stored = found.aggregate()
+            stored.merge(agg)
+            agg, reports = stored, clamp(found.reports + reports)
+            if found.last_seen > last_seen:
+                device_class, last_seen = found.device_class, found.last_seen
+        values = {
+            "device_class": device_class,
+            "last_seen": last_seen,
+            "reports": reports,
+            **_values(agg),
+        }
+        if found is None:
+            key_values = (
+                key.scope,
+                key.window,
+                key.cohort,
+                key.model,
+                key.version,
+                key.variant,
+                key.config,
+                key.device_id,
+            )
+            new.append({"key": digest, **dict(zip(_DEVICE_KEY, key_values, strict=True)), **values})
+        else:
+            changed.append({"b_key": digest, **{"b_" + k: v for k, v in values.items()}})
+    if new:
+        session.execute(_D.insert(), new)
+    if changed:
+        session.execute(_DEVICE_UPDATE, changed)

@@ -6,8 +6,8 @@ import datetime as dt
 import json
 from collections.abc import Sequence
 
+from sqlalchemy import bindparam, or_, select, text, tuple_
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -17,6 +17,7 @@ from control_plane.store.sql_fleet import aware
 from control_plane.store.telemetry import (
     InstallRecord,
     ModelStatsRecord,
+    PeriodCheck,
     ReportBatch,
     StatsRow,
     TelemetryStore,
@@ -35,41 +36,69 @@ class SqlTelemetryStore(TelemetryStore):
             raise result
         return result
 
-    def add_reports(self, batches: Sequence[ReportBatch]) -> list[bool | errors.SkiffError]:
+    def add_reports(
+        self, batches: Sequence[ReportBatch], *, check: PeriodCheck | None = None
+    ) -> list[bool | errors.SkiffError]:
         """Store many batches in one transaction (group commit); a result per batch.
 
         The result is True (stored), False (stored before: same device and batch id,
         also within `batches`) or the error of that batch alone (NotFound for a device
-        that does not exist). If the group fails as a whole, each batch is retried on its
-        own, so one bad batch costs the others nothing.
+        that does not exist, the error `check` returned for it). If the group fails as a
+        whole, each batch is retried on its own, so one bad batch costs the others nothing.
         """
         try:
-            return self._add_reports(batches)
+            return self._add_reports(batches, check)
         except errors.SkiffError:
             if len(batches) == 1:
                 raise
         results: list[bool | errors.SkiffError] = []
         for batch in batches:
             try:
-                results.extend(self._add_reports([batch]))
+                results.extend(self._add_reports([batch], check))
             except errors.SkiffError as exc:
                 results.append(exc)
         return results
 
-    def _add_reports(self, batches: Sequence[ReportBatch]) -> list[bool | errors.SkiffError]:
+    def note_report_refusals(self, refusals: Sequence[tuple[str, str, dt.datetime]]) -> None:
+        """Count refused batches on their devices: (device id, reason, when), in one go."""
+        counted: dict[str, list] = {}
+        for device_id, reason, at in refusals:
+            entry = counted.setdefault(device_id, [0, reason, at])
+            entry[0] += 1
+            if at >= entry[2]:
+                entry[1:] = [reason, at]
+        if not counted:
+            return
+        d = orm.DeviceRow.__table__
+        with self._scope() as session:
+            session.execute(
+                d.update()
+                .where(d.c.id == bindparam("b_id"))
+                .values(
+                    reports_refused=d.c.reports_refused + bindparam("b_n"),
+                    last_refusal=bindparam("b_reason"),
+                    last_refusal_at=bindparam("b_at"),
+                ),
+                [
+                    {"b_id": device, "b_n": n, "b_reason": reason[:256], "b_at": at}
+                    for device, (n, reason, at) in sorted(counted.items())
+                ],
+            )
+
+    def _add_reports(
+        self, batches: Sequence[ReportBatch], check: PeriodCheck | None
+    ) -> list[bool | errors.SkiffError]:
         try:
             with self._scope() as session:
                 pg = session.get_bind().dialect.name == "postgresql"
                 dialect = postgresql if pg else sqlite
                 wanted = sorted({b.device_id for b in batches})
                 if pg:  # one statement text whatever the group's size (psycopg caches it)
-                    known = set(session.scalars(_KNOWN_PG, {"ids": wanted}))
+                    rows = session.execute(_KNOWN_PG, {"ids": wanted})
                 else:
-                    known = set(
-                        session.scalars(
-                            select(orm.DeviceRow.id).where(orm.DeviceRow.id.in_(wanted))
-                        )
-                    )
+                    d = orm.DeviceRow
+                    rows = session.execute(select(d.id, d.enrolled_at).where(d.id.in_(wanted)))
+                known = {device: aware(enrolled) for device, enrolled in rows}
                 results: list[bool | errors.SkiffError] = []
                 fresh: list[ReportBatch] = []
                 seen: set[tuple[str, str]] = set()
@@ -89,9 +118,14 @@ class SqlTelemetryStore(TelemetryStore):
                 claim = _claim_pg if pg else _claim
                 claimed = claim(session, fresh)
                 stored = [b for b in fresh if (b.device_id, b.batch_id) in claimed]
+                refused: dict[tuple[str, str], errors.SkiffError] = {}
+                if check is not None:
+                    refused = _check_periods(session, pg, stored, known, check)
+                    stored = [b for b in stored if (b.device_id, b.batch_id) not in refused]
                 stats = [_stats_values(b, s) for b in stored for s in b.models]
                 if stats:
                     (_copy_stats if pg else _insert_stats)(session, stats)
+                _note_offsets(session, stored)
                 installs = [_install_values(b, i) for b in stored for i in b.installs]
                 if installs:
                     session.execute(_INSTALLS.insert(), installs)
@@ -99,7 +133,8 @@ class SqlTelemetryStore(TelemetryStore):
                     for record in sorted(b.installs, key=lambda i: i.at):
                         _apply_install(session, dialect, b.device_id, record)
                 return [
-                    r if r is not True else (b.device_id, b.batch_id) in claimed
+                    refused.get((b.device_id, b.batch_id))
+                    or (r if r is not True else (b.device_id, b.batch_id) in claimed)
                     for b, r in zip(batches, results, strict=True)
                 ]
         except errors.AlreadyExists:  # a device row vanished mid-way (cascade)
@@ -139,7 +174,13 @@ class SqlTelemetryStore(TelemetryStore):
 # PostgreSQL: statements whose text does not grow with the group. Long statements built
 # per group (IN lists, multi-row VALUES) were parsed afresh by psycopg each time and rows
 # sent one by one by executemany: most of a Report's cost in the writer.
-_KNOWN_PG = text("SELECT id FROM devices WHERE id = ANY(CAST(:ids AS text[]))")
+_KNOWN_PG = text("SELECT id, enrolled_at FROM devices WHERE id = ANY(CAST(:ids AS text[]))")
+_ENDS_PG = text(
+    "SELECT device_id, model, period_end FROM report_periods"
+    " WHERE device_id = ANY(CAST(:ids AS text[])) FOR UPDATE"
+)
+_PERIODS = orm.ReportPeriodRow.__table__
+_BATCHES = orm.TelemetryBatchRow.__table__
 _CLAIM_PG = text(
     "INSERT INTO telemetry_batches"
     " (device_id, batch_id, received_at, period_start, period_end, dropped_batches, rolled)"
@@ -173,6 +214,78 @@ def _claim_pg(session: Session, batches: Sequence[ReportBatch]) -> set[tuple[str
     columns = ("device_id", "batch_id", "received_at", "period_start", "period_end")
     params = {c: [r[c] for r in rows] for c in (*columns, "dropped_batches")}
     return {(row.device_id, row.batch_id) for row in session.execute(_CLAIM_PG, params)}
+
+
+def _note_offsets(session: Session, stored: Sequence[ReportBatch]) -> None:
+    """Keep each device's latest clock offset (`fleet show`)."""
+    offsets = {b.device_id: b.clock_offset_s for b in stored if b.clock_offset_s is not None}
+    if offsets:
+        d = orm.DeviceRow.__table__
+        session.execute(
+            d.update().where(d.c.id == bindparam("b_id")).values(clock_offset_s=bindparam("b_v")),
+            [{"b_id": k, "b_v": v} for k, v in sorted(offsets.items())],
+        )
+
+
+def _check_periods(
+    session: Session,
+    pg: bool,
+    stored: list[ReportBatch],
+    enrolled: dict[str, dt.datetime],
+    check: PeriodCheck,
+) -> dict[tuple[str, str], errors.SkiffError]:
+    """Apply `check` to each stored batch, in order; un-claim and return the refused.
+
+    The devices' period ends are read locked (PostgreSQL: FOR UPDATE), moved, and written
+    back in the same transaction, so two replicas cannot both accept one period.
+    """
+    with_stats = [b for b in stored if b.models]
+    if not with_stats:
+        return {}
+    ids = sorted({b.device_id for b in with_stats})
+    if pg:
+        rows = session.execute(_ENDS_PG, {"ids": ids})
+    else:
+        p = _PERIODS.c
+        rows = session.execute(
+            select(p.device_id, p.model, p.period_end).where(p.device_id.in_(ids))
+        )
+    before = {(device, model): aware(end) for device, model, end in rows}
+    ends: dict[str, dict[str, dt.datetime]] = {}
+    for (device, model), end in before.items():
+        ends.setdefault(device, {})[model] = end
+    refused: dict[tuple[str, str], errors.SkiffError] = {}
+    for b in with_stats:
+        error = check(b, enrolled[b.device_id], ends.setdefault(b.device_id, {}))
+        if error is not None:
+            refused[b.device_id, b.batch_id] = error
+    if refused:
+        session.execute(
+            _BATCHES.delete().where(
+                tuple_(_BATCHES.c.device_id, _BATCHES.c.batch_id).in_(list(refused))
+            )
+        )
+    moved = [
+        {"device_id": device, "model": model, "period_end": end}
+        for device, models in ends.items()
+        for model, end in models.items()
+        if before.get((device, model)) != end
+    ]
+    new = [m for m in moved if (m["device_id"], m["model"]) not in before]
+    if new:
+        session.execute(_PERIODS.insert(), new)
+    old = [{"b_" + k: v for k, v in m.items()} for m in moved if m not in new]
+    if old:
+        session.execute(
+            _PERIODS.update()
+            .where(
+                _PERIODS.c.device_id == bindparam("b_device_id"),
+                _PERIODS.c.model == bindparam("b_model"),
+            )
+            .values(period_end=bindparam("b_period_end")),
+            old,
+        )
+    return refused
 
 
 def _insert_stats(session: Session, rows: list[dict]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 INSTALL_RESULTS = ("activated", "failed", "rolled_back")
@@ -57,6 +57,12 @@ class ReportBatch:
     dropped_batches: int
     models: tuple[ModelStatsRecord, ...]
     installs: tuple[InstallRecord, ...]
+    # The device's clock minus the control plane's, as the device measured it.
+    clock_offset_s: float | None = None
+
+
+# (batch, when its device enrolled, where its last periods ended per model) -> refusal.
+PeriodCheck = Callable[[ReportBatch, dt.datetime, dict[str, dt.datetime]], Exception | None]
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,20 @@ class TelemetryStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def add_reports(self, batches: Sequence[ReportBatch]) -> list[bool | Exception]:
-        """Store many batches in one transaction; per batch True, False or its error."""
+    def add_reports(
+        self, batches: Sequence[ReportBatch], *, check: PeriodCheck | None = None
+    ) -> list[bool | Exception]:
+        """Store many batches in one transaction; per batch True, False or its error.
+
+        `check(batch, enrolled_at, ends)` is called, inside the transaction, for each new
+        batch reporting stats: `ends` holds where the device's last accepted period of each
+        model ended (the check moves it on acceptance); an error it returns refuses the
+        batch (control_plane.telemetry.budget).
+        """
+
+    @abc.abstractmethod
+    def note_report_refusals(self, refusals: Sequence[tuple[str, str, dt.datetime]]) -> None:
+        """Count refused batches on their devices: (device id, reason, when)."""
 
     @abc.abstractmethod
     def recent_installs(self, device_id: str, *, limit: int) -> list[InstallRecord]:

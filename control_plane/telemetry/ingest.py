@@ -6,12 +6,17 @@ writer takes every batch waiting (up to `max_group`) and stores them in one tran
 not one per device: the commit (an fsync on SQLite, a round trip on PostgreSQL) was most
 of a Report's cost. A caller is answered only after its batch is committed, so an
 acknowledged batch is never lost; a batch the store refuses fails only its own call.
+
+Refused batches (invalid, or over the reporting budget: control_plane.telemetry.budget)
+are counted on their devices by the same thread, a group's refusals in one statement, so a
+device sending garbage costs the database no more than one sending reports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime as dt
 import logging
 import queue
 import threading
@@ -19,6 +24,7 @@ from collections.abc import Callable
 
 from control_plane import errors
 from control_plane.store.telemetry import ReportBatch, TelemetryStore
+from control_plane.telemetry.budget import check_periods
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +32,8 @@ MAX_GROUP = 512
 MAX_QUEUED = 20_000  # batches waiting; beyond this Report answers Unavailable (retry later)
 
 _STOP = object()
+_REFUSAL = object()
+_FLUSH = object()
 
 
 class ReportWriter:
@@ -64,13 +72,37 @@ class ReportWriter:
         with self._lock:
             if self._closed:
                 raise errors.Unavailable("the server is shutting down; report again later")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="skiff-report", daemon=True)
-                self._thread.start()
+            self._start()
             try:
                 self._queue.put_nowait((batch, future))
             except queue.Full:
                 raise errors.Unavailable("too many reports waiting; report again later") from None
+
+    def refused(self, device_id: str, reason: str, at: dt.datetime) -> None:
+        """Count a batch refused before it reached the store (dropped if the queue is full)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._start()
+            try:
+                self._queue.put_nowait((_REFUSAL, (device_id, reason, at)))
+            except queue.Full:
+                pass
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued before this call is stored (and refusals counted)."""
+        done = threading.Event()
+        with self._lock:
+            if self._closed:
+                return True
+            self._start()
+            self._queue.put((_FLUSH, done))
+        return done.wait(timeout)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="skiff-report", daemon=True)
+            self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
         """Store what is queued, then stop the thread."""
@@ -93,19 +125,30 @@ class ReportWriter:
             if any(item is _STOP for item in group):
                 stop = True
                 group = [item for item in group if item is not _STOP]
+            refusals = [item[1] for item in group if item[0] is _REFUSAL]
+            flushed = [item[1] for item in group if item[0] is _FLUSH]
             # A call that went away cancelled its future: its batch is dropped (the
             # device sends it again). The rest can no longer be cancelled.
-            group = [item for item in group if _still_wanted(item[1])]
-            if group:
-                try:
-                    self._write(group)
-                except Exception:  # noqa: BLE001 - the writer must outlive any one group
-                    log.exception("report writer: a group of %d failed", len(group))
+            group = [
+                item
+                for item in group
+                if item[0] is not _REFUSAL and item[0] is not _FLUSH and _still_wanted(item[1])
+            ]
+            try:
+                if group:
+                    refusals += self._write(group)
+                if refusals:
+                    self._store.note_report_refusals(refusals)
+            except Exception:  # noqa: BLE001 - the writer must outlive any one group
+                log.exception("report writer: a group of %d failed", len(group))
+            for done in flushed:
+                done.set()
 
-    def _write(self, group: list) -> None:
+    def _write(self, group: list) -> list[tuple[str, str, dt.datetime]]:
+        """Store a group; return the refusals to count (device, reason, when)."""
         batches = [batch for batch, _ in group]
         try:
-            results = self._store.add_reports(batches)
+            results = self._store.add_reports(batches, check=check_periods)
         except Exception as exc:  # noqa: BLE001 - every waiting caller must hear of it
             if not isinstance(exc, errors.SkiffError):
                 log.exception("storing %d report batches failed", len(batches))
@@ -126,6 +169,11 @@ class ReportWriter:
             stored = [b for b, r in zip(batches, results, strict=True) if r is True]
             if stored:
                 self._on_stored(stored)
+        return [
+            (b.device_id, str(r), b.received_at)
+            for b, r in zip(batches, results, strict=True)
+            if isinstance(r, errors.InvalidArgument)
+        ]
 
 
 def _still_wanted(future) -> bool:

@@ -1,15 +1,21 @@
 """Backend recommendations learned from the fleet.
 
 Per model version, variant and device class, the recommended backend config is the one
-with the best fleet p50 among those with enough samples whose crash and fallback rates
-stay within bounds.
+with the best fleet p50 among those with enough devices and samples whose crash and
+fallback rates stay within bounds.
 
-Read from the 1-hour fleet-wide rollups over the last `window` (7 days by default). A
-config is eligible with at least `min_samples` timed inferences, at most `max_crash_rate`
-crashes and `max_fallback_rate` fallbacks per inference (a fallback counts against the
-config whose stats report it). Sync answers carry the recommendation for the device's
-class with its sample size; the agent tries that config first, and its own golden check
-still decides whether it serves (device_agent.install).
+Read from the fleet-wide device rows (one per device and config of a version; devices
+silent for `window`, 7 days by default, drop out) and judged on devices, not samples: a
+config needs `min_devices` distinct devices (and more than twice `outliers`), each
+device's samples are capped at 4 times the median device's, and the `outliers` fastest
+and slowest devices are left out before its p50 is read (control_plane.telemetry.robust);
+so one device reporting a million fast samples cannot make its config the class's pick.
+It is then eligible with at least `min_samples` timed inferences left, at most
+`max_crash_rate` crashes and `max_fallback_rate` fallbacks per inference (a fallback
+counts against the config whose stats report it; rates capped and trimmed the same way).
+Sync answers carry the recommendation for the device's class with its sample size; the
+agent tries that config first, and its own golden check still decides whether it serves
+(device_agent.install).
 """
 
 from __future__ import annotations
@@ -20,12 +26,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from control_plane.store.rollups import Aggregate, RollupKey, RollupStore
+from control_plane.store.rollups import FLEET, DeviceRollup, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values
-from control_plane.telemetry.rollups import HOUR, bucket_start
+from control_plane.telemetry.robust import (
+    DEFAULT_OUTLIERS,
+    Devices,
+    quantile_weights,
+    robust_rate,
+)
 
 WINDOW = dt.timedelta(days=7)
 MIN_SAMPLES = 1000
+MIN_DEVICES = 3
 MAX_CRASH_RATE = 1e-3
 MAX_FALLBACK_RATE = 1e-2
 CACHE_TTL_S = 60.0
@@ -37,8 +49,9 @@ class ConfigFigures:
     """One backend config's fleet figures on one device class."""
 
     config: str
-    samples: int  # timed inferences (the p50/p95 sample)
+    samples: int  # timed inferences reported (the p50/p95 sample, before capping)
     inferences: int
+    devices: int
     p50_us: float | None
     p95_us: float | None
     crash_rate: float | None
@@ -89,9 +102,12 @@ class Recommendations:
         max_fallback_rate: float = MAX_FALLBACK_RATE,
         clock: Callable[[], dt.datetime] = utcnow,
         cache_ttl_s: float = CACHE_TTL_S,
+        min_devices: int = MIN_DEVICES,
+        outliers: int = DEFAULT_OUTLIERS,
     ) -> None:
         self._store, self._class = store, device_class
         self._window, self._min_samples = window, min_samples
+        self._min_devices, self._outliers = min_devices, outliers
         self._max_crash, self._max_fallback = max_crash_rate, max_fallback_rate
         self._clock, self._ttl = clock, cache_ttl_s
         self._lock = threading.Lock()
@@ -100,43 +116,51 @@ class Recommendations:
 
     def table(self, model: str, version: int, variant: str | None = None) -> list[ClassBackends]:
         """Return the backend table of a version, per variant and device class."""
-        since = bucket_start(self._clock() - self._window, HOUR)
-
-        def group(_at: dt.datetime, key: RollupKey):
-            if variant is not None and key.variant != variant:
-                return None
-            return key.variant, key.device_class, key.config
-
-        merged = self._store.merged_rollups(
-            resolution_s=HOUR, since=since, model=model, version=version, group=group
+        rows = self._store.device_rollups(
+            FLEET, model=model, version=version, seen_since=self._clock() - self._window
         )
-        classes: dict[tuple[str, str], list[ConfigFigures]] = {}
-        for (var, device_class, config), agg in merged.items():
-            classes.setdefault((var, device_class), []).append(self._figures(config, agg))
+        groups: dict[tuple[str, str], dict[str, list[DeviceRollup]]] = {}
+        for row in rows:
+            if variant is not None and row.key.variant != variant:
+                continue
+            by_config = groups.setdefault((row.key.variant, row.device_class), {})
+            by_config.setdefault(row.key.config, []).append(row)
         out = []
-        for (var, device_class), configs in sorted(classes.items()):
+        for (var, device_class), by_config in sorted(groups.items()):
+            configs = [self._figures(config, Devices(found)) for config, found in by_config.items()]
             configs.sort(key=lambda c: (not c.eligible, c.p50_us or float("inf"), c.config))
             best = configs[0].config if configs and configs[0].eligible else None
             out.append(ClassBackends(var, class_values(device_class), tuple(configs), best))
         return out
 
-    def _figures(self, config: str, agg: Aggregate) -> ConfigFigures:
-        n = agg.inferences
-        crash = agg.crashes / n if n else None
-        fallback = agg.fallbacks / n if n else None
+    def _figures(self, config: str, devices: Devices) -> ConfigFigures:
+        k = self._outliers
+        raw = devices.pooled()
+        (weights,) = quantile_weights([devices], 0.5, k)
+        judged = devices.pooled(weights)
+        crashes, n, _ = robust_rate(devices, "crashes", "inferences", k)
+        fallbacks, n_f, _ = robust_rate(devices, "fallbacks", "inferences", k)
+        crash = crashes / n if n else None
+        fallback = fallbacks / n_f if n_f else None
+        needed = max(self._min_devices, 2 * k + 1)
         why = ""
-        if agg.latency_count < self._min_samples:
-            why = f"{agg.latency_count} of {self._min_samples} samples"
+        if len(devices) < needed:
+            why = f"{len(devices)} of {needed} devices"
+        elif judged.latency_count < self._min_samples:
+            why = f"{judged.latency_count:.0f} of {self._min_samples} samples"
+            if judged.latency_count < raw.latency_count:
+                why += f" (of {raw.latency_count} reported, each device capped)"
         elif crash is not None and crash > self._max_crash:
             why = f"crash rate {crash:.2g} > {self._max_crash:g}"
         elif fallback is not None and fallback > self._max_fallback:
             why = f"fallback rate {fallback:.2g} > {self._max_fallback:g}"
         return ConfigFigures(
             config=config,
-            samples=agg.latency_count,
-            inferences=n,
-            p50_us=agg.quantile_us(0.5),
-            p95_us=agg.quantile_us(0.95),
+            samples=raw.latency_count,
+            inferences=raw.inferences,
+            devices=len(devices),
+            p50_us=judged.quantile_us(0.5),
+            p95_us=judged.quantile_us(0.95),
             crash_rate=crash,
             fallback_rate=fallback,
             eligible=not why,

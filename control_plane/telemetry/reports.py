@@ -62,6 +62,10 @@ class Telemetry:
         """`report` for a coroutine on the running loop (cheaper than wrapping `report`)."""
         return self.writer.submit_async(batch)
 
+    def refused(self, device_id: str, reason: str) -> None:
+        """Count a batch refused before it was stored (`fleet show` shows the count)."""
+        self.writer.refused(device_id, reason, dt.datetime.now(dt.UTC))
+
     def close(self) -> None:
         """Store what is queued and stop the writer."""
         self.writer.close()

@@ -8,11 +8,14 @@ classes), and adds them into one row per group and time bucket: 1-minute buckets
 the rows and the batch's `rolled` flag change in one transaction, which fails as a whole
 when another replica's roller took the batch first.
 
-For guardrails, the same stats are also added to rows of each live rollout that selects
-the device: the **candidate** cohort (devices reporting the rollout's version) or the
-**baseline** cohort (selected devices reporting another version: what they run without
-the rollout). Which devices reported in each cohort is kept per rollout too, since device
-counts do not add up across buckets.
+For guardrails, the same stats are also added to rows of each live rollout they concern,
+by the cohort the device is in by *assignment* (`cohort_of`): the **candidate** cohort
+(devices assigned the rollout's version under it, reporting it) or the **baseline** cohort
+(devices it selects but does not include yet, reporting what they are assigned without
+it); anything else is **outside**: kept and counted, never judged. Guardrails judge each
+device's own figures (control_plane.telemetry.robust), so besides rows over time the
+roller keeps one row per device and backend config: per rollout, cohort and window
+(`window_of`), and fleet-wide per model version (backend recommendations).
 
 A batch counts in the buckets its period ends in; install outcomes in the buckets of
 their own time.
@@ -26,20 +29,25 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from control_plane.rollouts.lifecycle import RolloutState
-from control_plane.rollouts.resolver import LiveRollout, Resolver
+from control_plane.rollouts.resolver import LiveRollout, Resolver, Snapshot
 from control_plane.store.fleet import FleetStore
+from control_plane.store.rollouts import RolloutRecord
 from control_plane.store.rollups import (
+    EPOCH,
+    FLEET,
+    OUTSIDE,
     Aggregate,
-    CohortDevice,
+    DeviceDelta,
+    DeviceKey,
     PendingBatch,
     RollupKey,
     RollupStore,
 )
-from control_plane.store.telemetry import MAX_REPORT_AGE, ReportBatch
+from control_plane.store.telemetry import MAX_REPORT_AGE, ModelStatsRecord, ReportBatch
 from control_plane.telemetry.classes import DeviceClass, parse_dimension
 
 log = logging.getLogger(__name__)
@@ -64,6 +72,9 @@ class Retention:
     hour: dt.timedelta = dt.timedelta(days=90)
     day: dt.timedelta = dt.timedelta(days=400)
     raw: dt.timedelta = dt.timedelta(hours=48)
+    # Device rows of a rollout (its whole-rollout baseline included) and fleet-wide ones
+    # (backend recommendations read 7 days), kept while their device goes on reporting.
+    devices: dt.timedelta = dt.timedelta(days=7)
 
     def of(self, resolution_s: int) -> dt.timedelta:
         """Return how long rows of a resolution are kept."""
@@ -105,12 +116,6 @@ def bucket_start(at: dt.datetime, resolution_s: int) -> dt.datetime:
     """Return the start of the `resolution_s` bucket holding `at` (aware UTC)."""
     seconds = int(at.timestamp()) // resolution_s * resolution_s
     return dt.datetime.fromtimestamp(seconds, dt.UTC)
-
-
-def cohort_of(rollout: LiveRollout, version: int, variant: str) -> str:
-    """Return which cohort of a rollout (that selects the device) a report belongs to."""
-    record = rollout.record
-    return CANDIDATE if (version, variant) == (record.version, record.variant) else BASELINE
 
 
 def utcnow() -> dt.datetime:
@@ -227,6 +232,8 @@ class Roller:
             batches_before=now - max(self._retention.raw, MAX_REPORT_AGE + dt.timedelta(days=1)),
             installs_before=now - max(self._retention.raw, self._retention.hour),
             cutoffs={res: now - self._retention.of(res) for res in RESOLUTIONS},
+            rollout_devices_before=now - self._retention.devices,
+            fleet_devices_before=now - self._retention.devices,
         )
 
     def _aggregate(self, pending: list[PendingBatch]):
@@ -237,8 +244,8 @@ class Roller:
         for r in snapshot.by_id.values():
             if r.record.state in (RolloutState.ACTIVE, RolloutState.PAUSED):
                 staged.setdefault(r.record.model, []).append(r)
-        deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate] = {}
-        devices: list[CohortDevice] = []
+        deltas: Deltas = {}
+        devices: dict[DeviceKey, DeviceDelta] = {}
 
         def add(at: dt.datetime, key: RollupKey, apply: Callable[[Aggregate], None]) -> None:
             for res in RESOLUTIONS:
@@ -250,38 +257,105 @@ class Roller:
                     agg = deltas[res, start, key] = Aggregate()
                 apply(agg)
 
+        def add_device(key: DeviceKey, device_class: str, at: dt.datetime, apply) -> None:
+            delta = devices.get(key)
+            if delta is None:
+                delta = devices[key] = DeviceDelta(device_class, at)
+            elif at >= delta.last_seen:
+                delta.device_class, delta.last_seen = device_class, at
+            delta.reports += 1
+            apply(delta.aggregate)
+
         for batch in pending:
-            attrs = batch.attributes
+            attrs, device = batch.attributes, batch.device_id
             device_class = self._class.of(attrs)
-            # Rollout rows are kept per cohort and slice (the one attribute the rollout is
-            # sliced by, or none): what guardrails read, in as few rows as that takes.
-            selecting = {
-                model: [(r, _slice_class(r, attrs)) for r in rollouts if r.selector.matches(attrs)]
-                for model, rollouts in staged.items()
-            }
             # A device's report counts when it was made, however far ahead its clock runs.
             at = min(batch.period_end, now)
-            for s in batch.models:
-                for key in _keys(s, device_class, selecting.get(s.model, ())):
-                    add(at, key, lambda agg, s=s: agg.add_stats(s))
-                    if key.rollout:
-                        incidents = {
-                            "crashes": len(s.crashes),
-                            "errors": s.errors,
-                            "fallbacks": len(s.fallbacks),
-                        }
-                        devices.append(_seen(key, batch.device_id, at, **incidents))
-            for i in batch.installs:
-                for key in _keys(i, device_class, selecting.get(i.model, ())):
-                    add(min(i.at, now), key, lambda agg, i=i: agg.add_install(i))
-                    if key.rollout:
-                        failed = int(i.result != "activated")
-                        devices.append(_seen(key, batch.device_id, at, install_failures=failed))
+            items = [(s, at, lambda agg, s=s: agg.add_stats(s)) for s in batch.models]
+            items += [
+                (i, min(i.at, now), lambda agg, i=i: agg.add_install(i)) for i in batch.installs
+            ]
+            for item, when, apply in items:
+                dims = (item.model, item.version, item.variant, item.config)
+                add(when, RollupKey(*dims, device_class), apply)
+                if isinstance(item, ModelStatsRecord):
+                    add_device(
+                        DeviceKey(FLEET, EPOCH, "", *dims, device), device_class, when, apply
+                    )
+                for r in staged.get(item.model, ()):
+                    cohort = cohort_of(snapshot, r, device, attrs, item.version, item.variant, when)
+                    if cohort is None:
+                        continue
+                    sliced = _slice_class(r, attrs)
+                    if cohort != OUTSIDE:
+                        # Rows over time, per cohort and slice: the rollout's charts.
+                        add(when, RollupKey(*dims, sliced, r.record.id, cohort), apply)
+                    window = window_of(r.record, _slice_value(r, attrs), when)
+                    key = DeviceKey(r.record.id, window, cohort, *dims, device)
+                    add_device(key, sliced, when, apply)
         return deltas, devices
 
 
-def _seen(key: RollupKey, device_id: str, at: dt.datetime, **incidents: int) -> CohortDevice:
-    return CohortDevice(key.rollout, key.cohort, device_id, key.device_class, at, **incidents)
+def cohort_of(
+    snapshot: Snapshot,
+    rollout: LiveRollout,
+    device_id: str,
+    attrs: Mapping,
+    version: int,
+    variant: str,
+    at: dt.datetime,
+) -> str | None:
+    """Return which cohort of a rollout a device's report of `version`, made `at`, is in.
+
+    By assignment, never by what the device says it runs: the **candidate** cohort is the
+    devices the control plane assigned the rollout's version under this rollout (selected,
+    in the current stage, their slice not rolled back, and no rollout of higher precedence
+    deciding for them) reporting that version; the **baseline** is the devices the rollout
+    selects but does not include (not in the stage yet, or their slice rolled back)
+    reporting what they are assigned without it. Anything else a selected device reports,
+    and any report of the rollout's version from elsewhere, is OUTSIDE: stored and
+    counted, never judged. None: the report has nothing to do with the rollout.
+
+    The stage is the one in effect when the report was made (`LiveRollout.included_at`);
+    the rest of the assignment is today's.
+    """
+    record = rollout.record
+    reported = (version, variant)
+    if not rollout.selector.matches(attrs):
+        return OUTSIDE if reported == (record.version, record.variant) else None
+    if rollout.selects(attrs) and rollout.included_at(device_id, at):
+        desired = snapshot.desired_model(record.model, device_id, attrs)
+        assigned = desired is not None and desired.rollout == record.id
+        return CANDIDATE if assigned and reported == (record.version, record.variant) else OUTSIDE
+    without = snapshot.desired_model(record.model, device_id, attrs, excluding=record.id)
+    if without is not None and reported == (without.version, without.variant):
+        return BASELINE
+    return OUTSIDE
+
+
+def window_of(record: RolloutRecord, slice_value: str | None, at: dt.datetime) -> dt.datetime:
+    """Return the start of the window a report made `at` counts in, for guardrails.
+
+    The window is the current stage's, or the device's slice's since it was readmitted or
+    rolled back, whichever began last; a report from before it (late, or queued through
+    an outage) counts only in the whole rollout's figures, under the rollout's start.
+    """
+    start = window_start(record, slice_value)
+    return start if at >= start else record.created_at
+
+
+def window_start(record: RolloutRecord, slice_value: str | None) -> dt.datetime:
+    """Return when the window of a slice (or of the whole rollout, None) began."""
+    start = record.stage_started_at
+    state = record.slices.get(slice_value) if slice_value is not None else None
+    if state and state.get("since"):
+        start = max(start, dt.datetime.fromisoformat(state["since"]))
+    return start
+
+
+def _slice_value(rollout: LiveRollout, attrs) -> str | None:
+    spec = rollout.record.slice_by
+    return parse_dimension(spec).value(attrs) if spec else None
 
 
 def _slice_class(rollout: LiveRollout, attrs) -> str:
@@ -291,15 +365,3 @@ def _slice_class(rollout: LiveRollout, attrs) -> str:
         return "{}"
     dim = parse_dimension(spec)
     return json.dumps({dim.name: dim.value(attrs)}, ensure_ascii=False)
-
-
-def _keys(item, device_class: str, rollouts) -> list[RollupKey]:
-    """Return the fleet-wide key of a stats entry or install, and one per rollout cohort."""
-    model, version, variant, config = item.model, item.version, item.variant, item.config
-    dims = (model, version, variant, config)
-    return [RollupKey(*dims, device_class)] + [
-        RollupKey(
-            model, version, variant, config, sliced, r.record.id, cohort_of(r, version, variant)
-        )
-        for r, sliced in rollouts
-    ]

@@ -118,6 +118,10 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
                 h.bucket_index.extend([0, 1])
                 h.bucket_count.extend([-1, 1])
 
+            def over_the_rate(m):  # after the accepted period: judged on the rate alone
+                m.period_start.CopyFrom(good.period_end)
+                m.models[0].inferences = 10**12
+
             def negative_count(m):
                 h = m.models[0].latency
                 del h.bucket_index[:], h.bucket_count[:]
@@ -137,7 +141,7 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
                 "min_ns is above max_ns": inverted,
                 "more than 30 days old": ancient,
                 "invalid model name": lambda m: setattr(m.models[0], "model", "../x"),
-                "more than 100000 a second": lambda m: setattr(m.models[0], "inferences", 10**12),
+                "more than 100000 a second": over_the_rate,
                 "more errors or timed samples": lambda m: setattr(m.models[0], "errors", 10**6),
                 "is not a backend config key": lambda m: setattr(m.models[0], "config", "GPU!"),
                 "inferences must be between 0": lambda m: setattr(m.models[0], "inferences", -5),
@@ -160,11 +164,15 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
             with pytest.raises(DeviceCallError) as info:
                 await anonymous.report(report())
             assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-            return a.identity.device_id
+            return a.identity.device_id, len(cases)
 
-    device = asyncio.run(main())
+    device, refused = asyncio.run(main())
+    cp.app.telemetry.writer.flush()
     shown = fleet_show(cp, device)
     assert [x["inferences"] for x in shown["latency"]] == [1]  # the good batch, once
+    # Every refusal is counted on the device, with the latest reason.
+    assert shown["reports_refused"] == refused
+    assert "dropped_batches must be between 0" in shown["last_refusal"]
 
 
 def test_the_outbox_is_bounded_drops_oldest_first_and_counts_them(tmp_path):

@@ -74,8 +74,16 @@ class Device:
             lambda c: c.sync(attributes_pb(self.attributes), installed, rev, nonce=nonce),
         )
 
+    def ack(self, response: device_pb2.SyncResponse) -> device_pb2.AckResponse:
+        """Say this device accepted `response` (the server then counts it synced)."""
+        return run(
+            self.address,
+            self.credential,
+            lambda c: c.ack(response.document, response.document_signature),
+        )
+
     def sync(self, now: dt.datetime | None = None, tamper=None):
-        """Sync with a fresh nonce, verify the signed answer, and remember its revision.
+        """Sync with a fresh nonce, verify and acknowledge the answer, remember its revision.
 
         The pinned keys learn the answer's chain first, as a device does; `tamper` may
         edit the response before the device sees it (an attacker on the path).
@@ -95,7 +103,12 @@ class Device:
             now=now,
         )
         self.revision = verified.revision
+        self.ack(response)
         return verified
+
+    def report(self, request: device_pb2.ReportRequest) -> device_pb2.ReportResponse:
+        """Send one Report batch as it is (no checks on this side)."""
+        return run(self.address, self.credential, lambda c: c.report(request))
 
     def download(self, artifact: str, size: int, offset: int = 0) -> bytes:
         async def fetch(c):

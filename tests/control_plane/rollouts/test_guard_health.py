@@ -17,8 +17,10 @@ from tests.control_plane.telemetry.test_rollups import (
     NOW,
     FixedResolver,
     enroll,
+    released,
     report,
     rollout,
+    split,
     stats,
 )
 
@@ -51,13 +53,14 @@ def _p95_verdict(store, record, *window_baseline) -> tuple[str, str]:
     rng = np.random.default_rng(0)
     before = CREATED + dt.timedelta(minutes=30)
     during = NOW - dt.timedelta(minutes=10)
-    for i in range(6):
-        d = enroll(store, soc="sm8450")
+    # Devices the first (10%) stage did not include: the baseline, on v1, until the last.
+    _, devices = split(store, dataclasses.replace(record, stage=0), n=6, soc="sm8450")
+    for i, d in enumerate(devices):
         report(store, d, f"batch-old-{i:04d}", stats(1, rng.lognormal(7, 0.3, 400)), at=before)
         report(store, d, f"batch-new-{i:04d}", stats(2, rng.lognormal(7.7, 0.3, 400)), at=during)
     for i, models in enumerate(window_baseline):
         report(store, enroll(store, soc="sm8450"), f"batch-base-{i:04d}", models, at=during)
-    resolver = FixedResolver(record)
+    resolver = FixedResolver(released(), record)
     clock = lambda: NOW + dt.timedelta(seconds=1)  # noqa: E731
     Roller(store, resolver, CLASS, clock=clock, straggler_age=dt.timedelta(0)).roll()
     verdict = Guard(store, None, CLASS, clock=clock).health(record).overall.verdicts[0]

@@ -3,6 +3,8 @@ leave noise alone."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,14 @@ from control_plane.rollouts.guardrails import (
     parse_rules,
     wilson,
 )
-from control_plane.store.rollups import INT64_MAX, Aggregate, saturating_add
+from control_plane.store.rollups import (
+    EPOCH,
+    INT64_MAX,
+    Aggregate,
+    DeviceKey,
+    DeviceRollup,
+    saturating_add,
+)
 from control_plane.store.telemetry import ModelStatsRecord
 from runtime.histogram import LatencyHistogram
 
@@ -67,19 +76,54 @@ def test_rules_are_bounded_and_not_repeated():
         parse_rules([f"crash_rate>0.{i}" for i in range(17)])
 
 
-def cohort(devices, latencies_us=(), *, inferences=None, crashes=0, seed=0, **counts) -> Cohort:
+def device_row(device: str, latencies_us=(), *, config="c", inferences=None, crashes=0, **counts):
+    """One device's row in a cohort: its latencies, inferences, crashes and counters."""
     agg = Aggregate()
     h = LatencyHistogram()
     if len(latencies_us):
         h.record_many_ns(np.asarray(latencies_us, dtype=np.float64) * 1000)
-    crash = {"at": "x", "config": "c", "reason": "signal", "signal": "SIGSEGV"}
+    crash = {"at": "x", "config": config, "reason": "signal", "signal": "SIGSEGV"}
     n = inferences if inferences is not None else len(latencies_us)
     agg.add_stats(
-        ModelStatsRecord("m", 1, "fp32", "c", n, 0, 0, h.to_dict(), crashes=(crash,) * crashes)
+        ModelStatsRecord("m", 1, "fp32", config, n, 0, 0, h.to_dict(), crashes=(crash,) * crashes)
     )
     for name, value in counts.items():
         setattr(agg, name, value)
-    return Cohort(agg, devices)
+    key = DeviceKey("ro_1", EPOCH, "candidate", "m", 1, "fp32", config, device)
+    return DeviceRollup.of(key, agg)
+
+
+def _share(total: int, parts: int, i: int) -> int:
+    return total // parts + (i < total % parts)
+
+
+def cohort(
+    devices, latencies_us=(), *, inferences=None, crashes=0, spread=None, prefix="d", **counts
+) -> Cohort:
+    """`devices` devices sharing the samples, inferences and counts evenly; crashes and
+    counts go to the first `spread` devices only (default: every one)."""
+    latencies = np.asarray(latencies_us, dtype=np.float64)
+    n = inferences if inferences is not None else len(latencies)
+    shown = spread or devices
+    rows = []
+    for i in range(devices):
+        mine = latencies[i::devices]
+        extra = {k: _share(v, shown, i) if i < shown else 0 for k, v in counts.items()}
+        rows.append(
+            device_row(
+                f"dev_{prefix}{i:04d}",
+                mine,
+                inferences=max(_share(n, devices, i), len(mine)),
+                crashes=_share(crashes, shown, i) if i < shown else 0,
+                **extra,
+            )
+        )
+    return Cohort(rows)
+
+
+def plus(base: Cohort, *rows) -> Cohort:
+    """The cohort with more devices' rows."""
+    return Cohort([*base.members.rows, *rows])
 
 
 def lognormal(n, median_us, seed):
@@ -92,13 +136,24 @@ P95 = parse_rule("p95_latency_ratio>1.2")
 GPU, CPU = "OPENCL/low/t4/mem-normal", "CPU/normal/t4/mem-normal"
 
 
-def by_config(devices, parts: dict) -> Cohort:
-    """A cohort whose devices ran several backend configs (latencies per config)."""
-    split = {config: cohort(1, latencies).aggregate for config, latencies in parts.items()}
-    total = Aggregate()
-    for agg in split.values():
-        total.merge(agg)
-    return Cohort(total, devices, {}, split)
+def by_config(devices, parts: dict, prefix="d") -> Cohort:
+    """A cohort whose devices each ran one of several backend configs."""
+    rows = []
+    per_config = max(1, devices // len(parts))
+    for c, (config, latencies) in enumerate(parts.items()):
+        latencies = np.asarray(latencies)
+        for i in range(per_config):
+            name = f"dev_{prefix}{c}x{i:03d}"
+            rows.append(device_row(name, latencies[i::per_config], config=config))
+    return Cohort(rows)
+
+
+def pooled(c: Cohort) -> Cohort:
+    """The same devices as if they had all run one config."""
+    return Cohort(
+        DeviceRollup.of(dataclasses.replace(r.key, config="c"), r.aggregate())
+        for r in c.members.rows
+    )
 
 
 def test_latency_is_compared_per_backend_config_like_with_like():
@@ -107,8 +162,8 @@ def test_latency_is_compared_per_backend_config_like_with_like():
     candidate = by_config(50, {GPU: lognormal(400, 400, 1), CPU: lognormal(3600, 1000, 2)})
     baseline = by_config(50, {GPU: lognormal(3600, 400, 3), CPU: lognormal(400, 1000, 4)})
     limits = {"min_devices": 20, "min_inferences": 500}
-    pooled = judge(P95, Cohort(candidate.aggregate, 50), Cohort(baseline.aggregate, 50), **limits)
-    assert pooled.status == FAIL and pooled.value > 1.5  # what comparing pooled concluded
+    mixed = judge(P95, pooled(candidate), pooled(baseline), **limits)
+    assert mixed.status == FAIL and mixed.value > 1.5  # what comparing pooled concluded
     fair = judge(P95, candidate, baseline, **limits)
     assert fair.status == PASS and 0.9 < fair.value < 1.1, fair
     # 2x slower on every backend is a regression whatever the mix.
@@ -139,8 +194,8 @@ def test_a_slowdown_halts_with_its_figures():
 
 
 def test_a_small_slowdown_within_the_margin_passes():
-    # 25% slower on 40 samples: the point ratio breaks 1.2, the margin does not.
-    slow = cohort(30, lognormal(40, 1250, 3))
+    # 30% slower on 40 samples: the point ratio breaks 1.2, the margin does not.
+    slow = cohort(30, lognormal(40, 1300, 3))
     base = cohort(30, lognormal(40, 1000, 4))
     v = judge(P95, slow, base, min_devices=20, min_inferences=20)
     assert v.value > 1.2 and v.status == PASS
@@ -155,10 +210,18 @@ def test_too_small_a_sample_neither_passes_nor_fails():
 
 
 def test_rates_use_the_lower_bound_of_their_interval():
+    # Nobody left out (outliers=0): the margin alone.
     rule = parse_rule("crash_rate>0.001")
     base = cohort(50, inferences=100_000)
     # 3 crashes in 1000 inferences: 0.3% measured, but it could well be under 0.1%.
-    few = judge(rule, cohort(50, inferences=1000, crashes=3), base, min_devices=1, min_inferences=1)
+    few = judge(
+        rule,
+        cohort(50, inferences=1000, crashes=3),
+        base,
+        min_devices=1,
+        min_inferences=1,
+        outliers=0,
+    )
     assert few.status == PASS and few.value == pytest.approx(0.003)
     # 300 in 100,000: the same rate, now beyond doubt.
     many = judge(
@@ -172,9 +235,12 @@ def test_rates_use_the_lower_bound_of_their_interval():
         cohort(50, inferences=100_000, crashes=30),
         min_devices=1,
         min_inferences=1,
+        outliers=0,
     )
     assert worse.status == FAIL and worse.value == pytest.approx(10)
-    none = judge(ratio, cohort(50, inferences=10), base, min_devices=1, min_inferences=1)
+    none = judge(
+        ratio, cohort(50, inferences=10), base, min_devices=1, min_inferences=1, outliers=0
+    )
     assert none.status == PASS  # no crashes on either side: nothing to divide
 
 
@@ -182,10 +248,10 @@ def test_install_failures_count_installs_not_inferences():
     rule = parse_rule("install_failure_rate>0.05")
     c = cohort(60, installs_activated=40, installs_failed=15, installs_rolled_back=5)
     v = judge(rule, c, cohort(0), min_devices=50, min_inferences=10**9)
-    assert v.status == FAIL and v.value == pytest.approx(20 / 60)
+    assert v.status == FAIL and v.value == pytest.approx(20 / 60, rel=0.05)  # 2 left out
     c = cohort(60, installs_activated=10)
     v = judge(rule, c, cohort(0), min_devices=50, min_inferences=1)
-    assert v.status == INSUFFICIENT and "10 of 50 installs" in v.detail
+    assert v.status == INSUFFICIENT and "8 of 50 installs" in v.detail  # 2 left out
 
 
 def test_wilson_bounds():
@@ -227,12 +293,14 @@ def test_histogram_buckets_added_from_a_report_stick_at_the_largest_int64():
 def test_one_device_alone_cannot_fail_a_rate_rule():
     rule = parse_rule("crash_rate>0.001")
     base = cohort(50, inferences=100_000)
-    storm = cohort(50, inferences=100_000, crashes=300)
-    one = Cohort(storm.aggregate, 50, {"crashes": 1})
+    one = cohort(50, inferences=100_000, crashes=300, spread=1)
     v = judge(rule, one, base, min_devices=1, min_inferences=1)
-    assert v.status == PASS and "only 1 device reports crashes" in v.detail
-    many = Cohort(storm.aggregate, 50, {"crashes": 7})
+    assert v.status == PASS and "left_out" in v.sample
+    many = cohort(50, inferences=100_000, crashes=300, spread=7)
     assert judge(rule, many, base, min_devices=1, min_inferences=1).status == FAIL
+    # Without leaving anyone out, one device's crashes still need a second device.
+    v = judge(rule, one, base, min_devices=1, min_inferences=1, outliers=0)
+    assert v.status == PASS and "only 1 device reports crashes" in v.detail
 
 
 def test_sub_microsecond_latencies_never_halt():
@@ -256,16 +324,15 @@ def test_a_rule_is_stored_exactly_as_given():
 def test_error_and_fallback_rates_halt_on_their_own_counts(metric, count):
     rule = parse_rule(f"{metric}>0.01")
     base = cohort(50, inferences=100_000)
-    spread = {count: 50}  # how many devices showed it: a regression, not one device
+    # Every device shows it: a regression, not one device.
     bad = cohort(50, inferences=100_000, **{count: 3000})
-    bad = Cohort(bad.aggregate, bad.devices, spread)
     v = judge(rule, bad, base, min_devices=20, min_inferences=1000)
     assert v.status == FAIL and v.value == pytest.approx(0.03) and v.bound > 0.01
-    fine = Cohort(cohort(50, inferences=100_000, **{count: 500}).aggregate, 50, spread)
+    fine = cohort(50, inferences=100_000, **{count: 500})
     assert judge(rule, fine, base, min_devices=20, min_inferences=1000).status == PASS
     # The other incidents do not count towards this rule.
     other = "fallbacks" if count == "errors" else "errors"
-    noisy = Cohort(cohort(50, inferences=100_000, **{other: 9000}).aggregate, 50, {other: 50})
+    noisy = cohort(50, inferences=100_000, **{other: 9000})
     assert judge(rule, noisy, base, min_devices=20, min_inferences=1000).status == PASS
 
 
@@ -286,3 +353,95 @@ def test_p50_and_p99_ratios_judge_their_own_quantile(quantile):
     assert v.status == FAIL and v.value == pytest.approx(1.5, rel=0.08)
     assert v.candidate == pytest.approx(slow.aggregate.quantile_us(quantile / 100))
     assert v.baseline == pytest.approx(base.aggregate.quantile_us(quantile / 100))
+
+
+# -- one device (or k) cannot decide a verdict ----------------------------------------------
+
+
+def healthy(n=30, per_device=400, median_us=2000, seed=0, prefix="d") -> Cohort:
+    return cohort(n, lognormal(n * per_device, median_us, seed), prefix=prefix)
+
+
+def test_one_device_reporting_huge_slow_samples_cannot_halt_a_healthy_rollout():
+    """The attack review's first reproduction, as a verdict: one candidate device sends
+    100,000 samples at 5 s; the other 30 are as fast as the baseline."""
+    liar = device_row("dev_liar", np.full(100_000, 5e6))
+    candidate, baseline = plus(healthy(seed=1), liar), healthy(seed=2, prefix="b")
+    v = judge(P95, candidate, baseline, min_devices=3, min_inferences=1000)
+    assert v.status == PASS and v.value < 1.2, v
+    assert "dev_liar" in v.sample["left_out"]["candidate"]
+    # Nobody left out: capped (it weighs what 4 devices do) it still breaks the rule, and
+    # only the second line of defence holds: a regression needs two devices showing it.
+    capped_only = judge(P95, candidate, baseline, min_devices=3, min_inferences=1000, outliers=0)
+    assert capped_only.status == PASS and capped_only.value > 100
+    assert "only 1 device is that much slower" in capped_only.detail
+    # A liar in the baseline reporting everything fast cannot make the candidate look slow.
+    fast = device_row("dev_fast", np.full(100_000, 1.0))
+    v = judge(P95, healthy(seed=1), plus(baseline, fast), min_devices=3, min_inferences=1000)
+    assert v.status == PASS, v
+
+
+def test_one_device_reporting_millions_of_good_inferences_cannot_hide_a_regression():
+    """The second reproduction: every candidate device crashes 5% of the time and runs 3x
+    slower; one device sends 120 M fast, crash-free inferences."""
+    base = healthy(seed=3, prefix="b")
+    broken = cohort(30, lognormal(12_000, 6000, 4), crashes=600)  # 5% of 12,000
+    liar = device_row("dev_liar", np.full(3_000_000, 50.0), inferences=120_000_000)
+    crash = parse_rule("crash_rate>0.01")
+    for rule in (P95, crash):
+        v = judge(rule, plus(broken, liar), base, min_devices=3, min_inferences=1000)
+        assert v.status == FAIL, v
+        assert "dev_liar" in v.sample["left_out"]["candidate"]
+    # A baseline liar reporting everything slow cannot make the candidate look fast.
+    slow = device_row("dev_slow", np.full(100_000, 5e6))
+    v = judge(P95, broken, plus(base, slow), min_devices=3, min_inferences=1000)
+    assert v.status == FAIL, v
+
+
+def test_a_real_regression_on_3_of_30_devices_still_halts():
+    base = healthy(per_device=2000, seed=5, prefix="b")
+    rows = list(healthy(n=27, per_device=2000, seed=6).members.rows)
+    rng = np.random.default_rng(7)
+    crashing = [
+        device_row(f"dev_bad{i}", rng.lognormal(np.log(6000), 0.4, 2000), crashes=200)
+        for i in range(3)
+    ]  # 3x slower and 10% crashes, on 3 devices of 30
+    # Their 10% of the samples is the slowest tail: p99 sees it (p95, once the slowest of
+    # them is left out, sits at the tail's edge).
+    p99 = parse_rule("p99_latency_ratio>1.5")
+    v = judge(p99, Cohort([*rows, *crashing]), base, min_devices=3, min_inferences=1000)
+    assert v.status == FAIL and v.value > 1.5, v
+    crash = parse_rule("crash_rate>0.001")
+    v = judge(crash, Cohort([*rows, *crashing]), base, min_devices=3, min_inferences=1000)
+    assert v.status == FAIL, v
+    # Two of them are not enough once one is left out: it takes more than k to halt.
+    v = judge(crash, Cohort([*rows, *crashing[:1]]), base, min_devices=3, min_inferences=1000)
+    assert v.status == PASS, v
+
+
+def test_k_colluding_devices_are_withstood_when_the_setting_says_k():
+    liars = [device_row(f"dev_liar{i}", np.full(100_000, 5e6)) for i in range(2)]
+    candidate, baseline = plus(healthy(seed=8), *liars), healthy(seed=9, prefix="b")
+    limits = {"min_devices": 3, "min_inferences": 1000}
+    assert judge(P95, candidate, baseline, **limits, outliers=1).status == FAIL
+    v = judge(P95, candidate, baseline, **limits, outliers=2)
+    assert v.status == PASS and set(v.sample["left_out"]["candidate"]) >= {"dev_liar0", "dev_liar1"}
+
+
+def test_a_cohort_of_2k_devices_or_fewer_is_insufficient():
+    small = healthy(n=2)
+    v = judge(P95, small, healthy(seed=3, prefix="b"), min_devices=1, min_inferences=1)
+    assert v.status == INSUFFICIENT and "2 of 3 devices needed" in v.detail
+    v = judge(
+        P95, healthy(n=4), healthy(seed=3, prefix="b"), min_devices=1, min_inferences=1, outliers=2
+    )
+    assert v.status == INSUFFICIENT and "4 of 5 devices needed" in v.detail
+
+
+def test_one_device_cannot_satisfy_the_minimum_sample_alone():
+    """min_inferences counts what is judged: a device with a million samples among two
+    with ten is capped, so the cohort does not have the 10,000 it needs."""
+    rows = [device_row(f"dev_s{i}", lognormal(10, 1000, i)) for i in range(4)]
+    rows.append(device_row("dev_big", lognormal(1_000_000, 1000, 9)))
+    v = judge(P95, Cohort(rows), healthy(seed=3, prefix="b"), min_devices=1, min_inferences=10_000)
+    assert v.status == INSUFFICIENT and "inferences needed" in v.detail

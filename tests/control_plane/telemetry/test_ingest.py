@@ -19,7 +19,7 @@ class SlowStore:
         self.entered = threading.Event()
         self.groups: list[list[str]] = []
 
-    def add_reports(self, batches):
+    def add_reports(self, batches, *, check=None):
         self.entered.set()
         self.go.wait(10)
         self.groups.append([b for b in batches])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 
@@ -22,7 +23,7 @@ from runtime.histogram import LatencyHistogram
 NOW = dt.datetime(2026, 11, 23, 12, 0, 30, tzinfo=dt.UTC)
 CLASS = parse_device_class("soc,device_model,os_version:major")
 CPU = "CPU/normal/t1/mem-normal"
-DAYS_2, DAYS_32 = dt.timedelta(days=2), dt.timedelta(days=32)
+DAYS_2, DAYS_7, DAYS_32 = dt.timedelta(days=2), dt.timedelta(days=7), dt.timedelta(days=32)
 
 
 @pytest.fixture
@@ -50,7 +51,8 @@ def rollout(rid="ro_1", version=2, selector="soc=sm8450", state="active") -> Rol
 
 
 def enroll(store, **attrs) -> str:
-    fleet = Fleet(store, default_enroll_ttl_s=3600)
+    # Enrolled well before NOW: reports are credited only with time since enrollment.
+    fleet = Fleet(store, default_enroll_ttl_s=3600, clock=lambda: NOW - DAYS_7)
     made = fleet.create_enrollment_token(actor="t", attributes={})
     keys = DeviceKeyPair.generate()
     device, _ = fleet.enroll(token=made.token, attributes=attrs, public_keyset=keys.public_keyset())
@@ -149,16 +151,45 @@ def test_each_batch_is_rolled_once_even_with_racing_rollers(store):
     assert agg.inferences == agg.latency_count == 200
 
 
-def test_a_rollout_splits_selected_devices_into_candidate_and_baseline(store):
-    new = enroll(store, soc="sm8450")
-    old = enroll(store, soc="sm8450")
-    other = enroll(store, soc="mt6789")  # not selected: no cohort
+def released(rid="ro_0", version=1) -> RolloutRecord:
+    """A completed rollout of `version` to every device: what they run without another."""
+    return dataclasses.replace(
+        rollout(rid, version, selector="", state="completed"), created_at=NOW - DAYS_2
+    )
+
+
+def half(rid="ro_1", **fields) -> RolloutRecord:
+    """The v2 rollout at a 50% stage."""
+    return dataclasses.replace(rollout(rid), stages=(50.0, 100.0), **fields)
+
+
+def split(store, record: RolloutRecord, n: int = 2, **attrs) -> tuple[list[str], list[str]]:
+    """Enroll devices until `n` are in the rollout's stage and `n` are not."""
+    live = Resolver(store=None).live(record)
+    inside, outside = [], []
+    while len(inside) < n or len(outside) < n:
+        device = enroll(store, **attrs)
+        (inside if live.includes(device) else outside).append(device)
+    return inside[:n], outside[:n]
+
+
+def test_cohorts_are_by_assignment_not_by_what_a_device_reports(store):
+    """One device in the stage (candidate), one not (baseline). What a device says it
+    runs never puts it in a cohort: a device not in the stage reporting the new version,
+    one in the stage still reporting the old one, and an unselected device reporting the
+    new one all land outside, counted and never judged."""
+    record = half()
+    (new, stale), (old, liar) = split(store, record, soc="sm8450")
+    other = enroll(store, soc="mt6789")  # not selected
     report(store, new, "batch-new-1", stats(2, [2000.0] * 4, crashes=1))
     report(store, old, "batch-old-1", stats(1, [1000.0] * 6))
+    report(store, liar, "batch-liar-1", stats(2, [9e6] * 100_000))
+    report(store, stale, "batch-stale-1", stats(1, [1000.0] * 7))
     report(store, other, "batch-oth-1", stats(2, [3000.0] * 8))
+    report(store, other, "batch-oth-2", stats(1, [3000.0] * 8))
     installs = (InstallRecord(NOW, "det", 2, "fp32", "ro_1", "failed", "self-test"),)
-    report(store, old, "batch-old-2", installs=installs)
-    roller(store, rollout()).roll()
+    report(store, stale, "batch-stale-2", installs=installs)
+    roller(store, released(), record).roll()
 
     cohorts = store.merged_rollups(
         resolution_s=HOUR,
@@ -169,22 +200,46 @@ def test_a_rollout_splits_selected_devices_into_candidate_and_baseline(store):
     assert cohorts.keys() == {("candidate", 2), ("baseline", 1)}
     assert cohorts["candidate", 2].inferences == 4
     assert cohorts["candidate", 2].crashes == 1
-    assert cohorts["baseline", 1].inferences == 6
-    # The failed install of version 2 is the candidate's, whoever reported it.
+    # The failed install of version 2 is the candidate's: that device was assigned it.
     assert cohorts["candidate", 2].installs_failed == 1
-    counts = store.cohort_device_counts("ro_1", since=NOW - dt.timedelta(hours=1))
-    # The device whose install of version 2 failed tried the candidate: it counts there
-    # too (install_failure_rate needs those devices), and in the baseline it still runs.
-    assert sorted((c, n) for c, _cls, n, _with in counts) == [("baseline", 1), ("candidate", 2)]
-    with_incidents = {c: w for c, _cls, _n, w in counts}
-    assert with_incidents["candidate"] == {
-        "crashes": 1,
-        "errors": 0,
-        "fallbacks": 0,
-        "install_failures": 1,
+    assert cohorts["baseline", 1].inferences == 6
+    rows = store.device_rollups("ro_1")
+    members = {(r.key.cohort, r.key.device_id) for r in rows}
+    assert members == {
+        ("candidate", new),
+        ("candidate", stale),  # its failed install
+        ("baseline", old),
+        ("outside", liar),  # not in the stage, reporting v2
+        ("outside", stale),  # in the stage, still reporting v1
+        ("outside", other),  # not selected, reporting v2 (its v1 is none of ro_1's)
     }
-    # Fleet-wide rows hold everyone, rollout rows only the selected.
-    assert sum(a.inferences for a in fleet_wide(store).values()) == 18
+    outside = [r for r in rows if r.key.cohort == "outside"]
+    assert sum(r.reports for r in outside) == 3
+    assert sum(r.counters["inferences"] for r in outside) == 100_000 + 7 + 8
+    # Fleet-wide rows hold everyone's reports; a device row per device and version.
+    assert sum(a.inferences for a in fleet_wide(store).values()) == 100_000 + 33
+    fleet = store.device_rollups("", model="det", version=2)
+    assert {r.key.device_id for r in fleet} == {new, liar, other}
+
+
+def test_a_report_from_before_the_stage_counts_by_the_stage_it_was_made_in(store):
+    """A batch rolled after the stage moved on (queued through an outage) counts by the
+    stage then: a device running v1 before the 100% stage reached it was the baseline."""
+    staged = NOW - dt.timedelta(hours=1)
+    record = half(stage=1, stage_started_at=staged, created_at=NOW - dt.timedelta(hours=3))
+    _, (old,) = split(store, half(), n=1, soc="sm8450")  # not in the 50% stage before
+    before, during = staged - dt.timedelta(minutes=5), NOW
+    report(store, old, "batch-before-1", stats(1, [1000.0] * 5), at=before)
+    report(store, old, "batch-during-1", stats(2, [1000.0] * 3), at=during)
+    report(store, old, "batch-during-2", stats(1, [1000.0] * 2), at=during)
+    roller(store, released(), record).roll()
+    rows = {(r.key.cohort, r.key.window, r.key.version): r for r in store.device_rollups("ro_1")}
+    assert rows.keys() == {
+        ("baseline", record.created_at, 1),  # before the current window
+        ("candidate", staged, 2),
+        ("outside", staged, 1),  # in the stage now, still on v1
+    }
+    assert rows["baseline", record.created_at, 1].counters["inferences"] == 5
 
 
 def test_retention_drops_old_minutes_raw_batches_and_hours(store):
@@ -220,9 +275,18 @@ def test_batches_handed_over_by_the_writer_are_rolled_without_rereading(store):
     r = roller(store)
     writer = ReportWriter(store, on_stored=r.offer)
     try:
-        start = NOW - dt.timedelta(minutes=1)
-        sent = [
-            ReportBatch(device, f"batch-w-{i:04d}", NOW, start, NOW, 0, (stats(1, [500.0]),), ())
+        minute = dt.timedelta(minutes=1)
+        sent = [  # contiguous periods, as a device reports them
+            ReportBatch(
+                device,
+                f"batch-w-{i:04d}",
+                NOW,
+                NOW - (3 - i) * minute,
+                NOW - (2 - i) * minute,
+                0,
+                (stats(1, [500.0]),),
+                (),
+            )
             for i in range(3)
         ]
         futures = [writer.submit(b) for b in [*sent, sent[0]]]
@@ -240,7 +304,18 @@ def test_batches_handed_over_by_the_writer_are_rolled_without_rereading(store):
     report(store, device, "batch-restart-01", stats(1, [500.0]))
     writer = ReportWriter(store, on_stored=r.offer)
     try:
-        fresh = ReportBatch(device, "batch-fresh-001", NOW, NOW, NOW, 0, (stats(1, [5.0]),), ())
+        # After the writer's last period (it checks periods); received after its end.
+        second = dt.timedelta(seconds=1)
+        fresh = ReportBatch(
+            device,
+            "batch-fresh-001",
+            NOW + 2 * second,
+            NOW,
+            NOW + second,
+            0,
+            (stats(1, [5.0]),),
+            (),
+        )
         assert writer.submit(fresh).result(10)
     finally:
         writer.close()

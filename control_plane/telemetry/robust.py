@@ -1,0 +1,288 @@
+"""Figures no few devices can swing: each device's weight capped, the extremes left out.
+
+Everything a device reports is its own word. Guardrail verdicts and backend
+recommendations are therefore computed from each device's own figures (one row per
+device and backend config: control_plane.store.rollups.DeviceRollup), in two steps:
+
+1. **Cap.** No device counts for more than `CAP_FACTOR` times the median device of its
+   group (by inferences for rates, by timed inferences for latency): a device reporting
+   a million samples weighs what four ordinary ones do, its counts and histogram scaled
+   down in proportion.
+2. **Trim.** The `k` devices that pull the figure hardest one way and the `k` that pull
+   it hardest the other way are left out. How hard a device pulls is its influence on
+   the figure: for a rate, its events minus the rate times its inferences; for a
+   quantile Q, its samples below Q short of (or beyond) the share q it would have if it
+   were like the rest (the quantile's influence function, summed over its samples).
+
+So any k devices, whatever they send, are either left out or weigh no more than capped
+honest ones: they can neither make a healthy group look broken nor a broken one look
+healthy. k is a setting (`guard_outliers`, default 1); a group needs more than 2k devices
+before anything is judged from it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from control_plane import errors
+from control_plane.store.rollups import COUNTERS, Aggregate, DeviceRollup
+from runtime.histogram import N_BUCKETS
+
+CAP_FACTOR = 4.0
+DEFAULT_OUTLIERS = 1
+MAX_OUTLIERS = 100
+_COUNTER = {name: i for i, name in enumerate(COUNTERS)}
+
+
+def check_robustness(outliers: int, min_devices: int) -> None:
+    """Refuse settings that would leave verdicts to a device or judge nothing at all."""
+    if not 0 <= outliers <= MAX_OUTLIERS:
+        raise errors.InvalidArgument(
+            f"guard_outliers must be 0 to {MAX_OUTLIERS} (devices left out each way), "
+            f"not {outliers}"
+        )
+    if min_devices < 1:
+        raise errors.InvalidArgument(f"recommend_min_devices must be at least 1, not {min_devices}")
+
+
+class Devices:
+    """The rows of one group of devices, as arrays (one entry per device and config)."""
+
+    def __init__(self, rows: Iterable[DeviceRollup]) -> None:
+        rows = list(rows)
+        self.rows = rows
+        ids: dict[str, int] = {}
+        configs: dict[str, int] = {}
+        self.entry_device = np.fromiter(
+            (ids.setdefault(r.key.device_id, len(ids)) for r in rows), np.intp, len(rows)
+        )
+        self.entry_config = np.fromiter(
+            (configs.setdefault(r.key.config, len(configs)) for r in rows), np.intp, len(rows)
+        )
+        self.ids = list(ids)
+        self.configs = list(configs)
+        self.counters = np.array(
+            [[r.counters[name] for name in COUNTERS] for r in rows], np.float64
+        ).reshape(len(rows), len(COUNTERS))
+        self.latency_count = np.fromiter((r.latency_count for r in rows), np.float64, len(rows))
+        self.latency_sum = np.fromiter((r.latency_sum_ns for r in rows), np.float64, len(rows))
+        sizes = [len(r.index) for r in rows]
+        self.hist_entry = np.repeat(np.arange(len(rows)), sizes)
+        self.hist_index = (
+            np.concatenate([r.index for r in rows]).astype(np.intp)
+            if rows
+            else np.zeros(0, np.intp)
+        )
+        self.hist_count = (
+            np.concatenate([r.counts for r in rows]).astype(np.float64)
+            if rows
+            else np.zeros(0, np.float64)
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def per_device(self, counter: str) -> np.ndarray:
+        """Return one counter summed per device."""
+        if counter == "latency_count":
+            values = self.latency_count
+        elif counter == "install_outcomes":
+            values = self.counters[:, _COUNTER["installs_activated"] :].sum(axis=1)
+        elif counter == "install_failures":
+            values = (
+                self.counters[:, _COUNTER["installs_failed"]]
+                + self.counters[:, _COUNTER["installs_rolled_back"]]
+            )
+        else:
+            values = self.counters[:, _COUNTER[counter]]
+        return np.bincount(self.entry_device, weights=values, minlength=len(self))
+
+    def with_any(self, counter: str) -> int:
+        """Return how many devices report at least one of `counter`."""
+        return int(np.count_nonzero(self.per_device(counter) > 0))
+
+    def pooled(self, weights: np.ndarray | None = None, config: str | None = None) -> Aggregate:
+        """Return the devices' aggregate, each device scaled by its weight (0: left out).
+
+        Unscaled (weights None), counts are the exact integer sums and crash signals are
+        kept; scaled, counts are floats (figures to judge, never stored).
+        """
+        entries = np.ones(len(self.rows), np.float64)
+        if config is not None:
+            if config not in self.configs:
+                return Aggregate()
+            entries = (self.entry_config == self.configs.index(config)).astype(np.float64)
+        exact = weights is None
+        scale = entries if exact else weights[self.entry_device] * entries
+        agg = Aggregate()
+        for name, total in zip(COUNTERS, scale @ self.counters, strict=True):
+            setattr(agg, name, round(total) if exact else float(total))
+        buckets = np.bincount(
+            self.hist_index, weights=self.hist_count * scale[self.hist_entry], minlength=N_BUCKETS
+        )[:N_BUCKETS]
+        agg.buckets = np.rint(buckets).astype(np.int64) if exact else buckets
+        count, total_ns = float(scale @ self.latency_count), float(scale @ self.latency_sum)
+        if count > 0:
+            timed = np.flatnonzero((scale > 0) & (self.latency_count > 0))
+            lows = [self.rows[i].latency_min_ns for i in timed]
+            highs = [self.rows[i].latency_max_ns for i in timed]
+            agg._add_latency(
+                round(count) if exact else count,
+                round(total_ns) if exact else total_ns,
+                min((x for x in lows if x is not None), default=None),
+                max((x for x in highs if x is not None), default=None),
+            )
+        if exact:
+            for i in np.flatnonzero(scale):
+                agg.crash_signals.update(self.rows[i].crash_signals)
+        return agg
+
+    def by_config(self, weights: np.ndarray | None = None) -> dict[str, Aggregate]:
+        """Return `pooled` per backend config."""
+        return {config: self.pooled(weights, config) for config in self.configs}
+
+    def device(self, position: int) -> Devices:
+        """Return one device's rows as a group of its own."""
+        return Devices(
+            r for r, d in zip(self.rows, self.entry_device, strict=True) if d == position
+        )
+
+    def below(self, config_index: np.ndarray, q_index: np.ndarray) -> np.ndarray:
+        """Return per entry the samples in buckets at or below its config's `q_index`.
+
+        `config_index` maps each entry to a slot of `q_index` (-1: none).
+        """
+        slot = config_index[self.hist_entry]
+        limit = np.where(slot >= 0, q_index[np.maximum(slot, 0)], -1)
+        mask = self.hist_index <= limit
+        return np.bincount(
+            self.hist_entry[mask], weights=self.hist_count[mask], minlength=len(self.rows)
+        )
+
+
+def capped(per_device: np.ndarray, factor: float = CAP_FACTOR) -> np.ndarray:
+    """Return per device the scale that caps it at `factor` times the median device."""
+    positive = per_device[per_device > 0]
+    if not positive.size:
+        return np.ones_like(per_device)
+    cap = factor * float(np.median(positive))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(per_device > cap, cap / per_device, 1.0)
+
+
+def trim(influence: np.ndarray, k: int, eligible: np.ndarray | None = None) -> np.ndarray:
+    """Return a 0/1 weight per device: the k highest and k lowest influences left out.
+
+    Only `eligible` devices (those with anything to count) are ranked and can be left
+    out; ties are broken by position, so the result is deterministic.
+    """
+    keep = np.ones(len(influence), np.float64)
+    if k <= 0:
+        return keep
+    candidates = np.flatnonzero(eligible) if eligible is not None else np.arange(len(influence))
+    if not candidates.size:
+        return keep
+    order = candidates[np.argsort(influence[candidates], kind="stable")]
+    keep[order[:k]] = 0.0
+    keep[order[-k:]] = 0.0
+    return keep
+
+
+def left_out(devices: Devices, keep: np.ndarray) -> list[str]:
+    """Return the ids of the devices a trim left out (for the evidence)."""
+    return [devices.ids[i] for i in np.flatnonzero(keep == 0) if i < len(devices)]
+
+
+def robust_rate(
+    devices: Devices, events: str, trials: str, k: int, factor: float = CAP_FACTOR
+) -> tuple[float, float, np.ndarray]:
+    """Return (events, trials, weights) of a rate after capping and trimming.
+
+    `events` and `trials` are counters (or `install_failures` / `install_outcomes`);
+    the weights are each device's scale, 0 for those left out.
+    """
+    n = devices.per_device(trials)
+    e = np.minimum(devices.per_device(events), n)
+    scale = capped(n, factor)
+    w, x = scale * n, scale * e
+    rate = x.sum() / w.sum() if w.sum() > 0 else 0.0
+    weights = scale * trim(x - rate * w, k, n > 0)
+    return float(weights @ e), float(weights @ n), weights
+
+
+def quantile_weights(
+    cohorts: Sequence[Devices], q: float, k: int, factor: float = CAP_FACTOR
+) -> list[np.ndarray]:
+    """Return, per cohort, device weights for judging latency quantile `q`.
+
+    Each device is capped by its timed inferences, then the k devices raising the
+    cohort's q-quantile most and the k lowering it most are left out. Influence is
+    measured per backend config on the configs every cohort ran (like with like, as
+    `guardrails.latency_ratio` compares them; all configs pooled when they share none),
+    each config weighted by its sample in every cohort.
+    """
+    scales = [capped(d.per_device("latency_count"), factor) for d in cohorts]
+    shared = set.intersection(
+        *(set(_timed_configs(d, s)) for d, s in zip(cohorts, scales, strict=True))
+    )
+    pooled = not shared
+    out = []
+    sizes = [
+        {c: _config_samples(d, s, c) for c in (shared or {None})}
+        for d, s in zip(cohorts, scales, strict=True)
+    ]
+    weight = {c: _harmonic([size[c] for size in sizes]) for c in (shared or {None})}
+    total = sum(weight.values()) or 1.0
+    for devices, scale, size in zip(cohorts, scales, sizes, strict=True):
+        configs = [None] if pooled else sorted(shared)
+        slots = np.full(max(1, len(devices.configs)), -1, np.intp)
+        q_index = np.zeros(len(configs), np.intp)
+        share = np.zeros(len(configs))
+        for slot, config in enumerate(configs):
+            agg = devices.pooled(scale, config)
+            q_index[slot] = _quantile_index(agg, q)
+            share[slot] = weight[config] / total / max(size[config], 1e-12)
+            if config is None:
+                slots[:] = slot
+            elif config in devices.configs:
+                slots[devices.configs.index(config)] = slot
+        entry_slot = slots[devices.entry_config] if len(devices.rows) else slots[:0]
+        below = devices.below(entry_slot, q_index)
+        entry_scale = scale[devices.entry_device]
+        per_entry = np.where(
+            entry_slot >= 0,
+            share[np.maximum(entry_slot, 0)] * entry_scale * (q * devices.latency_count - below),
+            0.0,
+        )
+        influence = np.bincount(devices.entry_device, weights=per_entry, minlength=len(devices))
+        timed = devices.per_device("latency_count") > 0
+        out.append(scale * trim(influence, k, timed))
+    return out
+
+
+def _timed_configs(devices: Devices, scale: np.ndarray) -> list[str]:
+    return [c for c in devices.configs if devices.pooled(scale, c).latency_count > 0]
+
+
+def _config_samples(devices: Devices, scale: np.ndarray, config: str | None) -> float:
+    return float(devices.pooled(scale, config).latency_count)
+
+
+def _harmonic(sizes: Sequence[float]) -> float:
+    """Return the weight of a config compared across cohorts: n1 * n2 / (n1 + n2)."""
+    if any(n <= 0 for n in sizes):
+        return 0.0
+    if len(sizes) == 1:
+        return sizes[0]
+    return math.prod(sizes) / sum(sizes)
+
+
+def _quantile_index(agg: Aggregate, q: float) -> int:
+    """Return the bucket holding the nearest-rank q-quantile (-1 when empty)."""
+    if not agg.latency_count:
+        return -1
+    rank = min(agg.latency_count, max(1, math.ceil(q * agg.latency_count - 1e-9)))
+    return int(np.searchsorted(np.cumsum(agg.buckets), rank - 1e-9))

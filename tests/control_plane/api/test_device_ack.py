@@ -1,0 +1,82 @@
+"""A device counts as synced only once it acknowledged the answer it accepted (Ack)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import grpc
+import pytest
+
+from device_agent.connection import DeviceCallError
+from tests.control_plane.api.device_helpers import Device, run
+from tests.control_plane.api.test_device_service import ANDROID, code_of, rollout
+
+
+def counts(cp, rollout_id: str):
+    cp.app.writer.flush()  # device reports are written behind: make them visible now
+    with cp.client() as client:
+        return client.get_rollout(rollout_id).counts
+
+
+def ack(device: Device, document: bytes, signature: bytes):
+    return run(device.address, device.credential, lambda c: c.ack(document, signature))
+
+
+def test_synced_only_once_the_answer_is_acknowledged(published, enroll_token):
+    cp = published
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    created = rollout(cp)
+    answer = device.sync_raw()  # answered, but the device has not accepted it (yet)
+    assert answer.models[0].version == 1
+    assert counts(cp, created.id).synced == 0
+    with cp.client() as client:
+        assert client.get_device(device.id).synced == []
+    ack(device, answer.document, answer.document_signature)
+    assert counts(cp, created.id).synced == 1
+    with cp.client() as client:
+        (shown,) = client.get_device(device.id).synced
+    assert (shown.model, shown.version, shown.variant) == ("det", 1, "fp32")
+    # A later answer the device never acknowledges changes nothing it is counted as.
+    with cp.client() as client:
+        client.transition_rollout(created.id, "rollback")
+    assert device.sync_raw().models == []
+    assert counts(cp, created.id).synced == 1
+
+
+def test_an_ack_must_be_of_a_signed_answer_to_this_device(published, enroll_token):
+    cp = published
+    mine = Device.enroll(cp.address, enroll_token, ANDROID)
+    other = Device.enroll(cp.address, enroll_token, ANDROID)
+    created = rollout(cp)
+    answer = other.sync_raw()
+    # Another device's answer, though signed by the control plane.
+    assert code_of(lambda: ack(mine, answer.document, answer.document_signature)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    # A document edited to name this device no longer verifies.
+    forged = answer.document.replace(other.id.encode(), mine.id.encode())
+    assert code_of(lambda: ack(mine, forged, answer.document_signature)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    # Signed by the control plane, for this device, but expired: Sync again.
+    now = dt.datetime.now(dt.UTC)
+    stale = cp.registry.signer.sign(
+        {
+            "schema": "skiff.assignment/v1",
+            "device": mine.id,
+            "nonce": "00" * 16,
+            "revision": answer.revision,
+            "issued_at": (now - dt.timedelta(days=2)).isoformat(),
+            "expires_at": (now - dt.timedelta(days=1)).isoformat(),
+            "models": {"det": {"version": 1, "variant": "fp32"}},
+        }
+    )
+    with pytest.raises(DeviceCallError) as caught:
+        ack(mine, stale.body, stale.signature)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "expired" in caught.value.message
+    assert code_of(lambda: ack(mine, b"x" * ((1 << 20) + 1), b"")) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    # Nothing refused counted anybody as synced.
+    assert counts(cp, created.id).synced == 0

@@ -1,0 +1,104 @@
+"""The reporting budget, attacked through the real Report RPC (SQLite and PostgreSQL).
+
+A device decides what its periods say; the server decides how much time they may cover:
+periods of one device and model never overlap or start before the last accepted one
+ended, and inferences are capped per second of server time since the later of the
+period's start and the device's enrollment. Every refused batch is counted on the device.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import grpc
+import pytest
+
+from device_agent.connection import DeviceCallError
+from device_agent.telemetry import new_batch_id, timestamp
+from protos import device_pb2
+from tests.control_plane.api.device_helpers import Device
+
+MODEL = "det"
+
+
+def batch(start: dt.datetime, end: dt.datetime, inferences: int, model: str = MODEL):
+    stats = device_pb2.ModelStats(
+        model=model, version=1, variant="fp32", config="CPU/normal/t1/mem-normal"
+    )
+    stats.inferences = inferences
+    stats.latency.scheme = "log2/8-per-doubling/from-1us/27-doublings"
+    return device_pb2.ReportRequest(
+        batch_id=new_batch_id(),
+        period_start=timestamp(start),
+        period_end=timestamp(end),
+        models=[stats],
+    )
+
+
+def refused(device: Device, request) -> str:
+    with pytest.raises(DeviceCallError) as caught:
+        device.report(request)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return caught.value.message
+
+
+def test_periods_never_overlap_and_the_rate_is_on_server_time(cp, enroll_token):
+    device = Device.enroll(cp.address, enroll_token, {"soc": "sm8450"})
+    now = dt.datetime.now(dt.UTC)
+    enrolled = cp.app.fleet.get(device.id).enrolled_at
+    # A first period backdated 29 days (within what the server keeps) claiming 3 M
+    # inferences: credited only with the seconds since the device enrolled.
+    backdated = batch(now - dt.timedelta(days=29), now, 3_000_000)
+    message = refused(device, backdated)
+    assert "more than 100000 a second" in message and enrolled.isoformat() in message
+    # What the time since enrollment holds is taken.
+    assert device.report(batch(enrolled, now, 10)).duplicate is False
+    later = now + dt.timedelta(seconds=2)
+    # The same period again (a new batch id): overlaps the accepted one.
+    assert "may not overlap" in refused(device, batch(enrolled, now, 10))
+    # Backdated again, twice within seconds: before the last accepted end.
+    for _ in range(2):
+        assert "may not overlap" in refused(device, batch(now - dt.timedelta(days=29), later, 1))
+    # A period ending in the future is credited up to its arrival only.
+    ahead = batch(now, now + dt.timedelta(minutes=50), 100_000 * 60 * 50)
+    assert "more than 100000 a second" in refused(device, ahead)
+    # Back to back is what agents send: accepted. Another model has its own periods.
+    assert device.report(batch(now, dt.datetime.now(dt.UTC), 1)).duplicate is False
+    assert device.report(batch(enrolled, now, 1, model="ctr")).duplicate is False
+    cp.app.telemetry.writer.flush()
+    record = cp.app.fleet.get(device.id)
+    assert record.reports_refused == 5
+    assert "more than 100000 a second" in record.last_refusal
+    assert record.last_refusal_at is not None
+
+
+def test_a_refused_batch_stores_nothing_and_a_resent_one_is_applied_once(cp, enroll_token):
+    device = Device.enroll(cp.address, enroll_token, {"soc": "sm8450"})
+    enrolled = cp.app.fleet.get(device.id).enrolled_at
+    now = dt.datetime.now(dt.UTC)
+    good = batch(enrolled, now, 5)
+    assert device.report(good).duplicate is False
+    # The same batch again (its reply was lost): a duplicate, not an overlap.
+    assert device.report(good).duplicate is True
+    bad = batch(enrolled, now, 5)
+    refused(device, bad)
+    cp.app.telemetry.writer.flush()
+    stats = cp.app.telemetry.latency(device.id)
+    assert [x.inferences for x in stats] == [5]
+    assert cp.app.fleet.get(device.id).reports_refused == 1
+
+
+def test_bad_enrollment_tokens_are_throttled(cp):
+    """300 guesses at an enrollment token: the first few are answered UNAUTHENTICATED,
+    then RESOURCE_EXHAUSTED saying when to retry, without the token being looked at."""
+    codes = []
+    for i in range(300):
+        try:
+            Device.enroll(cp.address, f"ske_guess{i:04d}", {})
+        except DeviceCallError as exc:
+            codes.append((exc.code, exc.message))
+    assert len(codes) == 300
+    unauthenticated = [c for c, _ in codes if c == grpc.StatusCode.UNAUTHENTICATED]
+    exhausted = [m for c, m in codes if c == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert 10 <= len(unauthenticated) <= 12 and len(exhausted) == 300 - len(unauthenticated)
+    assert all("too many failed attempts" in m and "try again in" in m for m in exhausted)
