@@ -242,6 +242,9 @@ def main() -> None:
             token = client.create_enrollment_token(uses=1).token
             agent = subprocess.Popen(
                 [*CLI, "agent", "run", "--server", address, "--state", str(state)]
+                # The pipeline's throughput, not the bounds that keep an app from flooding
+                # the device: lifted far above what this machine can push.
+                + ["--push-events-per-s", "1e8", "--pipeline-runs-per-s", "1e7"]
                 + ["--ca", str(home / "tls" / "ca.pem"), "--report-interval", "3600"],
                 env={**os.environ, "SKIFF_ENROLL_TOKEN": token},
                 stderr=(tmp / "agent.log").open("w"),

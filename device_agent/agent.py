@@ -48,6 +48,7 @@ from device_agent.clock import (
 from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s, open_channel
 from device_agent.identity import DeviceKeyPair, KeyUnwrapError
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
+from device_agent.limits import AppLimits
 from device_agent.pipelines import Pipelines
 from device_agent.reporting import AUTH_CODES, Reporter
 from device_agent.serving import Serving
@@ -110,6 +111,7 @@ class Agent:
         serve: bool = False,
         report_interval_s: float = REPORT_INTERVAL_S,
         clock: Callable[[], float] = time.time,
+        app_limits: AppLimits | None = None,
     ) -> None:
         """`clock` is the device's wall clock (Unix seconds); tests set it hours off."""
         self.state = state
@@ -119,6 +121,7 @@ class Agent:
         self._attributes = attributes
         self._serve = serve
         self.report_interval_s = report_interval_s
+        self._app_limits = app_limits
         self._channel: grpc.aio.Channel | None = None
         self._conn: DeviceConnection | None = None
         self._keys: DeviceKeyPair | None = None
@@ -169,7 +172,7 @@ class Agent:
             raise AgentError(f"telemetry queue: {exc}") from None
         if self._serve:
             self.serving = Serving(self.collector, self._failing)
-            self.pipelines = Pipelines(self.serving, self.collector)
+            self.pipelines = Pipelines(self.serving, self.collector, limits=self._app_limits)
         self.reporter = Reporter(
             outbox,
             self.collector,

@@ -116,7 +116,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         recommendations: Recommendations | None = None,
         enroll_throttle: Throttle | None = None,
     ) -> None:
-        self._enroll_throttle = enroll_throttle or Throttle(name="enroll")
+        self._enroll_throttle = enroll_throttle or Throttle(name="enroll", spare_new_keys=True)
         self._fleet, self._store, self._delivery = fleet, store, delivery
         self._telemetry, self._recommendations = telemetry, recommendations
         self._watchers, self._writer = watchers, writer

@@ -50,6 +50,7 @@ from control_plane.rollouts.watchers import Watchers
 from control_plane.settings import Config, write_config_file
 from control_plane.store.sql_store import SqlStore
 from control_plane.telemetry import Telemetry
+from control_plane.telemetry.catalog import Catalog
 from control_plane.telemetry.classes import parse_device_class
 from control_plane.telemetry.recommend import Recommendations
 from control_plane.telemetry.robust import check_robustness
@@ -163,7 +164,9 @@ class App:
     view: FleetView
     ops: RolloutOps
     # Bad enrollment tokens, per client address and overall (in memory, per replica).
-    enroll_throttle: Throttle = field(default_factory=lambda: Throttle(name="enroll"))
+    enroll_throttle: Throttle = field(
+        default_factory=lambda: Throttle(name="enroll", spare_new_keys=True)
+    )
 
     @property
     def store(self) -> SqlStore:
@@ -204,7 +207,7 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
     roller = Roller(store, resolver, device_class, retention=retention)
     rollouts = Rollouts(store, resolver, device_class=device_class)
     writer = DeviceWriter(store, interval_s=config.device_flush_s)
-    telemetry = Telemetry(store, on_stored=roller.offer)
+    telemetry = Telemetry(store, on_stored=roller.offer, catalog=Catalog(store))
     guard = Guard(store, rollouts, device_class, outliers=config.guard_outliers)
     view = FleetView(fleet, resolver, watchers, writer, telemetry)
     return App(

@@ -25,7 +25,7 @@ from control_plane.store.telemetry import (
 from control_plane.telemetry.reports import DeviceLatency
 from protos import device_pb2, fleet_pb2
 from runtime.backends import BackendConfig
-from runtime.histogram import N_BUCKETS, SCHEME
+from runtime.histogram import N_BUCKETS, SCHEME, bucket_of
 
 BATCH_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 MAX_MODEL_STATS = 256
@@ -132,6 +132,12 @@ def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
         raise errors.InvalidArgument(f"{what}: bucket counts do not add up to its count")
     if count and (low is None or high is None):
         raise errors.InvalidArgument(f"{what}: min_ns and max_ns are required with samples")
+    if count and (bucket_of(low) != min(buckets) or bucket_of(high) != max(buckets)):
+        # Quantiles are read within the observed range: bounds the buckets do not bear
+        # out would let a device place its quantiles anywhere (up to 2**62 ns).
+        raise errors.InvalidArgument(
+            f"{what}: min_ns and max_ns do not fall in its lowest and highest buckets"
+        )
     # Canonical (what LatencyHistogram.to_dict writes): merged duplicates, sorted.
     return {
         "scheme": SCHEME,

@@ -33,6 +33,7 @@ import logging
 import math
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -114,8 +115,16 @@ class Throttle:
         max_keys: int = MAX_KEYS,
         max_trusted: int = MAX_TRUSTED,
         clock: Callable[[], float] = time.monotonic,
+        spare_new_keys: bool = False,
     ) -> None:
+        """Count failures per key and overall; see the module docstring.
+
+        With `spare_new_keys`, a key with no recent failure is never held back by the
+        overall limit (Enroll: a new device's good token must not wait on others' guesses;
+        a guesser's fresh address gets one guess before the overall limit holds it too).
+        """
         self.name, self.per_key, self.overall = name, per_key, overall
+        self._spare_new = spare_new_keys
         self._trusted_for, self._clock = trusted_for_s, clock
         self._max_keys, self._max_trusted = max_keys, max_trusted
         self._lock = threading.Lock()
@@ -208,6 +217,8 @@ class Throttle:
                 return key_wait, "key"
             if self._trusted.get(key, -math.inf) > now:
                 return None
+            if self._spare_new and key not in self._failing:
+                return None
             overall_wait = _wait(self._overall_empty_at, now, self.overall)
             return (overall_wait, "overall") if overall_wait > 0 else None
 
@@ -244,5 +255,6 @@ def peer_key(peer: str) -> str:
     """Return the throttle key of a gRPC peer (`context.peer()`: "ipv4:HOST:PORT"...)."""
     scheme, _, rest = peer.partition(":")
     if scheme in ("ipv4", "ipv6"):
-        return client_key(rest.rpartition(":")[0])
+        # grpcio percent-encodes an IPv6 peer's brackets: "ipv6:%5B::1%5D:PORT".
+        return client_key(urllib.parse.unquote(rest.rpartition(":")[0]))
     return client_key(peer)

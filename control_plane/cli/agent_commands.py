@@ -76,6 +76,27 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
         metavar="S",
         help="seconds between telemetry reports (SKIFF_REPORT_INTERVAL_S; default 60)",
     )
+    p.add_argument(
+        "--push-events-per-s",
+        type=_positive_rate,
+        default=None,
+        metavar="N",
+        help="events a second apps may push to one model (default 10,000; bursts of one full push)",
+    )
+    p.add_argument(
+        "--pipeline-runs-per-s",
+        type=_positive_rate,
+        default=None,
+        metavar="N",
+        help="model runs a second a model's pipeline firings may cost (default 500)",
+    )
+    p.add_argument(
+        "--max-subscribers",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="Subscribe streams open at once per model (default 16)",
+    )
 
     p = asub.add_parser("status", help="show the agent's identity and installed models")
     p.set_defaults(home=None)
@@ -100,6 +121,22 @@ def _positive_seconds(text: str) -> float:
     if not 0 < value <= 86400:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 86400]")
     return value
+
+
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1e9:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate in (0, 1e9] a second")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdecimal()) or not 1 <= int(text) <= 100_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 100000")
+    return int(text)
 
 
 class _JsonLines(logging.Formatter):
@@ -150,6 +187,23 @@ def _agent_errors() -> Iterator[None]:
         raise errors.Unavailable(f"control plane call failed: {exc.message}") from None
 
 
+def _app_limits(args: argparse.Namespace):
+    """Return the local API's bounds from the flags given (None: the defaults)."""
+    from device_agent.limits import AppLimits
+
+    given = {
+        "events_per_s": args.push_events_per_s,
+        "runs_per_s": args.pipeline_runs_per_s,
+        "subscribers": args.max_subscribers,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    if "runs_per_s" in given:  # a burst of ten seconds' worth, as the default's
+        given["runs_burst"] = max(AppLimits.runs_burst, int(given["runs_per_s"] * 10))
+    return AppLimits(**given)
+
+
 def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the agent until SIGTERM/SIGINT, or sync once with --once."""
     from control_plane.api.transport import client_tls
@@ -169,6 +223,7 @@ def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
         attributes=attributes,
         serve=not args.once,
         report_interval_s=args.report_interval,
+        app_limits=_app_limits(args),
     )
 
     async def main() -> object:

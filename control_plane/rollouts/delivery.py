@@ -32,6 +32,7 @@ from device_agent.assignment import AssignmentRejected, load_public_keys, verify
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 _VERSION_CACHE = 1024
+_ACKED_DEVICES = 200_000  # devices whose last acknowledged revision a replica keeps
 _KEY_CACHE = 256
 _KEY_CACHE_TTL_S = 600.0
 _ENCRYPTER_CACHE = 100_000
@@ -113,6 +114,10 @@ class Delivery:
         self._encrypters = _LruCache(_ENCRYPTER_CACHE)
         # The verifying keys, parsed once per change of the valid PEMs (not per Ack).
         self._verifiers: tuple[tuple[bytes, ...], list] = ((), [])
+        # The latest revision each device acknowledged here: an older answer acknowledged
+        # again (a replay) must not move what it counts as synced back.
+        self._acked: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._acked_lock = threading.Lock()
 
     def desired(self, device_id: str, attrs: Mapping) -> tuple[int, dict[str, Desired]]:
         """Return the current revision and this device's desired models."""
@@ -170,6 +175,7 @@ class Delivery:
             raise errors.PermissionDenied("the assignment is for another device")
         try:
             expires = dt.datetime.fromisoformat(doc["expires_at"])
+            revision = int(doc["revision"])
             models = tuple(
                 ModelState(name, int(e["version"]), str(e["variant"]))
                 for name, e in sorted(doc["models"].items())
@@ -180,6 +186,17 @@ class Delivery:
             raise errors.FailedPrecondition(
                 f"the assignment expired at {doc['expires_at']}: Sync again"
             )
+        with self._acked_lock:
+            last = self._acked.get(device_id, -1)
+            if revision < last:
+                raise errors.FailedPrecondition(
+                    f"the assignment's revision {revision} is older than the one already "
+                    f"acknowledged ({last}): Sync again"
+                )
+            self._acked[device_id] = revision
+            self._acked.move_to_end(device_id)
+            while len(self._acked) > _ACKED_DEVICES:
+                self._acked.popitem(last=False)
         return models
 
     def _verifying_keys(self) -> list:

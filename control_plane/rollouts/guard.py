@@ -30,11 +30,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, Verdict, judge, parse_rule
 from control_plane.store.rollouts import RolloutRecord
-from control_plane.store.rollups import OUTSIDE, DeviceRollup, RollupStore
+from control_plane.store.rollups import OUTSIDE, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values, parse_dimension
-from control_plane.telemetry.robust import DEFAULT_OUTLIERS
+from control_plane.telemetry.robust import DEFAULT_OUTLIERS, Devices
 from control_plane.telemetry.rollups import BASELINE, CANDIDATE
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,10 @@ class Guard:
         since = record.stage_started_at
         dimension = parse_dimension(record.slice_by) if record.slice_by else None
         rules = [parse_rule(t) for t in record.halt_rules]
+        # The current window's rows; older ones (the baseline's only) if a window's own
+        # baseline is too thin to judge against: see `cohorts`.
+        table = self._store.device_table(record.id, windows_since=since)
+        older: list = []
         memo: dict[str, str] = {}
 
         def slice_of(device_class: str) -> str:
@@ -145,39 +151,42 @@ class Guard:
                 memo[device_class] = value
             return value
 
-        # slice value -> cohort -> rows (every window of the rollout)
-        rows: dict[str, dict[str, list[DeviceRollup]]] = {}
-        outside: list[DeviceRollup] = []
-        for row in self._store.device_rollups(record.id):
-            if row.key.cohort == OUTSIDE:
-                outside.append(row)
-                continue
-            rows.setdefault(slice_of(row.device_class), {}).setdefault(row.key.cohort, []).append(
-                row
-            )
+        sliced = np.array([slice_of(c) for c in table.device_class], dtype=object)
+        kinds = {c: table.cohort == c for c in (CANDIDATE, BASELINE)}
+        slice_masks = {v: sliced == v for v in set(sliced[table.cohort != OUTSIDE])}
 
-        def cohorts(value: str, window: dt.datetime) -> dict[str, Cohort]:
-            mine = rows.get(value, {})
-            current = {
-                cohort: Cohort(r for r in found if r.key.window >= window)
-                for cohort, found in mine.items()
-            }
+        def cohorts(value: str, window: dt.datetime) -> dict[str, np.ndarray]:
+            """Return cohort -> positions of the slice's rows in the window."""
+            nonlocal table, sliced, kinds, slice_masks
+            mine = slice_masks.get(value)
+            if mine is None:
+                return {}
+            recent = table.window >= window.timestamp()
+            current = {c: np.flatnonzero(mine & kind & recent) for c, kind in kinds.items()}
             # The last stage leaves no baseline (every selected device is a candidate), and
             # an early one (or a readmitted slice's window) may have too little: then the
             # candidates are compared with the slice's baseline over the whole rollout (what
             # those devices ran before the rollout reached them, or while their slice was
             # rolled back).
-            base = current.get(BASELINE, Cohort())
+            base = Cohort(Devices(table, current[BASELINE]))
             sample = min(base.aggregate.inferences, base.aggregate.latency_count)
             enough = base.devices >= max(1, record.min_devices, 2 * self._outliers + 1)
-            if window > record.created_at and not (
-                enough and sample >= max(1, record.min_inferences)
-            ):
-                current[BASELINE] = Cohort(mine.get(BASELINE, ()))
+            if window <= record.created_at or (enough and sample >= max(1, record.min_inferences)):
+                return current
+            if not older:  # read once, appended: positions read so far stay valid
+                older.append(
+                    self._store.device_table(record.id, windows_before=since, cohort=BASELINE)
+                )
+                table = table.concat(older[0])
+                extra = np.array([slice_of(c) for c in older[0].device_class], dtype=object)
+                sliced = np.concatenate([sliced, extra])
+                kinds = {c: table.cohort == c for c in (CANDIDATE, BASELINE)}
+                slice_masks = {v: sliced == v for v in slice_masks}
+            current[BASELINE] = np.flatnonzero(slice_masks[value] & kinds[BASELINE])
             return current
 
         slices: list[SliceHealth] = []
-        for value in sorted(set(rows) | set(record.slices)) if dimension else ():
+        for value in sorted(set(slice_masks) | set(record.slices)) if dimension else ():
             state = record.slices.get(value, {})
             slice_since = since
             readmitted = state.get("state", ACTIVE) == ACTIVE and state.get("since")
@@ -185,6 +194,7 @@ class Guard:
                 # Strict: not a second of what the slice's candidates reported before it
                 # was readmitted (its baseline may come from the whole rollout, as above).
                 slice_since = dt.datetime.fromisoformat(state["since"])
+            mine = cohorts(value, slice_since)  # first: it may read older rows into `table`
             slices.append(
                 self._slice(
                     record,
@@ -193,17 +203,18 @@ class Guard:
                     value,
                     state.get("state", ACTIVE),
                     slice_since,
-                    cohorts(value, slice_since),
+                    table,
+                    mine,
                 )
             )
         # The whole rollout: every slice still in.
         out = record.rolled_back_slices()
-        merged: dict[str, list[DeviceRollup]] = {}
-        for value in rows:
+        merged: dict[str, list[np.ndarray]] = {}
+        for value in slice_masks:
             if value in out:
                 continue
-            for cohort, found in cohorts(value, since).items():
-                merged.setdefault(cohort, []).extend(found.members.rows)
+            for cohort, positions in cohorts(value, since).items():
+                merged.setdefault(cohort, []).append(positions)
         overall = self._slice(
             record,
             rules,
@@ -211,20 +222,23 @@ class Guard:
             "",
             record.state,
             since,
-            {cohort: Cohort(found) for cohort, found in merged.items()},
+            table,
+            {c: np.concatenate(parts) for c, parts in merged.items()},
         )
+        reports, devices = self._store.cohort_totals(record.id, OUTSIDE)
         return Health(
             record.id,
             since,
             overall,
             tuple(slices),
-            outside_reports=sum(r.reports for r in outside),
-            outside_devices=len({r.key.device_id for r in outside}),
+            outside_reports=reports,
+            outside_devices=devices,
         )
 
-    def _slice(self, record, rules, name, value, state, since, cohorts) -> SliceHealth:
-        candidate = cohorts.get(CANDIDATE, Cohort())
-        baseline = cohorts.get(BASELINE, Cohort())
+    def _slice(self, record, rules, name, value, state, since, table, cohorts) -> SliceHealth:
+        empty = np.zeros(0, np.intp)
+        candidate = Cohort(Devices(table, cohorts.get(CANDIDATE, empty)))
+        baseline = Cohort(Devices(table, cohorts.get(BASELINE, empty)))
         verdicts = tuple(
             judge(
                 rule,

@@ -154,8 +154,8 @@ class Pooled:
 class Cohort:
     """One cohort over the window: each device's own rows (control_plane.telemetry.robust)."""
 
-    def __init__(self, rows: Iterable[DeviceRollup] = ()) -> None:
-        self.members = Devices(rows)
+    def __init__(self, members: Devices | Iterable[DeviceRollup] = ()) -> None:
+        self.members = members if isinstance(members, Devices) else Devices.of(members)
 
     @property
     def devices(self) -> int:
@@ -313,7 +313,7 @@ def judge(
         verdict = _verdict(rule, name, value, c_low / b_high, c_rate, b_rate, sample)
         return _spread(verdict, candidate, "crashes", k)
     q = LATENCY_METRICS[rule.metric]
-    c_weights, b_weights = quantile_weights([candidate.members, baseline.members], q, k)
+    (c_weights, b_weights), configs = quantile_weights([candidate.members, baseline.members], q, k)
     sample["left_out"] = _left_out(candidate, c_weights) | _left_out(
         baseline, b_weights, "baseline"
     )
@@ -326,7 +326,7 @@ def judge(
         lacking = short(who, cohort, judged.aggregate.latency_count, "inferences", min_inferences)
         if lacking:
             return lacking
-    value, bound = latency_ratio(judged_c, judged_b, q)
+    value, bound = latency_ratio(judged_c, judged_b, q, configs)
     verdict = _verdict(
         rule,
         name,
@@ -339,7 +339,7 @@ def judge(
     if verdict.status != FAIL:
         return verdict
     slower = sum(
-        rule.breaks(latency_ratio(_own(candidate, i), judged_b, q)[0])
+        rule.breaks(latency_ratio(_own(candidate, i), judged_b, q, configs)[0])
         for i in range(candidate.devices)
     )
     return _spread(verdict, candidate, "", k, seen=slower, what="is that much slower")
@@ -356,21 +356,27 @@ def _left_out(cohort: Cohort, weights, who: str = "candidate") -> dict:
     return {who: gone} if gone else {}
 
 
-def latency_ratio(candidate: Pooled, baseline: Pooled, q: float) -> tuple[float, float]:
+def latency_ratio(
+    candidate: Pooled, baseline: Pooled, q: float, configs: Sequence[str] | None = None
+) -> tuple[float, float]:
     """Return the candidate/baseline ratio of quantile `q`, and its margin-side bound.
 
-    Compared per backend config both cohorts ran, then combined as a weighted geometric
-    mean with weights n_c * n_b / (n_c + n_b) (a config thin in either cohort counts
-    little). Backends differ twice over in speed, and which devices happen to be on the
-    new version is a draw: pooled, a candidate with more CPU-only devices than the
+    Compared per backend config in `configs` (by default every config both cohorts ran;
+    `judge` passes those each ran on more than 2k devices), then combined as a weighted
+    geometric mean with weights n_c * n_b / (n_c + n_b) (a config thin in either cohort
+    counts little). Backends differ twice over in speed, and which devices happen to be
+    on the new version is a draw: pooled, a candidate with more CPU-only devices than the
     baseline looked 1.4x slower on p95 with nothing wrong. A version that moves devices
     to a slower backend does so by falling back, which `fallback_rate` watches. Cohorts
-    with no config in common are compared pooled.
+    with no config to compare are compared pooled.
     """
+    wanted = set(candidate.by_config) if configs is None else set(configs)
     pairs = [
         (agg, baseline.by_config[config])
         for config, agg in sorted(candidate.by_config.items())
-        if agg.latency_count and baseline.by_config.get(config, Aggregate()).latency_count
+        if config in wanted
+        and agg.latency_count
+        and baseline.by_config.get(config, Aggregate()).latency_count
     ] or [(candidate.aggregate, baseline.aggregate)]
     # Below 1 µs the histogram cannot tell latencies apart: compare from 1 µs up.
     floor = MIN_NS / 1000

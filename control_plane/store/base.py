@@ -139,6 +139,10 @@ class RegistryStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    def published_variants(self) -> frozenset[tuple[str, int, str]]:
+        """Return every (model, version number, variant) published, in one read."""
+
+    @abc.abstractmethod
     def get_model(self, name: str) -> ModelRecord:
         """Return one model; NotFound if it has no versions."""
 

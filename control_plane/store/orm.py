@@ -433,9 +433,11 @@ class DeviceRollupRow(Base):
 
     __tablename__ = "device_rollups"
     __table_args__ = (
-        # Serves a rollout's health view (every row of one rollout) and the recommendations
-        # of one version (scope "", then model and version).
+        # Serves a version's recommendations (scope "", then model and version).
         Index("ix_device_rollups_scope", "scope", "model", "version"),
+        # Serves a rollout's health view (its current window's rows, an older window's
+        # baseline, the outside cohort's totals).
+        Index("ix_device_rollups_cohort", "scope", "cohort", "window_start"),
         # Serves retention.
         Index("ix_device_rollups_seen", "scope", "last_seen"),
     )
@@ -474,16 +476,18 @@ class DeviceRollupRow(Base):
 
 
 class ReportPeriodRow(Base):
-    """Where the last accepted report period of one device and model ended.
+    """Where the last accepted report period of one device ended.
 
-    The server, not the device, decides how much time a report may cover: a new period of
-    the same model may not start before this (no overlaps, no backdating), so however a
-    device words its periods, they add up to no more than the time since it enrolled.
+    The server, not the device, decides how much time a report may cover: a new period
+    may not start before this (no overlaps, no backdating), so however a device words its
+    periods, they add up to no more than the time since it enrolled. One row per device
+    today, under model "" (every model: control_plane.telemetry.budget); the key leaves
+    room for a budget per model.
     """
 
     __tablename__ = "report_periods"
 
-    # Serves the check of every Report (one device's models).
+    # Serves the check of every Report.
     device_id: Mapped[str] = mapped_column(
         ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True
     )

@@ -11,11 +11,12 @@ from __future__ import annotations
 import abc
 import collections
 import datetime as dt
+import functools
 import hashlib
 import json
 import math
 import signal
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -355,6 +356,231 @@ class DeviceRollup:
         return agg
 
 
+@dataclass(frozen=True, eq=False)
+class DeviceTable:
+    """Device rows of one scope as columns, so figures are array operations.
+
+    What a rollout's health view or a version's backend table reads: tens of thousands
+    of rows, which one Python object each would make slow.
+
+    Counters are float64 (exact for sums below 2**53); a missing latency min or max is
+    NaN. The sparse histograms of every row are concatenated: bucket `hist_index[j]`
+    holds `hist_count[j]` samples of row `hist_row[j]`.
+    """
+
+    window: np.ndarray  # Unix seconds
+    cohort: np.ndarray  # object: str
+    model: np.ndarray  # object: str
+    version: np.ndarray  # int64
+    variant: np.ndarray  # object: str
+    config: np.ndarray  # object: str
+    device_id: np.ndarray  # object: str
+    device_class: np.ndarray  # object: str
+    last_seen: np.ndarray  # Unix seconds
+    reports: np.ndarray  # int64
+    counters: np.ndarray  # float64, (rows, len(COUNTERS))
+    latency_count: np.ndarray  # float64
+    latency_sum_ns: np.ndarray  # float64
+    latency_min_ns: np.ndarray  # float64, NaN when none
+    latency_max_ns: np.ndarray  # float64, NaN when none
+    crash_signals: np.ndarray  # object: dict
+    hist_row: np.ndarray  # intp
+    hist_index: np.ndarray  # intp
+    hist_count: np.ndarray  # float64
+    scope: str = ""
+
+    def __len__(self) -> int:
+        return len(self.window)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[DeviceRollup]) -> DeviceTable:
+        """Return rows (as the store returns them one by one) as a table."""
+        sizes = [len(r.index) for r in rows]
+        return cls(
+            scope=rows[0].key.scope if rows else "",
+            window=np.array([r.key.window.timestamp() for r in rows], np.float64),
+            cohort=_objects(r.key.cohort for r in rows),
+            model=_objects(r.key.model for r in rows),
+            version=np.array([r.key.version for r in rows], np.int64),
+            variant=_objects(r.key.variant for r in rows),
+            config=_objects(r.key.config for r in rows),
+            device_id=_objects(r.key.device_id for r in rows),
+            device_class=_objects(r.device_class for r in rows),
+            last_seen=np.array([r.last_seen.timestamp() for r in rows], np.float64),
+            reports=np.array([r.reports for r in rows], np.int64),
+            counters=np.array(
+                [[r.counters[name] for name in COUNTERS] for r in rows], np.float64
+            ).reshape(len(rows), len(COUNTERS)),
+            latency_count=np.array([r.latency_count for r in rows], np.float64),
+            latency_sum_ns=np.array([r.latency_sum_ns for r in rows], np.float64),
+            latency_min_ns=_nullable(r.latency_min_ns for r in rows),
+            latency_max_ns=_nullable(r.latency_max_ns for r in rows),
+            crash_signals=_objects(r.crash_signals for r in rows),
+            hist_row=np.repeat(np.arange(len(rows)), sizes).astype(np.intp),
+            hist_index=np.concatenate([r.index for r in rows] or [_NO_INDEX]).astype(np.intp),
+            hist_count=np.concatenate([r.counts for r in rows] or [_NO_COUNT]).astype(np.float64),
+        )
+
+    @functools.cached_property
+    def device_code(self) -> np.ndarray:
+        """Return a small integer per distinct device id (one pass, cached)."""
+        return _codes(self.device_id)
+
+    @functools.cached_property
+    def config_code(self) -> np.ndarray:
+        """Return a small integer per distinct backend config (one pass, cached)."""
+        return _codes(self.config)
+
+    @functools.cached_property
+    def device_first_row(self) -> np.ndarray:
+        """Return per device code the first row holding it."""
+        return np.unique(self.device_code, return_index=True)[1]
+
+    @functools.cached_property
+    def config_first_row(self) -> np.ndarray:
+        """Return per config code the first row holding it."""
+        return np.unique(self.config_code, return_index=True)[1]
+
+    @functools.cached_property
+    def _hist_start(self) -> np.ndarray:
+        # hist_row is ascending: each row's buckets are one run of the histogram arrays.
+        return np.searchsorted(self.hist_row, np.arange(len(self) + 1))
+
+    def histograms(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return the buckets of some rows: (entry, index, count), entry = position in `rows`.
+
+        Costs what those rows hold, not what the table holds.
+        """
+        start = self._hist_start[rows]
+        sizes = self._hist_start[rows + 1] - start
+        total = int(sizes.sum())
+        entry = np.repeat(np.arange(len(rows)), sizes)
+        at = np.repeat(start - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes) + np.arange(
+            total
+        )
+        return entry, self.hist_index[at], self.hist_count[at]
+
+    def take(self, rows: np.ndarray) -> DeviceTable:
+        """Return a table of some rows (positions, in the order given)."""
+        rows = np.asarray(rows, np.intp)
+        new = np.full(len(self), -1, np.intp)
+        new[rows] = np.arange(len(rows))
+        kept = new[self.hist_row]
+        mask = kept >= 0
+        order = np.argsort(kept[mask], kind="stable")
+        return DeviceTable(
+            **{name: getattr(self, name)[rows] for name in _ROW_COLUMNS},
+            hist_row=kept[mask][order],
+            hist_index=self.hist_index[mask][order],
+            hist_count=self.hist_count[mask][order],
+            scope=self.scope,
+        )
+
+    def concat(self, other: DeviceTable) -> DeviceTable:
+        """Return this table's rows, then `other`'s."""
+        return DeviceTable(
+            **{
+                name: np.concatenate([getattr(self, name), getattr(other, name)])
+                for name in _ROW_COLUMNS
+            },
+            hist_row=np.concatenate([self.hist_row, other.hist_row + len(self)]),
+            hist_index=np.concatenate([self.hist_index, other.hist_index]),
+            hist_count=np.concatenate([self.hist_count, other.hist_count]),
+            scope=self.scope,
+        )
+
+    def rows(self) -> list[DeviceRollup]:
+        """Return the table as rows (for a few; tests and small reads)."""
+        out = []
+        for i in range(len(self)):
+            mine = slice(self._hist_start[i], self._hist_start[i + 1])
+            low, high = self.latency_min_ns[i], self.latency_max_ns[i]
+            out.append(
+                DeviceRollup(
+                    key=DeviceKey(
+                        self.scope,
+                        dt.datetime.fromtimestamp(self.window[i], dt.UTC),
+                        self.cohort[i],
+                        self.model[i],
+                        int(self.version[i]),
+                        self.variant[i],
+                        self.config[i],
+                        self.device_id[i],
+                    ),
+                    device_class=self.device_class[i],
+                    last_seen=dt.datetime.fromtimestamp(self.last_seen[i], dt.UTC),
+                    reports=int(self.reports[i]),
+                    counters={n: int(v) for n, v in zip(COUNTERS, self.counters[i], strict=True)},
+                    crash_signals=dict(self.crash_signals[i]),
+                    latency_count=int(self.latency_count[i]),
+                    latency_sum_ns=int(self.latency_sum_ns[i]),
+                    latency_min_ns=None if math.isnan(low) else int(low),
+                    latency_max_ns=None if math.isnan(high) else int(high),
+                    index=self.hist_index[mine].astype("<u2"),
+                    counts=self.hist_count[mine].astype("<i8"),
+                )
+            )
+        return out
+
+
+_ROW_COLUMNS = (
+    "window",
+    "cohort",
+    "model",
+    "version",
+    "variant",
+    "config",
+    "device_id",
+    "device_class",
+    "last_seen",
+    "reports",
+    "counters",
+    "latency_count",
+    "latency_sum_ns",
+    "latency_min_ns",
+    "latency_max_ns",
+    "crash_signals",
+)
+_NO_INDEX = np.zeros(0, np.intp)
+_NO_COUNT = np.zeros(0, np.float64)
+
+
+def _codes(values: np.ndarray) -> np.ndarray:
+    seen: dict = {}
+    return np.fromiter((seen.setdefault(v, len(seen)) for v in values), np.intp, len(values))
+
+
+def _objects(values) -> np.ndarray:
+    items = list(values)
+    out = np.empty(len(items), object)
+    out[:] = items
+    return out
+
+
+def _nullable(values) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], np.float64)
+
+
+def decode_many(blobs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode many `encode_buckets` blobs at once: (row, index, count) per bucket held."""
+    sizes = np.fromiter((len(b) for b in blobs), np.int64, len(blobs))
+    if (sizes % 10).any():
+        raise ValueError("sparse histogram of a wrong length")
+    n = sizes // 10
+    total = int(n.sum())
+    if not total:
+        return _NO_INDEX, _NO_INDEX, _NO_COUNT
+    buf = np.frombuffer(b"".join(blobs), np.uint8)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    row = np.repeat(np.arange(len(blobs)), n)
+    k = np.arange(total) - np.repeat(np.concatenate(([0], np.cumsum(n)[:-1])), n)
+    at = np.repeat(offsets, n) + 2 * k
+    index = buf[at].astype(np.intp) | (buf[at + 1].astype(np.intp) << 8)
+    at = np.repeat(offsets + 2 * n, n) + 8 * k
+    count = np.ascontiguousarray(buf[at[:, None] + np.arange(8)]).view("<i8").ravel()
+    return row.astype(np.intp), index, count.astype(np.float64)
+
+
 @dataclass(frozen=True)
 class RollupRecord:
     """A stored rollup row."""
@@ -423,15 +649,27 @@ class RollupStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def device_rollups(
+    def device_table(
         self,
         scope: str,
         *,
         model: str | None = None,
         version: int | None = None,
         seen_since: dt.datetime | None = None,
-    ) -> list[DeviceRollup]:
-        """Return the device rows of one scope (a rollout id, or FLEET).
+        windows_since: dt.datetime | None = None,
+        windows_before: dt.datetime | None = None,
+        cohort: str | None = None,
+    ) -> DeviceTable:
+        """Return the device rows of one scope (a rollout id, or FLEET) as a table.
 
-        Optionally only one model version's, and only rows seen since `seen_since`.
+        Optionally only one model version's, only rows seen since `seen_since`, only
+        windows starting in [windows_since, windows_before), only one cohort's.
         """
+
+    @abc.abstractmethod
+    def cohort_totals(self, scope: str, cohort: str) -> tuple[int, int]:
+        """Return (reports, distinct devices) of one cohort's rows over every window."""
+
+    def device_rollups(self, scope: str, **filters) -> list[DeviceRollup]:
+        """Return `device_table`'s rows one by one (for a few: tests, small reads)."""
+        return self.device_table(scope, **filters).rows()

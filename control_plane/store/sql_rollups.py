@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 
 import numpy as np
-from sqlalchemy import and_, bindparam, delete, or_, select, text, true, tuple_, update
+from sqlalchemy import (
+    String,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    delete,
+    func,
+    or_,
+    select,
+    text,
+    true,
+    tuple_,
+    update,
+)
 
 from control_plane.store import orm
 from control_plane.store.rollups import (
@@ -18,11 +33,13 @@ from control_plane.store.rollups import (
     DeviceDelta,
     DeviceKey,
     DeviceRollup,
+    DeviceTable,
     PendingBatch,
     RollupKey,
     RollupStore,
     clamp,
     decode_buckets,
+    decode_many,
     encode_buckets,
 )
 from control_plane.store.sql_fleet import aware
@@ -248,25 +265,49 @@ class SqlRollupStore(RollupStore):
                 merged[g].buckets = _sum_sparse(indexes, counts)
         return merged
 
-    def device_rollups(
+    def cohort_totals(self, scope: str, cohort: str) -> tuple[int, int]:
+        """Return (reports, distinct devices) of one cohort's rows over every window."""
+        c = _D.c
+        with self._read_connection() as conn:
+            reports, devices = conn.execute(
+                select(
+                    func.coalesce(func.sum(c.reports), 0), func.count(c.device_id.distinct())
+                ).where(c.scope == scope, c.cohort == cohort)
+            ).one()
+        return int(reports), int(devices)
+
+    def device_table(
         self,
         scope: str,
         *,
         model: str | None = None,
         version: int | None = None,
         seen_since: dt.datetime | None = None,
-    ) -> list[DeviceRollup]:
-        """Return the device rows of one scope (optionally one version, seen since)."""
+        windows_since: dt.datetime | None = None,
+        windows_before: dt.datetime | None = None,
+        cohort: str | None = None,
+    ) -> DeviceTable:
+        """Return the device rows of one scope as columns (one pass over the rows)."""
         c = _D.c
-        stmt = select(*(c[name] for name in _DEVICE_READ)).where(c.scope == scope)
-        if model is not None:
-            stmt = stmt.where(c.model == model)
-        if version is not None:
-            stmt = stmt.where(c.version == version)
-        if seen_since is not None:
-            stmt = stmt.where(c.last_seen >= seen_since)
         with self._read_connection() as conn:
-            return [_device_rollup(row) for row in conn.execute(stmt)]
+            pg = conn.dialect.name == "postgresql"
+            stmt = select(*_table_columns(pg)).where(c.scope == scope)
+            if model is not None:
+                stmt = stmt.where(c.model == model)
+            if version is not None:
+                stmt = stmt.where(c.version == version)
+            if seen_since is not None:
+                stmt = stmt.where(c.last_seen >= seen_since)
+            if windows_since is not None:
+                stmt = stmt.where(c.window_start >= windows_since)
+            if windows_before is not None:
+                stmt = stmt.where(c.window_start < windows_before)
+            if cohort is not None:
+                stmt = stmt.where(c.cohort == cohort)
+            # Bound values converted as SQLAlchemy stores them (a datetime's text on
+            # SQLite); the selected columns need no processing (`_table_columns`).
+            rows = conn.execute(stmt).all()
+        return _table(scope, rows, pg)
 
 
 def _sum_sparse(indexes: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarray:
@@ -367,6 +408,81 @@ _DEVICE_UPDATE = (
 )
 _EMPTY_INDEX = np.zeros(0, "<u2")
 _EMPTY_COUNTS = np.zeros(0, "<i8")
+
+
+def _table_columns(pg: bool) -> list:
+    """Return what `device_table` selects: `_DEVICE_READ`, cheaper to read.
+
+    Times as Unix seconds (or SQLite's text of a window start, a few distinct) and crash
+    signals as JSON text, so tens of thousands of rows do not cost a datetime and a JSON
+    document each.
+    """
+    c = _D.c
+    out = []
+    for name in _DEVICE_READ:
+        if name in ("window_start", "last_seen") and pg:
+            out.append(func.extract("epoch", c[name]).label(name))
+        elif name == "window_start":
+            out.append(cast(c[name], String).label(name))  # few distinct: parsed once each
+        elif name == "last_seen":
+            out.append(((func.julianday(c[name]) - 2440587.5) * 86400.0).label(name))
+        elif name == "crash_signals":
+            out.append(cast(c[name], Text).label(name))
+        else:
+            out.append(c[name])
+    return out
+
+
+def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
+    """Return rows selected by `_table_columns` as a DeviceTable."""
+    columns = dict(zip(_DEVICE_READ, zip(*rows, strict=True), strict=True)) if rows else {}
+
+    def col(name: str, dtype=object) -> np.ndarray:
+        values = columns.get(name, ())
+        if dtype is object:
+            out = np.empty(len(values), object)
+            out[:] = values
+            return out
+        return np.array(values, dtype)
+
+    def seconds(name: str) -> np.ndarray:
+        values = columns.get(name, ())
+        if pg or name == "last_seen":
+            return np.array(values, np.float64)
+        parsed: dict[str, float] = {}
+        for stored in set(values):
+            parsed[stored] = aware(dt.datetime.fromisoformat(stored)).timestamp()
+        return np.array([parsed[v] for v in values], np.float64)
+
+    def nullable(name: str) -> np.ndarray:
+        return np.array([np.nan if v is None else v for v in columns.get(name, ())], np.float64)
+
+    counters = np.array([columns.get(name, ()) for name in COUNTERS], np.float64)
+    signals = col("crash_signals")
+    signals[:] = [json.loads(v) if v and v != "{}" else {} for v in signals]
+    hist_row, hist_index, hist_count = decode_many(columns.get("latency_buckets", ()))
+    return DeviceTable(
+        scope=scope,
+        window=seconds("window_start"),
+        cohort=col("cohort"),
+        model=col("model"),
+        version=col("version", np.int64),
+        variant=col("variant"),
+        config=col("config"),
+        device_id=col("device_id"),
+        device_class=col("device_class"),
+        last_seen=seconds("last_seen"),
+        reports=col("reports", np.int64),
+        counters=counters.T.reshape(len(rows), len(COUNTERS)),
+        latency_count=col("latency_count", np.float64),
+        latency_sum_ns=col("latency_sum_ns", np.float64),
+        latency_min_ns=nullable("latency_min_ns"),
+        latency_max_ns=nullable("latency_max_ns"),
+        crash_signals=signals,
+        hist_row=hist_row,
+        hist_index=hist_index,
+        hist_count=hist_count,
+    )
 
 
 def _device_rollup(row) -> DeviceRollup:

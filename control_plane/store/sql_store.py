@@ -279,6 +279,17 @@ class SqlStore(
             .order_by(orm.VersionRow.number)
         )
 
+    def published_variants(self) -> frozenset[tuple[str, int, str]]:
+        """Return every (model, version number, variant) published, in one read."""
+        m, v, x = orm.ModelRow, orm.VersionRow, orm.VariantRow
+        with self._read() as session:
+            rows = session.execute(
+                select(m.name, v.number, x.name)
+                .join(v, v.model_id == m.id)
+                .join(x, x.version_id == v.id)
+            ).all()
+        return frozenset((name, number, variant) for name, number, variant in rows)
+
     def list_versions(
         self, name: str, *, after: int = 0, limit: int | None = None
     ) -> list[VersionRecord]:

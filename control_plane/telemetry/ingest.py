@@ -25,6 +25,7 @@ from collections.abc import Callable
 from control_plane import errors
 from control_plane.store.telemetry import ReportBatch, TelemetryStore
 from control_plane.telemetry.budget import check_periods
+from control_plane.telemetry.catalog import Catalog
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,11 @@ class ReportWriter:
         *,
         max_group: int = MAX_GROUP,
         on_stored: Callable[[list[ReportBatch]], None] | None = None,
+        catalog: Catalog | None = None,
     ) -> None:
+        """With a `catalog`, batches naming versions never published are refused."""
         self._store, self._max, self._on_stored = store, max_group, on_stored
+        self._catalog = catalog
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -147,13 +151,16 @@ class ReportWriter:
     def _write(self, group: list) -> list[tuple[str, str, dt.datetime]]:
         """Store a group; return the refusals to count (device, reason, when)."""
         batches = [batch for batch, _ in group]
+        unknown = [self._unpublished(b) for b in batches]
+        known = [b for b, why in zip(batches, unknown, strict=True) if why is None]
         try:
-            results = self._store.add_reports(batches, check=check_periods)
+            stored = iter(self._store.add_reports(known, check=check_periods) if known else ())
+            results = [why or next(stored) for why in unknown]
         except Exception as exc:  # noqa: BLE001 - every waiting caller must hear of it
             if not isinstance(exc, errors.SkiffError):
                 log.exception("storing %d report batches failed", len(batches))
                 exc = errors.Unavailable("storing the report failed; report again later")
-            results = [exc] * len(group)
+            results = [why or exc for why in unknown]
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for (_, future), result in zip(group, results, strict=True):
             if isinstance(future, asyncio.Future):
@@ -174,6 +181,18 @@ class ReportWriter:
             for b, r in zip(batches, results, strict=True)
             if isinstance(r, errors.InvalidArgument)
         ]
+
+    def _unpublished(self, batch: ReportBatch) -> errors.InvalidArgument | None:
+        """Return why a batch names something never published, or None."""
+        if self._catalog is None:
+            return None
+        for item in (*batch.models, *batch.installs):
+            if not self._catalog.published(item.model, item.version, item.variant):
+                return errors.InvalidArgument(
+                    f"{item.model}:{item.version} ({item.variant}) was never published: a "
+                    "device reports only what it was sent"
+                )
+        return None
 
 
 def _still_wanted(future) -> bool:

@@ -6,7 +6,7 @@ fallback rates stay within bounds.
 
 Read from the fleet-wide device rows (one per device and config of a version; devices
 silent for `window`, 7 days by default, drop out) and judged on devices, not samples: a
-config needs `min_devices` distinct devices (and more than twice `outliers`), each
+config needs `min_devices` distinct devices left once the `outliers` each way are, each
 device's samples are capped at 4 times the median device's, and the `outliers` fastest
 and slowest devices are left out before its p50 is read (control_plane.telemetry.robust);
 so one device reporting a million fast samples cannot make its config the class's pick.
@@ -26,7 +26,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from control_plane.store.rollups import FLEET, DeviceRollup, RollupStore
+import numpy as np
+
+from control_plane.store.rollups import FLEET, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
@@ -116,18 +118,22 @@ class Recommendations:
 
     def table(self, model: str, version: int, variant: str | None = None) -> list[ClassBackends]:
         """Return the backend table of a version, per variant and device class."""
-        rows = self._store.device_rollups(
+        table = self._store.device_table(
             FLEET, model=model, version=version, seen_since=self._clock() - self._window
         )
-        groups: dict[tuple[str, str], dict[str, list[DeviceRollup]]] = {}
-        for row in rows:
-            if variant is not None and row.key.variant != variant:
+        groups: dict[tuple[str, str], dict[str, list[int]]] = {}
+        for i, (var, device_class, config) in enumerate(
+            zip(table.variant, table.device_class, table.config, strict=True)
+        ):
+            if variant is not None and var != variant:
                 continue
-            by_config = groups.setdefault((row.key.variant, row.device_class), {})
-            by_config.setdefault(row.key.config, []).append(row)
+            groups.setdefault((var, device_class), {}).setdefault(config, []).append(i)
         out = []
         for (var, device_class), by_config in sorted(groups.items()):
-            configs = [self._figures(config, Devices(found)) for config, found in by_config.items()]
+            configs = [
+                self._figures(config, Devices(table, np.array(rows, np.intp)))
+                for config, rows in by_config.items()
+            ]
             configs.sort(key=lambda c: (not c.eligible, c.p50_us or float("inf"), c.config))
             best = configs[0].config if configs and configs[0].eligible else None
             out.append(ClassBackends(var, class_values(device_class), tuple(configs), best))
@@ -136,20 +142,21 @@ class Recommendations:
     def _figures(self, config: str, devices: Devices) -> ConfigFigures:
         k = self._outliers
         raw = devices.pooled()
-        (weights,) = quantile_weights([devices], 0.5, k)
+        (weights,), _ = quantile_weights([devices], 0.5, k)
         judged = devices.pooled(weights)
         crashes, n, _ = robust_rate(devices, "crashes", "inferences", k)
         fallbacks, n_f, _ = robust_rate(devices, "fallbacks", "inferences", k)
         crash = crashes / n if n else None
         fallback = fallbacks / n_f if n_f else None
-        needed = max(self._min_devices, 2 * k + 1)
+        # min_devices left after the trim: so many devices' own figures, whatever k send.
+        needed = self._min_devices + 2 * k
         why = ""
         if len(devices) < needed:
             why = f"{len(devices)} of {needed} devices"
         elif judged.latency_count < self._min_samples:
             why = f"{judged.latency_count:.0f} of {self._min_samples} samples"
             if judged.latency_count < raw.latency_count:
-                why += f" (of {raw.latency_count} reported, each device capped)"
+                why += f" (of {raw.latency_count} reported; capped, outliers left out)"
         elif crash is not None and crash > self._max_crash:
             why = f"crash rate {crash:.2g} > {self._max_crash:g}"
         elif fallback is not None and fallback > self._max_fallback:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.store.telemetry import InstallRecord, ReportBatch, TelemetryStore
+from control_plane.telemetry.catalog import Catalog
 from control_plane.telemetry.ingest import ReportWriter
 from runtime.histogram import LatencyHistogram
 
@@ -46,9 +47,10 @@ class Telemetry:
         store: TelemetryStore,
         *,
         on_stored: Callable[[list[ReportBatch]], None] | None = None,
+        catalog: Catalog | None = None,
     ) -> None:
         self._store = store
-        self.writer = ReportWriter(store, on_stored=on_stored)
+        self.writer = ReportWriter(store, on_stored=on_stored, catalog=catalog)
 
     def report(self, batch: ReportBatch) -> concurrent.futures.Future:
         """Queue a batch for the next group commit.

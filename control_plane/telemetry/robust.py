@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from control_plane import errors
-from control_plane.store.rollups import COUNTERS, Aggregate, DeviceRollup
+from control_plane.store.rollups import COUNTERS, Aggregate, DeviceRollup, DeviceTable
 from runtime.histogram import N_BUCKETS
 
 CAP_FACTOR = 4.0
@@ -49,38 +49,35 @@ def check_robustness(outliers: int, min_devices: int) -> None:
 
 
 class Devices:
-    """The rows of one group of devices, as arrays (one entry per device and config)."""
+    """One group of devices (a cohort in a window, a config on a device class) as arrays.
 
-    def __init__(self, rows: Iterable[DeviceRollup]) -> None:
-        rows = list(rows)
-        self.rows = rows
-        ids: dict[str, int] = {}
-        configs: dict[str, int] = {}
-        self.entry_device = np.fromiter(
-            (ids.setdefault(r.key.device_id, len(ids)) for r in rows), np.intp, len(rows)
-        )
-        self.entry_config = np.fromiter(
-            (configs.setdefault(r.key.config, len(configs)) for r in rows), np.intp, len(rows)
-        )
-        self.ids = list(ids)
-        self.configs = list(configs)
-        self.counters = np.array(
-            [[r.counters[name] for name in COUNTERS] for r in rows], np.float64
-        ).reshape(len(rows), len(COUNTERS))
-        self.latency_count = np.fromiter((r.latency_count for r in rows), np.float64, len(rows))
-        self.latency_sum = np.fromiter((r.latency_sum_ns for r in rows), np.float64, len(rows))
-        sizes = [len(r.index) for r in rows]
-        self.hist_entry = np.repeat(np.arange(len(rows)), sizes)
-        self.hist_index = (
-            np.concatenate([r.index for r in rows]).astype(np.intp)
-            if rows
-            else np.zeros(0, np.intp)
-        )
-        self.hist_count = (
-            np.concatenate([r.counts for r in rows]).astype(np.float64)
-            if rows
-            else np.zeros(0, np.float64)
-        )
+    One entry per row of the table it comes from (a device and a backend config).
+    """
+
+    def __init__(self, table: DeviceTable, positions: np.ndarray | None = None) -> None:
+        self.table = table
+        rows = np.arange(len(table)) if positions is None else np.asarray(positions, np.intp)
+        self.positions = rows
+        devices, self.entry_device = np.unique(table.device_code[rows], return_inverse=True)
+        configs, self.entry_config = np.unique(table.config_code[rows], return_inverse=True)
+        self.ids = list(table.device_id[table.device_first_row[devices]])
+        self.configs = list(table.config[table.config_first_row[configs]])
+        self.counters = table.counters[rows]
+        self.latency_count = table.latency_count[rows]
+        self.latency_sum = table.latency_sum_ns[rows]
+        self.latency_min = table.latency_min_ns[rows]
+        self.latency_max = table.latency_max_ns[rows]
+        self.hist_entry, self.hist_index, self.hist_count = table.histograms(rows)
+
+    @classmethod
+    def of(cls, rows: Iterable[DeviceRollup]) -> Devices:
+        """Return a group of rows read one by one (tests, small reads)."""
+        return cls(DeviceTable.from_rows(list(rows)))
+
+    @property
+    def rows(self) -> list[DeviceRollup]:
+        """Return the group's rows one by one."""
+        return self.table.take(self.positions).rows()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -110,7 +107,7 @@ class Devices:
         Unscaled (weights None), counts are the exact integer sums and crash signals are
         kept; scaled, counts are floats (figures to judge, never stored).
         """
-        entries = np.ones(len(self.rows), np.float64)
+        entries = np.ones(len(self.positions), np.float64)
         if config is not None:
             if config not in self.configs:
                 return Aggregate()
@@ -126,19 +123,26 @@ class Devices:
         agg.buckets = np.rint(buckets).astype(np.int64) if exact else buckets
         count, total_ns = float(scale @ self.latency_count), float(scale @ self.latency_sum)
         if count > 0:
-            timed = np.flatnonzero((scale > 0) & (self.latency_count > 0))
-            lows = [self.rows[i].latency_min_ns for i in timed]
-            highs = [self.rows[i].latency_max_ns for i in timed]
+            timed = (scale > 0) & (self.latency_count > 0)
+            lows, highs = self.latency_min[timed], self.latency_max[timed]
             agg._add_latency(
                 round(count) if exact else count,
                 round(total_ns) if exact else total_ns,
-                min((x for x in lows if x is not None), default=None),
-                max((x for x in highs if x is not None), default=None),
+                int(np.nanmin(lows)) if np.isfinite(lows).any() else None,
+                int(np.nanmax(highs)) if np.isfinite(highs).any() else None,
             )
         if exact:
-            for i in np.flatnonzero(scale):
-                agg.crash_signals.update(self.rows[i].crash_signals)
+            for signals in self.table.crash_signals[self.positions[scale > 0]]:
+                if signals:
+                    agg.crash_signals.update(signals)
         return agg
+
+    def configs_with_devices(self, at_least: int) -> list[str]:
+        """Return the configs at least `at_least` devices ran (with timed inferences)."""
+        timed = self.latency_count > 0
+        pairs = np.unique(np.stack([self.entry_config[timed], self.entry_device[timed]]), axis=1)
+        counts = np.bincount(pairs[0], minlength=len(self.configs))
+        return [c for c, n in zip(self.configs, counts, strict=True) if n >= at_least]
 
     def by_config(self, weights: np.ndarray | None = None) -> dict[str, Aggregate]:
         """Return `pooled` per backend config."""
@@ -146,20 +150,18 @@ class Devices:
 
     def device(self, position: int) -> Devices:
         """Return one device's rows as a group of its own."""
-        return Devices(
-            r for r, d in zip(self.rows, self.entry_device, strict=True) if d == position
-        )
+        return Devices(self.table, self.positions[self.entry_device == position])
 
-    def below(self, config_index: np.ndarray, q_index: np.ndarray) -> np.ndarray:
-        """Return per entry the samples in buckets at or below its config's `q_index`.
+    def below(self, entry_slot: np.ndarray, q_index: np.ndarray) -> np.ndarray:
+        """Return per entry the samples in buckets at or below its slot's `q_index`.
 
-        `config_index` maps each entry to a slot of `q_index` (-1: none).
+        `entry_slot` maps each entry to a slot of `q_index` (-1: none).
         """
-        slot = config_index[self.hist_entry]
+        slot = entry_slot[self.hist_entry]
         limit = np.where(slot >= 0, q_index[np.maximum(slot, 0)], -1)
         mask = self.hist_index <= limit
         return np.bincount(
-            self.hist_entry[mask], weights=self.hist_count[mask], minlength=len(self.rows)
+            self.hist_entry[mask], weights=self.hist_count[mask], minlength=len(self.positions)
         )
 
 
@@ -213,21 +215,31 @@ def robust_rate(
     return float(weights @ e), float(weights @ n), weights
 
 
+def comparable_configs(cohorts: Sequence[Devices], k: int) -> list[str]:
+    """Return the backend configs each cohort ran on more than 2k devices (sorted).
+
+    Only those are compared like with like: a config fewer devices ran could be one
+    device's own (its figures there unchallenged by any other), and the trim could not
+    leave it out.
+    """
+    common = set.intersection(*(set(d.configs_with_devices(2 * k + 1)) for d in cohorts))
+    return sorted(common)
+
+
 def quantile_weights(
     cohorts: Sequence[Devices], q: float, k: int, factor: float = CAP_FACTOR
-) -> list[np.ndarray]:
-    """Return, per cohort, device weights for judging latency quantile `q`.
+) -> tuple[list[np.ndarray], list[str]]:
+    """Return per cohort device weights for latency quantile `q`, and configs to compare.
 
     Each device is capped by its timed inferences, then the k devices raising the
     cohort's q-quantile most and the k lowering it most are left out. Influence is
-    measured per backend config on the configs every cohort ran (like with like, as
-    `guardrails.latency_ratio` compares them; all configs pooled when they share none),
+    measured per backend config on the configs every cohort ran on more than 2k devices
+    (`comparable_configs`: like with like, as `guardrails.latency_ratio` compares them;
+    all configs pooled when there are none, and then the configs returned are empty),
     each config weighted by its sample in every cohort.
     """
     scales = [capped(d.per_device("latency_count"), factor) for d in cohorts]
-    shared = set.intersection(
-        *(set(_timed_configs(d, s)) for d, s in zip(cohorts, scales, strict=True))
-    )
+    shared = set(comparable_configs(cohorts, k))
     pooled = not shared
     out = []
     sizes = [
@@ -249,7 +261,7 @@ def quantile_weights(
                 slots[:] = slot
             elif config in devices.configs:
                 slots[devices.configs.index(config)] = slot
-        entry_slot = slots[devices.entry_config] if len(devices.rows) else slots[:0]
+        entry_slot = slots[devices.entry_config]
         below = devices.below(entry_slot, q_index)
         entry_scale = scale[devices.entry_device]
         per_entry = np.where(
@@ -260,11 +272,7 @@ def quantile_weights(
         influence = np.bincount(devices.entry_device, weights=per_entry, minlength=len(devices))
         timed = devices.per_device("latency_count") > 0
         out.append(scale * trim(influence, k, timed))
-    return out
-
-
-def _timed_configs(devices: Devices, scale: np.ndarray) -> list[str]:
-    return [c for c in devices.configs if devices.pooled(scale, c).latency_count > 0]
+    return out, sorted(shared)
 
 
 def _config_samples(devices: Devices, scale: np.ndarray, config: str | None) -> float:

@@ -139,6 +139,9 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
                 "at most 256": many,
                 "more than 218 buckets": huge_histogram,
                 "min_ns is above max_ns": inverted,
+                "do not fall in its lowest and highest": lambda m: setattr(
+                    m.models[0].latency, "max_ns", 2**62
+                ),
                 "more than 30 days old": ancient,
                 "invalid model name": lambda m: setattr(m.models[0], "model", "../x"),
                 "more than 100000 a second": over_the_rate,

@@ -80,3 +80,27 @@ def test_an_ack_must_be_of_a_signed_answer_to_this_device(published, enroll_toke
     )
     # Nothing refused counted anybody as synced.
     assert counts(cp, created.id).synced == 0
+
+
+def test_an_older_answer_acknowledged_again_is_refused(published, enroll_token):
+    """A replay: the device acknowledges v2's answer, then v1's again, to be counted as
+    running v1 (found in review). Refused; what it counts as synced stays v2."""
+    cp = published
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    first = rollout(cp)
+    old = device.sync_raw()
+    ack(device, old.document, old.document_signature)
+    with cp.client() as client:
+        client.transition_rollout(first.id, "rollback")
+    rollout(cp, version=2)
+    new = device.sync_raw()
+    assert new.models[0].version == 2
+    ack(device, new.document, new.document_signature)
+    ack(device, new.document, new.document_signature)  # the same one again: a retry, fine
+    assert code_of(lambda: ack(device, old.document, old.document_signature)) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    cp.app.writer.flush()
+    with cp.client() as client:
+        (shown,) = client.get_device(device.id).synced
+    assert shown.version == 2

@@ -42,7 +42,8 @@ def refused(device: Device, request) -> str:
     return caught.value.message
 
 
-def test_periods_never_overlap_and_the_rate_is_on_server_time(cp, enroll_token):
+def test_periods_never_overlap_and_the_rate_is_on_server_time(published, enroll_token):
+    cp = published
     device = Device.enroll(cp.address, enroll_token, {"soc": "sm8450"})
     now = dt.datetime.now(dt.UTC)
     enrolled = cp.app.fleet.get(device.id).enrolled_at
@@ -62,17 +63,24 @@ def test_periods_never_overlap_and_the_rate_is_on_server_time(cp, enroll_token):
     # A period ending in the future is credited up to its arrival only.
     ahead = batch(now, now + dt.timedelta(minutes=50), 100_000 * 60 * 50)
     assert "more than 100000 a second" in refused(device, ahead)
-    # Back to back is what agents send: accepted. Another model has its own periods.
+    # Back to back is what agents send: accepted.
     assert device.report(batch(now, dt.datetime.now(dt.UTC), 1)).duplicate is False
-    assert device.report(batch(enrolled, now, 1, model="ctr")).duplicate is False
+    # One budget per device, whatever it names: another version (or model) in a batch of
+    # its own over the same time overlaps too, so naming more cannot multiply the rate.
+    other = batch(enrolled, now, 1)
+    other.models[0].version = 2
+    assert "may not overlap" in refused(device, other)
+    # Nothing that was never published: each name would be rows in every rollup.
+    assert "never published" in refused(device, batch(now, now, 0, model="made-up"))
     cp.app.telemetry.writer.flush()
     record = cp.app.fleet.get(device.id)
-    assert record.reports_refused == 5
-    assert "more than 100000 a second" in record.last_refusal
+    assert record.reports_refused == 7
+    assert "never published" in record.last_refusal
     assert record.last_refusal_at is not None
 
 
-def test_a_refused_batch_stores_nothing_and_a_resent_one_is_applied_once(cp, enroll_token):
+def test_a_refused_batch_stores_nothing_and_a_resent_one_is_applied_once(published, enroll_token):
+    cp = published
     device = Device.enroll(cp.address, enroll_token, {"soc": "sm8450"})
     enrolled = cp.app.fleet.get(device.id).enrolled_at
     now = dt.datetime.now(dt.UTC)

@@ -230,11 +230,38 @@ def test_client_keys(host, key):
         ("ipv4:192.0.2.1:50123", "192.0.2.1"),
         ("ipv6:[2001:db8:1:2::7]:50123", "2001:db8:1:2::/64"),
         ("ipv6:[::ffff:192.0.2.1]:443", "192.0.2.1"),
+        # What grpcio really writes (brackets percent-encoded): keyed by /64 all the same.
+        ("ipv6:%5B2001:db8:1:2::7%5D:50123", "2001:db8:1:2::/64"),
+        ("ipv6:%5B2001:db8:1:2::8%5D:50124", "2001:db8:1:2::/64"),
+        ("ipv6:%5B::1%5D:7543", "::/64"),
         ("unix:/run/skiff.sock", "unix:/run/skiff.sock"),
     ],
 )
 def test_grpc_peer_keys(peer, key):
     assert peer_key(peer) == key
+
+
+def test_a_key_that_never_failed_is_spared_the_overall_limit_when_asked():
+    """Enroll: others' guesses fill the overall bucket; a new device's good token from a
+    clean address still gets through, while a guessing address gets one try, then waits."""
+    now = [0.0]
+    enroll = Throttle(
+        name="enroll",
+        per_key=Limit(10, 60.0),
+        overall=Limit(5, 1.0),
+        spare_new_keys=True,
+        clock=lambda: now[0],
+    )
+    for i in range(20):
+        if enroll.check(f"10.0.0.{i}") is None:
+            enroll.failed(f"10.0.0.{i}")
+    assert enroll.check("10.0.0.1") is not None  # failed before: the overall limit holds it
+    assert enroll.check("192.0.2.50") is None  # never failed: spared
+    login = Throttle(per_key=Limit(10, 60.0), overall=Limit(5, 1.0), clock=lambda: now[0])
+    for i in range(20):
+        if login.check(f"10.0.0.{i}") is None:
+            login.failed(f"10.0.0.{i}")
+    assert login.check("192.0.2.50") is not None  # the login keeps the stricter default
 
 
 def test_limits_are_validated():

@@ -445,3 +445,24 @@ def test_one_device_cannot_satisfy_the_minimum_sample_alone():
     rows.append(device_row("dev_big", lognormal(1_000_000, 1000, 9)))
     v = judge(P95, Cohort(rows), healthy(seed=3, prefix="b"), min_devices=1, min_inferences=10_000)
     assert v.status == INSUFFICIENT and "inferences needed" in v.detail
+
+
+def test_a_device_alone_on_a_backend_config_cannot_swing_the_latency_ratio():
+    """Found in review: a device that is the only one on some config, in both cohorts,
+    had that config compared like with like on its word alone (fast as a candidate, slow
+    as a baseline, or the reverse). Configs are compared only where each cohort has more
+    than 2k devices on them."""
+    limits = {"min_devices": 20, "min_inferences": 1000}
+    own = "VULKAN/high/t7/mem-low"
+    fast, slow = np.full(1600, 1.5), np.full(1600, 100_000_000.0)
+
+    def attacker(cohort_latencies):
+        return device_row("dev_attacker", cohort_latencies, config=own)
+
+    regressed = cohort(30, lognormal(12_000, 3200, 1))
+    base = cohort(30, lognormal(12_000, 2000, 2), prefix="b")
+    v = judge(P95, plus(regressed, attacker(fast)), plus(base, attacker(slow)), **limits)
+    assert v.status == FAIL and v.value > 1.4, v
+    healthy_c = cohort(30, lognormal(12_000, 2000, 3))
+    v = judge(P95, plus(healthy_c, attacker(slow)), plus(base, attacker(fast)), **limits)
+    assert v.status == PASS and v.value < 1.2, v

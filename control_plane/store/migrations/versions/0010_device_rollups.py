@@ -56,8 +56,12 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("key"),
     )
-    # A rollout's health view, and one version's recommendations.
+    # One version's recommendations.
     op.create_index("ix_device_rollups_scope", "device_rollups", ["scope", "model", "version"])
+    # A rollout's health view: its window's rows, an older baseline, the outside totals.
+    op.create_index(
+        "ix_device_rollups_cohort", "device_rollups", ["scope", "cohort", "window_start"]
+    )
     # Retention.
     op.create_index("ix_device_rollups_seen", "device_rollups", ["scope", "last_seen"])
     op.create_table(
