@@ -203,7 +203,7 @@ def health_query(name: str, db_url: str | None) -> dict:
     from control_plane.rollouts.guard import Guard
     from control_plane.store import orm
     from control_plane.store.rollouts import RolloutRecord
-    from control_plane.store.rollups import DeviceKey, encode_buckets
+    from control_plane.store.rollups import COUNTERS, DeviceKey, encode_buckets
     from control_plane.store.sql_store import SqlStore
     from control_plane.telemetry.classes import parse_device_class
     from control_plane.telemetry.rollups import (
@@ -299,18 +299,7 @@ def health_query(name: str, db_url: str | None) -> dict:
                             "device_class": json.dumps({"soc": a["soc"]}),
                             "last_seen": now,
                             "reports": 60,
-                            **dict.fromkeys(
-                                (
-                                    "errors",
-                                    "crashes",
-                                    "fallbacks",
-                                    "pipeline_firings",
-                                    "installs_activated",
-                                    "installs_failed",
-                                    "installs_rolled_back",
-                                ),
-                                0,
-                            ),
+                            **dict.fromkeys(COUNTERS, 0),
                             "inferences": int(counts.sum()),
                             "crash_signals": {},
                             "latency_count": int(counts.sum()),

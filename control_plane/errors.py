@@ -40,6 +40,13 @@ class Unauthenticated(SkiffError):
     """Missing or wrong credentials."""
 
 
+class UnknownCredential(Unauthenticated):
+    """A credential nobody was given: a guess, as far as throttling is concerned.
+
+    (An expired or used-up one is a plain Unauthenticated: its holder is no guesser.)
+    """
+
+
 class Unavailable(SkiffError):
     """A backing service (database, blob store, KMS) cannot be reached; retryable."""
 

@@ -19,6 +19,7 @@ from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_str
 from control_plane.api.signing_convert import chain_pb
 from control_plane.api.telemetry_convert import report_batch
 from control_plane.api.throttle import Throttle, peer_key
+from control_plane.api.throttle import enroll_throttle as new_enroll_throttle
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import associated_data
@@ -116,7 +117,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         recommendations: Recommendations | None = None,
         enroll_throttle: Throttle | None = None,
     ) -> None:
-        self._enroll_throttle = enroll_throttle or Throttle(name="enroll", spare_new_keys=True)
+        self._enroll_throttle = enroll_throttle or new_enroll_throttle()
         self._fleet, self._store, self._delivery = fleet, store, delivery
         self._telemetry, self._recommendations = telemetry, recommendations
         self._watchers, self._writer = watchers, writer

@@ -31,7 +31,7 @@ from control_plane.api.background import Periodic
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutOps, RolloutServicer
 from control_plane.api.health import HealthMonitor
-from control_plane.api.throttle import Throttle
+from control_plane.api.throttle import Throttle, enroll_throttle
 from control_plane.api.transport import listen_credentials
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import ManifestSigner, open_kek
@@ -164,9 +164,7 @@ class App:
     view: FleetView
     ops: RolloutOps
     # Bad enrollment tokens, per client address and overall (in memory, per replica).
-    enroll_throttle: Throttle = field(
-        default_factory=lambda: Throttle(name="enroll", spare_new_keys=True)
-    )
+    enroll_throttle: Throttle = field(default_factory=enroll_throttle)
 
     @property
     def store(self) -> SqlStore:

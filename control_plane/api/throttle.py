@@ -116,6 +116,7 @@ class Throttle:
         max_trusted: int = MAX_TRUSTED,
         clock: Callable[[], float] = time.monotonic,
         spare_new_keys: bool = False,
+        counts: type[errors.SkiffError] = errors.Unauthenticated,
     ) -> None:
         """Count failures per key and overall; see the module docstring.
 
@@ -124,7 +125,7 @@ class Throttle:
         a guesser's fresh address gets one guess before the overall limit holds it too).
         """
         self.name, self.per_key, self.overall = name, per_key, overall
-        self._spare_new = spare_new_keys
+        self._spare_new, self._counts = spare_new_keys, counts
         self._trusted_for, self._clock = trusted_for_s, clock
         self._max_keys, self._max_trusted = max_keys, max_trusted
         self._lock = threading.Lock()
@@ -183,15 +184,16 @@ class Throttle:
     def attempt(self, key: str) -> Iterator[None]:
         """Run an attempt by `key`: Throttled before it if `key` must wait.
 
-        Unauthenticated out of the block counts as a failure, leaving it cleanly as a
-        success; other errors (a malformed request) count as neither.
+        The error `counts` names (Unauthenticated by default) out of the block counts as a
+        failure, leaving it cleanly as a success; other errors (a malformed request, an
+        expired token for a throttle counting UnknownCredential) count as neither.
         """
         refused = self._refusal(key)
         if refused is not None:
             raise Throttled(*refused)
         try:
             yield
-        except errors.Unauthenticated:
+        except self._counts:
             self.failed(key)
             raise
         self.succeeded(key)
@@ -226,6 +228,16 @@ class Throttle:
         """Drop drained keys from the front (the oldest failures): amortised O(1)."""
         while self._failing and next(iter(self._failing.values())) <= now:
             self._failing.popitem(last=False)
+
+
+def enroll_throttle() -> Throttle:
+    """Return the throttle of DeviceService.Enroll.
+
+    It counts unknown enrollment tokens only (an expired or used-up one is no guess: a
+    factory whose token ran out must not be locked out of its next one), and spares a
+    clean address the overall limit (a new device's good token never waits on others).
+    """
+    return Throttle(name="enroll", spare_new_keys=True, counts=errors.UnknownCredential)
 
 
 def _wait(empty_at: float, now: float, limit: Limit) -> float:

@@ -105,7 +105,7 @@ class Fleet:
     ) -> tuple[DeviceRecord, str]:
         """Enroll a device; returns it with its credential (shown once, stored hashed)."""
         if not token.startswith(ENROLL_PREFIX) or len(token) > 128:
-            raise errors.Unauthenticated("invalid enrollment token")
+            raise errors.UnknownCredential("invalid enrollment token")
         reported = normalize_attributes(attributes)
         check_public_keyset(public_keyset)
         credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)

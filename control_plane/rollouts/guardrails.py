@@ -12,30 +12,35 @@ A rule is `METRIC > THRESHOLD` (or `>=`), for example `p95_latency_ratio > 1.2` 
     install_failure_rate
         failed or rolled-back installs of the candidate version, per install outcome
 
-The candidate cohort is the devices reporting the rollout's version; the baseline cohort is
-the devices the rollout selects that report another version (what they run without it),
-over the same window (control_plane.telemetry.rollups).
+The candidate cohort is the devices the rollout assigned its version, reporting it; the
+baseline cohort is the devices it selects but does not include yet, reporting what they
+are assigned without it; both by assignment, over the same window
+(control_plane.telemetry.rollups.cohort_of). Each cohort holds every device's own rows.
 
 Each rule ends in one of three verdicts:
 
-- **insufficient**: a cohort it needs has fewer devices than `min_devices` or fewer
-  inferences than `min_inferences` (for install_failure_rate: fewer than `min_devices`
-  install outcomes): neither passes nor fails;
+- **insufficient**: a cohort it needs has fewer devices than `min_devices` (or 2k + 1,
+  k = `outliers`) or fewer inferences than `min_inferences` once capped and trimmed (for
+  install_failure_rate: fewer than `min_devices` install outcomes): neither passes nor
+  fails;
 - **fail**: even the figure most favourable to the candidate within the statistical margin
-  breaks the rule. Rates use the Wilson score interval at `MARGIN_Z` standard errors (the
-  candidate's lower bound, and for ratios the baseline's upper bound); latency quantiles
-  use the distribution-free order-statistic interval (ranks q*n ± z*sqrt(n*q*(1-q))) and
-  read the candidate at the lower edge of its bucket, the baseline at the upper edge. So a
-  healthy rollout is not halted by noise or by histogram resolution. Latency is compared
-  per backend config, like with like (see `latency_ratio`). A rate rule also
-  needs at least two candidate devices showing the incident: one device (faulty, or
-  lying) cannot halt a rollout on its own;
+  breaks the rule. The figure is computed with each device capped at 4x the cohort's
+  median device and the k devices pulling hardest each way left out
+  (control_plane.telemetry.robust), so k devices can neither fail a healthy cohort nor
+  pass a failing one; and it needs more than k (at least two) candidate devices that
+  each show the problem. Rates use the Wilson score interval at `MARGIN_Z` standard
+  errors (the candidate's lower bound, and for ratios the baseline's upper bound);
+  latency quantiles use the distribution-free order-statistic interval (ranks
+  q*n ± z*sqrt(n*q*(1-q))) and read the candidate at the lower edge of its bucket, the
+  baseline at the upper edge. So a healthy rollout is not halted by noise or by histogram
+  resolution. Latency is compared per backend config, like with like, on the configs
+  each cohort ran on more than 2k devices (see `latency_ratio`);
 - **pass** otherwise.
 
 The margin treats inferences as independent draws. They are not quite (a slow device
-gives many slow inferences); the cohorts are random samples of the same selected devices,
-`min_devices` keeps either from being a handful of devices, and slicing by device class
-(`--slice-by soc`) compares like with like.
+gives many slow inferences); the cap keeps any device from weighing like many,
+`min_devices` keeps either cohort from being a handful of devices, and slicing by device
+class (`--slice-by soc`) compares like with like.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class SqlFleetStore(FleetStore):
                 .with_for_update()
             )
             if row is None:
-                raise errors.Unauthenticated("invalid enrollment token")
+                raise errors.UnknownCredential("invalid enrollment token")
             if aware(row.expires_at) <= now:
                 raise errors.Unauthenticated(f"enrollment token {row.id} has expired")
             if row.uses_left is not None and row.uses_left <= 0:

@@ -84,3 +84,12 @@ def published(cp):
 def enroll_token(cp):
     with cp.client() as client:
         return client.create_enrollment_token().token
+
+
+@pytest.fixture(autouse=True)
+def _enroll_throttle_per_test(request):
+    """Tests sharing one control plane (the attack modules' `plane`) each guess from the
+    same address: each starts with the Enroll throttle's counts forgotten, as if it came
+    from an address of its own."""
+    if "plane" in request.fixturenames:
+        request.getfixturevalue("plane").app.enroll_throttle.forget()

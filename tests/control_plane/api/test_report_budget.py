@@ -110,3 +110,19 @@ def test_bad_enrollment_tokens_are_throttled(cp):
     exhausted = [m for c, m in codes if c == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert 10 <= len(unauthenticated) <= 12 and len(exhausted) == 300 - len(unauthenticated)
     assert all("too many failed attempts" in m and "try again in" in m for m in exhausted)
+
+
+def test_a_used_up_token_is_no_guess(cp):
+    """A factory whose single-use token ran out keeps trying it: told so each time, never
+    locked out, and its next token works at once."""
+    with cp.client() as client:
+        once = client.create_enrollment_token(uses=1).token
+    Device.enroll(cp.address, once, {})
+    for _ in range(30):
+        with pytest.raises(DeviceCallError) as caught:
+            Device.enroll(cp.address, once, {})
+        assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert "used up" in caught.value.message
+    with cp.client() as client:
+        fresh = client.create_enrollment_token().token
+    assert Device.enroll(cp.address, fresh, {}).id
