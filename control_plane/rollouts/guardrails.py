@@ -74,6 +74,8 @@ METRICS = (
     "install_failure_rate",
 )
 PASS, FAIL, INSUFFICIENT = "pass", "fail", "insufficient"
+# Rules that need a baseline cohort (devices selected but not in the stage yet).
+BASELINE_METRICS = frozenset({*LATENCY_METRICS, "crash_rate_ratio"})
 
 _TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>>=|>)|(?P<num>[0-9.eE+-]+))")
 

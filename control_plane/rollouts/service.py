@@ -18,7 +18,7 @@ from control_plane.fleet.selector import parse_selector
 from control_plane.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
 from control_plane.registry.contract import BASE_VARIANT
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
-from control_plane.rollouts.guardrails import parse_rules
+from control_plane.rollouts.guardrails import BASELINE_METRICS, parse_rules
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
     MAX_PRIORITY,
@@ -123,7 +123,17 @@ class Rollouts:
             raise errors.InvalidArgument(f"version must be 1 to {MAX_VERSION}")
         if not VARIANT_NAME.fullmatch(variant):
             raise errors.InvalidArgument(f"invalid variant {variant!r:.40}")
-        rules = tuple(str(r) for r in parse_rules(spec.halt_rules))  # position and reason
+        parsed = parse_rules(spec.halt_rules)  # position and reason
+        rules = tuple(str(r) for r in parsed)
+        compared = [r.metric for r in parsed if r.metric in BASELINE_METRICS]
+        if compared and stages[0] >= 100:
+            # Cohorts are by assignment: a first stage of every selected device leaves
+            # no baseline (devices not in the stage), and such a rule would never judge.
+            raise errors.InvalidArgument(
+                f"{compared[0]} compares with devices the rollout has not reached yet, and "
+                "a first stage of 100% leaves none: start with a smaller stage "
+                "(e.g. --stages 10,100)"
+            )
         slice_by = ""
         if spec.slice_by:
             # Stored as the dimension itself ("os_version:major"), so the rollout keeps its

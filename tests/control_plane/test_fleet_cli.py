@@ -125,6 +125,8 @@ def test_fleet_cli_bad_input(server):  # noqa: F811
         (["--halt", "crash_rate>0.1", "--slice-by", "colour"], "unknown slice attribute 'colour'"),
         (["--slice-by", "soc"], "--slice-by needs at least one --halt rule"),
         (["--halt", "crash_rate>0.1", "--min-devices", "-1"], "min devices"),
+        # No baseline by assignment when every selected device is in the first stage.
+        (["--halt", "p95_latency_ratio>1.2"], "a first stage of 100% leaves none"),
     ]:
         halt = skiff("rollout", "create", "kws:1", *args, env=env, check=False)
         line = _error_line(halt)

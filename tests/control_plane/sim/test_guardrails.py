@@ -14,6 +14,7 @@ import pytest
 
 from control_plane import errors
 from control_plane.cli.fleet_views import rollout_dict
+from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.sim import FleetSimulator, SimOptions
 from control_plane.sim.profile import parse_profile
 from protos import fleet_pb2
@@ -198,7 +199,7 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
             created = await asyncio.to_thread(
                 _cli,
                 cp,
-                *("rollout", "create", f"{MODEL}:2", "--stages", "100", "--bake", "1h"),
+                *("rollout", "create", f"{MODEL}:2", "--stages", "50,100", "--bake", "1h"),
                 *("--halt", "p95_latency_ratio>1.2", "--halt", "crash_rate>0.01"),
                 *("--min-devices", "3", "--min-inferences", "300", "--slice-by", "soc", "--json"),
             )
@@ -224,9 +225,11 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
                 *("--reason", "driver fixed", "--json"),
             )
             readmitted = json.loads(resumed.stdout)
-            # Its devices run the version again; still slow, the slice goes back again. Its
-            # window opens at the first whole minute after the readmission: up to a minute.
-            await sim.wait_synced(MODEL, 2, installed=True, devices=slow, timeout=30)
+            # Its devices in the stage run the version again; still slow, the slice goes
+            # back again, judged on what they report from the readmission on.
+            half = stage_limit([50.0, 100.0], 0)
+            staged = [d for d in slow if bucket(rid, d) < half]
+            await sim.wait_synced(MODEL, 2, installed=True, devices=staged, timeout=30)
             again = await asyncio.to_thread(
                 wait_for, lambda: slice_state("rolled_back", 2), 150, "a second rollback"
             )
@@ -249,6 +252,6 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
     # The second verdict rests on reports made after the readmission only.
     second = [e for e in again["audit"] if e["action"] == "slice_rollback"][-1]
     at = dt.datetime.fromisoformat
-    assert at(second["evidence"]["since"]) >= at(resume["at"]) and second["at"] > resume["at"]
+    assert at(second["evidence"]["since"]) >= at(resume["at"]) and second["at"] >= resume["at"]
     assert second["evidence"]["failed"] == ["p95_latency_ratio>1.2"]
     assert again["state"] == "active"  # the other slice goes on
