@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from control_plane import errors
@@ -56,6 +56,8 @@ from control_plane.store.rollups import Aggregate, DeviceRollup
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
     Devices,
+    design_effect,
+    device_ratio,
     left_out,
     quantile_weights,
     robust_rate,
@@ -232,11 +234,17 @@ def wilson(successes: int, n: int, z: float = MARGIN_Z) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _quantile_bounds(agg: Aggregate, q: float, z: float = MARGIN_Z) -> tuple[float, float]:
-    """Return (low, high) of the quantile's order-statistic interval, at bucket edges."""
-    n = agg.latency_count
+def _quantile_bounds(
+    agg: Aggregate, q: float, deff: float = 1.0, z: float = MARGIN_Z
+) -> tuple[float, float]:
+    """Return (low, high) of the quantile's order-statistic interval, at bucket edges.
+
+    The interval's ranks are those of n / `deff` independent draws (the design effect of
+    samples clustered in devices: robust.design_effect), read as fractions of the whole.
+    """
+    n = agg.latency_count / max(deff, 1.0)
     spread = z * math.sqrt(n * q * (1 - q))
-    low_q = max(1 / n, (q * n - spread) / n)
+    low_q = max(1 / agg.latency_count, (q * n - spread) / n)
     high_q = min(1.0, (q * n + spread + 1) / n)
     return agg.quantile_us(low_q, "low"), agg.quantile_us(high_q, "high")
 
@@ -333,23 +341,40 @@ def judge(
         lacking = short(who, cohort, judged.aggregate.latency_count, "inferences", min_inferences)
         if lacking:
             return lacking
-    value, bound = latency_ratio(judged_c, judged_b, q, configs)
-    verdict = _verdict(
-        rule,
-        name,
-        value,
-        bound,
-        judged_c.aggregate.quantile_us(q),
-        judged_b.aggregate.quantile_us(q),
-        sample,
-    )
+    # Both cohorts' margins widened by how much the baseline's devices differ among
+    # themselves (healthy by assumption; the candidate's spread could be the regression).
+    deff = {c: design_effect(baseline.members, b_weights, c) for c in (configs or [None])}
+    sample["design_effect"] = {str(c): round(d, 2) for c, d in deff.items()}
+    value, bound = latency_ratio(judged_c, judged_b, q, configs, deff)
+    figures = (value, bound, judged_c.aggregate.quantile_us(q), judged_b.aggregate.quantile_us(q))
+    # Two readings, each robust to k devices; the one the evidence weighs more decides.
+    # All inferences pooled catches a tail a few devices make (3 of 30 slower: p99);
+    # each device's own quantile, compared over devices, catches a slowdown every device
+    # shows however few they are and however they differ (the pooled margin, widened by
+    # the design effect, is then very wide).
+    per_device = device_ratio(candidate.members, baseline.members, q, k)
+    how = "of all inferences"
+    if per_device is not None:
+        d = per_device
+        own_bound = math.exp(d.log_ratio - MARGIN_Z * d.standard_error)
+        if own_bound > bound:
+            how = "of each device's own"
+            figures = (math.exp(d.log_ratio), own_bound, d.candidate_us, d.baseline_us)
+            sample["left_out"] = d.left_out
+    verdict = _verdict(rule, name, *figures, sample)
+    head = f"{rule.metric} {figures[0]:.4g}"
+    detail = verdict.detail.replace(head, f"{head} ({how} p{round(q * 100)})", 1)
+    verdict = replace(verdict, detail=detail)
     if verdict.status != FAIL:
         return verdict
-    slower = sum(
-        rule.breaks(latency_ratio(_own(candidate, i), judged_b, q, configs)[0])
-        for i in range(candidate.devices)
-    )
-    return _spread(verdict, candidate, "", k, seen=slower, what="is that much slower")
+    if how == "of all inferences":
+        seen = sum(
+            rule.breaks(latency_ratio(_own(candidate, i), judged_b, q, configs)[0])
+            for i in range(candidate.devices)
+        )
+    else:
+        seen = sum(rule.breaks(math.exp(x)) for x in per_device.slower.values())
+    return _spread(verdict, candidate, "", k, seen=seen, what="is that much slower")
 
 
 def _own(cohort: Cohort, position: int) -> Pooled:
@@ -364,7 +389,11 @@ def _left_out(cohort: Cohort, weights, who: str = "candidate") -> dict:
 
 
 def latency_ratio(
-    candidate: Pooled, baseline: Pooled, q: float, configs: Sequence[str] | None = None
+    candidate: Pooled,
+    baseline: Pooled,
+    q: float,
+    configs: Sequence[str] | None = None,
+    deff: Mapping[str | None, float] | None = None,
 ) -> tuple[float, float]:
     """Return the candidate/baseline ratio of quantile `q`, and its margin-side bound.
 
@@ -375,24 +404,26 @@ def latency_ratio(
     on the new version is a draw: pooled, a candidate with more CPU-only devices than the
     baseline looked 1.4x slower on p95 with nothing wrong. A version that moves devices
     to a slower backend does so by falling back, which `fallback_rate` watches. Cohorts
-    with no config to compare are compared pooled.
+    with no config to compare are compared pooled. `deff` widens each config's margin
+    (None: pooled) by the design effect of samples clustered in devices.
     """
     wanted = set(candidate.by_config) if configs is None else set(configs)
+    deff = deff or {}
     pairs = [
-        (agg, baseline.by_config[config])
+        (agg, baseline.by_config[config], deff.get(config, 1.0))
         for config, agg in sorted(candidate.by_config.items())
         if config in wanted
         and agg.latency_count
         and baseline.by_config.get(config, Aggregate()).latency_count
-    ] or [(candidate.aggregate, baseline.aggregate)]
+    ] or [(candidate.aggregate, baseline.aggregate, deff.get(None, 1.0))]
     # Below 1 µs the histogram cannot tell latencies apart: compare from 1 µs up.
     floor = MIN_NS / 1000
     log_value = log_bound = total = 0.0
-    for c, b in pairs:
+    for c, b, effect in pairs:
         if not (c.latency_count and b.latency_count):
             continue
-        c_low, _ = _quantile_bounds(c, q)
-        _, b_high = _quantile_bounds(b, q)
+        c_low, _ = _quantile_bounds(c, q, effect)
+        _, b_high = _quantile_bounds(b, q, effect)
         n_c, n_b = c.latency_count, b.latency_count
         weight = n_c * n_b / (n_c + n_b)
         log_value += weight * math.log(max(c.quantile_us(q), floor) / max(b.quantile_us(q), floor))

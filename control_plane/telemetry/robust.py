@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from control_plane import errors
 from control_plane.store.rollups import COUNTERS, Aggregate, DeviceRollup, DeviceTable
-from runtime.histogram import N_BUCKETS
+from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
 CAP_FACTOR = 4.0
 DEFAULT_OUTLIERS = 1
@@ -294,3 +295,228 @@ def _quantile_index(agg: Aggregate, q: float) -> int:
         return -1
     rank = min(agg.latency_count, max(1, math.ceil(q * agg.latency_count - 1e-9)))
     return int(np.searchsorted(np.cumsum(agg.buckets), rank - 1e-9))
+
+
+# -- latency: each device's own quantile, compared as trimmed means ------------------------
+
+
+def min_samples(q: float) -> int:
+    """Return the timed inferences a device needs for its own q-quantile to mean anything."""
+    return max(2, math.ceil(1 / (1 - q) - 1e-9))
+
+
+@dataclass(frozen=True)
+class DeviceQuantiles:
+    """Each qualifying device's own q-quantile on one config (or all configs merged)."""
+
+    positions: np.ndarray  # device positions in the Devices they come from
+    log_us: np.ndarray  # natural log of the quantile in µs (floored at 1 µs)
+    samples: np.ndarray  # timed inferences behind each
+
+
+def device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQuantiles:
+    """Return the q-quantile of each device with `min_samples(q)` on `config` (None: all)."""
+    if config is not None and config not in devices.configs:
+        empty = np.zeros(0)
+        return DeviceQuantiles(np.zeros(0, np.intp), empty, empty)
+    entries = (
+        np.ones(len(devices.positions), bool)
+        if config is None
+        else devices.entry_config == devices.configs.index(config)
+    )
+    n_dev = len(devices)
+    counts = np.bincount(
+        devices.entry_device[entries], weights=devices.latency_count[entries], minlength=n_dev
+    )
+    wanted = np.flatnonzero(counts >= min_samples(q))
+    if not wanted.size:
+        empty = np.zeros(0)
+        return DeviceQuantiles(wanted, empty, empty)
+    row = np.full(n_dev, -1, np.intp)
+    row[wanted] = np.arange(len(wanted))
+    hist_entry_ok = entries[devices.hist_entry]
+    hist_row = row[devices.entry_device[devices.hist_entry]]
+    keep = hist_entry_ok & (hist_row >= 0)
+    dense = np.bincount(
+        hist_row[keep] * N_BUCKETS + devices.hist_index[keep],
+        weights=devices.hist_count[keep],
+        minlength=len(wanted) * N_BUCKETS,
+    ).reshape(len(wanted), N_BUCKETS)
+    n = dense.sum(axis=1)
+    rank = np.maximum(1.0, np.ceil(q * n - 1e-9))
+    index = np.argmax(np.cumsum(dense, axis=1) >= rank[:, None] - 1e-9, axis=1)
+    low, high = _observed_range(devices, entries)
+    low, high = low[wanted], high[wanted]
+    middle = MIN_NS * 2 ** ((index - 0.5) / BUCKETS_PER_DOUBLING)  # the bucket's geometric mid
+    value_ns = np.where(index == 0, low, np.where(index == N_BUCKETS - 1, high, middle))
+    value_ns = np.clip(value_ns, low, high)  # within what the device saw, as quantile_us reads
+    log_us = np.log(np.maximum(value_ns / 1000, MIN_NS / 1000))
+    return DeviceQuantiles(wanted, log_us, n)
+
+
+def _observed_range(devices: Devices, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return per device the lowest and highest latency it reported on `entries` (ns)."""
+    timed = entries & (devices.latency_count > 0)
+    low = np.full(len(devices), np.inf)
+    high = np.full(len(devices), -np.inf)
+    owner = devices.entry_device[timed]
+    np.minimum.at(low, owner, np.nan_to_num(devices.latency_min[timed], nan=np.inf))
+    np.maximum.at(high, owner, np.nan_to_num(devices.latency_max[timed], nan=-np.inf))
+    return np.where(np.isfinite(low), low, 0.0), np.where(np.isfinite(high), high, np.inf)
+
+
+def comparable_quantile_configs(
+    candidate: Devices, baseline: Devices, q: float, k: int
+) -> list[str]:
+    """Return the configs compared like with like, for latency quantile `q`.
+
+    Those on which each cohort has more than 2k devices with their own q-quantile
+    (`min_samples(q)` timed inferences).
+    """
+    common = set(candidate.configs) & set(baseline.configs)
+    return sorted(
+        c
+        for c in common
+        if min(
+            len(device_quantiles(candidate, q, c).positions),
+            len(device_quantiles(baseline, q, c).positions),
+        )
+        > 2 * k
+    )
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    """A trimmed mean over devices, with Yuen's variance of it (winsorized)."""
+
+    mean: float
+    variance: float  # of the trimmed mean
+    kept: int
+    left_out: np.ndarray  # positions (into the values given) left out
+
+
+def trimmed(values: np.ndarray, k: int) -> Trimmed:
+    """Return the mean of `values` without the k highest and k lowest, and its variance.
+
+    Yuen's estimate: the winsorized variance (the k lowest set to the next value up, the
+    k highest to the next down) over h(h-1)/(n-1), h the values kept. Needs n > 2k.
+    """
+    n = len(values)
+    h = n - 2 * k
+    if h < 1:
+        raise ValueError(f"{n} values cannot be trimmed by {k} each way")
+    order = np.argsort(values, kind="stable")
+    ranked = values[order]
+    kept = ranked[k : n - k]
+    winsorized = np.clip(ranked, ranked[k], ranked[n - k - 1])
+    spread = float(np.var(winsorized, ddof=1)) if n > 1 else 0.0
+    variance = (n - 1) * spread / (h * (h - 1)) if h > 1 else math.inf
+    gone = np.concatenate([order[:k], order[n - k :]]) if k else np.zeros(0, np.intp)
+    return Trimmed(float(kept.mean()), variance, h, gone)
+
+
+@dataclass(frozen=True)
+class DeviceRatio:
+    """Candidate over baseline of the devices' own q-quantiles (trimmed means of logs)."""
+
+    log_ratio: float
+    standard_error: float
+    candidate_us: float
+    baseline_us: float
+    left_out: dict[str, list[str]]
+    slower: dict[str, float]  # candidate device id -> its log ratio to the baseline
+
+
+def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> DeviceRatio | None:
+    """Compare each device's own q-quantile across cohorts; None with too few devices.
+
+    Per config each cohort ran on more than 2k devices with `min_samples(q)` timed
+    inferences (all configs merged per device only when the cohorts share none; sharing
+    some without enough devices on them, None): the k highest and k lowest device
+    quantiles of each cohort are left out, the trimmed means of their logs compared, and
+    the difference's standard error is Yuen's, over devices: as wide as devices differ.
+    """
+    configs = comparable_quantile_configs(candidate, baseline, q, k)
+    if not configs:
+        if set(candidate.configs) & set(baseline.configs):
+            return None  # a config in common, too few devices on it: not mixed across configs
+        configs = [None]
+    total = log_ratio = log_c = log_b = variance = 0.0
+    left: dict[str, set] = {"candidate": set(), "baseline": set()}
+    slower: dict[str, float] = {}
+    for config in configs:
+        dc, db = device_quantiles(candidate, q, config), device_quantiles(baseline, q, config)
+        if min(len(dc.log_us), len(db.log_us)) <= 2 * k:
+            continue
+        tc, tb = trimmed(dc.log_us, k), trimmed(db.log_us, k)
+        weight = tc.kept * tb.kept / (tc.kept + tb.kept)
+        total += weight
+        log_ratio += weight * (tc.mean - tb.mean)
+        log_c, log_b = log_c + weight * tc.mean, log_b + weight * tb.mean
+        variance += weight * weight * (tc.variance + tb.variance)
+        left["candidate"].update(candidate.ids[dc.positions[i]] for i in tc.left_out)
+        left["baseline"].update(baseline.ids[db.positions[i]] for i in tb.left_out)
+        for position, value in zip(dc.positions, dc.log_us, strict=True):
+            device = candidate.ids[position]
+            slower[device] = max(slower.get(device, -math.inf), float(value - tb.mean))
+    if not total:
+        return None
+    return DeviceRatio(
+        log_ratio / total,
+        math.sqrt(variance) / total,
+        math.exp(log_c / total),
+        math.exp(log_b / total),
+        {who: sorted(ids) for who, ids in left.items() if ids},
+        slower,
+    )
+
+
+# The log of what each histogram bucket holds (its geometric middle; under- and overflow
+# read at their inner edge): what the spread of latencies within and between devices is
+# measured on.
+_LOG_MID = np.log(
+    MIN_NS * 2 ** ((np.clip(np.arange(N_BUCKETS), 1, N_BUCKETS - 2) - 0.5) / BUCKETS_PER_DOUBLING)
+)
+
+
+def design_effect(devices: Devices, weights: np.ndarray, config: str | None = None) -> float:
+    """Return how much fewer independent samples a cohort's timed inferences are worth.
+
+    Latencies of one device go together (a slow phone is slow all day), so n inferences
+    from g devices carry less than n independent draws: the design effect of cluster
+    sampling, 1 + (m - 1) * ICC, with m the size-weighted mean samples per device and ICC
+    the share of the variance of log latency that lies between devices (one-way ANOVA
+    estimate, clipped to [0, 1]), over the devices kept (`weights` > 0, as scaled), on
+    `config` (None: every config).
+    """
+    entries = np.ones(len(devices.positions), bool)
+    if config is not None:
+        if config not in devices.configs:
+            return 1.0
+        entries = devices.entry_config == devices.configs.index(config)
+    scale = weights[devices.entry_device] * entries
+    per_hist = scale[devices.hist_entry]
+    keep = per_hist > 0
+    if not keep.any():
+        return 1.0
+    owner = devices.entry_device[devices.hist_entry[keep]]
+    counts = devices.hist_count[keep] * per_hist[keep]
+    logs = _LOG_MID[devices.hist_index[keep]]
+    n = np.bincount(owner, weights=counts, minlength=len(devices))
+    held = n > 0
+    g = int(held.sum())
+    if g < 2:
+        return 1.0
+    mean = np.bincount(owner, weights=counts * logs, minlength=len(devices))[held] / n[held]
+    square = np.bincount(owner, weights=counts * logs * logs, minlength=len(devices))[held]
+    n = n[held]
+    total = n.sum()
+    within = float(np.maximum(square / n - mean * mean, 0) @ n)
+    grand = float(mean @ n) / total
+    msb = float(n @ (mean - grand) ** 2) / (g - 1)
+    msw = within / max(total - g, 1.0)
+    n0 = (total - float(n @ n) / total) / (g - 1)
+    denominator = msb + (n0 - 1) * msw
+    icc = min(1.0, max(0.0, (msb - msw) / denominator)) if denominator > 0 else 0.0
+    m = float(n @ n) / total
+    return max(1.0, 1 + (m - 1) * icc)
