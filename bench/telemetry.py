@@ -22,7 +22,7 @@ Reported:
 
 Client, server and database share this machine's two cores.
 
-    python bench/telemetry.py            # 64 devices, 64 in flight, 3 rounds of 10 s windows
+    python bench/telemetry.py            # 1024 devices, 64 in flight, 3 rounds of 10 s windows
     python bench/telemetry.py --quick    # 2 rounds of 5 s windows
 
 The last line is one JSON object.
@@ -111,8 +111,15 @@ async def ingestion(address: str, echo_address: str, token: str, args) -> tuple[
         payload = os.urandom(int(size))
 
         async def report(i: int, stop: float, counts: list[int]) -> None:
-            device, batch, last_end = prepared[i % len(prepared)]
+            # Caller i takes turns over devices i, i + concurrency, ...: each device is one
+            # caller's, its batches in order; and with devices enough, each batch covers
+            # the fraction of a second a device's real load fits (the server caps a
+            # device's inferences per second of its own time).
+            mine = prepared[i :: args.concurrency]
+            turn = 0
             while time.monotonic() < stop:
+                device, batch, last_end = mine[turn % len(mine)]
+                turn += 1
                 # Each call a new batch over the time since the device's last one, as
                 # agents send (the server refuses overlapping periods).
                 now = time.time()
@@ -334,7 +341,7 @@ def health_query(name: str, db_url: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 s windows")
-    parser.add_argument("--devices", type=int, default=64)
+    parser.add_argument("--devices", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--window", type=float, default=0, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, default=0, help="Report/echo rounds (median)")
