@@ -70,11 +70,13 @@ def start_servers(home: Path, replicas: int, db: str = "") -> list[tuple[subproc
     """Init `home` (on `db` if given) and run `replicas` server processes on it."""
     init_home(load_config(home, {"db": db} if db else {}, environ={}))
     procs = []
+    # Several servers of one home are replicas on purpose: without it the second is refused.
+    replica = ["--replica"] if replicas > 1 else []
     for i in range(replicas):  # all started before any is waited for: they boot in parallel
         log = home.parent / f"server-{i}.log"
         procs.append(
             subprocess.Popen(
-                [*CLI, "server", "--home", str(home), "--grpc", "127.0.0.1:0"],
+                [*CLI, "server", "--home", str(home), "--grpc", "127.0.0.1:0", *replica],
                 stdout=subprocess.PIPE,
                 stderr=log.open("w"),
                 text=True,

@@ -61,7 +61,7 @@ from device_agent.telemetry import (
     open_outbox,
     rollback_reports,
 )
-from device_agent.transport import ClientTls
+from device_agent.transport import ClientTls, is_plaintext
 from protos import agent_pb2, device_pb2
 
 log = logging.getLogger("skiff.agent")
@@ -163,7 +163,7 @@ class Agent:
         except BaseException:
             await self.close()
             raise
-        self._conn = DeviceConnection(self._channel, self.identity.credential)
+        self._conn = self._connection(self.identity.credential)
         self._loop = asyncio.get_running_loop()
         try:
             outbox = open_outbox(self.state.path / "telemetry.db")
@@ -200,6 +200,10 @@ class Agent:
             self._channel = None
         self.state.unlock()
 
+    def _connection(self, credential: str = "") -> DeviceConnection:
+        plaintext = is_plaintext(self.server, self._tls)
+        return DeviceConnection(self._channel, credential, address=self.server, plaintext=plaintext)
+
     async def _identity(self) -> Identity:
         """Load this device's identity, or enroll with the token to make one."""
         identity = self.state.load_identity()
@@ -219,7 +223,7 @@ class Agent:
             )
         keys = DeviceKeyPair.generate()  # the private half never leaves the state dir
         attributes = self._attributes or {}
-        conn = DeviceConnection(self._channel)
+        conn = self._connection()
         try:
             reply = await conn.enroll(
                 self._enroll_token, attributes_pb(attributes), keys.public_keyset()

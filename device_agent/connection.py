@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from device_agent.transport import ClientTls, channel_credentials
+from device_agent.transport import ClientTls, channel_credentials, retry_helps, unreachable
 from protos import device_pb2, device_pb2_grpc
 
 UNARY_DEADLINE_S = 30.0
@@ -59,16 +59,34 @@ def open_channel(
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
-def _error(exc: grpc.aio.AioRpcError) -> DeviceCallError:
-    return DeviceCallError(exc.code(), exc.details() or exc.code().name.lower())
-
-
 class DeviceConnection:
-    """One device's calls over a (possibly shared) channel."""
+    """One device's calls over a (possibly shared) channel.
 
-    def __init__(self, channel: grpc.aio.Channel, credential: str = "") -> None:
+    `address` and `plaintext` (how the channel was opened) let a call that never reached
+    the server say why in one line (`transport.unreachable`), as the CLI does.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        credential: str = "",
+        *,
+        address: str = "",
+        plaintext: bool = False,
+    ) -> None:
         self._stub = device_pb2_grpc.DeviceServiceStub(channel)
         self.credential = credential
+        self._address, self._plaintext = address, plaintext
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> DeviceCallError:
+        details = exc.details() or exc.code().name.lower()
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and self._address:
+            details = unreachable(self._address, details, plaintext=self._plaintext) or details
+        return DeviceCallError(exc.code(), details)
+
+    @staticmethod
+    def _retry(exc: grpc.aio.AioRpcError) -> bool:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and retry_helps(exc.details() or "")
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -79,8 +97,8 @@ class DeviceConnection:
             try:
                 return await method(request, timeout=UNARY_DEADLINE_S, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
-                    raise _error(exc) from None
+                if not self._retry(exc) or attempt == retries:
+                    raise self._error(exc) from None
                 await asyncio.sleep(backoff_s(attempt))
         raise AssertionError("unreachable")
 
@@ -125,7 +143,7 @@ class DeviceConnection:
             async for event in call:
                 yield event.revision
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc) from None
+            raise self._error(exc) from None
         finally:
             call.cancel()
 
@@ -149,8 +167,8 @@ class DeviceConnection:
                 if offset < size:
                     raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "download ended short")
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == RETRIES:
-                    raise _error(exc) from None
+                if not self._retry(exc) or attempt == RETRIES:
+                    raise self._error(exc) from None
                 await asyncio.sleep(backoff_s(attempt))
                 attempt += 1
             finally:

@@ -32,11 +32,12 @@ from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutOps, RolloutServicer
 from control_plane.api.health import HealthMonitor
 from control_plane.api.throttle import Throttle, enroll_throttle
-from control_plane.api.transport import listen_credentials
+from control_plane.api.transport import check_listen, listen_credentials, listen_failure
 from control_plane.blobs import open_blob_store
 from control_plane.crypto import ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.home import HomeLock
 from control_plane.registry.keys import REWRAP_BATCH, KekRotation, Opener, open_keyring
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.registry import Registry
@@ -78,7 +79,14 @@ SERVER_OPTIONS = [
     # limit on calls waiting for the server drops a third of such a burst (FACTS.md).
     ("grpc.server.max_pending_requests", 50_000),
     ("grpc.server.max_pending_requests_hard_limit", 100_000),
+    # gRPC turns SO_REUSEPORT on by default: a second server on a taken port would start
+    # and silently share its connections. Only replicas started on purpose share a port.
+    ("grpc.so_reuseport", 0),
 ]
+
+
+def _options(*, reuse_port: bool) -> list[tuple[str, int]]:
+    return [(k, int(reuse_port) if k == "grpc.so_reuseport" else v) for k, v in SERVER_OPTIONS]
 
 
 def kek_opener(config: Config) -> Opener:
@@ -258,11 +266,15 @@ class _Scheduler:
 class ServerHandle:
     """A started-on-demand asyncio gRPC server running on its own event-loop thread.
 
-    With an `http` address, also the dashboard and /metrics (dashboards.server).
+    With an `http` address, also the dashboard and /metrics (dashboards.server). With
+    `reuse_port`, other processes may listen on the same address (replicas on purpose).
     """
 
-    def __init__(self, app: App, address: str, *, http: str = "") -> None:
+    def __init__(self, app: App, address: str, *, http: str = "", reuse_port: bool = False) -> None:
         self.app = app
+        self._reuse_port = reuse_port
+        # What start_server holds for this server's life (the home's lock), released by stop.
+        self.home_lock: HomeLock | None = None
         # Decided before any thread starts, so a refused address leaves nothing running.
         credentials = listen_credentials(app.config, address)
         self.tls = credentials is not None
@@ -310,18 +322,21 @@ class ServerHandle:
         self.auth = auth = Authenticator(self.app.store)
         server = grpc.aio.server(
             migration_thread_pool=self._pool,
-            options=SERVER_OPTIONS,
+            options=_options(reuse_port=self._reuse_port),
             interceptors=[AccessInterceptor(auth)],
             # Device Watch streams count: the default leaves room for a large fleet.
             maximum_concurrent_rpcs=self.app.config.max_concurrent_rpcs or None,
         )
         self._health, self._health_names = await _add_services(server, self.app, auth)
-        if credentials is None:
-            port = server.add_insecure_port(address)
-        else:
-            port = server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
+        except RuntimeError:  # "Failed to bind": gRPC does not say why
+            port = 0
         if port == 0:
-            raise errors.Unavailable(f"cannot listen on {address}")
+            raise listen_failure(address, reuse_port=self._reuse_port)
         return server, port
 
     def start(self) -> ServerHandle:
@@ -374,6 +389,8 @@ class ServerHandle:
             self._drain_pool(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
+            if self.home_lock is not None:
+                self.home_lock.release()
             self._stopped.set()
         return self._stopped
 
@@ -464,25 +481,52 @@ async def _add_services(
 
 
 def create_server(
-    config: Config, app: App, address: str, *, http: str | None = None
+    config: Config, app: App, address: str, *, http: str | None = None, reuse_port: bool = False
 ) -> tuple[ServerHandle, int]:
     """Build (not start) a server for `app` on `address`; returns it with the bound port.
 
     `http` (default: the `http` setting) also serves the dashboard there; its bound port
-    is `handle.dashboard.port`.
+    is `handle.dashboard.port`. `reuse_port` lets replicas share the address.
     """
-    handle = ServerHandle(app, address, http=config.http if http is None else http)
+    http = config.http if http is None else http
+    handle = ServerHandle(app, address, http=http, reuse_port=reuse_port)
     return handle, handle.port
 
 
 def start_server(
-    *, config: Config, address: str | None = None, http: str | None = None
+    *,
+    config: Config,
+    address: str | None = None,
+    http: str | None = None,
+    replica: bool = False,
 ) -> tuple[ServerHandle, int]:
-    """Build the app and a started server (and dashboard, per `http` or the config)."""
+    """Build the app and a started server (and dashboard, per `http` or the config).
+
+    The server holds its home (HomeLock) until it stops: a second one on the same home is
+    refused, unless every server of the home is a `replica` (PostgreSQL only), and
+    replicas may share their address too.
+    """
     address = address or config.grpc
+    if replica and sa_url.make_url(config.db).get_backend_name() != "postgresql":
+        raise errors.InvalidArgument(
+            "--replica needs a PostgreSQL database (--db): replicas hear each other's "
+            "changes through it, and SQLite has no way to tell them"
+        )
     listen_credentials(config, address)  # a refused address fails before the database opens
-    app = build_app(config)
-    server, port = create_server(config, app, address, http=http)
+    lock = HomeLock(config.home, shared=replica).acquire()
+    try:
+        check_listen(address, reuse_port=replica)
+        app = build_app(config)
+        try:
+            server, port = create_server(config, app, address, http=http, reuse_port=replica)
+        except BaseException:
+            app.store.close()
+            raise
+    except BaseException:
+        lock.release()
+        raise
+    server.home_lock = lock
+    lock.describe(f"{address.rsplit(':', 1)[0]}:{port}")
     server.start()
     log.info("skiff control plane listening on port %d", port)
     if not app.store.has_admin_token(now=dt.datetime.now(dt.UTC)):
@@ -490,11 +534,11 @@ def start_server(
     return server, port
 
 
-def serve(*, config: Config) -> None:
+def serve(*, config: Config, replica: bool = False) -> None:
     """Run the server until SIGINT/SIGTERM, then drain in-flight calls."""
     # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
     forbid_core_dumps()
-    server, port = start_server(config=config)
+    server, port = start_server(config=config, replica=replica)
     host = config.grpc.rsplit(":", 1)[0]
     transport = "TLS" if server.tls else "plaintext, this machine only"
     print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)

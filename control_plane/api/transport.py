@@ -9,6 +9,8 @@ SKIFF_CA).
 
 from __future__ import annotations
 
+import errno
+import socket
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +21,7 @@ from control_plane import errors
 from control_plane.crypto import tls as certs
 from control_plane.files import read_private_file
 from control_plane.settings import Config
-from device_agent.transport import ClientTls, host_of, is_loopback
+from device_agent.transport import ClientTls, host_of, is_loopback, pem_problem
 
 
 def server_credentials(config: Config) -> grpc.ServerCredentials | None:
@@ -54,12 +56,73 @@ def listen_credentials(config: Config, address: str) -> grpc.ServerCredentials |
     return credentials
 
 
+def check_listen(address: str, *, reuse_port: bool = False) -> None:
+    """Refuse, in one line, an address this process cannot listen on (before anything opens).
+
+    A trial bind with the socket options gRPC's own will have: SO_REUSEADDR (connections
+    of a previous server in TIME_WAIT are no conflict) and, for replicas, SO_REUSEPORT.
+    """
+    problem = _bind_problem(address, reuse_port)
+    if problem is not None:
+        raise problem
+
+
+def listen_failure(address: str, *, reuse_port: bool = False) -> errors.SkiffError:
+    """Return why gRPC could not bind `address` (gRPC only says that it could not)."""
+    return _bind_problem(address, reuse_port) or errors.Unavailable(f"cannot listen on {address}")
+
+
+def _bind_problem(address: str, reuse_port: bool) -> errors.SkiffError | None:
+    if address.startswith("unix:"):
+        return None
+    host, _, port = address.removeprefix("dns:///").rpartition(":")
+    if not (port.isascii() and port.isdecimal()) or int(port) > 65535:
+        return errors.InvalidArgument(
+            f"cannot listen on {address}: give HOST:PORT (--grpc), e.g. 127.0.0.1:7443"
+        )
+    if int(port) == 0:  # the kernel picks a free one
+        return None
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        found = socket.getaddrinfo(
+            host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        return errors.InvalidArgument(f"cannot listen on {address}: {host}: {exc.strerror}")
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                return _bind_refusal(address, int(port), exc)
+    return None
+
+
+def _bind_refusal(address: str, port: int, exc: OSError) -> errors.SkiffError:
+    where = f"cannot listen on {address}"
+    if exc.errno == errno.EADDRINUSE:
+        return errors.FailedPrecondition(
+            f"{where}: address in use (by another skiff server, or another program): "
+            "stop it, or choose another --grpc address"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return errors.InvalidArgument(f"{where}: no network interface of this machine has it")
+    if exc.errno == errno.EACCES and port < 1024:
+        return errors.PermissionDenied(f"{where}: a port below 1024 needs privileges")
+    return errors.Unavailable(f"{where}: {exc.strerror}")
+
+
 def client_tls(config: Config) -> ClientTls:
     """Return what the CLI trusts (tls_ca) and presents (tls_client_cert/key) to a server."""
     if bool(config.tls_client_cert) != bool(config.tls_client_key):
         raise errors.InvalidArgument("tls_client_cert and tls_client_key go together")
+    if config.tls_client_cert:
+        certs.check_key_pair(config.tls_client_cert, config.tls_client_key)
     return ClientTls(
-        root_certificates=_read(config.tls_ca, "the CA") if config.tls_ca else None,
+        root_certificates=_read_ca(config.tls_ca) if config.tls_ca else None,
         private_key=read_private_file(Path(config.tls_client_key))
         if config.tls_client_key
         else None,
@@ -95,6 +158,14 @@ def init_tls(config: Config, names: Iterable[str] = ()) -> Config:
         tls_key=str(paths.server_key),
         tls_ca=str(paths.ca_cert),
     )
+
+
+def _read_ca(path: str) -> bytes:
+    """Read the CA a client trusts, refusing what is not PEM (gRPC would only fail later)."""
+    data = _read(path, "the CA (--ca or SKIFF_CA)")
+    if problem := pem_problem(data):
+        raise errors.InvalidArgument(f"the CA {path} (--ca or SKIFF_CA) is {problem}")
+    return data
 
 
 def _read(path: str, what: str) -> bytes:

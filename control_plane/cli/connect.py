@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from control_plane import errors
 from control_plane.settings import Config
 
 
@@ -10,5 +11,8 @@ def admin_client(config: Config):
     from control_plane.api.client import AdminClient  # deferred: keeps `skiff --help` instant
     from control_plane.api.transport import client_tls
     from control_plane.home import read_token
+    from device_agent.transport import address_problem
 
+    if problem := address_problem(config.dial_address):
+        raise errors.InvalidArgument(f"SKIFF_SERVER (or `server` in skiff.json): {problem}")
     return AdminClient(config.dial_address, read_token(config.home), client_tls(config))

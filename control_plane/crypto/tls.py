@@ -162,13 +162,7 @@ def check_server_pair(
     `ca_path` (when given) did not sign.
     """
     now = now or dt.datetime.now(dt.UTC)
-    cert = _load_cert(cert_path)
-    try:
-        key = serialization.load_pem_private_key(read_private_file(Path(key_path)), None)
-    except (ValueError, TypeError) as exc:
-        raise errors.InvalidArgument(f"cannot read the TLS key {key_path}: {exc}") from None
-    if _public_der(key.public_key()) != _public_der(cert.public_key()):
-        raise errors.InvalidArgument(f"the TLS key {key_path} does not match {cert_path}")
+    cert = check_key_pair(cert_path, key_path)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise errors.InvalidArgument(
             f"the TLS certificate {cert_path} is valid only from "
@@ -180,6 +174,22 @@ def check_server_pair(
             cert.verify_directly_issued_by(_load_cert(ca_path))
         except (ValueError, TypeError, InvalidSignature):
             raise errors.InvalidArgument(f"{cert_path} is not signed by the CA {ca_path}") from None
+
+
+def check_key_pair(cert_path: str, key_path: str) -> x509.Certificate:
+    """Return the certificate at `cert_path`, refusing a key at `key_path` not its own.
+
+    gRPC only says "Failed to create security handshaker" for a mismatched or unreadable
+    pair, so a server's and a client's pair are checked before they are used.
+    """
+    cert = _load_cert(cert_path)
+    try:
+        key = serialization.load_pem_private_key(read_private_file(Path(key_path)), None)
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgument(f"cannot read the TLS key {key_path}: {exc}") from None
+    if _public_der(key.public_key()) != _public_der(cert.public_key()):
+        raise errors.InvalidArgument(f"the TLS key {key_path} does not match {cert_path}")
+    return cert
 
 
 def _load_cert(path: str) -> x509.Certificate:

@@ -37,10 +37,12 @@ def test_a_taken_http_port_fails_the_start_with_one_line(tmp_path):
     proc, _ = spawn_server(home, "--http", "127.0.0.1:0")
     try:
         port = proc.stdout.readline().rsplit(":", 1)[1].strip(" /\n")
+        other = tmp_path / "other"  # the first server holds `home`: a second is refused
+        skiff("init", "--home", str(other))
         again = skiff(
             "server",
             "--home",
-            str(home),
+            str(other),
             "--grpc",
             "127.0.0.1:0",
             "--http",

@@ -156,4 +156,6 @@ def _check_server(
     db = parse_skiff_argv(argv).db or env.get("SKIFF_DB") or parse_skiff_argv(init_argv).db
     if not (db or "").startswith("postgresql"):
         problems.append(Problem(at, f"database {db!r} is not PostgreSQL"))
+    if not parse_skiff_argv(argv).replica:  # the home is shared: a plain server is refused
+        problems.append(Problem(at, "serves a shared home without --replica"))
     return problems, db

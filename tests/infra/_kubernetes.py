@@ -11,6 +11,7 @@ from tests.infra._commands import (
     check_env_values,
     grpc_address,
     home_of,
+    parse_skiff_argv,
     runs,
     volume_holding,
 )
@@ -96,6 +97,8 @@ def _check_server(workload, meta, container, argv, env, docs, at) -> list[Proble
             problems.append(Problem(at, f"{probe} checks port {probed}; the server is on {port}"))
     if workload["kind"] == "Deployment" and workload["spec"].get("replicas", 1) < 2:
         problems.append(Problem(at, "fewer than 2 control-plane replicas"))
+    if not parse_skiff_argv(argv).replica:  # the pods share the home: a plain server is refused
+        problems.append(Problem(at, "serves a shared home without --replica"))
     labels = meta.get("labels") or {}
     for svc in (d for d in docs if d["kind"] == "Service"):
         selector = svc["spec"].get("selector") or {}

@@ -260,6 +260,7 @@ def test_checker_reports_compose_mistakes():
     found = "\n".join(map(str, check_compose(bad, IMAGE_ARGV, "c")))
     assert "c#server-1: gRPC binds 127.0.0.1:7443" in found  # the default, in a container
     assert "c#server-2: SKIFF_FOO is not a Skiff setting" in found
+    assert "c#server-1: serves a shared home without --replica" in found
 
     unsafe = _compose()
     unsafe["services"]["server-1"]["depends_on"] = ["init"]
@@ -284,6 +285,9 @@ def test_checker_reports_kubernetes_mistakes():
     found = "\n".join(map(str, check_kubernetes(docs, IMAGE_ARGV, "k")))
     assert "containerPorts [8443]; serves 7443" in found
     assert "fewer than 2 control-plane replicas" in found
+    server["command"].remove("--replica")
+    assert "without --replica" in str(check_kubernetes(docs, IMAGE_ARGV, "k"))
+    server["command"].append("--replica")
 
     configmap["data"]["SKIFF_GRPC"] = "0.0.0.0:9000"
     server["ports"][0]["containerPort"] = 9000

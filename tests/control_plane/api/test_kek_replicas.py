@@ -25,7 +25,7 @@ def replicas(tmp_path, pg_url, moto_endpoint):
     home = tmp_path / "home"
     settings = {"db": pg_url, "kms_endpoint": moto_endpoint, "kms_region": "us-east-1"}
     init_home(load_config(home, settings, environ={}))
-    procs = [spawn_server(home), spawn_server(home)]
+    procs = [spawn_server(home, "--replica"), spawn_server(home, "--replica")]
     clients = [AdminClient(address, read_token(home), tls_of(address)) for _, address in procs]
     for client in clients:
         client.pins = read_pins(home)  # what a CLI of this home verifies pulls against

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.postgres
 def replicas(tmp_path, pg_url):
     home = tmp_path / "home"
     skiff("init", "--home", str(home), "--db", pg_url, "--json")
-    procs = [spawn_server(home), spawn_server(home)]
+    procs = [spawn_server(home, "--replica"), spawn_server(home, "--replica")]
     token = (home / "admin.token").read_text().strip()
     tls = home_tls(home)
     yield [AdminClient(address, token, tls) for _, address in procs], [a for _, a in procs]
