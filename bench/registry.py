@@ -125,7 +125,7 @@ def measure(client: AdminClient, tmp: Path, size_mb: int, trials: int, slower: f
     push_s, pull_s = [], []
     for _ in range(trials):
         start = time.perf_counter()
-        version = client.push(model, name=f"bench-{size_mb}")
+        version = client.push(model, name=f"bench-{size_mb}", allow_duplicate=True)
         push_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         client.pull(version.model, version.version, out, pins=read_pins(tmp / "home"))

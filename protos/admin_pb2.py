@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/admin.proto\x12\x08skiff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x13protos/common.proto\"\x96\x02\n\nPushHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05notes\x18\x02 \x01(\t\x12\x10\n\x08variants\x18\x03 \x03(\t\x12\x10\n\x08\x66ilename\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x03\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x13\n\x0bgolden_size\x18\x07 \x01(\x03\x12*\n\x0cinput_shapes\x18\x08 \x03(\x0b\x32\x14.skiff.v1.InputShape\x12*\n\x0cinput_ranges\x18\t \x03(\x0b\x32\x14.skiff.v1.InputRange\x12\x12\n\nmin_cosine\x18\n \x01(\x01\x12\x16\n\x0e\x61llow_degraded\x18\x0b \x01(\x08\x12\x10\n\x08pipeline\x18\x0c \x01(\t\")\n\nInputShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"5\n\nInputRange\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03low\x18\x02 \x01(\x01\x12\x0c\n\x04high\x18\x03 \x01(\x01\"k\n\x10PushModelRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.skiff.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x16\n\x0cgolden_chunk\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04item\":\n\x11ListModelsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"N\n\x12ListModelsResponse\x12\x1f\n\x06models\x18\x01 \x03(\x0b\x32\x0f.skiff.v1.Model\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"u\n\x10GetModelResponse\x12\x1e\n\x05model\x18\x01 \x01(\x0b\x32\x0f.skiff.v1.Model\x12(\n\x08versions\x18\x02 \x03(\x0b\x32\x16.skiff.v1.ModelVersion\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\"R\n\x10PullModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x0e\n\x06golden\x18\x04 \x01(\x08\"Y\n\nPullHeader\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.skiff.v1.ModelVersion\x12\"\n\x07variant\x18\x02 \x01(\x0b\x32\x11.skiff.v1.Variant\"T\n\x11PullModelResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.skiff.v1.PullHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"#\n\x10RotateKekRequest\x12\x0f\n\x07new_kek\x18\x01 \x01(\t\"N\n\x11RotateKekResponse\x12\x12\n\nold_kek_id\x18\x01 \x01(\t\x12\x12\n\nnew_kek_id\x18\x02 \x01(\t\x12\x11\n\trewrapped\x18\x03 \x01(\x03\"\x17\n\x15GetSigningKeysRequest\"<\n\x16GetSigningKeysResponse\x12\"\n\x04keys\x18\x01 \x03(\x0b\x32\x14.skiff.v1.SigningKey\"=\n\x17RotateSigningKeyRequest\x12\x0f\n\x07new_key\x18\x01 \x01(\t\x12\x11\n\toverlap_s\x18\x02 \x01(\x03\"h\n\x18RotateSigningKeyResponse\x12&\n\x08previous\x18\x01 \x01(\x0b\x32\x14.skiff.v1.SigningKey\x12$\n\x06\x61\x63tive\x18\x02 \x01(\x0b\x32\x14.skiff.v1.SigningKey\"\xd6\x01\n\x08\x41piToken\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ncreated_by\x18\x05 \x01(\t\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nrevoked_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"B\n\x15\x43reateApiTokenRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x03\"K\n\x16\x43reateApiTokenResponse\x12!\n\x05token\x18\x01 \x01(\x0b\x32\x12.skiff.v1.ApiToken\x12\x0e\n\x06secret\x18\x02 \x01(\t\"#\n\x14ListApiTokensRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\";\n\x15ListApiTokensResponse\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.skiff.v1.ApiToken\"#\n\x15RevokeApiTokenRequest\x12\n\n\x02id\x18\x01 \x01(\t\"(\n\x15\x43ollectGarbageRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"J\n\x16\x43ollectGarbageResponse\x12\r\n\x05\x62lobs\x18\x01 \x03(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x12\n\nkept_young\x18\x03 \x01(\x03\x32\xde\x06\n\x0c\x41\x64minService\x12\x41\n\tPushModel\x12\x1a.skiff.v1.PushModelRequest\x1a\x16.skiff.v1.ModelVersion(\x01\x12G\n\nListModels\x12\x1b.skiff.v1.ListModelsRequest\x1a\x1c.skiff.v1.ListModelsResponse\x12\x41\n\x08GetModel\x12\x19.skiff.v1.GetModelRequest\x1a\x1a.skiff.v1.GetModelResponse\x12\x46\n\tPullModel\x12\x1a.skiff.v1.PullModelRequest\x1a\x1b.skiff.v1.PullModelResponse0\x01\x12\x44\n\tRotateKek\x12\x1a.skiff.v1.RotateKekRequest\x1a\x1b.skiff.v1.RotateKekResponse\x12S\n\x0eGetSigningKeys\x12\x1f.skiff.v1.GetSigningKeysRequest\x1a .skiff.v1.GetSigningKeysResponse\x12Y\n\x10RotateSigningKey\x12!.skiff.v1.RotateSigningKeyRequest\x1a\".skiff.v1.RotateSigningKeyResponse\x12S\n\x0e\x43reateApiToken\x12\x1f.skiff.v1.CreateApiTokenRequest\x1a .skiff.v1.CreateApiTokenResponse\x12P\n\rListApiTokens\x12\x1e.skiff.v1.ListApiTokensRequest\x1a\x1f.skiff.v1.ListApiTokensResponse\x12\x45\n\x0eRevokeApiToken\x12\x1f.skiff.v1.RevokeApiTokenRequest\x1a\x12.skiff.v1.ApiToken\x12S\n\x0e\x43ollectGarbage\x12\x1f.skiff.v1.CollectGarbageRequest\x1a .skiff.v1.CollectGarbageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/admin.proto\x12\x08skiff.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x13protos/common.proto\"\xaf\x02\n\nPushHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05notes\x18\x02 \x01(\t\x12\x10\n\x08variants\x18\x03 \x03(\t\x12\x10\n\x08\x66ilename\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x03\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x13\n\x0bgolden_size\x18\x07 \x01(\x03\x12*\n\x0cinput_shapes\x18\x08 \x03(\x0b\x32\x14.skiff.v1.InputShape\x12*\n\x0cinput_ranges\x18\t \x03(\x0b\x32\x14.skiff.v1.InputRange\x12\x12\n\nmin_cosine\x18\n \x01(\x01\x12\x16\n\x0e\x61llow_degraded\x18\x0b \x01(\x08\x12\x10\n\x08pipeline\x18\x0c \x01(\t\x12\x17\n\x0f\x61llow_duplicate\x18\r \x01(\x08\")\n\nInputShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"5\n\nInputRange\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03low\x18\x02 \x01(\x01\x12\x0c\n\x04high\x18\x03 \x01(\x01\"k\n\x10PushModelRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.skiff.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x16\n\x0cgolden_chunk\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04item\":\n\x11ListModelsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"N\n\x12ListModelsResponse\x12\x1f\n\x06models\x18\x01 \x03(\x0b\x32\x0f.skiff.v1.Model\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"u\n\x10GetModelResponse\x12\x1e\n\x05model\x18\x01 \x01(\x0b\x32\x0f.skiff.v1.Model\x12(\n\x08versions\x18\x02 \x03(\x0b\x32\x16.skiff.v1.ModelVersion\x12\x17\n\x0fnext_page_token\x18\x03 \x01(\t\"R\n\x10PullModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07variant\x18\x03 \x01(\t\x12\x0e\n\x06golden\x18\x04 \x01(\x08\"Y\n\nPullHeader\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.skiff.v1.ModelVersion\x12\"\n\x07variant\x18\x02 \x01(\x0b\x32\x11.skiff.v1.Variant\"T\n\x11PullModelResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.skiff.v1.PullHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"#\n\x10RotateKekRequest\x12\x0f\n\x07new_kek\x18\x01 \x01(\t\"N\n\x11RotateKekResponse\x12\x12\n\nold_kek_id\x18\x01 \x01(\t\x12\x12\n\nnew_kek_id\x18\x02 \x01(\t\x12\x11\n\trewrapped\x18\x03 \x01(\x03\"\x17\n\x15GetSigningKeysRequest\"<\n\x16GetSigningKeysResponse\x12\"\n\x04keys\x18\x01 \x03(\x0b\x32\x14.skiff.v1.SigningKey\"=\n\x17RotateSigningKeyRequest\x12\x0f\n\x07new_key\x18\x01 \x01(\t\x12\x11\n\toverlap_s\x18\x02 \x01(\x03\"h\n\x18RotateSigningKeyResponse\x12&\n\x08previous\x18\x01 \x01(\x0b\x32\x14.skiff.v1.SigningKey\x12$\n\x06\x61\x63tive\x18\x02 \x01(\x0b\x32\x14.skiff.v1.SigningKey\"\xd6\x01\n\x08\x41piToken\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12.\n\ncreated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ncreated_by\x18\x05 \x01(\t\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nrevoked_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"B\n\x15\x43reateApiTokenRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x03\"K\n\x16\x43reateApiTokenResponse\x12!\n\x05token\x18\x01 \x01(\x0b\x32\x12.skiff.v1.ApiToken\x12\x0e\n\x06secret\x18\x02 \x01(\t\"#\n\x14ListApiTokensRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\";\n\x15ListApiTokensResponse\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.skiff.v1.ApiToken\"#\n\x15RevokeApiTokenRequest\x12\n\n\x02id\x18\x01 \x01(\t\"(\n\x15\x43ollectGarbageRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"J\n\x16\x43ollectGarbageResponse\x12\r\n\x05\x62lobs\x18\x01 \x03(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x12\n\nkept_young\x18\x03 \x01(\x03\x32\xde\x06\n\x0c\x41\x64minService\x12\x41\n\tPushModel\x12\x1a.skiff.v1.PushModelRequest\x1a\x16.skiff.v1.ModelVersion(\x01\x12G\n\nListModels\x12\x1b.skiff.v1.ListModelsRequest\x1a\x1c.skiff.v1.ListModelsResponse\x12\x41\n\x08GetModel\x12\x19.skiff.v1.GetModelRequest\x1a\x1a.skiff.v1.GetModelResponse\x12\x46\n\tPullModel\x12\x1a.skiff.v1.PullModelRequest\x1a\x1b.skiff.v1.PullModelResponse0\x01\x12\x44\n\tRotateKek\x12\x1a.skiff.v1.RotateKekRequest\x1a\x1b.skiff.v1.RotateKekResponse\x12S\n\x0eGetSigningKeys\x12\x1f.skiff.v1.GetSigningKeysRequest\x1a .skiff.v1.GetSigningKeysResponse\x12Y\n\x10RotateSigningKey\x12!.skiff.v1.RotateSigningKeyRequest\x1a\".skiff.v1.RotateSigningKeyResponse\x12S\n\x0e\x43reateApiToken\x12\x1f.skiff.v1.CreateApiTokenRequest\x1a .skiff.v1.CreateApiTokenResponse\x12P\n\rListApiTokens\x12\x1e.skiff.v1.ListApiTokensRequest\x1a\x1f.skiff.v1.ListApiTokensResponse\x12\x45\n\x0eRevokeApiToken\x12\x1f.skiff.v1.RevokeApiTokenRequest\x1a\x12.skiff.v1.ApiToken\x12S\n\x0e\x43ollectGarbage\x12\x1f.skiff.v1.CollectGarbageRequest\x1a .skiff.v1.CollectGarbageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,55 +34,55 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.admin_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PUSHHEADER']._serialized_start=87
-  _globals['_PUSHHEADER']._serialized_end=365
-  _globals['_INPUTSHAPE']._serialized_start=367
-  _globals['_INPUTSHAPE']._serialized_end=408
-  _globals['_INPUTRANGE']._serialized_start=410
-  _globals['_INPUTRANGE']._serialized_end=463
-  _globals['_PUSHMODELREQUEST']._serialized_start=465
-  _globals['_PUSHMODELREQUEST']._serialized_end=572
-  _globals['_LISTMODELSREQUEST']._serialized_start=574
-  _globals['_LISTMODELSREQUEST']._serialized_end=632
-  _globals['_LISTMODELSRESPONSE']._serialized_start=634
-  _globals['_LISTMODELSRESPONSE']._serialized_end=712
-  _globals['_GETMODELREQUEST']._serialized_start=714
-  _globals['_GETMODELREQUEST']._serialized_end=801
-  _globals['_GETMODELRESPONSE']._serialized_start=803
-  _globals['_GETMODELRESPONSE']._serialized_end=920
-  _globals['_PULLMODELREQUEST']._serialized_start=922
-  _globals['_PULLMODELREQUEST']._serialized_end=1004
-  _globals['_PULLHEADER']._serialized_start=1006
-  _globals['_PULLHEADER']._serialized_end=1095
-  _globals['_PULLMODELRESPONSE']._serialized_start=1097
-  _globals['_PULLMODELRESPONSE']._serialized_end=1181
-  _globals['_ROTATEKEKREQUEST']._serialized_start=1183
-  _globals['_ROTATEKEKREQUEST']._serialized_end=1218
-  _globals['_ROTATEKEKRESPONSE']._serialized_start=1220
-  _globals['_ROTATEKEKRESPONSE']._serialized_end=1298
-  _globals['_GETSIGNINGKEYSREQUEST']._serialized_start=1300
-  _globals['_GETSIGNINGKEYSREQUEST']._serialized_end=1323
-  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_start=1325
-  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_end=1385
-  _globals['_ROTATESIGNINGKEYREQUEST']._serialized_start=1387
-  _globals['_ROTATESIGNINGKEYREQUEST']._serialized_end=1448
-  _globals['_ROTATESIGNINGKEYRESPONSE']._serialized_start=1450
-  _globals['_ROTATESIGNINGKEYRESPONSE']._serialized_end=1554
-  _globals['_APITOKEN']._serialized_start=1557
-  _globals['_APITOKEN']._serialized_end=1771
-  _globals['_CREATEAPITOKENREQUEST']._serialized_start=1773
-  _globals['_CREATEAPITOKENREQUEST']._serialized_end=1839
-  _globals['_CREATEAPITOKENRESPONSE']._serialized_start=1841
-  _globals['_CREATEAPITOKENRESPONSE']._serialized_end=1916
-  _globals['_LISTAPITOKENSREQUEST']._serialized_start=1918
-  _globals['_LISTAPITOKENSREQUEST']._serialized_end=1953
-  _globals['_LISTAPITOKENSRESPONSE']._serialized_start=1955
-  _globals['_LISTAPITOKENSRESPONSE']._serialized_end=2014
-  _globals['_REVOKEAPITOKENREQUEST']._serialized_start=2016
-  _globals['_REVOKEAPITOKENREQUEST']._serialized_end=2051
-  _globals['_COLLECTGARBAGEREQUEST']._serialized_start=2053
-  _globals['_COLLECTGARBAGEREQUEST']._serialized_end=2093
-  _globals['_COLLECTGARBAGERESPONSE']._serialized_start=2095
-  _globals['_COLLECTGARBAGERESPONSE']._serialized_end=2169
-  _globals['_ADMINSERVICE']._serialized_start=2172
-  _globals['_ADMINSERVICE']._serialized_end=3034
+  _globals['_PUSHHEADER']._serialized_end=390
+  _globals['_INPUTSHAPE']._serialized_start=392
+  _globals['_INPUTSHAPE']._serialized_end=433
+  _globals['_INPUTRANGE']._serialized_start=435
+  _globals['_INPUTRANGE']._serialized_end=488
+  _globals['_PUSHMODELREQUEST']._serialized_start=490
+  _globals['_PUSHMODELREQUEST']._serialized_end=597
+  _globals['_LISTMODELSREQUEST']._serialized_start=599
+  _globals['_LISTMODELSREQUEST']._serialized_end=657
+  _globals['_LISTMODELSRESPONSE']._serialized_start=659
+  _globals['_LISTMODELSRESPONSE']._serialized_end=737
+  _globals['_GETMODELREQUEST']._serialized_start=739
+  _globals['_GETMODELREQUEST']._serialized_end=826
+  _globals['_GETMODELRESPONSE']._serialized_start=828
+  _globals['_GETMODELRESPONSE']._serialized_end=945
+  _globals['_PULLMODELREQUEST']._serialized_start=947
+  _globals['_PULLMODELREQUEST']._serialized_end=1029
+  _globals['_PULLHEADER']._serialized_start=1031
+  _globals['_PULLHEADER']._serialized_end=1120
+  _globals['_PULLMODELRESPONSE']._serialized_start=1122
+  _globals['_PULLMODELRESPONSE']._serialized_end=1206
+  _globals['_ROTATEKEKREQUEST']._serialized_start=1208
+  _globals['_ROTATEKEKREQUEST']._serialized_end=1243
+  _globals['_ROTATEKEKRESPONSE']._serialized_start=1245
+  _globals['_ROTATEKEKRESPONSE']._serialized_end=1323
+  _globals['_GETSIGNINGKEYSREQUEST']._serialized_start=1325
+  _globals['_GETSIGNINGKEYSREQUEST']._serialized_end=1348
+  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_start=1350
+  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_end=1410
+  _globals['_ROTATESIGNINGKEYREQUEST']._serialized_start=1412
+  _globals['_ROTATESIGNINGKEYREQUEST']._serialized_end=1473
+  _globals['_ROTATESIGNINGKEYRESPONSE']._serialized_start=1475
+  _globals['_ROTATESIGNINGKEYRESPONSE']._serialized_end=1579
+  _globals['_APITOKEN']._serialized_start=1582
+  _globals['_APITOKEN']._serialized_end=1796
+  _globals['_CREATEAPITOKENREQUEST']._serialized_start=1798
+  _globals['_CREATEAPITOKENREQUEST']._serialized_end=1864
+  _globals['_CREATEAPITOKENRESPONSE']._serialized_start=1866
+  _globals['_CREATEAPITOKENRESPONSE']._serialized_end=1941
+  _globals['_LISTAPITOKENSREQUEST']._serialized_start=1943
+  _globals['_LISTAPITOKENSREQUEST']._serialized_end=1978
+  _globals['_LISTAPITOKENSRESPONSE']._serialized_start=1980
+  _globals['_LISTAPITOKENSRESPONSE']._serialized_end=2039
+  _globals['_REVOKEAPITOKENREQUEST']._serialized_start=2041
+  _globals['_REVOKEAPITOKENREQUEST']._serialized_end=2076
+  _globals['_COLLECTGARBAGEREQUEST']._serialized_start=2078
+  _globals['_COLLECTGARBAGEREQUEST']._serialized_end=2118
+  _globals['_COLLECTGARBAGERESPONSE']._serialized_start=2120
+  _globals['_COLLECTGARBAGERESPONSE']._serialized_end=2194
+  _globals['_ADMINSERVICE']._serialized_start=2197
+  _globals['_ADMINSERVICE']._serialized_end=3059
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,7 @@ class PushHeader(_message.Message):
     MIN_COSINE_FIELD_NUMBER: _builtins.int
     ALLOW_DEGRADED_FIELD_NUMBER: _builtins.int
     PIPELINE_FIELD_NUMBER: _builtins.int
+    ALLOW_DUPLICATE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     notes: _builtins.str
     filename: _builtins.str
@@ -59,10 +60,17 @@ class PushHeader(_message.Message):
     (0 = the server's default, 0.99).
     """
     allow_degraded: _builtins.bool
-    """Store variants below min_cosine marked degraded instead of refusing the push."""
+    """Store variants that miss the accuracy bars (min_cosine, or the relative error it
+    allows) marked degraded instead of refusing the push.
+    """
     pipeline: _builtins.str
     """The version's event pipeline (runtime.pipeline's JSON spec, at most 64 KiB; empty =
     none). Checked against the model's input signature, then signed into the manifest.
+    """
+    allow_duplicate: _builtins.bool
+    """Store a new version even if the file's bytes (its SHA-256) are those of the model's
+    latest version; without it such a push is refused with FAILED_PRECONDITION naming
+    that version, before the upload when `sha256` is declared.
     """
     @_builtins.property
     def variants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -87,10 +95,11 @@ class PushHeader(_message.Message):
         min_cosine: _builtins.float = ...,
         allow_degraded: _builtins.bool = ...,
         pipeline: _builtins.str = ...,
+        allow_duplicate: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "filename", b"filename", "golden_size", b"golden_size", "input_ranges", b"input_ranges", "input_shapes", b"input_shapes", "min_cosine", b"min_cosine", "name", b"name", "notes", b"notes", "pipeline", b"pipeline", "sha256", b"sha256", "size", b"size", "variants", b"variants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "allow_duplicate", b"allow_duplicate", "filename", b"filename", "golden_size", b"golden_size", "input_ranges", b"input_ranges", "input_shapes", b"input_shapes", "min_cosine", b"min_cosine", "name", b"name", "notes", b"notes", "pipeline", b"pipeline", "sha256", b"sha256", "size", b"size", "variants", b"variants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -400,6 +400,7 @@ class RolloutEvent(_message.Message):
     from_state: _builtins.str
     to_state: _builtins.str
     stage: _builtins.int
+    """The stage after the action, numbered from 1."""
     reason: _builtins.str
     slice: _builtins.str
     """"soc=sm8450" when a guardrail or an operator acted on one slice."""
@@ -550,6 +551,7 @@ class RuleVerdict(_message.Message):
     CANDIDATE_FIELD_NUMBER: _builtins.int
     BASELINE_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    SENTENCE_FIELD_NUMBER: _builtins.int
     rule: _builtins.str
     status: _builtins.str
     """"pass", "fail" or "insufficient" (too small a sample to say)."""
@@ -559,6 +561,10 @@ class RuleVerdict(_message.Message):
     candidate: _builtins.float
     baseline: _builtins.float
     detail: _builtins.str
+    sentence: _builtins.str
+    """The verdict as a sentence ("p95 is 1.04x the baseline's; a halt needs it above 1.2x
+    with 99.87% confidence: pass"), the figures above kept for scripts.
+    """
     def __init__(
         self,
         *,
@@ -569,10 +575,11 @@ class RuleVerdict(_message.Message):
         candidate: _builtins.float | None = ...,
         baseline: _builtins.float | None = ...,
         detail: _builtins.str = ...,
+        sentence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_baseline", b"_baseline", "_bound", b"_bound", "_candidate", b"_candidate", "_value", b"_value", "baseline", b"baseline", "bound", b"bound", "candidate", b"candidate", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_baseline", b"_baseline", "_bound", b"_bound", "_candidate", b"_candidate", "_value", b"_value", "baseline", b"baseline", "bound", b"bound", "candidate", b"candidate", "detail", b"detail", "rule", b"rule", "status", b"status", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_baseline", b"_baseline", "_bound", b"_bound", "_candidate", b"_candidate", "_value", b"_value", "baseline", b"baseline", "bound", b"bound", "candidate", b"candidate", "detail", b"detail", "rule", b"rule", "sentence", b"sentence", "status", b"status", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__baseline: _TypeAlias = _typing.Literal["baseline"]  # noqa: Y015
     _WhichOneofArgType__baseline: _TypeAlias = _typing.Literal["_baseline", b"_baseline"]  # noqa: Y015
@@ -726,13 +733,17 @@ class Rollout(_message.Message):
     MIN_INFERENCES_FIELD_NUMBER: _builtins.int
     SLICE_BY_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    DEGRADED_FIELD_NUMBER: _builtins.int
+    DEGRADED_REASON_FIELD_NUMBER: _builtins.int
+    DEGRADED_ALLOWED_FIELD_NUMBER: _builtins.int
+    PREVIEW_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
     selector: _builtins.str
     stage: _builtins.int
-    """Index of the current stage."""
+    """The current stage, numbered from 1 (its percentage is stages[stage - 1])."""
     state: _builtins.str
     bake_s: _builtins.int
     priority: _builtins.int
@@ -740,6 +751,13 @@ class Rollout(_message.Message):
     min_devices: _builtins.int
     min_inferences: _builtins.int
     slice_by: _builtins.str
+    degraded: _builtins.bool
+    """The variant is one the registry kept marked degraded (created with allow_degraded),
+    and which accuracy bars it missed.
+    """
+    degraded_reason: _builtins.str
+    degraded_allowed: _builtins.bool
+    """Its creation said --allow-degraded (rollouts made before that flag existed did not)."""
     @_builtins.property
     def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Percentages of the selected devices, increasing, ending at 100."""
@@ -757,6 +775,10 @@ class Rollout(_message.Message):
     @_builtins.property
     def health(self) -> Global___RolloutHealth:
         """GetRollout only: candidate and baseline figures and rule verdicts, per slice."""
+
+    @_builtins.property
+    def preview(self) -> Global___RolloutPreview:
+        """CreateRollout with dry_run only (then `id` is empty: nothing was created)."""
 
     def __init__(
         self,
@@ -781,14 +803,82 @@ class Rollout(_message.Message):
         min_inferences: _builtins.int = ...,
         slice_by: _builtins.str = ...,
         health: Global___RolloutHealth | None = ...,
+        degraded: _builtins.bool = ...,
+        degraded_reason: _builtins.str = ...,
+        degraded_allowed: _builtins.bool = ...,
+        preview: Global___RolloutPreview | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "created_at", b"created_at", "health", b"health", "stage_started_at", b"stage_started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "created_at", b"created_at", "health", b"health", "preview", b"preview", "stage_started_at", b"stage_started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "halt_rules", b"halt_rules", "health", b"health", "id", b"id", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "priority", b"priority", "selector", b"selector", "slice_by", b"slice_by", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "degraded", b"degraded", "degraded_allowed", b"degraded_allowed", "degraded_reason", b"degraded_reason", "halt_rules", b"halt_rules", "health", b"health", "id", b"id", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "preview", b"preview", "priority", b"priority", "selector", b"selector", "slice_by", b"slice_by", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Rollout: _TypeAlias = Rollout  # noqa: Y015
+
+@_typing.final
+class RolloutPreview(_message.Message):
+    """How many live devices a rollout would select, in all and per stage (cumulative: stage
+    N holds the devices of stage N - 1 and more). Middle stages are a sticky hash of the
+    rollout's id: the preview counts one draw, the created rollout draws its own.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SELECTED_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    SLICES_FIELD_NUMBER: _builtins.int
+    MORE_SLICES_FIELD_NUMBER: _builtins.int
+    selected: _builtins.int
+    more_slices: _builtins.int
+    """Slices left out of `slices` (past the largest 100)."""
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def slices(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlicePreview]:
+        """With slice_by: per slice, the largest first."""
+
+    def __init__(
+        self,
+        *,
+        selected: _builtins.int = ...,
+        devices: _abc.Iterable[_builtins.int] | None = ...,
+        slices: _abc.Iterable[Global___SlicePreview] | None = ...,
+        more_slices: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "more_slices", b"more_slices", "selected", b"selected", "slices", b"slices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutPreview: _TypeAlias = RolloutPreview  # noqa: Y015
+
+@_typing.final
+class SlicePreview(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLICE_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    slice: _builtins.str
+    """"soc=sm8450"."""
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per stage, cumulative."""
+
+    def __init__(
+        self,
+        *,
+        slice: _builtins.str = ...,
+        devices: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "slice", b"slice"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlicePreview: _TypeAlias = SlicePreview  # noqa: Y015
 
 @_typing.final
 class CreateRolloutRequest(_message.Message):
@@ -806,6 +896,9 @@ class CreateRolloutRequest(_message.Message):
     MIN_DEVICES_FIELD_NUMBER: _builtins.int
     MIN_INFERENCES_FIELD_NUMBER: _builtins.int
     SLICE_BY_FIELD_NUMBER: _builtins.int
+    ALLOW_EMPTY_FIELD_NUMBER: _builtins.int
+    ALLOW_DEGRADED_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -823,6 +916,16 @@ class CreateRolloutRequest(_message.Message):
     """A device-class attribute (e.g. "soc"): rules are judged, and failures rolled back,
     per value of it. Empty: a failing rule pauses the whole rollout.
     """
+    allow_empty: _builtins.bool
+    """A selector other than the whole fleet that matches no device today is refused
+    (FAILED_PRECONDITION, a likely typo) unless this is set.
+    """
+    allow_degraded: _builtins.bool
+    """A variant kept marked degraded is refused (FAILED_PRECONDITION, naming the accuracy
+    bars it missed) unless this is set; the audit log records it.
+    """
+    dry_run: _builtins.bool
+    """Validate and count what the rollout would select (Rollout.preview), creating nothing."""
     @_builtins.property
     def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Empty = [100]."""
@@ -846,10 +949,13 @@ class CreateRolloutRequest(_message.Message):
         min_devices: _builtins.int = ...,
         min_inferences: _builtins.int = ...,
         slice_by: _builtins.str = ...,
+        allow_empty: _builtins.bool = ...,
+        allow_degraded: _builtins.bool = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bake_s", b"bake_s", "halt", b"halt", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "priority", b"priority", "reason", b"reason", "selector", b"selector", "slice_by", b"slice_by", "stages", b"stages", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "allow_empty", b"allow_empty", "bake_s", b"bake_s", "dry_run", b"dry_run", "halt", b"halt", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "priority", b"priority", "reason", b"reason", "selector", b"selector", "slice_by", b"slice_by", "stages", b"stages", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -927,8 +1033,8 @@ class TransitionRolloutRequest(_message.Message):
     """"pause", "resume", "promote" or "rollback"."""
     reason: _builtins.str
     expected_stage: _builtins.int
-    """When set, the change applies only if the rollout is still at this stage (0-based):
-    a retried or doubled promote cannot skip a stage.
+    """When set, the change applies only if the rollout is still at this stage (numbered
+    from 1, as Rollout.stage): a retried or doubled promote cannot skip a stage.
     """
     slice: _builtins.str
     """"soc=sm8450": resume readmits, rollback rolls back, that one slice only."""

@@ -272,7 +272,9 @@ class FleetService:
 
 
 class RolloutServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Stages are numbered from 1 in every message here (`stage`, `expected_stage`, audit
+    entries): stage N is `stages[N - 1]`.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -303,10 +305,14 @@ class RolloutServiceStub:
 
 
 class RolloutServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Stages are numbered from 1 in every message here (`stage`, `expected_stage`, audit
+    entries): stage N is `stages[N - 1]`.
+    """
 
     def CreateRollout(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """With `dry_run`, validates and returns the rollout as it would be, with `preview`,
+        storing nothing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -362,7 +368,9 @@ def add_RolloutServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RolloutService:
-    """Missing associated documentation comment in .proto file."""
+    """Stages are numbered from 1 in every message here (`stage`, `expected_stage`, audit
+    entries): stage N is `stages[N - 1]`.
+    """
 
     @staticmethod
     def CreateRollout(request,

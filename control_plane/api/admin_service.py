@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -31,6 +33,8 @@ from control_plane.registry.requests import (
 )
 from control_plane.store.base import ModelRecord, VariantRecord, VersionRecord
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
 
 PULL_CHUNK = 1 << 20
 # A pull checks its token again every this many chunks (MiB): a revocation stops it.
@@ -105,12 +109,23 @@ class _Upload:
     def __init__(self, requests: AsyncIterator, idle_timeout: float) -> None:
         self._requests = aiter(requests)
         self._idle_timeout = idle_timeout
+        self.what = "a push"  # named once its header is read
+        self.size = self.received = 0
+        # Set once the push's thread owns the upload (it, not the call, logs its end).
+        self.handed_over = False
+
+    def progress(self) -> str:
+        """Say how far the upload got, for a log line."""
+        if not self.size:
+            return "before its upload"
+        return f"mid-upload ({_mib(self.received)} of {_mib(self.size)} MiB received)"
 
     async def header(self, limit: int) -> admin_pb2.PushHeader:
         """Read the first message, which must be the header; check its declared size."""
         first = await self._next()
         if first is None or first.WhichOneof("item") != "header":
             raise errors.InvalidArgument("PushModel: the first message must be a header")
+        self.what, self.size = f"push of {first.header.name!r}", first.header.size
         if first.header.size > limit:
             raise errors.TooLarge(
                 f"model is {first.header.size} bytes, over the {limit}-byte limit"
@@ -146,6 +161,7 @@ class _Upload:
     async def spool(self, limit: int, first: admin_pb2.PushModelRequest | None) -> memfd.Spooled:
         """Copy the remaining chunks into a memfd (hashing in a thread, off the event loop)."""
         spooler = memfd.Spooler(limit=limit)
+        writing: asyncio.Future | None = None
         try:
             request = first
             while request is not None:
@@ -153,11 +169,15 @@ class _Upload:
                     raise errors.InvalidArgument(
                         "PushModel: a header, then golden chunks, then model chunks"
                     )
-                await asyncio.to_thread(spooler.write, request.chunk)
+                # Shielded: a cancelled call must not close the memfd under a write that
+                # is still running in its thread (the fd number could be reused).
+                writing = asyncio.ensure_future(asyncio.to_thread(spooler.write, request.chunk))
+                await asyncio.shield(writing)
+                self.received += len(request.chunk)
                 request = await self._next()
             return spooler.finish()
         except BaseException:
-            spooler.discard()
+            _when_done(writing, spooler.discard)
             raise
 
     async def _next(self):
@@ -167,6 +187,43 @@ class _Upload:
             raise errors.Unavailable(
                 f"upload idle for {self._idle_timeout:g} s (upload_idle_timeout_s): cut off"
             ) from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def _when_done(future: asyncio.Future | None, cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` now, or once the thread behind `future` is done with what it holds."""
+    if future is None or future.done():
+        cleanup()
+        return
+
+    def done(f: asyncio.Future) -> None:
+        if not f.cancelled():
+            f.exception()  # the call already failed: this write's outcome is moot
+        cleanup()
+
+    future.add_done_callback(done)
+
+
+def _log_abandoned(what: str, push: asyncio.Future) -> None:
+    """Log, in one line, how a push whose call was cancelled ended in its thread."""
+    exc = push.exception()
+    if exc is None:
+        record = push.result()
+        log.warning(
+            "%s was stored as %s:%d, but its client went away before hearing so",
+            what,
+            record.model,
+            record.number,
+        )
+    elif isinstance(exc, errors.Unavailable):  # what `abandoned` raises, before the commit
+        log.info("%s cancelled while the server checked it: nothing stored", what)
+    elif isinstance(exc, errors.SkiffError):
+        log.info("%s cancelled; nothing stored (it had failed anyway: %s)", what, exc)
+    else:
+        log.error("%s cancelled, then failed: %s: %s", what, type(exc).__name__, exc)
 
 
 def _push_and_release(
@@ -238,6 +295,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         context.add_done_callback(lambda _: abandoned.set())
         actor = self._actor(context)  # a contextvar read: no need for a thread
         upload = _Upload(request_iterator, self._idle_timeout)
+        try:
+            return await self._push(upload, actor, context, abandoned)
+        except asyncio.CancelledError:
+            if not upload.handed_over:  # else the push's thread says how it ended
+                log.info("%s cancelled %s: nothing stored", upload.what, upload.progress())
+            raise
+
+    async def _push(self, upload: _Upload, actor: str, context, abandoned: threading.Event):
         limit = self._registry.max_model_bytes
         header = await upload.header(limit)
         request = PushRequest(
@@ -250,8 +315,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             sha256=header.sha256,
             golden=golden_request(header, b""),
             pipeline=parse_pipeline(header.pipeline),
+            allow_duplicate=header.allow_duplicate,
         )
         check_request(request)
+        # A declared digest lets a duplicate be refused before a byte of it is uploaded.
+        await asyncio.to_thread(self._registry.latest_unless_duplicate, request, header.sha256)
         with ExitStack() as stack:
             # Spool first, under an upload slot only: the push slot is taken once every
             # byte is here, so stalled uploads cannot keep other pushes waiting.
@@ -273,10 +341,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         push = asyncio.ensure_future(
             asyncio.to_thread(_push_and_release, self._registry, request, spooled, owned, abandoned)
         )
+        upload.handed_over = True
         try:
             record = await asyncio.shield(push)
         except asyncio.CancelledError:
             abandoned.set()
+            # Nobody awaits the push any more: its outcome is logged here, in one line,
+            # rather than left for asyncio to report as an unretrieved exception.
+            push.add_done_callback(functools.partial(_log_abandoned, upload.what))
             raise
         return version_pb(record)
 

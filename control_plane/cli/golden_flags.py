@@ -1,4 +1,4 @@
-"""`skiff model push` flags for golden inputs and the accuracy bar."""
+"""`skiff model push` flags: variants, duplicates, golden inputs and the accuracy bar."""
 
 from __future__ import annotations
 
@@ -6,9 +6,57 @@ import argparse
 import math
 from pathlib import Path
 
-from control_plane.registry.contract import DEFAULT_MIN_COSINE
+from control_plane.registry.contract import (
+    BASE_VARIANT,
+    DEFAULT_MIN_COSINE,
+    DERIVED_VARIANTS,
+    unknown_variants,
+)
 
-__all__ = ["add_golden_flags", "golden_options"]
+__all__ = ["add_golden_flags", "add_push_flags", "golden_options", "push_options"]
+
+
+def add_push_flags(p: argparse.ArgumentParser) -> None:
+    """Add --variant and --allow-duplicate.
+
+    --variant takes one value per flag (a comma list), never a variable number of words:
+    `--variant int8 model.onnx` must not read the model's file name as a variant.
+    """
+    p.add_argument(
+        "--variant",
+        action="extend",
+        type=variant_list,
+        default=[],
+        metavar="V[,V...]",
+        help=f"variants to derive beside {BASE_VARIANT}, a comma list "
+        f"({', '.join(DERIVED_VARIANTS)}), as in --variant int8,fp16 (repeatable)",
+    )
+    p.add_argument(
+        "--allow-duplicate",
+        action="store_true",
+        help="push a file whose bytes are the model's latest version's again, as a new "
+        "version (refused without it)",
+    )
+
+
+def push_options(args: argparse.Namespace) -> dict:
+    """Return the keyword arguments AdminClient.push takes for every push flag but the file."""
+    return {
+        "variants": tuple(dict.fromkeys(args.variant)),
+        "allow_duplicate": args.allow_duplicate,
+        **golden_options(args),
+    }
+
+
+def variant_list(text: str) -> list[str]:
+    """Parse a comma list of derived variants ("int8,fp16")."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of variants, as in int8,fp16")
+    unknown = [name for name in names if name not in DERIVED_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(unknown_variants(unknown))
+    return names
 
 
 def add_golden_flags(p: argparse.ArgumentParser) -> None:
@@ -46,7 +94,8 @@ def add_golden_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-degraded",
         action="store_true",
-        help="keep variants below --min-cosine, marked degraded, instead of refusing the push",
+        help="keep variants that miss the accuracy bars (--min-cosine, or the relative error "
+        "it allows) marked degraded, instead of refusing the push",
     )
 
 

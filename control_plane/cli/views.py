@@ -7,6 +7,7 @@ import json
 
 from google.protobuf.json_format import MessageToDict
 
+from control_plane.registry import accuracy_bars
 from protos import common_pb2
 
 
@@ -39,6 +40,7 @@ def version_dict(v: common_pb2.ModelVersion) -> dict:
         variant["segment_size"] = msg.segment_size
         if not msg.HasField("accuracy"):
             variant["accuracy"] = None
+        variant.update(accuracy_bars.variant_status(msg.degraded, msg.accuracy))
     if v.HasField("golden"):
         for key in ("ciphertext_size", "plaintext_size", "segment_size"):
             body["golden"][key] = getattr(v.golden, key)
@@ -133,7 +135,7 @@ def _accuracy(var: common_pb2.Variant) -> str:
     if not var.HasField("accuracy"):
         return ""
     a = var.accuracy
-    verdict = f"  DEGRADED (below {a.min_cosine:g})" if var.degraded else ""
+    verdict = f"  {accuracy_bars.degraded_label(a)}" if var.degraded else ""
     return (
         f"  vs fp32: cosine {a.cosine:.4f}, relative error {a.relative_error:.3g}, "
         f"max abs error {a.max_abs_error:.3g}{verdict}"

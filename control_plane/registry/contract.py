@@ -8,6 +8,8 @@ from __future__ import annotations
 
 # Every version has this variant: the model as published (converted to MNN), in fp32.
 BASE_VARIANT = "fp32"
+# The variants a push may derive from it (`--variant`), weight-quantised or half precision.
+DERIVED_VARIANTS = ("fp16", "int8", "int4")
 # The manifest format a version's signature covers (control_plane.registry.registry).
 MANIFEST_SCHEMA = "skiff.manifest/v1"
 # A derived variant's outputs must reach this cosine similarity with fp32's unless the
@@ -15,3 +17,12 @@ MANIFEST_SCHEMA = "skiff.manifest/v1"
 DEFAULT_MIN_COSINE = 0.99
 # A push's golden data (.npz), compressed; golden inputs are a handful of samples.
 MAX_GOLDEN_UPLOAD = 64 << 20
+
+
+def unknown_variants(unknown: list[str]) -> str:
+    """Say which names are not variants a push can derive, and which are (CLI and server)."""
+    allowed = ", ".join(DERIVED_VARIANTS)
+    if BASE_VARIANT in unknown:
+        return f"{BASE_VARIANT} is always kept (the model as pushed): --variant derives {allowed}"
+    names = ", ".join(repr(v)[:40] for v in unknown)
+    return f"unknown variant {names}: --variant derives {allowed} (a comma list: int8,fp16)"

@@ -6,8 +6,8 @@ of arrays named after the model's inputs) or, failing that, seeded random values
 from the signature: dynamic dimensions come from ``--input-shape``, integer inputs (a
 sample rate, token ids) from ``--input-range``, because no default would be honest for
 them. Each derived variant runs the same inputs and is compared with fp32 output by
-output; one below the cosine bar is refused with the figures, or kept marked degraded
-when the publisher says so.
+output; one that misses a bar (the cosine, or the relative error it allows) is refused
+with the figures of every variant, or kept marked degraded when the publisher says so.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from control_plane import errors
+from control_plane.registry import accuracy_bars
 from control_plane.registry.contract import DEFAULT_MIN_COSINE, MAX_GOLDEN_UPLOAD
 from control_plane.registry.mnn_tools import TensorSpec
 from runtime.golden import MAX_GOLDEN_BYTES, Golden, Tolerance, output_errors
@@ -33,6 +34,7 @@ __all__ = [
     "accuracy",
     "golden_inputs",
     "reference_golden",
+    "refuse_degraded",
 ]
 
 # All golden inputs together, in the model's dtypes: what the server holds (a few times
@@ -88,7 +90,7 @@ class GoldenRequest:
 
 @dataclass(frozen=True)
 class AccuracyBar:
-    """The outcome of comparing one variant with fp32: figures, and whether it passed.
+    """The outcome of comparing one variant with fp32: figures, and whether it missed a bar.
 
     `self_test` is what a device holds the variant to against fp32's golden outputs: the
     figures measured here, less a little slack for other backends.
@@ -97,6 +99,7 @@ class AccuracyBar:
     figures: dict[str, Any]
     degraded: bool
     self_test: Tolerance
+    variant: str = ""
 
 
 def golden_inputs(inputs: Sequence[TensorSpec], request: GoldenRequest) -> dict[str, np.ndarray]:
@@ -106,13 +109,23 @@ def golden_inputs(inputs: Sequence[TensorSpec], request: GoldenRequest) -> dict[
     a range.
     """
     request.check()
-    _refuse_unknown(inputs, request)
+    unknown = _unknown_hints(inputs, request)
     if request.golden:
+        if unknown:
+            raise errors.InvalidArgument(unknown)
         return _publisher_inputs(inputs, request)
-    shapes = {spec.name: _seeded_shape(spec, request) for spec in inputs}
+    # Every problem at once: a model with three inputs must not take three rounds.
+    problems, flags = [unknown] if unknown else [], []
+    shapes = {spec.name: _seeded_shape(spec, request, problems, flags) for spec in inputs}
+    bounds = {spec.name: _seeded_bounds(spec, request, problems, flags) for spec in inputs}
+    if problems:  # what to pass first: it is what a publisher acts on
+        need = f"need {' '.join(flags)} (or golden inputs with --golden INPUTS.npz)"
+        raise errors.InvalidArgument(
+            f"seeded golden inputs {need if flags else 'cannot be built'}: {'; '.join(problems)}"
+        )
     _check_total({spec.name: (shapes[spec.name], spec.dtype) for spec in inputs}, "seeded")
     rng = np.random.default_rng(SEED)
-    return {spec.name: _seeded(spec, shapes[spec.name], request, rng) for spec in inputs}
+    return {spec.name: _seeded(spec, shapes[spec.name], bounds[spec.name], rng) for spec in inputs}
 
 
 def _check_total(arrays: Mapping[str, tuple[tuple[int, ...], str]], kind: str) -> None:
@@ -156,58 +169,72 @@ def accuracy(
     outputs: Mapping[str, np.ndarray],
     request: GoldenRequest,
 ) -> AccuracyBar:
-    """Compare a variant's outputs with fp32's; refuse it below the bar unless allowed.
+    """Compare a variant's outputs with fp32's and say which bars they miss.
 
-    The bar is `request.min_cosine` on every output, and the relative error that cosine
+    The bars are `request.min_cosine` on every output, and the relative error that cosine
     allows at the right scale, sqrt(2 * (1 - min_cosine)): cosine alone would pass an
-    output 15 times too small.
+    output 15 times too small. Whether a variant that misses one is refused or kept marked
+    degraded is `refuse_degraded`'s call, once every variant has been judged.
     """
     per_output = output_errors(reference, outputs)
-    cosine = min(e.cosine for e in per_output.values())
-    max_abs = max(e.max_abs_error for e in per_output.values())
-    relative = max(e.relative_error for e in per_output.values())
-    max_relative = math.sqrt(2.0 * (1.0 - request.min_cosine))
     figures = {
-        "cosine": cosine,
-        "max_abs_error": max_abs,
-        "relative_error": relative,
+        "cosine": min(e.cosine for e in per_output.values()),
+        "max_abs_error": max(e.max_abs_error for e in per_output.values()),
+        "relative_error": max(e.relative_error for e in per_output.values()),
         "min_cosine": request.min_cosine,
         "outputs": [{"name": name, **e._asdict()} for name, e in per_output.items()],
     }
     self_test = Tolerance(
-        min_cosine=max(0.0, min(Tolerance().min_cosine, cosine) - SELF_TEST_SLACK)
+        min_cosine=max(0.0, min(Tolerance().min_cosine, figures["cosine"]) - SELF_TEST_SLACK)
     )
-    passed = cosine >= request.min_cosine and relative <= max_relative
-    if passed or request.allow_degraded:
-        return AccuracyBar(_json_safe(figures), degraded=not passed, self_test=self_test)
-    if cosine < request.min_cosine:
-        worst = min(per_output, key=lambda name: per_output[name].cosine)
-        what = f"cosine {per_output[worst].cosine:.4f} with fp32, below {request.min_cosine}"
-    else:
-        worst = max(per_output, key=lambda name: per_output[name].relative_error)
-        what = (
-            f"relative error {per_output[worst].relative_error:.3g} from fp32 (cosine "
-            f"{per_output[worst].cosine:.4f}), above the {max_relative:.3g} that cosine "
-            f"{request.min_cosine} allows"
-        )
+    failed = accuracy_bars.failed_bars(figures)
+    return AccuracyBar(
+        _json_safe(figures), degraded=bool(failed), self_test=self_test, variant=variant
+    )
+
+
+def refuse_degraded(bars: Mapping[str, AccuracyBar], request: GoldenRequest) -> None:
+    """Refuse the push if any variant is degraded, naming each variant and its bars.
+
+    With `allow_degraded` nothing is refused: degraded variants are kept, marked. The
+    message gives every variant's verdict (the bar each degraded one failed, the figures
+    of those that passed), so one push tells the publisher everything.
+    """
+    refused = [bar for bar in bars.values() if bar.degraded]
+    if not refused or request.allow_degraded:
+        return
+    parts = [f"{bar.variant} degraded: {accuracy_bars.reason(bar.figures)}" for bar in refused]
+    parts += [
+        f"{bar.variant} passed: {accuracy_bars.reason(bar.figures)}"
+        for bar in bars.values()
+        if not bar.degraded
+    ]
+    names = " and ".join(bar.variant for bar in refused)
+    them = "it" if len(refused) == 1 else "them"
     raise errors.InvalidModel(
-        f"{variant} variant is degraded: output {worst!r:.64} has {what} (max abs error "
-        f"{max_abs:.3g}); pass --allow-degraded to keep it marked degraded, or drop the variant"
+        "; ".join(parts) + f"; nothing stored: pass --allow-degraded to keep {names} marked "
+        f"degraded, or drop {them} from --variant"
     )
 
 
-def _refuse_unknown(inputs: Sequence[TensorSpec], request: GoldenRequest) -> None:
+def _unknown_hints(inputs: Sequence[TensorSpec], request: GoldenRequest) -> str:
+    """Say which --input-shape/--input-range names are not inputs of the model ("": none)."""
     names = {spec.name for spec in inputs}
-    for flag, given in (
-        ("--input-shape", request.input_shapes),
-        ("--input-range", request.input_ranges),
-    ):
-        for name in given:
-            if name not in names:
-                raise errors.InvalidArgument(
-                    f"{flag} names {name!r:.64}, which is not an input of the model "
-                    f"(inputs: {', '.join(sorted(names))})"
-                )
+    unknown = [
+        f"{flag} names {name!r:.64}"
+        for flag, given in (
+            ("--input-shape", request.input_shapes),
+            ("--input-range", request.input_ranges),
+        )
+        for name in given
+        if name not in names
+    ]
+    if not unknown:
+        return ""
+    which = "is not an input" if len(unknown) == 1 else "are not inputs"
+    return (
+        f"{' and '.join(unknown)}, which {which} of the model (inputs: {', '.join(sorted(names))})"
+    )
 
 
 def _publisher_inputs(
@@ -224,9 +251,11 @@ def _publisher_inputs(
             f"--golden has {extra[0]!r:.64}, which is not an input of the model "
             f"(inputs: {', '.join(names)})"
         )
-    missing = next((spec.name for spec in inputs if spec.name not in arrays), None)
-    if missing is not None:
-        raise errors.InvalidArgument(f"--golden has no array for input {missing!r}")
+    missing = [repr(spec.name) for spec in inputs if spec.name not in arrays]
+    if len(missing) == 1:
+        raise errors.InvalidArgument(f"--golden has no array for input {missing[0]}")
+    if missing:
+        raise errors.InvalidArgument(f"--golden has no arrays for inputs {', '.join(missing)}")
     # Checked before casting: a bool array cast to float64 grows eightfold.
     _check_total({s.name: (arrays[s.name].shape, s.dtype) for s in inputs}, "--golden")
     found = {}
@@ -247,14 +276,20 @@ def _publisher_shape(spec: TensorSpec, shape: tuple[int, ...], request: GoldenRe
 
 
 def _check_shape(spec: TensorSpec, shape: tuple[int, ...], what: str) -> None:
+    problem = _shape_problem(spec, shape, what)
+    if problem:
+        raise errors.InvalidArgument(problem)
+
+
+def _shape_problem(spec: TensorSpec, shape: tuple[int, ...], what: str) -> str:
     declared = spec.shape
     fits = len(declared) == len(shape) and all(
         d < 0 or d == s for d, s in zip(declared, shape, strict=True)
     )
     if declared and not fits:  # () = MNN could not say; the run will judge
-        raise errors.InvalidArgument(
-            f"{what} {spec.name!r} has shape {list(shape)}; the model takes {_shape_text(declared)}"
-        )
+        takes = _shape_text(declared)
+        return f"{what} {spec.name!r} has shape {list(shape)}; the model takes {takes}"
+    return ""
 
 
 def _cast(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
@@ -276,47 +311,67 @@ def _cast(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
 
 
 def _seeded(
-    spec: TensorSpec, shape: tuple[int, ...], request: GoldenRequest, rng: np.random.Generator
+    spec: TensorSpec,
+    shape: tuple[int, ...],
+    bounds: tuple[float, float] | tuple[int, int] | None,
+    rng: np.random.Generator,
 ) -> np.ndarray:
-    bounds = request.input_ranges.get(spec.name)
     if spec.dtype in _FLOAT_DTYPES:
         if bounds is None:
             return rng.standard_normal(shape).astype(spec.dtype)
         return rng.uniform(bounds[0], bounds[1], shape).astype(spec.dtype)
-    if spec.dtype in _INT_DTYPES:
-        if bounds is None:
-            raise errors.InvalidArgument(
-                f"input {spec.name!r} is {spec.dtype}: random values would be meaningless "
-                f"(a sample rate, token ids...): pass --golden INPUTS.npz, or declare "
-                f"its values with --input-range {spec.name}=LOW:HIGH"
-            )
-        low, high = math.ceil(bounds[0]), math.floor(bounds[1])
-        info = np.iinfo(spec.dtype)
-        if low > high or low < info.min or high > info.max:
-            raise errors.InvalidArgument(
-                f"--input-range {spec.name}={bounds[0]:g}:{bounds[1]:g} holds no {spec.dtype} value"
-            )
-        return rng.integers(low, high, shape, dtype=spec.dtype, endpoint=True)
-    raise errors.InvalidArgument(f"input {spec.name!r} has unsupported dtype {spec.dtype}")
+    assert bounds is not None  # _seeded_bounds gave integer inputs theirs
+    return rng.integers(bounds[0], bounds[1], shape, dtype=spec.dtype, endpoint=True)
 
 
-def _seeded_shape(spec: TensorSpec, request: GoldenRequest) -> tuple[int, ...]:
+def _seeded_bounds(
+    spec: TensorSpec, request: GoldenRequest, problems: list[str], flags: list[str]
+) -> tuple[float, float] | tuple[int, int] | None:
+    """Return the range of an input's seeded values; add to `problems` what is missing."""
+    bounds = request.input_ranges.get(spec.name)
+    if spec.dtype in _FLOAT_DTYPES:
+        return bounds
+    if spec.dtype not in _INT_DTYPES:
+        problems.append(f"input {spec.name!r} has unsupported dtype {spec.dtype}")
+        return None
+    if bounds is None:
+        problems.append(
+            f"input {spec.name!r} is {spec.dtype}: random values would be meaningless "
+            "(a sample rate, token ids...)"
+        )
+        flags.append(f"--input-range {spec.name}=LOW:HIGH")
+        return None
+    low, high = math.ceil(bounds[0]), math.floor(bounds[1])
+    info = np.iinfo(spec.dtype)
+    if low > high or low < info.min or high > info.max:
+        problems.append(
+            f"--input-range {spec.name}={bounds[0]:g}:{bounds[1]:g} holds no {spec.dtype} value"
+        )
+        return None
+    return low, high
+
+
+def _seeded_shape(
+    spec: TensorSpec, request: GoldenRequest, problems: list[str], flags: list[str]
+) -> tuple[int, ...]:
+    """Return an input's seeded shape; add to `problems` (and `flags`) what is missing."""
     hint = request.input_shapes.get(spec.name)
     if hint is not None:
         shape = tuple(hint)
-        _check_shape(spec, shape, "--input-shape for")
-    elif spec.shape and all(d >= 0 for d in spec.shape):
-        shape = spec.shape
-    elif spec.shape or spec.dtype == "unknown":
-        raise errors.InvalidArgument(
-            f"input {spec.name!r} has dynamic shape {_shape_text(spec.shape)}: pass "
-            f"--input-shape {spec.name}="
-            + ",".join("N" if d < 0 else str(d) for d in spec.shape)
-            + " or golden inputs with --golden"
-        )
-    else:
-        shape = ()  # a scalar
-    return shape
+        problem = _shape_problem(spec, shape, "--input-shape for")
+        if problem:
+            problems.append(problem)
+        return shape
+    if spec.shape and all(d >= 0 for d in spec.shape):
+        return spec.shape
+    if spec.shape:
+        problems.append(f"input {spec.name!r} has dynamic shape {_shape_text(spec.shape)}")
+        dims = ",".join("N" if d < 0 else str(d) for d in spec.shape)
+        flags.append(f"--input-shape {spec.name}={dims}")
+    elif spec.dtype == "unknown":
+        problems.append(f"input {spec.name!r} has a shape MNN could not tell")
+        flags.append(f"--input-shape {spec.name}=D1,D2,...")
+    return ()  # a scalar, when nothing is missing
 
 
 def _shape_text(shape: Sequence[int]) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from control_plane import errors
+from control_plane.registry.contract import DERIVED_VARIANTS
 from control_plane.registry.mnn_sandbox import Sandbox, child_env, default_sandbox
 from runtime.golden import MAX_GOLDEN_BYTES
 from runtime.npz import read_npz
@@ -63,11 +64,14 @@ VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
         "64",
     ),
 }
-VARIANTS = ("fp16", "int8", "int4")
+VARIANTS = DERIVED_VARIANTS
 
 INSPECT_TIMEOUT_S = 120.0
 CONVERT_TIMEOUT_S = 300.0
 _MESSAGE_LIMIT = 300  # characters; messages travel to clients in gRPC status details
+# What the publisher must fix (every missing --input-shape/--input-range at once) is ours
+# to word, not MNN's: it may take a few more.
+_CALLER_MESSAGE_LIMIT = 1000
 # What a child that ran out of address space leaves in its log: Python's MemoryError,
 # C++'s std::bad_alloc, MNN's own allocation failures, glibc's ENOMEM.
 _OUT_OF_MEMORY = ("MemoryError", "bad_alloc", "Alloc memory", "alloc memory", "Cannot allocate")
@@ -323,7 +327,7 @@ class _Outcome:
         if any(marker in self.log or marker in self.result for marker in _OUT_OF_MEMORY):
             raise self._error(f"MNN ran out of {sandbox.describe_limit('memory')}")
         if payload is not None and not payload["ok"] and payload.get("caller_error"):
-            raise errors.InvalidArgument(_one_line(str(payload["error"])))
+            raise errors.InvalidArgument(_one_line(str(payload["error"]), _CALLER_MESSAGE_LIMIT))
         if payload is not None and not payload["ok"]:
             raise self._error(payload["error"])
         lines = self.log.splitlines()
@@ -426,10 +430,10 @@ def _read_text(fd: int) -> str:
     return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
-def _one_line(message: str) -> str:
+def _one_line(message: str, limit: int = _MESSAGE_LIMIT) -> str:
     """Collapse whitespace and cap the length, so errors stay one short line."""
     text = " ".join(message.split())
-    return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _spec_dict(spec: TensorSpec) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from control_plane.crypto.keyring import Keyring
 from control_plane.crypto.segments import SegmentHasher, encode_digests
 from control_plane.registry import evaluation, gc, memfd, mnn_tools
 from control_plane.registry.contract import BASE_VARIANT, MANIFEST_SCHEMA
+from control_plane.registry.duplicates import refuse_duplicate
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.requests import (
     PushRequest,
@@ -64,6 +65,13 @@ INSPECT_WORKERS = 2
 GOLDEN_LABEL = "golden"
 # Times a push re-wraps its data key after a rotation on some replica switched the KEK.
 STALE_KEK_RETRIES = 3
+# Times a push checks again for a duplicate after other pushes of its model committed
+# between its check and its commit.
+DUPLICATE_RECHECKS = 5
+
+
+class _LatestMoved(Exception):
+    """Another push of the model committed after this one checked for a duplicate."""
 
 
 def associated_data(uid: str, variant: str) -> bytes:
@@ -143,6 +151,8 @@ class Registry:
         """
         extra = check_request(request)
         check_upload(request, upload)
+        self.latest_unless_duplicate(request, upload.sha256)  # before any MNN work
+        request = replace(request, sha256=upload.sha256)
         stored: list[str] = []
         with self._push_slots, contextlib.ExitStack() as stack:
             try:
@@ -151,6 +161,21 @@ class Registry:
             except BaseException:
                 self._delete_blobs(stored)
                 raise
+
+    def latest_unless_duplicate(self, request: PushRequest, sha256: str) -> int:
+        """Return the model's latest version number (0: none yet), refusing a duplicate.
+
+        A push that would remake the latest version (the same source bytes, the same
+        variants, and no pipeline on either) is refused (FailedPrecondition naming it)
+        unless it says `allow_duplicate`: re-running a push must not make a second version
+        nobody asked for. A push that asks for other variants or a pipeline is a new version.
+        """
+        try:
+            latest = self.store.get_version(request.name, None)
+        except errors.NotFound:
+            return 0
+        refuse_duplicate(latest, request, sha256)
+        return latest.number
 
     def _plaintext_variants(
         self, upload_fd: int, extra: tuple[str, ...], stack: contextlib.ExitStack
@@ -232,6 +257,7 @@ class Registry:
                 "uid": uid,
                 "created_at": created_at.isoformat(),
                 "source_format": fmt,
+                "source_sha256": request.sha256,  # what was pushed: duplicates are refused
                 "signature": signatures[BASE_VARIANT],
                 "variants": {v.name: _manifest_variant(uid, v, segments[v.name]) for v in variants},
                 "golden": golden_blob,
@@ -256,12 +282,41 @@ class Registry:
 
         if abandoned():
             raise errors.Unavailable("client disconnected mid-upload")
-        record = self._create_version(request.name, uid, data_key, build)
+        record = self._create_unless_duplicate(request, uid, data_key, build)
         # A rotation on another replica may have committed while this push signed.
         if self.signer.settle(record.signing_key_id):
             record = self.store.get_version(record.model, record.number)
         log.info("pushed %s:%d (%s)", record.model, record.number, ", ".join(fds))
         return record
+
+    def _create_unless_duplicate(
+        self,
+        request: PushRequest,
+        uid: str,
+        data_key: bytes,
+        build: Callable[[WrappedKey, int], NewVersion],
+    ) -> VersionRecord:
+        """Insert the version unless a push of the same bytes committed while this one ran.
+
+        The check reads the latest version; the insert takes the next number under the
+        model's lock. A number other than the one after what was checked means another push
+        committed in between: check again against it.
+        """
+        for _ in range(DUPLICATE_RECHECKS):
+            checked = self.latest_unless_duplicate(request, request.sha256)
+
+            def unless_moved(wrapped: WrappedKey, number: int, seen: int = checked) -> NewVersion:
+                if number != seen + 1 and not request.allow_duplicate:
+                    raise _LatestMoved
+                return build(wrapped, number)
+
+            try:
+                return self._create_version(request.name, uid, data_key, unless_moved)
+            except _LatestMoved:
+                continue
+        raise errors.Unavailable(
+            f"other pushes of {request.name} kept committing while this one did: push again"
+        )
 
     def _create_version(
         self,

@@ -19,7 +19,8 @@ from control_plane.limits import (  # noqa: F401 - re-exported: the names' old h
     VARIANT_NAME,
     check_text,
 )
-from control_plane.registry import memfd, mnn_tools
+from control_plane.registry import memfd
+from control_plane.registry.contract import DERIVED_VARIANTS, unknown_variants
 from control_plane.registry.golden import GoldenRequest
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class PushRequest:
     golden: GoldenRequest = GoldenRequest()
     # The version's event pipeline, checked on its own; fitted to the model at push.
     pipeline: PipelineSpec | None = None
+    # Store it even when its bytes are those of the model's latest version.
+    allow_duplicate: bool = False
 
 
 def parse_pipeline(text: str) -> PipelineSpec | None:
@@ -118,8 +121,7 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
 
 def _validate_variants(variants: Iterable[str]) -> tuple[str, ...]:
     chosen = tuple(dict.fromkeys(variants))
-    unknown = [v for v in chosen if v not in mnn_tools.VARIANTS]
+    unknown = [v for v in chosen if v not in DERIVED_VARIANTS]
     if unknown:
-        allowed = ", ".join(mnn_tools.VARIANTS)
-        raise errors.InvalidArgument(f"unknown variant {unknown[0]!r}: choose from {allowed}")
+        raise errors.InvalidArgument(unknown_variants(unknown))
     return chosen

@@ -31,7 +31,8 @@ def test_degraded_int8_is_refused_in_one_line(server):  # noqa: F811
     )
     line = _error_line(result)
     assert result.returncode == EXIT_INVALID, result.stderr
-    assert "int8 variant is degraded" in line and "--allow-degraded" in line
+    assert "int8 degraded: cosine 0." in line and "below 0.99" in line
+    assert "--allow-degraded" in line
     assert result.stdout == ""
 
 
@@ -48,8 +49,7 @@ def test_allow_degraded_records_and_shows_it(server, tmp_path):  # noqa: F811
         "--name",
         "det-kept",
         "--variant",
-        "int8",
-        "fp16",
+        "int8,fp16",
         "--golden",
         str(golden),
         "--allow-degraded",
@@ -72,7 +72,7 @@ def test_allow_degraded_records_and_shows_it(server, tmp_path):  # noqa: F811
     assert body["signature"]["inputs"][0]["shape"] == [1, 3, -1, -1]
     shown = skiff("model", "show", "det-kept:1", env=server["env"]).stdout
     assert "sigmoid_0.tmp_0[1x1x320x320] float32" in shown
-    assert "DEGRADED (below 0.995)" in shown
+    assert "DEGRADED: cosine 0." in shown and "below 0.995" in shown
     assert "golden    the publisher's inputs" in shown
     int8_line = next(line for line in shown.splitlines() if line.strip().startswith("int8"))
     assert "vs fp32: cosine 0." in int8_line

@@ -159,7 +159,7 @@ def test_tampered_manifest_fails_pull_with_integrity(plane, tmp_path, tampering,
 def test_another_versions_manifest_fails_pull(plane, tmp_path, model_file):  # noqa: F811
     cp, env = plane
     with cp.client() as client:
-        client.push(model_file, name="det")
+        client.push(model_file, name="det", allow_duplicate=True)
     with cp.registry.store._scope() as session:
         rows = session.scalars(
             select(orm.VersionRow).join(orm.ModelRow).where(orm.ModelRow.name == "det")

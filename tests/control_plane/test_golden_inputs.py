@@ -15,6 +15,7 @@ from control_plane.registry.golden import (
     accuracy,
     golden_inputs,
     reference_golden,
+    refuse_degraded,
 )
 from control_plane.registry.mnn_tools import TensorSpec
 from runtime.golden import Golden
@@ -48,6 +49,24 @@ def test_dynamic_input_without_a_shape_is_refused_naming_it():
         errors.InvalidArgument, match=r"input 'state' has dynamic shape \[2, \?, 128\]"
     ):
         golden_inputs([STATE], GoldenRequest())
+
+
+def test_every_missing_shape_and_range_is_named_at_once():
+    """One refusal lists every flag to pass: Silero VAD used to take three rounds."""
+    with pytest.raises(errors.InvalidArgument) as refused:
+        golden_inputs([IMAGE, STATE, RATE], GoldenRequest(input_shapes={"nope": (1,)}))
+    message = str(refused.value)
+    assert message.startswith(
+        "seeded golden inputs need --input-shape x=1,3,N,N --input-shape state=2,N,128 "
+        "--input-range sr=LOW:HIGH (or golden inputs with --golden INPUTS.npz): "
+    )
+    for problem in (
+        "--input-shape names 'nope', which is not an input",
+        "input 'x' has dynamic shape [1, 3, ?, ?]",
+        "input 'state' has dynamic shape [2, ?, 128]",
+        "input 'sr' is int32",
+    ):
+        assert problem in message
 
 
 def test_integer_input_needs_golden_data_or_a_range():
@@ -142,12 +161,13 @@ def test_accuracy_refuses_a_variant_below_the_bar_unless_allowed():
     passed = accuracy("fp16", reference, good, GoldenRequest())
     assert not passed.degraded and passed.figures["cosine"] > 0.9999
     assert [o["name"] for o in passed.figures["outputs"]] == ["a", "b"]
+    judged = accuracy("int8", reference, bad, GoldenRequest())
+    assert judged.degraded and judged.figures["min_cosine"] == 0.99
     with pytest.raises(
-        errors.InvalidModel, match="int8 variant is degraded: output 'b' has cosine 0.7071"
+        errors.InvalidModel, match="int8 degraded: cosine 0.7071 below 0.99 on output 'b'"
     ):
-        accuracy("int8", reference, bad, GoldenRequest())
-    kept = accuracy("int8", reference, bad, GoldenRequest(allow_degraded=True))
-    assert kept.degraded and kept.figures["min_cosine"] == 0.99
+        refuse_degraded({"fp16": passed, "int8": judged}, GoldenRequest())
+    refuse_degraded({"fp16": passed, "int8": judged}, GoldenRequest(allow_degraded=True))
     lenient = accuracy("int8", reference, bad, GoldenRequest(min_cosine=0.7))
     assert not lenient.degraded
 
@@ -222,10 +242,13 @@ def test_npz_members_that_are_not_arrays_or_lie_about_their_size_are_refused():
 def test_a_variant_with_the_right_direction_and_the_wrong_scale_is_degraded():
     reference = {"y": np.array([3.0, 4.0])}
     shrunk = {"y": np.array([0.2, 0.26666])}  # 15x too small: cosine 1.0
-    with pytest.raises(errors.InvalidModel, match="relative error 0.933 from fp32"):
-        accuracy("fp16", reference, shrunk, GoldenRequest())
-    kept = accuracy("fp16", reference, shrunk, GoldenRequest(allow_degraded=True))
+    kept = accuracy("fp16", reference, shrunk, GoldenRequest())
     assert kept.degraded and kept.figures["cosine"] > 0.9999
+    with pytest.raises(
+        errors.InvalidModel,
+        match=r"fp16 degraded: relative error 0.933 above 0.141 \(cosine 1.0000 >= 0.99\)",
+    ):
+        refuse_degraded({"fp16": kept}, GoldenRequest())
     assert kept.figures["relative_error"] == pytest.approx(0.9333, abs=1e-3)
 
 

@@ -177,7 +177,7 @@ def test_unreachable_database_is_unavailable_and_server_recovers(tmp_path, mnn_b
             with admin.connect() as conn:
                 conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
             assert [m.latest_version for m in client.list_models()] == [1]
-            assert client.push(path, name="det").version == 2
+            assert client.push(path, name="det", allow_duplicate=True).version == 2
     finally:
         plane.stop()
         admin.dispose()
@@ -194,7 +194,7 @@ def test_rotate_to_kms_and_back_keeps_models_readable(tmp_path, mnn_bytes, moto_
             result = client.rotate_kek(f"aws-kms://{key_id}")
             assert result.rewrapped == 1 and result.new_kek_id.startswith("aws-kms:")
             assert plane.registry.store.get_version("det").data_key.kek_id == result.new_kek_id
-            client.push(path, name="det")
+            client.push(path, name="det", allow_duplicate=True)
             client.pull("det", 1, tmp_path / "v1.mnn", pins=plane.pins)
             client.pull("det", 2, tmp_path / "v2.mnn", pins=plane.pins)
             with pytest.raises(errors.InvalidArgument, match="name the new KEK"):
@@ -269,7 +269,7 @@ def test_concurrent_pushes_are_bounded(tmp_path, mnn_bytes, monkeypatch):
 
         def push():
             with plane.client() as client:
-                results.append(client.push(path, name="det").version)
+                results.append(client.push(path, name="det", allow_duplicate=True).version)
 
         threads = [threading.Thread(target=push) for _ in range(3)]
         for t in threads:

@@ -188,7 +188,7 @@ def test_rotate_local_kek_rewraps_without_touching_blobs(cp, tmp_path, mnn_bytes
     path = _write(tmp_path, "m.mnn", mnn_bytes)
     with cp.client() as client:
         client.push(path, name="det")
-        client.push(path, name="det")
+        client.push(path, name="det", allow_duplicate=True)
         blobs_before = {
             k: b"".join(cp.registry.blobs.open_read(k)) for k in cp.registry.blobs.keys()
         }

@@ -117,8 +117,8 @@ def test_concurrent_sweeps_and_pushes_lose_nothing(cp, onnx_path):
             replica_a.collect_garbage,
             cp.registry.collect_garbage,
             client.collect_garbage,
-            lambda: client.push(onnx_path, name="det"),
-            lambda: client.push(onnx_path, name="det"),
+            lambda: client.push(onnx_path, name="det", allow_duplicate=True),
+            lambda: client.push(onnx_path, name="det", allow_duplicate=True),
         ]
         threads = [threading.Thread(target=run, args=(call,)) for call in calls]
         for t in threads:
