@@ -182,6 +182,7 @@ def create_rollouts(client: AdminClient, models: dict, n: int, rng: random.Rando
                 # Long bakes: the scheduler must not move anything while the bench runs.
                 bake_s=MAX_BAKE_S,
                 priority=rng.choice((0, 0, 0, 1, 5, 10)),
+                allow_empty=True,  # made before the bulk fleet exists
             )
         )
         fate = rng.random()

@@ -11,8 +11,12 @@ from control_plane.fleet.wire import (  # noqa: F401 - re-exported for the API l
     timestamp,
 )
 from control_plane.rollouts.guard import Health, SliceHealth
+from control_plane.rollouts.lifecycle import stage_number
+from control_plane.rollouts.preview import Preview
 from control_plane.rollouts.resolver import Desired
-from control_plane.rollouts.service import Counts
+from control_plane.rollouts.service import Counts, degraded_reason
+from control_plane.rollouts.verdict_text import verdict_sentence
+from control_plane.store.base import VariantRecord
 from control_plane.store.fleet import DeviceRecord, ModelState
 from control_plane.store.rollouts import RolloutRecord
 from control_plane.telemetry.recommend import ClassBackends
@@ -62,9 +66,17 @@ def device_pb(d: DeviceRecord, *, online: bool, desired: dict[str, Desired]) -> 
 
 
 def rollout_pb(
-    r: RolloutRecord, counts: Counts | None = None, health: Health | None = None
+    r: RolloutRecord,
+    counts: Counts | None = None,
+    health: Health | None = None,
+    *,
+    variant: VariantRecord | None = None,
 ) -> fleet_pb2.Rollout:
-    """Return the message for a rollout (with its audit log, counts and health if given)."""
+    """Return the message for a rollout (with its audit log, counts and health if given).
+
+    Stages are numbered from 1 in the message (the record keeps the index). `variant`,
+    the one it ships, marks a degraded one.
+    """
     msg = fleet_pb2.Rollout(
         id=r.id,
         model=r.model,
@@ -72,7 +84,7 @@ def rollout_pb(
         variant=r.variant,
         selector=r.selector,
         stages=list(r.stages),
-        stage=r.stage,
+        stage=stage_number(r.stage),
         state=r.state,
         bake_s=r.bake_s,
         priority=r.priority,
@@ -86,7 +98,7 @@ def rollout_pb(
                 action=e.action,
                 from_state=e.from_state,
                 to_state=e.to_state,
-                stage=e.stage,
+                stage=stage_number(e.stage),
                 reason=e.reason,
                 slice=e.slice,
                 evidence_json=json.dumps(e.evidence, sort_keys=True) if e.evidence else "",
@@ -98,6 +110,9 @@ def rollout_pb(
         min_inferences=r.min_inferences,
         slice_by=r.slice_by,
     )
+    if variant is not None and variant.degraded:
+        msg.degraded, msg.degraded_reason = True, degraded_reason(variant)
+        msg.degraded_allowed = any(e.evidence.get("allow_degraded") for e in r.audit if e.evidence)
     if counts is not None:
         msg.counts.CopyFrom(fleet_pb2.RolloutCounts(**counts.__dict__))
     if health is not None:
@@ -111,6 +126,16 @@ def rollout_pb(
             )
         )
     return msg
+
+
+def preview_pb(p: Preview) -> fleet_pb2.RolloutPreview:
+    """Return what a rollout would select as its message."""
+    return fleet_pb2.RolloutPreview(
+        selected=p.selected,
+        devices=list(p.devices),
+        slices=[fleet_pb2.SlicePreview(slice=s.slice, devices=list(s.devices)) for s in p.slices],
+        more_slices=p.more_slices,
+    )
 
 
 def _cohort_pb(figures: dict) -> fleet_pb2.CohortFigures:
@@ -132,7 +157,8 @@ def _slice_pb(s: SliceHealth) -> fleet_pb2.SliceHealth:
         baseline=_cohort_pb(s.baseline.figures()),
         rules=[
             fleet_pb2.RuleVerdict(
-                **{k: v for k, v in v.to_dict().items() if k != "sample" and v is not None}
+                **{k: v for k, v in v.to_dict().items() if k != "sample" and v is not None},
+                sentence=verdict_sentence(v),
             )
             for v in s.verdicts
         ],

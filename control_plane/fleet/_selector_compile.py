@@ -46,6 +46,8 @@ _REFUSED = {
     "tags": (_ORDERING, "is a set of tags"),
     "number": (frozenset({"~"}), "compares as a number"),
 }
+# How a clause names a custom attribute: `custom.tier` (the device-class setting's spelling).
+CUSTOM_PREFIX = CUSTOM + "."
 _NO_CUSTOM: Mapping[str, str] = MappingProxyType({})
 _NOTHING_ATTESTED: Mapping[str, object] = MappingProxyType({})
 
@@ -114,14 +116,16 @@ def _attested(test: Test) -> Test:
 
 def _compile_plain(clause: Clause, op_pos: int, positions: tuple[int, ...], fail: Fail) -> Test:
     key, op = clause.key, clause.op
-    kind = _KINDS.get(key, "custom")
+    # The parser hands over standard keys and `custom.NAME` only.
+    kind = "custom" if key.startswith(CUSTOM_PREFIX) else _KINDS[key]
     refused, because = _REFUSED.get(kind, ((), ""))
     if op in refused:
         fail(f"operator {op!r} cannot be used on {key!r}, which {because}", op_pos)
     if kind == "tags":
         return _standard(key, _tags_predicate(op, clause.values))
     if kind == "custom":
-        return _custom(key, _custom_predicate(op, clause.values, positions, fail))
+        name = key[len(CUSTOM_PREFIX) :]
+        return _custom(name, _custom_predicate(op, clause.values, positions, fail))
     if op == "~":
         return _standard(key, _glob(clause.values[0]))
     if kind == "text":

@@ -121,7 +121,8 @@ def parse_attr_flags(items: Sequence[str]) -> dict:
     """Parse CLI `KEY=VALUE` items into canonical attributes.
 
     Standard keys fill their slot, `tags=a` may repeat and accepts `tags=a,b` (`tags=`
-    alone reports an empty tag list), and any other key becomes a custom key.
+    alone reports an empty tag list), and `custom.KEY=VALUE` (as selectors write it) sets
+    custom key KEY; any other key becomes a custom key too, as it always has.
     """
     raw: dict = {}
     custom: dict = {}
@@ -129,6 +130,12 @@ def parse_attr_flags(items: Sequence[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise errors.InvalidArgument(f"attribute {item!r} is not KEY=VALUE")
+        if key.startswith(CUSTOM + ".") and len(key) > len(CUSTOM) + 1:
+            key = key[len(CUSTOM) + 1 :]
+            if key in custom:
+                raise errors.InvalidArgument(f"attribute {key!r} is given more than once")
+            custom[key] = value
+            continue
         if key == "tags":
             raw.setdefault("tags", []).extend(value.split(",") if value else [])
             continue

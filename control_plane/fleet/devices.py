@@ -15,6 +15,7 @@ from control_plane import errors
 from control_plane.crypto.device_keys import check_public_keyset
 from control_plane.fleet.attributes import effective_attributes, normalize_attributes
 from control_plane.fleet.selector import parse_selector
+from control_plane.id_prefix import SHOWN, only_match
 from control_plane.limits import MAX_NAME, MAX_REASON, check_text
 from control_plane.store.fleet import (
     Change,
@@ -209,7 +210,7 @@ class Fleet:
         Only ids after `after`, at most `limit` of them (None: every one); the store is
         read in batches until the page is full or the fleet ends.
         """
-        compiled = parse_selector(selector)
+        compiled = parse_selector(selector, strict=True)  # typed now: a typo is refused
         if after:
             validate_device_id(after)
         if limit is None:
@@ -230,6 +231,26 @@ class Fleet:
         validate_device_id(device_id)
         return self._store.get_device(device_id)
 
+    def resolve(self, text: str) -> str:
+        """Return the id of the device whose id is `text`, or the one id starting with it.
+
+        A prefix costs one indexed read (ids in order from it): a fleet of any size.
+        """
+        starts_like_one = isinstance(text, str) and (
+            DEVICE_PREFIX.startswith(text) or text.startswith(DEVICE_PREFIX)
+        )
+        if not (starts_like_one and _ID_PREFIX.fullmatch(text)):
+            raise errors.InvalidArgument(f"invalid device id {text!r:.40}: expected dev_...")
+        if _DEVICE_ID.fullmatch(text):
+            try:
+                return self._store.get_device(text).id
+            except errors.NotFound:
+                pass  # the start of a longer id, perhaps
+        # Every id that starts with `text` sorts right after it (and each is longer).
+        ids = [d.id for d in self._store.list_devices(after=text, limit=SHOWN + 1)]
+        ids = [i for i in ids if i.startswith(text)]
+        return only_match("device", text, ids[:SHOWN], more=len(ids) > SHOWN)
+
     def revoke(self, device_id: str, *, reason: str = "") -> DeviceRecord:
         """Refuse the device from now on (its open streams are closed by the change feed)."""
         validate_device_id(device_id)
@@ -238,6 +259,7 @@ class Fleet:
 
 
 _DEVICE_ID = re.compile(DEVICE_PREFIX + r"[0-9a-z_-]{1,28}")
+_ID_PREFIX = re.compile(r"[0-9a-z_-]{1,32}")  # what may start a device id
 
 
 def validate_device_id(device_id: object) -> str:

@@ -13,11 +13,20 @@ A clause prefixed with `@` (`@tags=internal`, `@region in (eu, us)`, `@tier!=fre
 the same clause over the device's attested attributes only: those its enrollment token
 stamped, which the device cannot change (`fleet.attributes`, key `"attested"`). A device
 without that attested key never matches it, `!=` and `not in` included, whatever it
-reports. Custom keys keep their one spelling, bare (`@tier=gold`).
+reports.
+
+Custom attributes are written `custom.KEY` (`custom.tier=gold`, `@custom.tier=gold`), the
+spelling the device-class setting uses too, so a bare key is a standard attribute or a
+typo: `parse_selector(text, strict=True)` (every selector an operator writes now: `rollout
+create`, `fleet ls --select`) refuses an unknown bare key naming the closest standard one
+("did you mean `platform`?"). Selectors stored before that spelling may hold bare custom
+keys (`tier=gold`); read without `strict`, a bare unknown key is a custom one, as it was,
+and the canonical text (`str(selector)`) writes it `custom.tier`.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 import string
 from collections.abc import Mapping
@@ -26,6 +35,7 @@ from typing import NoReturn
 
 from control_plane import errors
 from control_plane.fleet._selector_compile import (
+    CUSTOM_PREFIX,
     Test,
     _compile,
     compare_versions,
@@ -35,9 +45,11 @@ from control_plane.fleet._selector_compile import (
 # Also reachable here, where they were defined before the split: tests check their bounds.
 from control_plane.fleet._selector_compile import _device_number as _device_number
 from control_plane.fleet._selector_compile import _device_version as _device_version
+from control_plane.fleet.attributes import STANDARD_KEYS
 
 __all__ = [
     "ATTESTED_MARK",
+    "CUSTOM_PREFIX",
     "LIST_OPERATORS",
     "MAX_CLAUSES",
     "MAX_TEXT",
@@ -64,6 +76,7 @@ _KEY_CHARS = _KEY_START | frozenset(string.digits + ".-")
 _BARE_CHARS = frozenset(string.ascii_letters + string.digits + "._-*?:/+[]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _UNTERMINATED = "unterminated string (no closing '\"')"
+_CUSTOM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 
 
 class SelectorError(errors.InvalidArgument):
@@ -80,7 +93,8 @@ class SelectorError(errors.InvalidArgument):
 class Clause:
     """One condition: `values` has one entry except for `in` and `not in`.
 
-    `attested` (written `@key`) restricts it to the device's attested attributes.
+    `key` is a standard attribute or `custom.NAME`. `attested` (written `@key`) restricts
+    it to the device's attested attributes.
     """
 
     key: str
@@ -93,6 +107,21 @@ class Clause:
         if self.op in LIST_OPERATORS:
             return f"{key} {self.op} ({', '.join(map(_quote, self.values))})"
         return f"{key}{self.op}{_quote(self.values[0])}"
+
+
+def unknown_key(key: str) -> str:
+    """Say why a bare key is refused, naming the standard key it most likely meant."""
+    custom = f"for a custom attribute, write `{CUSTOM_PREFIX}{key[:64]}`"
+    if key == CUSTOM_PREFIX[:-1]:
+        return f"a custom attribute is written `{CUSTOM_PREFIX}NAME` (e.g. custom.tier=gold)"
+    if key == "attested":
+        return "match attested values with `@KEY` (e.g. @region=eu), not an `attested` key"
+    folded = {k.lower(): k for k in STANDARD_KEYS}
+    close = [folded[key.lower()]] if key.lower() in folded else []
+    close = close or difflib.get_close_matches(key, STANDARD_KEYS, n=1, cutoff=0.6)
+    if close:
+        return f"unknown attribute {key!r:.70}: did you mean `{close[0]}`? ({custom})"
+    return f"unknown attribute {key!r:.70}: use one of {', '.join(STANDARD_KEYS)}; {custom}"
 
 
 def _quote(value: str) -> str:
@@ -118,7 +147,10 @@ class Selector:
         return True
 
     def keys(self) -> frozenset[str]:
-        """Return the attribute keys the clauses look at (`@tags` counts as `tags`)."""
+        """Return the attribute keys the clauses look at (`@tags` counts as `tags`).
+
+        Custom ones as written, `custom.NAME`.
+        """
         return frozenset(clause.key for clause in self.clauses)
 
     def __str__(self) -> str:
@@ -140,14 +172,19 @@ class Selector:
         return parse_selector, (self.text,)
 
 
-def parse_selector(text: str) -> Selector:
+def parse_selector(text: str, *, strict: bool = False) -> Selector:
     """Parse and type-check `text`; an empty selector matches the whole fleet.
+
+    With `strict` (a selector an operator writes now), a bare key must be a standard
+    attribute: custom ones are `custom.KEY`, and any other key is refused as a typo,
+    naming the closest standard key. Without it (a selector stored earlier), a bare
+    unknown key is read as a custom one, as selectors were once written.
 
     Raises SelectorError (an InvalidArgument) at the first problem in text order.
     """
     if len(text) > MAX_TEXT:
         raise SelectorError(text, MAX_TEXT, f"selector is longer than {MAX_TEXT} characters")
-    compiled = _Parser(text).selector()
+    compiled = _Parser(text, strict=strict).selector()
     clauses = tuple(clause for clause, _ in compiled)
     canonical = ", ".join(map(str, clauses))
     return Selector(text, clauses, canonical, tuple(test for _, test in compiled))
@@ -156,9 +193,10 @@ def parse_selector(text: str) -> Selector:
 class _Parser:
     """Recursive descent with one cursor; each clause is compiled as soon as it parses."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, *, strict: bool = False) -> None:
         self.text = text
         self.pos = 0
+        self.strict = strict
 
     def fail(self, reason: str, position: int | None = None) -> NoReturn:
         raise SelectorError(self.text, self.pos if position is None else position, reason)
@@ -202,7 +240,8 @@ class _Parser:
 
     def clause(self) -> tuple[Clause, Test]:
         attested = self.attested_mark()
-        key = self.key()
+        key_pos = self.pos
+        key = self.attribute(self.key(), key_pos)
         self.skip(_SPACE)
         op_pos = self.pos
         op = self.operator(key)
@@ -243,6 +282,22 @@ class _Parser:
         if char not in _SPACE and char not in _OP_CHARS and char not in ("", ","):
             self.fail(f"{char!r} is not allowed in a key (letters, digits, _ . -)")
         return key
+
+    def attribute(self, key: str, start: int) -> str:
+        """Return the key as a clause holds it: a standard attribute or `custom.NAME`."""
+        if key in STANDARD_KEYS:
+            return key
+        if key.startswith(CUSTOM_PREFIX):
+            if not _CUSTOM_NAME.fullmatch(key[len(CUSTOM_PREFIX) :]):
+                self.fail(
+                    "a custom attribute is custom.NAME, NAME a letter or '_' then letters, "
+                    "digits, _ . - (at most 64)",
+                    start,
+                )
+            return key
+        if not self.strict:  # stored before custom keys were written custom.KEY
+            return CUSTOM_PREFIX + key
+        self.fail(unknown_key(key), start)
 
     def operator(self, key: str) -> str:
         start, char = self.pos, self.peek()

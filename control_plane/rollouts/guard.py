@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, Verdict, judge, parse_rule
+from control_plane.rollouts.lifecycle import stage_number
 from control_plane.store.rollouts import RolloutRecord
 from control_plane.store.rollups import OUTSIDE, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values, parse_dimension
@@ -82,7 +83,7 @@ class SliceHealth:
         return {
             "rollout": rollout.id,
             "version": rollout.version,
-            "stage": rollout.stage,
+            "stage": stage_number(rollout.stage),  # numbered from 1, as every surface shows it
             **self.to_dict(),
             "failed": [v.rule for v in self.failing],
         }

@@ -1,4 +1,15 @@
-"""Rollout states, the one table of allowed transitions, stages and sticky membership."""
+"""Rollout states, the one table of allowed transitions, stages and sticky membership.
+
+**Paused is frozen.** A paused rollout stays at its stage: neither its bake time nor a
+promote moves it on (a promote is refused, naming the state: resume first). What its
+current stage already includes is unchanged: those devices keep the version, and one of
+them that has not installed it yet still gets it; no device beyond the stage gets it.
+Resuming restarts the stage's bake time.
+
+**Stages are numbered from 1** wherever people or scripts see them: "stage 2 of 3 (50%)"
+in every text, `stage` in the API's messages and every `--json`. Only the store and the
+code here keep the 0-based index into `stages` (`stage_number` converts).
+"""
 
 from __future__ import annotations
 
@@ -44,7 +55,7 @@ TRANSITIONS: dict[tuple[RolloutState, Action], RolloutState] = {
     (S.ACTIVE, A.ADVANCE): S.ACTIVE,
     (S.ACTIVE, A.ROLLBACK): S.ROLLED_BACK,
     (S.PAUSED, A.RESUME): S.ACTIVE,
-    (S.PAUSED, A.PROMOTE): S.PAUSED,
+    # No promote nor advance: a paused rollout is frozen at its stage (see above).
     (S.PAUSED, A.ROLLBACK): S.ROLLED_BACK,
     (S.COMPLETED, A.ROLLBACK): S.ROLLED_BACK,
 }
@@ -57,6 +68,12 @@ def next_step(
 ) -> tuple[RolloutState, int]:
     """Return the (state, stage) `action` leads to, or FailedPrecondition naming the state."""
     target = TRANSITIONS.get((state, action))
+    if target is None and state == S.PAUSED and action in (A.PROMOTE, A.ADVANCE):
+        raise errors.FailedPrecondition(
+            f"cannot {action.value} a rollout that is paused: it stays at stage "
+            f"{stage_number(stage)} of {n_stages} until it is resumed (resume it first, then "
+            "promote)"
+        )
     if target is None:
         allowed = sorted(a.value for (s, a) in TRANSITIONS if s == state and a != A.ADVANCE)
         raise errors.FailedPrecondition(
@@ -68,6 +85,34 @@ def next_step(
             return S.COMPLETED, stage
         return target, stage + 1
     return target, stage
+
+
+def stage_number(index: int) -> int:
+    """Return the 1-based number people and the API use for a stage's 0-based index."""
+    return index + 1
+
+
+def stage_index(number: int, n_stages: int) -> int:
+    """Return the 0-based index of stage `number` (1-based); InvalidArgument out of range."""
+    if not 1 <= number <= n_stages:
+        raise errors.InvalidArgument(
+            f"there is no stage {number}: stages are numbered 1 to {n_stages}"
+        )
+    return number - 1
+
+
+def stage_text(index: int, stages: Sequence[float]) -> str:
+    """Describe the stage at `index`: "stage 2 of 3 (50%)"."""
+    return f"stage {stage_number(index)} of {len(stages)} ({stages[index]:g}%)"
+
+
+def paused_text(index: int, stages: Sequence[float]) -> str:
+    """Say what a paused rollout does, in the words every surface uses (see above)."""
+    return (
+        f"it stays at {stage_text(index, stages)} until it is resumed: neither its bake "
+        "time nor a promote moves it on; the devices this stage includes keep the version "
+        "(one that has not installed it yet still gets it), and no other device gets it"
+    )
 
 
 def parse_stages(values: Sequence[float]) -> tuple[float, ...]:

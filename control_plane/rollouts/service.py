@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane import errors
-from control_plane.fleet.selector import parse_selector
+from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
+from control_plane.registry.accuracy_bars import failed_bars
 from control_plane.registry.contract import BASE_VARIANT
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.guardrails import BASELINE_METRICS, parse_rules
@@ -26,9 +27,11 @@ from control_plane.rollouts.lifecycle import (
     RolloutState,
     next_step,
     parse_stages,
+    stage_text,
 )
+from control_plane.rollouts.preview import Preview, preview
 from control_plane.rollouts.resolver import Resolver
-from control_plane.store.base import RegistryStore
+from control_plane.store.base import RegistryStore, VariantRecord
 from control_plane.store.fleet import FleetStore
 from control_plane.store.rollouts import (
     RolloutChange,
@@ -64,6 +67,11 @@ class RolloutSpec:
     min_devices: int = 0
     min_inferences: int = 0
     slice_by: str = ""
+    # A selector (other than the whole fleet) that matches no device today is refused
+    # as a likely typo unless this says the operator means it.
+    allow_empty: bool = False
+    # A variant the registry kept marked degraded is refused unless this says so.
+    allow_degraded: bool = False
 
 
 # A rollout created without a minimum sample gets these (one device must not decide).
@@ -73,6 +81,7 @@ MAX_MIN_DEVICES = 10_000_000
 MAX_MIN_INFERENCES = 1 << 40
 GUARDRAIL = "guardrail"
 SLICE_STATES = ("active", "rolled_back")
+_VARIANT_CACHE = 1024  # versions are immutable: a variant's degraded flag never changes
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,12 @@ def _check_reason(reason: str) -> str:
     return check_text("reason", reason, MAX_REASON)
 
 
+def degraded_reason(variant: VariantRecord) -> str:
+    """Say which accuracy bars a degraded variant missed ("cosine 0.4200 with fp32, ...")."""
+    failed = failed_bars(variant.accuracy)
+    return "; ".join(bar.text() for bar in failed) or "below the accuracy bar"
+
+
 class Rollouts:
     """The rollout domain over the store; transport-free."""
 
@@ -108,10 +123,48 @@ class Rollouts:
     ) -> None:
         self._store, self._resolver, self._clock = store, resolver, clock
         self._class = device_class or parse_device_class(DEFAULT_DEVICE_CLASS)
+        self._variants: dict[tuple[str, int, str], VariantRecord | None] = {}
 
     def create(self, spec: RolloutSpec, *, actor: str) -> RolloutRecord:
         """Validate and store a new active rollout at its first stage."""
-        selector = parse_selector(spec.selector)  # position and reason on a bad one
+        record, event, selector = self._validated(spec, actor)
+        if str(selector) and not spec.allow_empty:
+            self._refuse_empty(selector)
+        created = self._store.create_rollout(record, event)
+        log.info(
+            "rollout %s created: %s:%d to %r", created.id, spec.model, spec.version, str(selector)
+        )
+        return created
+
+    def preview(self, spec: RolloutSpec, *, actor: str) -> tuple[RolloutRecord, Preview]:
+        """Validate `spec` as `create` would and count what it would select; store nothing.
+
+        Returns the rollout as it would be created (its id drawn, never stored) and the
+        devices it would select per stage and, sliced, per slice.
+        """
+        record, _, selector = self._validated(spec, actor)
+        dimension = parse_dimension(record.slice_by) if record.slice_by else None
+        found = preview(
+            record.id, selector, record.stages, self._store.live_device_attributes(), dimension
+        )
+        return record, found
+
+    def _refuse_empty(self, selector: Selector) -> None:
+        devices = self._store.live_device_attributes()
+        if any(selector.matches(attrs) for _, attrs in devices):
+            return
+        raise errors.FailedPrecondition(
+            f"selector {str(selector)!r:.200} matches none of the {len(devices)} devices "
+            "today (a typo?): check it with `skiff fleet ls --select`, or pass --allow-empty "
+            "to create the rollout anyway (devices that match later get it)"
+        )
+
+    def _validated(
+        self, spec: RolloutSpec, actor: str
+    ) -> tuple[RolloutRecord, RolloutEventRecord, Selector]:
+        """Check every part of `spec`; return the record and audit entry to store."""
+        # Strict: a key that is neither standard nor custom.KEY is a typo, named.
+        selector = parse_selector(spec.selector, strict=True)
         stages = parse_stages(spec.stages)
         if not 0 <= spec.bake_s <= MAX_BAKE_S:
             raise errors.InvalidArgument(f"bake must be between 0s and {MAX_BAKE_S}s")
@@ -148,11 +201,22 @@ class Rollouts:
                 f"min inferences must be between 0 and {MAX_MIN_INFERENCES}"
             )
         version = self._store.get_version(spec.model, spec.version)  # NotFound names it
-        if version.variant(variant) is None:
+        found = version.variant(variant)
+        if found is None:
             have = ", ".join(v.name for v in version.variants)
             raise errors.NotFound(
                 f"{spec.model}:{spec.version} has no variant {variant!r} (it has {have})"
             )
+        evidence = {}
+        if found.degraded:
+            why = degraded_reason(found)
+            if not spec.allow_degraded:
+                raise errors.FailedPrecondition(
+                    f"{spec.model}:{spec.version} variant {variant} is degraded ({why}): "
+                    "pass --allow-degraded to roll it out anyway"
+                )
+            # The audit log keeps that the operator rolled it out knowing.
+            evidence = {"allow_degraded": True, "variant": variant, "degraded": why}
         now = self._clock()
         record = RolloutRecord(
             id=ROLLOUT_PREFIX + secrets.token_hex(5),
@@ -174,13 +238,29 @@ class Rollouts:
             slice_by=slice_by,
         )
         event = RolloutEventRecord(
-            now, actor, "create", "", RolloutState.ACTIVE.value, 0, _check_reason(spec.reason)
+            now,
+            actor,
+            "create",
+            "",
+            RolloutState.ACTIVE.value,
+            0,
+            _check_reason(spec.reason),
+            evidence=evidence,
         )
-        created = self._store.create_rollout(record, event)
-        log.info(
-            "rollout %s created: %s:%d to %r", created.id, spec.model, spec.version, str(selector)
-        )
-        return created
+        return record, event, selector
+
+    def variant_of(self, record: RolloutRecord) -> VariantRecord | None:
+        """Return the variant a rollout ships (None if its version is gone)."""
+        key = (record.model, record.version, record.variant)
+        if key not in self._variants:
+            try:
+                found = self._store.get_version(record.model, record.version)
+            except errors.NotFound:
+                return None
+            if len(self._variants) >= _VARIANT_CACHE:
+                self._variants.clear()
+            self._variants[key] = found.variant(record.variant)
+        return self._variants[key]
 
     def get(self, rollout_id: str) -> RolloutRecord:
         """Return one rollout with its audit log."""
@@ -221,10 +301,13 @@ class Rollouts:
         current = self.get(rollout_id)
         if expected_stage is not None and expected_stage != current.stage:
             raise errors.FailedPrecondition(
-                f"rollout {rollout_id} is at stage {current.stage + 1}, not "
-                f"{expected_stage + 1}: it moved on (look again and retry)"
+                f"rollout {rollout_id} is at {stage_text(current.stage, current.stages)}, not "
+                f"stage {expected_stage + 1}: it moved on (look again and retry)"
             )
-        changed = self._apply(current, act, actor=actor, reason=_check_reason(reason))
+        try:
+            changed = self._apply(current, act, actor=actor, reason=_check_reason(reason))
+        except errors.FailedPrecondition as exc:  # name the rollout the refusal is about
+            raise errors.FailedPrecondition(f"rollout {rollout_id}: {exc}") from None
         if changed is None:
             raise errors.FailedPrecondition(
                 f"rollout {rollout_id} changed while this {action} ran; look again and retry"
@@ -357,7 +440,8 @@ class Rollouts:
         change = RolloutChange(r.id, r.state, r.stage, state.value, stage, started, event)
         result = self._store.change_rollout(change)
         if result is not None:
-            log.info("rollout %s: %s -> %s, stage %d (%s)", r.id, r.state, state, stage, actor)
+            where = stage_text(stage, r.stages)
+            log.info("rollout %s: %s -> %s, %s (%s)", r.id, r.state, state, where, actor)
         return result
 
     def counts(self, record: RolloutRecord) -> Counts:

@@ -95,7 +95,8 @@ def enroll(cp, run_id: str, attrs: dict | None = None, token: str | None = None)
 
 
 def rollout(cp, run_id: str, version: int = 1, selector: str = "", **kw) -> fleet_pb2.Rollout:
-    full = f"run={run_id}" + (f", {selector}" if selector else "")
+    full = f"custom.run={run_id}" + (f", {selector}" if selector else "")
+    kw.setdefault("allow_empty", True)  # these aim at no device on purpose, often
     with cp.client() as client:
         return client.create_rollout(
             fleet_pb2.CreateRolloutRequest(model="det", version=version, selector=full, **kw)

@@ -52,10 +52,11 @@ def test_a_claimed_tag_gets_neither_the_version_nor_its_key(plane, run_id):
     assert code_of(lambda: claimer.download(m.ciphertext_sha256, m.ciphertext_size)) == denied
 
     # The same evaluator in `fleet ls --select`; a plain clause still sees the claim.
-    assert _listed(cp, f"run={run_id}, @tags=internal") == [insider.id]
-    assert sorted(_listed(cp, f"run={run_id}, tags=internal")) == sorted([insider.id, claimer.id])
+    assert _listed(cp, f"custom.run={run_id}, @tags=internal") == [insider.id]
+    plain = _listed(cp, f"custom.run={run_id}, tags=internal")
+    assert sorted(plain) == sorted([insider.id, claimer.id])
     with cp.client() as client:
-        shown = {d.id: d for d in client.list_devices(f"run={run_id}")}
+        shown = {d.id: d for d in client.list_devices(f"custom.run={run_id}")}
     assert list(shown[insider.id].attested.tags) == ["internal"]
     assert list(shown[claimer.id].attested.tags) == []
     assert shown[claimer.id].attested.custom["run"] == run_id  # what its token stamped
@@ -77,14 +78,15 @@ def test_a_device_reporting_an_attested_attribute_cannot_change_or_add_to_it(pla
         "@region in (us)",
         "@tags=beta",
         "tags=beta",  # stamped tags replace reported ones: no tag can be added
-        "@tier=platinum",
-        "@Tier=platinum",  # a key of its own is never attested
-        "@seat=a1",
+        "@custom.tier=platinum",
+        "@custom.Tier=platinum",  # a key of its own is never attested
+        "@custom.seat=a1",
     ):
         rollout(cp, run_id, 1, selector)
     assert device.sync().models == {}
 
-    rollout(cp, run_id, 2, "@region=eu, @tags=managed, @tier=gold, Tier=platinum, seat=a1")
+    wanted = "@region=eu, @tags=managed, @custom.tier=gold, custom.Tier=platinum, custom.seat=a1"
+    rollout(cp, run_id, 2, wanted)
     assert [m.version for m in device.sync().models.values()] == [2]
     with cp.client() as client:
         shown = client.get_device(device.id)

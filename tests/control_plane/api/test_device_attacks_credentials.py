@@ -147,7 +147,7 @@ def test_single_use_token_used_by_many_devices_at_once(plane, run_id):
     assert results.count("ok") == 1
     assert set(results) - {"ok"} == {grpc.StatusCode.UNAUTHENTICATED}
     with cp.client() as client:
-        assert len(client.list_devices(f"run={run_id}")) == 1
+        assert len(client.list_devices(f"custom.run={run_id}")) == 1
 
 
 def test_bad_enrollment_tokens(plane, run_id):
@@ -193,7 +193,7 @@ def test_stamped_attributes_cannot_be_overridden(plane, run_id):
     for selector in (
         "region=us",
         "region in (us, EU)",
-        "tier=platinum",
+        "custom.tier=platinum",
         "tags not in (managed)",
     ):
         rollout(cp, run_id, 1, selector)
@@ -205,7 +205,7 @@ def test_stamped_attributes_cannot_be_overridden(plane, run_id):
         assert (shown.region, shown.custom["tier"], shown.custom["run"]) == ("eu", "gold", run_id)
         assert "managed" in shown.tags
     # A device that says nothing about itself still carries its stamps.
-    rollout(cp, run_id, 2, "region=eu, tier=gold, tags=managed")
+    rollout(cp, run_id, 2, "region=eu, custom.tier=gold, tags=managed")
     assert [m.version for m in sync_with(device, {}).models] == [2]
 
 

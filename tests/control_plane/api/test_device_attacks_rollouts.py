@@ -172,10 +172,10 @@ def test_repeated_or_concurrent_promotes_advance_one_stage(plane, run_id):
     cp = plane
     fields = fleet_pb2.TransitionRolloutRequest.DESCRIPTOR.fields_by_name
 
-    def promote_from_stage_0(rollout_id):
+    def promote_from_stage_1(rollout_id):
         request = fleet_pb2.TransitionRolloutRequest(id=rollout_id, action="promote")
         if "expected_stage" in fields:
-            setattr(request, "expected_stage", 0)  # noqa: B010 - absent from the proto today
+            setattr(request, "expected_stage", 1)  # noqa: B010 - stages are numbered from 1
         with cp.client() as client:
             try:
                 client._unary(client._rollouts.TransitionRollout, request)
@@ -190,9 +190,9 @@ def test_repeated_or_concurrent_promotes_advance_one_stage(plane, run_id):
 
     # The same promote, retried.
     retried = rollout(cp, run_id, 1, stages=[1, 5, 10, 50, 100])
-    assert promote_from_stage_0(retried.id) == "ok"
-    promote_from_stage_0(retried.id)
-    assert shown(retried.id) == (1, "active", ["create", "promote"])
+    assert promote_from_stage_1(retried.id) == "ok"
+    promote_from_stage_1(retried.id)
+    assert shown(retried.id) == (2, "active", ["create", "promote"])
 
     # Eight at once.
     burst = rollout(cp, run_id, 1, stages=[1, 5, 10, 50, 100])
@@ -200,11 +200,11 @@ def test_repeated_or_concurrent_promotes_advance_one_stage(plane, run_id):
 
     def at_once(_):
         barrier.wait()
-        return promote_from_stage_0(burst.id)
+        return promote_from_stage_1(burst.id)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(at_once, range(8)))
-    assert shown(burst.id) == (1, "active", ["create", "promote"]), results
+    assert shown(burst.id) == (2, "active", ["create", "promote"]), results
     assert results.count("ok") == 1
 
 

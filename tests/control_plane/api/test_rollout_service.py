@@ -37,8 +37,10 @@ def test_create_show_and_audit(published):
             bake_s=600,
             priority=3,
             reason="canary",
+            allow_empty=True,  # no device enrolled yet: meant, not a typo
         )
-        assert r.id.startswith("ro_") and r.state == "active" and r.stage == 0
+        # Stages are numbered from 1 in every message.
+        assert r.id.startswith("ro_") and r.state == "active" and r.stage == 1
         assert r.selector == "platform=android"  # stored in canonical form
         assert list(r.stages) == [10.0, 100.0] and r.bake_s == 600 and r.priority == 3
         client.transition_rollout(r.id, "pause", "looking at crashes")
@@ -222,7 +224,7 @@ def test_state_survives_a_restart_mid_rollout(published, enroll_token):
 
         with AdminClient(device.address, cp.token, cp.tls) as client:
             shown = client.get_rollout(r.id)
-            assert (shown.state, shown.stage) == ("active", 1)
+            assert (shown.state, shown.stage) == ("active", 2)
             assert [e.action for e in shown.audit] == ["create", "promote"]
             client.transition_rollout(r.id, "rollback")
         assert device.next_watch_event(timeout=5) is not None

@@ -389,3 +389,11 @@ def test_a_device_reporting_an_attested_attribute_cannot_change_or_add_to_it(
     for key, value in reported.get("custom", {}).items():
         if key not in stamped.get("custom", {}):
             assert out["custom"][key] == value, key
+
+
+def test_parse_attr_flags_takes_custom_keys_as_selectors_write_them():
+    assert parse_attr_flags(["custom.tier=gold", "batch=8"]) == {
+        "custom": {"batch": "8", "tier": "gold"}
+    }
+    with pytest.raises(errors.InvalidArgument, match="more than once"):
+        parse_attr_flags(["custom.tier=gold", "tier=silver"])

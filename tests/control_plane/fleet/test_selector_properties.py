@@ -67,7 +67,8 @@ def _plain_clauses(draw, free_text: bool = False) -> Clause:
         return Clause(draw(st.sampled_from(TEXT_KEYS)), op, draw(_values(op, pool)))
     op = draw(_ops_all)
     pool = NUMBERS if op in ("<", "<=", ">", ">=") else pool
-    return Clause(draw(st.sampled_from(CUSTOM_KEYS)), op, draw(_values(op, pool)))
+    # Custom attributes are written custom.NAME, the one spelling.
+    return Clause("custom." + draw(st.sampled_from(CUSTOM_KEYS)), op, draw(_values(op, pool)))
 
 
 _space = st.sampled_from(["", " ", "  ", "\t", "\n"])
@@ -100,9 +101,9 @@ def selector_texts(draw, free_text: bool = False) -> tuple[str, list[Clause]]:
 @settings(max_examples=300)
 def test_round_trip_through_canonical_text(case):
     text, made = case
-    selector = parse_selector(text)
+    selector = parse_selector(text, strict=True)  # as operators' selectors are read
     assert list(selector.clauses) == made
-    again = parse_selector(str(selector))
+    again = parse_selector(str(selector), strict=True)
     assert again.clauses == selector.clauses
     assert again == selector
     assert str(again) == str(selector)
@@ -165,9 +166,10 @@ def _ref_clause(c: Clause, attrs: dict) -> bool:
     if c.attested:  # the same clause, over what the enrollment token stamped only
         attrs = attrs.get("attested", {})
     where = attrs.get("custom", {}) if kind == "custom" else attrs
-    if c.key not in where:
+    key = c.key.removeprefix("custom.") if kind == "custom" else c.key
+    if key not in where:
         return False
-    device = where[c.key]
+    device = where[key]
     if kind == "tags":
         return _ref_tags(c.op, c.values, device)
     if c.op == "~":
@@ -233,7 +235,10 @@ def _steer(device: dict, made: list[Clause], data: st.DataObject) -> dict:
             if number is not None and number.denominator == 1 and 0 <= number <= 2**31:
                 attrs["ram_mb"] = int(number)
         else:
-            (attrs["custom"] if kind == "custom" else attrs)[clause.key] = value
+            if kind == "custom":
+                attrs["custom"][clause.key.removeprefix("custom.")] = value
+            else:
+                attrs[clause.key] = value
     try:
         return normalize_attributes(attrs)
     except errors.InvalidArgument:  # e.g. a tag that no device could report
@@ -257,7 +262,9 @@ def test_matches_agrees_with_the_reference_evaluator(case, device, data):
 
 def test_reference_evaluator_sanity():
     # Guards the property above against a reference that agrees by saying False everywhere.
-    made = list(parse_selector("app_version>=5.2, tier in (8, gold), tags not in (canary)").clauses)
+    made = list(
+        parse_selector("app_version>=5.2, custom.tier in (8, gold), tags not in (canary)").clauses
+    )
     assert reference_matches(made, PIXEL)
     assert not reference_matches(made, {**PIXEL, "app_version": "5.1"})
     assert not reference_matches(made, BARE)
@@ -306,7 +313,8 @@ def _stamp(stamped: dict) -> dict:
 
 def _without(attrs: dict, key: str) -> dict:
     """Return canonical `attrs` without `key` (a custom key is looked for under custom)."""
-    custom = {k: v for k, v in attrs.get("custom", {}).items() if k != key}
+    name = key.removeprefix("custom.")
+    custom = {k: v for k, v in attrs.get("custom", {}).items() if k != name}
     rest = {k: v for k, v in attrs.items() if k not in (key, "custom")}
     return normalize_attributes({**rest, "custom": custom})
 
@@ -314,5 +322,5 @@ def _without(attrs: dict, key: str) -> dict:
 def test_attested_properties_are_not_vacuous():
     # Guards the properties above against an evaluator where `@` never matches at all.
     stamped = normalize_attributes({"tags": ["beta"], "custom": {"tier": "gold"}})
-    for text in ("@tags=beta", "@tier=gold", "@tags not in (x)"):
+    for text in ("@tags=beta", "@custom.tier=gold", "@tags not in (x)"):
         assert parse_selector(text).matches(effective_attributes({"tags": ["x"]}, stamped))

@@ -30,7 +30,7 @@ from tests.control_plane.fleet._selector_cases import BARE, PIXEL, matches
         ("os_version>=14, ram_mb>4096", "os_version>=14, ram_mb>4096"),
         ("@tags=internal", "@tags=internal"),
         ("@region in (eu,us), platform=android", "@region in (eu, us), platform=android"),
-        ("@tier = gold ,@ram_mb>=4096", "@tier=gold, @ram_mb>=4096"),
+        ("@custom.tier = gold ,@ram_mb>=4096", "@custom.tier=gold, @ram_mb>=4096"),
     ],
 )
 def test_examples_parse_to_canonical_text(text, canonical):
@@ -56,24 +56,26 @@ def test_examples_match_as_documented():
 
 
 def test_clauses_and_keys():
-    selector = parse_selector('soc not in (a, "b c"), batch>=8, soc=x')
+    selector = parse_selector('soc not in (a, "b c"), custom.batch>=8, soc=x')
     assert selector.clauses == (
         Clause("soc", "not in", ("a", "b c")),
-        Clause("batch", ">=", ("8",)),
+        Clause("custom.batch", ">=", ("8",)),
         Clause("soc", "=", ("x",)),
     )
-    assert selector.keys() == frozenset({"soc", "batch"})
+    assert selector.keys() == frozenset({"soc", "custom.batch"})
 
 
 def test_attested_clauses_and_keys():
-    selector = parse_selector('@tags=internal, tags=beta, @region not in (us, "x y"), @tier~g*')
+    selector = parse_selector(
+        '@tags=internal, tags=beta, @region not in (us, "x y"), @custom.tier~g*'
+    )
     assert selector.clauses == (
         Clause("tags", "=", ("internal",), attested=True),
         Clause("tags", "=", ("beta",)),
         Clause("region", "not in", ("us", "x y"), attested=True),
-        Clause("tier", "~", ("g*",), attested=True),
+        Clause("custom.tier", "~", ("g*",), attested=True),
     )
-    assert selector.keys() == frozenset({"tags", "region", "tier"})
+    assert selector.keys() == frozenset({"tags", "region", "custom.tier"})
     # `@tags=x` and `tags=x` are different selectors (and rollouts).
     assert parse_selector("@tags=x") != parse_selector("tags=x")
     assert str(Clause("soc", "in", ("a", "b c"), attested=True)) == '@soc in (a, "b c")'
@@ -102,14 +104,14 @@ def test_whitespace_around_every_token():
     ("text", "value", "canonical"),
     [
         ('device_model="Pixel 8 Pro"', "Pixel 8 Pro", 'device_model="Pixel 8 Pro"'),
-        ('note="a,b"', "a,b", 'note="a,b"'),
-        ('note="say \\"hi\\""', 'say "hi"', 'note="say \\"hi\\""'),
-        ('note="back\\\\slash"', "back\\slash", 'note="back\\\\slash"'),
-        ('note="(x)"', "(x)", 'note="(x)"'),
-        ('note=""', "", 'note=""'),
-        ('note="plain"', "plain", "note=plain"),
-        ('note="Ünïcode"', "Ünïcode", 'note="Ünïcode"'),
-        ("note=a/b:c+d[e]?*", "a/b:c+d[e]?*", "note=a/b:c+d[e]?*"),
+        ('custom.note="a,b"', "a,b", 'custom.note="a,b"'),
+        ('custom.note="say \\"hi\\""', 'say "hi"', 'custom.note="say \\"hi\\""'),
+        ('custom.note="back\\\\slash"', "back\\slash", 'custom.note="back\\\\slash"'),
+        ('custom.note="(x)"', "(x)", 'custom.note="(x)"'),
+        ('custom.note=""', "", 'custom.note=""'),
+        ('custom.note="plain"', "plain", "custom.note=plain"),
+        ('custom.note="Ünïcode"', "Ünïcode", 'custom.note="Ünïcode"'),
+        ("custom.note=a/b:c+d[e]?*", "a/b:c+d[e]?*", "custom.note=a/b:c+d[e]?*"),
     ],
 )
 def test_quoted_values(text, value, canonical):
@@ -240,10 +242,10 @@ def test_the_first_error_in_text_order_wins():
 
 
 def test_length_limit():
-    value = "x" * (4096 - len("note="))
-    assert parse_selector("note=" + value).clauses[0].values == (value,)
+    value = "x" * (4096 - len("custom.note="))
+    assert parse_selector("custom.note=" + value).clauses[0].values == (value,)
     with pytest.raises(SelectorError) as caught:
-        parse_selector("note=" + value + "x")
+        parse_selector("custom.note=" + value + "x")
     assert caught.value.position == 4096
     assert "longer than 4096 characters" in caught.value.reason
 
@@ -335,3 +337,42 @@ def test_device_side_caches_are_bounded():
 
 def test_selector_type_is_exported():
     assert isinstance(parse_selector(""), Selector)
+
+
+# -- one spelling for custom keys; typos refused (strict) --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "position", "reason"),
+    [
+        # `rollout create --select 'platfrom=android'` once made a rollout for 0 devices.
+        ("platfrom=android", 0, "unknown attribute 'platfrom': did you mean `platform`?"),
+        ("region=eu, sco=sm8650", 11, "did you mean `soc`?"),
+        ("@regoin=eu", 1, "did you mean `region`?"),
+        ("Platform=android", 0, "did you mean `platform`?"),
+        ("tier=gold", 0, "for a custom attribute, write `custom.tier`"),
+        ("custom=gold", 0, "a custom attribute is written `custom.NAME`"),
+        ("custom.9x=1", 0, "a custom attribute is custom.NAME"),
+    ],
+)
+def test_strict_selectors_refuse_unknown_keys_naming_the_likely_one(text, position, reason):
+    with pytest.raises(SelectorError) as caught:
+        parse_selector(text, strict=True)
+    assert caught.value.position == position
+    assert reason in caught.value.reason
+    assert isinstance(caught.value, errors.InvalidArgument)
+
+
+def test_custom_keys_are_written_custom_dot_key_in_every_clause():
+    selector = parse_selector("custom.tier=gold, @custom.batch>=8", strict=True)
+    device = {"custom": {"tier": "gold", "batch": "8"}, "attested": {"custom": {"batch": "8"}}}
+    assert selector.matches(device)
+    assert str(selector) == "custom.tier=gold, @custom.batch>=8"
+
+
+def test_stored_selectors_with_bare_custom_keys_still_read_as_custom():
+    # Rollouts stored before the custom.KEY spelling keep matching what they matched.
+    old = parse_selector("tier=gold")
+    assert old.matches({"custom": {"tier": "gold"}})
+    assert str(old) == "custom.tier=gold"
+    assert parse_selector(str(old), strict=True) == old

@@ -15,7 +15,10 @@ from control_plane.rollouts.lifecycle import (
     parse_duration,
     parse_stage_list,
     parse_stages,
+    stage_index,
     stage_limit,
+    stage_number,
+    stage_text,
 )
 
 S, A = RolloutState, Action
@@ -29,7 +32,6 @@ S, A = RolloutState, Action
         (S.ACTIVE, A.ADVANCE, 1, (S.ACTIVE, 2)),
         (S.ACTIVE, A.PAUSE, 1, (S.PAUSED, 1)),
         (S.PAUSED, A.RESUME, 1, (S.ACTIVE, 1)),
-        (S.PAUSED, A.PROMOTE, 0, (S.PAUSED, 1)),
         (S.ACTIVE, A.ROLLBACK, 1, (S.ROLLED_BACK, 1)),
         (S.COMPLETED, A.ROLLBACK, 2, (S.ROLLED_BACK, 2)),
     ],
@@ -44,6 +46,7 @@ def test_allowed_transitions(state, action, stage, expected):
         (S.ACTIVE, A.RESUME),
         (S.PAUSED, A.PAUSE),
         (S.PAUSED, A.ADVANCE),  # a paused rollout does not bake forward
+        (S.PAUSED, A.PROMOTE),  # nor is it promoted: paused is frozen
         (S.COMPLETED, A.PROMOTE),
         (S.COMPLETED, A.PAUSE),
         (S.ROLLED_BACK, A.RESUME),
@@ -53,6 +56,23 @@ def test_allowed_transitions(state, action, stage, expected):
 def test_illegal_transitions_name_the_current_state(state, action):
     with pytest.raises(errors.FailedPrecondition, match=f"that is {state.value}"):
         next_step(state, action, 0, 3)
+
+
+def test_a_paused_rollout_is_frozen_until_resumed():
+    # Promote used to move a paused rollout on (still "paused") and deliver the next stage.
+    for action in (A.PROMOTE, A.ADVANCE):
+        with pytest.raises(errors.FailedPrecondition, match="resume it first") as caught:
+            next_step(S.PAUSED, action, 1, 3)
+        assert "stage 2 of 3" in str(caught.value)  # numbered from 1, as people read it
+
+
+def test_stage_numbers_are_one_based_for_people():
+    assert stage_number(0) == 1
+    assert stage_index(3, 3) == 2
+    assert stage_text(1, (10.0, 50.0, 100.0)) == "stage 2 of 3 (50%)"
+    for bad in (0, 4):
+        with pytest.raises(errors.InvalidArgument, match="numbered 1 to 3"):
+            stage_index(bad, 3)
 
 
 def test_every_state_but_rolled_back_can_reach_rolled_back():

@@ -34,7 +34,7 @@ def liars(cp, n: int = 16) -> list[Device]:
 
 
 def pick(devices: list[Device], rollout, *, in_stage: bool) -> Device:
-    limit = stage_limit(list(rollout.stages), rollout.stage)
+    limit = stage_limit(list(rollout.stages), rollout.stage - 1)  # the message counts from 1
     return next(d for d in devices if (bucket(rollout.id, d.id) < limit) == in_stage)
 
 

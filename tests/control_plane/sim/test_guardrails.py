@@ -171,7 +171,7 @@ def test_a_failing_rule_without_slices_pauses_the_rollout_and_a_short_sample_hol
             return held_doc, await asyncio.to_thread(wait_for, paused, 60, "a guardrail pause")
 
     held, doc = asyncio.run(scenario())
-    assert held["state"] == "active" and held["stage"] == 0
+    assert held["state"] == "active" and held["stage"] == 1  # numbered from 1
     (verdict,) = held["health"]["overall"]["rules"]
     assert verdict["status"] == "insufficient" and "1000 devices needed" in verdict["detail"]
     pause = [e for e in doc["audit"] if e["action"] == "pause"][-1]
