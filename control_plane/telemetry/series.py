@@ -21,8 +21,11 @@ from control_plane.telemetry.rollups import HOUR, MINUTE, bucket_start, utcnow
 MAX_WINDOW_H = 24 * 90
 # Up to this window the points are minutes; past it, hours.
 MINUTE_WINDOW_H = 6
-# A chart with more lines than this is unreadable: the busiest series are kept.
-MAX_SERIES = 12
+# A chart with more lines than this is unreadable: the busiest series are drawn, and the
+# rest are merged into one "other" line (the last of the MAX_SERIES).
+MAX_SERIES = 8
+# The fleet's health at a glance: each version's figures over this window.
+HEALTH_WINDOW_H = 24
 
 
 @dataclass(frozen=True)
@@ -62,22 +65,48 @@ def point(at: dt.datetime, agg: Aggregate) -> dict:
     }
 
 
-def _collect(merged: dict[Hashable, Aggregate], label: Callable[[Hashable], dict]) -> list[Series]:
-    """Turn {(bucket, series key): aggregate} into series, the busiest MAX_SERIES first."""
+def _collect(
+    merged: dict[Hashable, Aggregate],
+    label: Callable[[Hashable], dict],
+    folded_label: Callable[[list[Hashable]], dict] = lambda keys: {},
+) -> list[Series]:
+    """Turn {(bucket, series key): aggregate} into series, the busiest first.
+
+    Past MAX_SERIES, the busiest MAX_SERIES - 1 are kept and the rest merged bucket by
+    bucket into one series labelled {"other": how many, **folded_label(their keys)} (its
+    quantiles those of every inference it holds), so a fleet of many device classes
+    still draws a readable chart.
+    """
     lines: dict[Hashable, list[tuple[dt.datetime, Aggregate]]] = {}
     for (at, key), agg in merged.items():
         lines.setdefault(key, []).append((at, agg))
-    ranked = sorted(lines.items(), key=lambda kv: (-sum(a.inferences for _, a in kv[1]), kv[0]))
-    return [
-        Series(label(key), tuple(point(at, agg) for at, agg in sorted(pts, key=lambda p: p[0])))
-        for key, pts in ranked[:MAX_SERIES]
-    ]
+    # A line of install reports only (no inference: nothing to draw) is left out.
+    drawn = [(key, pts) for key, pts in lines.items() if any(a.inferences for _, a in pts)]
+    ranked = sorted(drawn, key=lambda kv: (-sum(a.inferences for _, a in kv[1]), kv[0]))
+    shown = ranked if len(ranked) <= MAX_SERIES else ranked[: MAX_SERIES - 1]
+    found = [Series(label(key), _points(pts)) for key, pts in shown]
+    folded = ranked[len(shown) :]
+    if folded:
+        other: dict[dt.datetime, Aggregate] = {}
+        for _, pts in folded:
+            for at, agg in pts:
+                other.setdefault(at, Aggregate()).merge(agg)
+        labels = {"other": len(folded), **folded_label([key for key, _ in folded])}
+        found.append(Series(labels, _points(list(other.items()))))
+    return found
+
+
+def _points(pts: list[tuple[dt.datetime, Aggregate]]) -> tuple[dict, ...]:
+    return tuple(point(at, agg) for at, agg in sorted(pts, key=lambda p: p[0]))
 
 
 def version_series(
     store: RollupStore, model: str, version: int, *, hours: float, now: dt.datetime | None = None
 ) -> list[Series]:
-    """Return a version's series, one per variant, backend config and device class."""
+    """Return a version's series, one per variant, backend config and device class.
+
+    The folded "other" series also says how many device classes it holds.
+    """
     resolution, since = window(hours, now)
 
     def group(at: dt.datetime, key: RollupKey):
@@ -89,6 +118,7 @@ def version_series(
     return _collect(
         merged,
         lambda k: {"variant": k[0], "config": k[1], "device_class": class_values(k[2])},
+        lambda keys: {"device_classes": len({k[2] for k in keys})},
     )
 
 
@@ -105,3 +135,19 @@ def rollout_series(
         resolution_s=resolution, since=since, rollout=rollout_id, group=group
     )
     return sorted(_collect(merged, lambda k: {"cohort": k}), key=lambda s: s.labels["cohort"])
+
+
+def version_health(
+    store: RollupStore, *, hours: float = HEALTH_WINDOW_H, now: dt.datetime | None = None
+) -> tuple[dt.datetime, dict[tuple[str, int], dict]]:
+    """Return (since, {(model, version): figures}) over the window, fleet-wide.
+
+    Figures are `point`'s (inferences, errors, crashes, their rates, latency quantiles) of
+    every inference each version reported in the window, all variants, configs and
+    device classes pooled.
+    """
+    resolution, since = window(hours, now)
+    merged = store.merged_rollups(
+        resolution_s=resolution, since=since, group=lambda _at, key: (key.model, key.version)
+    )
+    return since, {key: point(since, agg) for key, agg in merged.items()}

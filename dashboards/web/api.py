@@ -1,9 +1,15 @@
 """The dashboard's JSON API: the documents the pages show, as `skiff ... --json` prints them.
 
 GET /api/v1/fleet                              fleet overview (the overview page)
-GET /api/v1/devices?select=EXPR&limit=N        = skiff fleet ls --json
+GET /api/v1/devices?select=EXPR&limit=N        = skiff fleet ls --select EXPR --limit N --json
+     &page_token=T                             continues where a page ended: a page cut short
+                                               has "more": true and its X-Next-Page-Token
+                                               header (ListDevices' own tokens)
+GET /api/v1/devices/ID                         = skiff fleet show ID --json
 GET /api/v1/models                             = skiff model ls --json
 GET /api/v1/models/NAME                        a model's versions
+GET /api/v1/models/NAME/V                      = skiff model show NAME:V --json, less the CLI's
+                                               own signature check (signature_verified, ...)
 GET /api/v1/models/NAME/V/backends             = skiff model show NAME:V --backends --json
 GET /api/v1/models/NAME/V/series?hours=H       latency and crash series per config and class
 GET /api/v1/rollouts?model=NAME                = skiff rollout ls --json
@@ -12,6 +18,7 @@ GET /api/v1/rollouts/ID/series?hours=H         candidate and baseline series
 POST /api/v1/rollouts/ID/ACTION                = skiff rollout ACTION ID --json
      body {"reason": "", "slice": "", "expected_stage": N}; bearer token, or session + csrf
 
+Lists have the CLI's one shape: {"devices"|"models"|"rollouts": [...], "more": false}.
 Scripts authenticate with `Authorization: Bearer skf_...`; the roles are the gRPC API's.
 """
 
@@ -21,6 +28,7 @@ import flask
 
 from control_plane import errors
 from control_plane.cli.fleet_views import rollout_dict
+from control_plane.cli.listing import listed
 from dashboards.web import data
 from dashboards.web.app import caller, sessions, skiff
 
@@ -32,6 +40,7 @@ _VIEW = {
     "rollouts": "/skiff.v1.RolloutService/ListRollouts",
 }
 MAX_LIMIT = 100_000
+NEXT_PAGE_HEADER = "X-Next-Page-Token"
 
 
 def _int_arg(name: str, default: int | None, low: int, high: int) -> int | None:
@@ -65,19 +74,38 @@ def fleet():  # noqa: D103
 def devices():  # noqa: D103
     caller().require(_VIEW["fleet"])
     limit = _int_arg("limit", None, 1, MAX_LIMIT)
-    return flask.jsonify(data.devices(skiff(), flask.request.args.get("select", ""), limit))
+    args = flask.request.args
+    found, token = data.devices_page(
+        skiff(), args.get("select", ""), limit, args.get("page_token", "")
+    )
+    response = flask.jsonify(listed("devices", found, more=bool(token)))
+    if token:
+        response.headers[NEXT_PAGE_HEADER] = token
+    return response
+
+
+@bp.get("/devices/<device_id>")
+def device(device_id: str):  # noqa: D103
+    caller().require("/skiff.v1.FleetService/GetDevice")
+    return data.device(skiff(), device_id)
 
 
 @bp.get("/models")
 def models():  # noqa: D103
     caller().require(_VIEW["models"])
-    return flask.jsonify(data.models(skiff()))
+    return listed("models", data.models(skiff()))
 
 
 @bp.get("/models/<name>")
 def model(name: str):  # noqa: D103
     caller().require(_VIEW["models"])
     return data.model_versions(skiff(), name)
+
+
+@bp.get("/models/<name>/<int:version>")
+def version(name: str, version: int):  # noqa: D103
+    caller().require("/skiff.v1.AdminService/GetModel")
+    return data.version_doc(skiff(), name, version)
 
 
 @bp.get("/models/<name>/<int:version>/backends")
@@ -95,7 +123,7 @@ def version_series(name: str, version: int):  # noqa: D103
 @bp.get("/rollouts")
 def rollouts():  # noqa: D103
     caller().require(_VIEW["rollouts"])
-    return flask.jsonify(data.rollouts(skiff(), flask.request.args.get("model", "")))
+    return listed("rollouts", data.rollouts(skiff(), flask.request.args.get("model", "")))
 
 
 @bp.get("/rollouts/<rollout_id>")

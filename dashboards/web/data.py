@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import collections
 
-from control_plane.api.admin_service import model_pb
+from control_plane import paging
+from control_plane.api.admin_service import model_pb, version_pb
 from control_plane.api.fleet_convert import backends_pb
 from control_plane.api.server import App
 from control_plane.cli.fleet_views import backends_dict, device_dict, rollout_dict
-from control_plane.cli.views import model_dict
+from control_plane.cli.views import model_dict, version_dict
+from control_plane.registry import accuracy_bars
 from control_plane.registry.requests import validate_name
-from control_plane.rollouts.lifecycle import TRANSITIONS, Action, RolloutState
+from control_plane.rollouts.lifecycle import TRANSITIONS, Action, RolloutState, next_step
+from control_plane.rollouts.lifecycle import paused_text as lifecycle_paused_text
 from control_plane.telemetry import series
 
 # The overview counts every device; past this many platforms the rest are "other", so a
@@ -26,9 +29,41 @@ OTHER = "other"
 
 def devices(app: App, selector: str = "", limit: int | None = None) -> list[dict]:
     """Return devices as `skiff fleet ls --json` does."""
-    records = app.view.list(selector, limit=limit)
-    snap = app.view.snapshot()
-    return [device_dict(app.view.device_pb(d, snap)) for d in records]
+    return devices_page(app, selector, limit)[0]
+
+
+def devices_page(
+    app: App,
+    selector: str = "",
+    limit: int | None = None,
+    page_token: str = "",
+    *,
+    telemetry: bool = False,
+) -> tuple[list[dict], str]:
+    """Return up to `limit` devices (None: all) after `page_token`, and the next token.
+
+    Read page by page through ListDevices' own paging (the same tokens: a token from
+    either continues the other), as `skiff fleet ls --limit N` reads them; the token is
+    empty when no device is left. With `telemetry`, each also has what `fleet show`
+    adds (recent installs, latency per model): the devices page, a page at a time.
+    """
+    found: list = []
+    token = page_token
+    while True:
+        size = 0 if limit is None else min(limit - len(found), paging.MAX_PAGE_SIZE)
+        page, token = app.view.page(selector, size, token)
+        found.extend(page)
+        if not token or (limit is not None and len(found) >= limit):
+            break
+    if telemetry:
+        found = [app.view.add_telemetry(d) for d in found]
+    return [device_dict(d, telemetry=telemetry) for d in found], token
+
+
+def device(app: App, device_id: str) -> dict:
+    """Return one device as `skiff fleet show DEVICE --json` does (any unique id prefix)."""
+    record = app.view.get(app.view.fleet.resolve(device_id))
+    return device_dict(app.view.device_detail_pb(record), telemetry=True)
 
 
 def fleet_summary(app: App) -> dict:
@@ -54,6 +89,7 @@ def fleet_summary(app: App) -> dict:
     total = collections.Counter()
     for counts in by_platform.values():
         total.update(counts)
+    since, health = version_health(app, listed)
     return {
         "devices": len(listed),
         "online": total["online"],
@@ -67,7 +103,42 @@ def fleet_summary(app: App) -> dict:
             model: dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
             for model, counts in sorted(versions.items())
         },
+        "health_since": _iso(since),
+        "versions": health,
     }
+
+
+def version_health(app: App, listed: list[dict]) -> tuple:
+    """Return (since, rows): per model version, its devices and its last day's figures.
+
+    A row for every version a device is assigned or runs, or that reported in the
+    window: devices assigned it (desired) and running it (installed), revoked ones
+    left out; its inferences, p95 latency and crash rate fleet-wide since `since`.
+    """
+    since, figures = series.version_health(app.store)
+    counts: dict[tuple[str, int], collections.Counter] = {}
+    for d in listed:
+        if d["revoked"]:
+            continue
+        for kind in ("desired", "installed"):
+            for model, s in d[kind].items():
+                counts.setdefault((model, s["version"]), collections.Counter())[kind] += 1
+    rows = []
+    for model, number in sorted(set(counts) | set(figures), key=lambda k: (k[0], -k[1])):
+        found = figures.get((model, number)) or {}
+        rows.append(
+            {
+                "model": model,
+                "version": number,
+                "devices_assigned": counts.get((model, number), {}).get("desired", 0),
+                "devices_installed": counts.get((model, number), {}).get("installed", 0),
+                **{
+                    k: found.get(k, 0 if k in ("inferences", "errors", "crashes") else None)
+                    for k in ("inferences", "errors", "crashes", "crash_rate", "p50_us", "p95_us")
+                },
+            }
+        )
+    return since, rows
 
 
 def models(app: App) -> list[dict]:
@@ -93,6 +164,35 @@ def model_versions(app: App, name: str) -> dict:
             for v in reversed(records)
         ],
     }
+
+
+# What `model show` adds from the CLI's own check of the signed manifest against the keys
+# its home pins; the dashboard is the server, whose word that check exists not to take.
+CLIENT_TRUST_KEYS = ("signature_verified", "signed_by", "signature_error")
+
+
+def version_doc(app: App, name: str, number: int) -> dict:
+    """Return one version as `skiff model show NAME:V --json` does, less CLIENT_TRUST_KEYS."""
+    model, records = app.registry.show(name, number)
+    return {
+        "model": model_dict(model_pb(model)),
+        "versions": [version_dict(version_pb(v)) for v in records],
+        "more": False,
+    }
+
+
+def accuracy_checks(variant: dict) -> tuple[accuracy_bars.Bar, ...]:
+    """Return the two bars a derived variant was held to at push, as it met or missed them.
+
+    `registry.accuracy_bars`' judgement and words (the push and `model show` say it
+    through it too); () for fp32 itself (no figures).
+    """
+    return accuracy_bars.bars(variant.get("accuracy"))
+
+
+def degraded_label(variant: dict) -> str:
+    """Return what `model show` prints for a degraded variant: the bars it failed."""
+    return accuracy_bars.degraded_label(variant.get("accuracy"))
 
 
 def backends(app: App, name: str, version: int) -> dict:
@@ -138,6 +238,16 @@ def allowed_actions(state: str) -> list[str]:
     """Return the operator actions a rollout in `state` allows (the lifecycle's table)."""
     current = RolloutState(state)
     return [a.value for a in Action if a != Action.ADVANCE and (current, a) in TRANSITIONS]
+
+
+def check_action(doc: dict, action: str) -> None:
+    """Raise the FailedPrecondition the lifecycle gives `action` on this rollout, if any."""
+    next_step(RolloutState(doc["state"]), Action(action), doc["stage"] - 1, len(doc["stages"]))
+
+
+def paused_text(doc: dict) -> str:
+    """Say what a paused rollout does, in the CLI's words (`rollout show`)."""
+    return lifecycle_paused_text(doc["stage"] - 1, doc["stages"])
 
 
 def _iso(at) -> str:

@@ -1,4 +1,4 @@
-"""The dashboard's pages: overview, models, versions, rollouts, login and actions.
+"""The dashboard's pages: overview, devices, models, versions, rollouts, login and actions.
 
 Each page renders a document from `data` (the JSON API's); an action posts a form with
 the session's CSRF value and the state the operator saw, and goes through RolloutOps,
@@ -11,7 +11,7 @@ import re
 
 import flask
 
-from control_plane import errors
+from control_plane import errors, paging
 from control_plane.api.throttle import Throttled
 from dashboards.web import data
 from dashboards.web.app import (
@@ -32,12 +32,17 @@ bp = flask.Blueprint("pages", __name__)
 _LOCAL_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]{0,500}")
 
 TRANSITION_RPC = "/skiff.v1.RolloutService/TransitionRollout"
+LIST_DEVICES_RPC = "/skiff.v1.FleetService/ListDevices"
+GET_DEVICE_RPC = "/skiff.v1.FleetService/GetDevice"
+DEVICES_PER_PAGE = 50
 CHART_WINDOWS = (1, 6, 24, 168)
 DEFAULT_HOURS = 6
+# The words `skiff rollout pause|resume|promote|rollback` print for the same change.
 ACTION_TEXT = {
-    "pause": "Pause: no device gets this version from now on until it is resumed; devices "
-    "that have it keep it.",
-    "resume": "Resume: the rollout goes on from its current stage.",
+    "pause": "Pause: the rollout stays at its current stage until it is resumed: neither its "
+    "bake time nor a promote moves it on; the devices this stage includes keep the version "
+    "(one that has not installed it yet still gets it), and no other device gets it.",
+    "resume": "Resume: the rollout goes on from its current stage, whose bake time starts over.",
     "promote": "Promote: move to the next stage now (or complete the rollout from its last).",
     "rollback": "Roll back: every device this rollout moved returns to the version it had "
     "without it. This cannot be undone.",
@@ -107,6 +112,44 @@ def overview():
     return _page("overview.html", fleet=data.fleet_summary(app), rollouts=live)
 
 
+@bp.get("/devices")
+def devices():
+    """List the devices a selector picks (the whole fleet by default), a page at a time.
+
+    The selector is `skiff fleet ls --select`'s, checked by the same parser: a bad one
+    is shown on the page (400) with the box still holding it, to correct.
+    """
+    caller().require(LIST_DEVICES_RPC)
+    args = flask.request.args
+    selector, token = args.get("select", ""), args.get("page_token", "")
+    per_page = _count(args.get("per_page", ""), DEVICES_PER_PAGE, paging.MAX_PAGE_SIZE)
+    start = _count(args.get("start", ""), 1)
+    shown = {"select": selector, "per_page": per_page, "start": start, "usual": DEVICES_PER_PAGE}
+    try:
+        found, next_token = data.devices_page(skiff(), selector, per_page, token, telemetry=True)
+    except errors.InvalidArgument as exc:
+        return _page("devices.html", devices=[], error=str(exc), **shown), 400
+    return _page(
+        "devices.html", devices=found, error="", next_token=next_token, paged=bool(token), **shown
+    )
+
+
+def _count(raw: str, default: int, high: int = 10**9) -> int:
+    """Return a positive whole number from a link's query (the default when it is not)."""
+    # isascii: "²".isdigit() is true, and int() refuses it.
+    return int(raw) if raw.isascii() and raw.isdigit() and 0 < int(raw) <= high else default
+
+
+@bp.get("/devices/<device_id>")
+def device(device_id: str):
+    """Show one device: what `skiff fleet show DEVICE` shows (a unique id prefix goes to it)."""
+    caller().require(GET_DEVICE_RPC)
+    doc = data.device(skiff(), device_id)
+    if doc["id"] != device_id:
+        return flask.redirect(flask.url_for("pages.device", device_id=doc["id"]))
+    return _page("device.html", d=doc)
+
+
 @bp.get("/models")
 def models():
     """List every model."""
@@ -121,10 +164,14 @@ def model(name: str):
 
 @bp.get("/models/<name>/<int:version>")
 def version(name: str, version: int):
-    """Show a version's backend table and its latency and crash charts."""
+    """Show a version as `skiff model show` does, then its telemetry: charts, backends."""
     app, hours = skiff(), _hours()
+    doc = data.version_doc(app, name, version)  # NotFound names what is missing
     return _page(
         "version.html",
+        v=doc["versions"][0],
+        accuracy_checks=data.accuracy_checks,
+        degraded_label=data.degraded_label,
         backends=data.backends(app, name, version),
         series=data.version_series(app, name, version, hours),
         hours=hours,
@@ -146,7 +193,8 @@ def rollout(rollout_id: str):
     return _page(
         "rollout.html",
         r=doc,
-        series=data.rollout_series(app, rollout_id, hours),
+        paused_text=data.paused_text(doc),
+        series=data.rollout_series(app, doc["id"], hours),  # the whole id, not a prefix
         actions=data.allowed_actions(doc["state"]),
         can_act=caller().may(TRANSITION_RPC),
         hours=hours,
@@ -165,6 +213,9 @@ def confirm(rollout_id: str):
     texts = SLICE_TEXT if piece else ACTION_TEXT
     if action not in texts:
         raise errors.InvalidArgument(f"unknown action {action[:20]!r}")
+    if not piece and action not in data.allowed_actions(doc["state"]):
+        # The refusal the action would meet, said before asking (a paused rollout: resume).
+        data.check_action(doc, action)
     seen = _slice_state(doc, piece) if piece else doc["state"]
     return _page("confirm.html", r=doc, action=action, slice=piece, seen=seen, text=texts[action])
 
@@ -183,7 +234,7 @@ def act(rollout_id: str):
     if form.get("seen_state") != now or form.get("seen_stage") != str(current["stage"]):
         raise errors.FailedPrecondition(
             f"rollout {rollout_id} changed since this form was shown (it is now {now}, "
-            f"stage {current['stage'] + 1}): look again and retry"
+            f"stage {current['stage']} of {len(current['stages'])}): look again and retry"
         )
     app.ops.transition(
         rollout_id,

@@ -3,12 +3,17 @@
 The scenario runs once per module: 40 simulated devices on det:1, then det:2 rolled out
 sliced by SoC with halt rules, 3x slower on one SoC, so the guardrail rolls that slice
 back while the rest completes. The fleet stays connected (devices online) but stops
-reporting once it is done, so the figures the tests read stand still.
+reporting once it is done, so the figures the tests read stand still. Meanwhile a second
+model is pushed with derived variants (int8 held to a bar it misses, kept degraded),
+notes and a pipeline, and one more device enrolls with attributes its token attests
+(and one that means harm: `<script>`). Last, WIDE boards of as many device classes
+report that model once each, so its version page draws a fleet of 40 classes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import re
@@ -18,9 +23,17 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 
+from control_plane.demo import sample_models
+from control_plane.demo.sample_pipeline import activity_pipeline
+from control_plane.telemetry import series
+from device_agent.telemetry import histogram_pb, new_batch_id, timestamp
+from protos import device_pb2
+from runtime.histogram import LatencyHistogram
+from tests.control_plane.api.device_helpers import Device
 from tests.control_plane.helpers import ControlPlane
 from tests.control_plane.sim.conftest import (  # noqa: F401 - the session fixture
     MODEL,
@@ -40,6 +53,23 @@ from tests.control_plane.sim.test_guardrails import (
 )
 
 ARTIFACTS = Path(os.environ.get("SKIFF_TEST_ARTIFACTS", "build/test-artifacts")) / "dashboard"
+# The second model: its int8 variant misses this bar (kept degraded), its fp16 reaches it.
+VARIANTS_MODEL, STRICT_COSINE = "clf", 0.99999
+# What the enrollment token of the extra device stamps (attested), and what it reports.
+ATTESTED = {"region": "eu", "tags": ["lab"]}
+# Device-reported strings are shown as text, never markup: this one would set window.pwned.
+HOSTILE = "<script>window.pwned = 1</script>"
+REPORTED = {
+    "platform": "ios",
+    "device_model": "Lab <b>1</b>",
+    "region": "us",
+    "soc": "a17",
+    "custom": {"note": HOSTILE},
+}
+# Boards of one device class each that report VARIANTS_MODEL:1 (never assigned it).
+WIDE, WIDE_CONFIG = 40, "CPU/normal/t4/mem-normal"
+# Their OS version, a part of their device class: quotes that would end an HTML attribute.
+OS = """14'"<i>"""
 
 
 @dataclass
@@ -49,6 +79,7 @@ class Site:
     cp: ControlPlane
     guarded: str = ""  # the sliced rollout the guardrail acted on (completed)
     staged: str = ""  # a rollout left active at its first stage, for actions
+    attested: str = ""  # the device enrolled with ATTESTED attributes (never reports)
     stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -78,12 +109,35 @@ class Site:
 
     def cli(self, *args: str, token: str | None = None) -> object:
         """Run `skiff ... --json` against this control plane and return what it printed."""
+        out = self._run_cli(args, token)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def cli_list(self, key: str, *args: str) -> list:
+        """Run a listing `skiff ... --json` and return its items.
+
+        Lists print as {KEY: [...], "more": false} (`control_plane.cli.listing.listed`);
+        a bare list, the shape they once had, is read too.
+        """
+        body = self.cli(*args)
+        if isinstance(body, list):
+            return body
+        assert body["more"] is False, body  # the tests read every item
+        return body[key]
+
+    def cli_error(self, *args: str) -> str:
+        """Run `skiff ... --json` that must fail; return the line it wrote on stderr."""
+        out = self._run_cli(args, None)
+        assert out.returncode != 0 and not out.stdout, (out.returncode, out.stdout)
+        return out.stderr.strip()
+
+    def _run_cli(self, args: tuple[str, ...], token: str | None) -> subprocess.CompletedProcess:
         env = {
             **os.environ,
             "SKIFF_SERVER": str(self.cp.address),
             "SKIFF_TOKEN": token or self.cp.token,
         }
-        out = subprocess.run(
+        return subprocess.run(
             [sys.executable, "-m", "control_plane.cli", *args, "--home", str(self.cp.config.home)]
             + ["--json"],
             env=env,
@@ -91,8 +145,6 @@ class Site:
             text=True,
             timeout=60,
         )
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
 
 
 def _run_fleet(site: Site, ready: threading.Event, failed: list) -> None:
@@ -111,6 +163,7 @@ def _run_fleet(site: Site, ready: threading.Event, failed: list) -> None:
             await asyncio.sleep(1.0)  # a last report from every device, rolled up
             await sim.stop_reporting()
             await asyncio.to_thread(cp.app.roller.roll)
+            site.attested = await asyncio.to_thread(_enroll_attested, cp)
             staged = await asyncio.to_thread(
                 create, cp, 2, selector=f"soc={FAST_SOC}", stages=[50, 100], priority=5
             )
@@ -126,6 +179,104 @@ def _run_fleet(site: Site, ready: threading.Event, failed: list) -> None:
         ready.set()
 
 
+def _enroll_attested(cp: ControlPlane) -> str:
+    """Enroll one more device through a token that stamps ATTESTED; return its id."""
+    with cp.client() as client:
+        token = client.create_enrollment_token(uses=1, attributes=ATTESTED).token
+    return Device.enroll(cp.address, token, REPORTED).id
+
+
+def _report_wide(cp: ControlPlane) -> None:
+    """Enroll WIDE boards (each its own device model: its own class), then have each report
+    VARIANTS_MODEL:1 once, the busier the higher its number, and roll the reports up."""
+    with cp.client() as client:
+        token = client.create_enrollment_token(uses=WIDE).token
+    boards = [
+        Device.enroll(
+            cp.address,
+            token,
+            {"platform": "linux", "soc": "x86", "device_model": f"Board {i:02d}", "os_version": OS},
+        )
+        for i in range(WIDE)
+    ]
+    for i, board in enumerate(boards):
+        n = 100 + 10 * i
+        h = LatencyHistogram()
+        h.record_many_ns(np.full(n, 1_000_000.0 + 20_000 * i))
+        enrolled = cp.app.fleet.get(board.id).enrolled_at
+        stats = device_pb2.ModelStats(
+            model=VARIANTS_MODEL,
+            version=1,
+            variant="fp32",
+            config=WIDE_CONFIG,
+            inferences=n,
+            latency=histogram_pb(h),
+        )
+        now = dt.datetime.now(dt.UTC)
+        board.report(
+            device_pb2.ReportRequest(
+                batch_id=new_batch_id(),
+                period_start=timestamp(enrolled),
+                period_end=timestamp(now),
+                models=[stats],
+                installs=_installs(i, enrolled, now),
+            )
+        )
+    total = sum(100 + 10 * i for i in range(WIDE))
+
+    def rolled_up() -> bool:
+        cp.app.roller.roll()
+        charted = series.version_series(cp.app.store, VARIANTS_MODEL, 1, hours=1)
+        tables = cp.app.recommendations.table(VARIANTS_MODEL, 1)
+        return (
+            sum(p["inferences"] for s in charted for p in s.points) == total and len(tables) == WIDE
+        )
+
+    wait_for(rolled_up, 30, "the boards' reports to be rolled up")
+
+
+def _installs(i: int, start: dt.datetime, end: dt.datetime) -> list[device_pb2.InstallReport]:
+    """A board's install outcomes of VARIANTS_MODEL:1: activated, every 4th after a failure
+    whose reason (device-reported text) carries markup."""
+    activated = device_pb2.InstallReport(
+        at=timestamp(end),
+        model=VARIANTS_MODEL,
+        version=1,
+        variant="fp32",
+        result="activated",
+        config=WIDE_CONFIG,
+        download_s=0.25,
+        downloaded_bytes=4096,
+    )
+    if i % 4:
+        return [activated]
+    failed = device_pb2.InstallReport(
+        at=timestamp(start + (end - start) / 2),
+        model=VARIANTS_MODEL,
+        version=1,
+        variant="fp32",
+        result="failed",
+        reason=f"self-test failed: {HOSTILE}",
+    )
+    return [failed, activated]
+
+
+def _push_variants(cp: ControlPlane, folder: Path) -> None:
+    """Push VARIANTS_MODEL:1 with int8 and fp16 variants, notes and the sample pipeline."""
+    path = folder / f"{VARIANTS_MODEL}.onnx"
+    path.write_bytes(sample_models.tiny_mlp_onnx(seed=7))
+    with cp.client() as client:
+        client.push(
+            path,
+            name=VARIANTS_MODEL,
+            notes="classifier <i>beta</i>",
+            variants=("int8", "fp16"),
+            min_cosine=STRICT_COSINE,
+            allow_degraded=True,
+            pipeline=activity_pipeline(),
+        )
+
+
 @pytest.fixture(scope="module")
 def site(template_home, tmp_path_factory):  # noqa: F811 - pytest's fixture injection
     home = copy_home(template_home, tmp_path_factory.mktemp("dashboard"))
@@ -135,9 +286,11 @@ def site(template_home, tmp_path_factory):  # noqa: F811 - pytest's fixture inje
     fleet = threading.Thread(target=_run_fleet, args=(site, ready, failed), daemon=True)
     fleet.start()
     try:
+        _push_variants(cp, home.parent)  # while the fleet runs its scenario
         assert ready.wait(150), "the fleet scenario did not finish"
         if failed:
             raise failed[0]
+        _report_wide(cp)
         yield site
     finally:
         site.stop.set()

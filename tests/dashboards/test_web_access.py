@@ -9,7 +9,8 @@ import pytest
 from control_plane import errors
 from dashboards.server import DashboardServer
 from dashboards.web.auth import COOKIE
-from tests.dashboards.conftest import Site
+from dashboards.web.data import CLIENT_TRUST_KEYS
+from tests.dashboards.conftest import VARIANTS_MODEL, Site
 
 # One worker runs the module, so its scenario (the `site` fixture) is built once.
 pytestmark = pytest.mark.xdist_group("dashboard-access")
@@ -23,10 +24,20 @@ def _token(site: Site, role: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize(
     "path",
-    ["", "models", "models/det", "models/det/2", "rollouts", "rollouts/{guarded}"],
+    [
+        "",
+        "models",
+        "models/det",
+        "models/det/2",
+        "rollouts",
+        "rollouts/{guarded}",
+        "devices",
+        "devices?select=soc%3Dsm8450",
+        "devices/{attested}",
+    ],
 )
 def test_pages_without_a_session_redirect_to_login_and_show_no_data(site, path):
-    path = path.format(guarded=site.guarded)
+    path = path.format(guarded=site.guarded, attested=site.attested)
     for cookie in (None, "forged-session-value", "x" * 4000):
         s = site.http()
         if cookie:
@@ -38,8 +49,19 @@ def test_pages_without_a_session_redirect_to_login_and_show_no_data(site, path):
         assert "<table" not in r.text and "det:2" not in r.text and "active" not in r.text
 
 
-@pytest.mark.parametrize("path", ["api/v1/fleet", "api/v1/rollouts", "api/v1/devices", "metrics"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "api/v1/fleet",
+        "api/v1/rollouts",
+        "api/v1/devices",
+        "api/v1/devices/{attested}",
+        "api/v1/models/det/2",
+        "metrics",
+    ],
+)
 def test_the_api_and_metrics_want_a_valid_token(site, path):
+    path = path.format(attested=site.attested)
     s = site.http()
     assert s.get(site.url + path).status_code == 401
     r = s.get(site.url + path, headers={"Authorization": "Bearer skf_not-a-token"})
@@ -47,6 +69,15 @@ def test_the_api_and_metrics_want_a_valid_token(site, path):
     assert "skf_not-a-token" not in r.text  # never echoed
     r = s.get(site.url + path, headers={"Authorization": f"Bearer {site.cp.token}"})
     assert r.status_code == 200
+
+
+def test_a_viewer_reads_the_devices_and_version_pages(site):
+    secret, _ = _token(site, "viewer")
+    s = site.login(secret)
+    for path in ("devices", f"devices/{site.attested}", "models/det/2", ""):
+        r = s.get(site.url + path, allow_redirects=False)
+        assert r.status_code == 200, (path, r.status_code)
+    assert site.attested in s.get(site.url + "devices?select=%40region%3Deu").text
 
 
 def test_a_bad_token_is_refused_at_login_without_a_cookie(site):
@@ -137,7 +168,7 @@ def test_a_cross_origin_post_is_refused(site):
     doc = site.cli("rollout", "show", site.staged)
     r = s.post(
         site.url + f"rollouts/{site.staged}/actions",
-        data={"csrf": csrf, "action": "pause", "seen_state": doc["state"], "seen_stage": "0"},
+        data={"csrf": csrf, "action": "pause", "seen_state": doc["state"], "seen_stage": "1"},
         headers={"Origin": "https://evil.example"},
         allow_redirects=False,
     )
@@ -174,8 +205,26 @@ def test_the_api_answers_what_the_cli_prints(site):
     assert api(f"rollouts/{site.guarded}") == site.cli("rollout", "show", site.guarded)
     assert api("models/det/2/backends") == site.cli("model", "show", "det:2", "--backends")
     assert api("models") == site.cli("model", "ls")
+    # Lists have the CLI's one shape ({"devices": [...], "more": ...}), paged by token.
+    listed = site.cli("fleet", "ls")
+    ids = [d["id"] for d in listed["devices"]]
     devices = api("devices")
-    assert [d["id"] for d in devices] == [d["id"] for d in site.cli("fleet", "ls")]
+    assert [d["id"] for d in devices["devices"]] == ids and devices["more"] is False
+    first = s.get(site.url + "api/v1/devices?limit=5", headers=auth)
+    token = first.headers["X-Next-Page-Token"]
+    assert first.json()["more"] is True and [d["id"] for d in first.json()["devices"]] == ids[:5]
+    then = api(f"devices?limit=5&page_token={token}")
+    assert [d["id"] for d in then["devices"]] == ids[5:10]
+    # One device as `fleet show` prints it, by its id or any unique prefix of it (the
+    # attested device never syncs: nothing on it moves between the two reads).
+    shown = site.cli("fleet", "show", site.attested)
+    assert api(f"devices/{site.attested}") == shown == api(f"devices/{site.attested[:12]}")
+    # A version as `model show` prints it, less the CLI's own check of the signature.
+    doc = site.cli("model", "show", f"{VARIANTS_MODEL}:1")
+    for v in doc["versions"]:
+        for key in CLIENT_TRUST_KEYS:
+            v.pop(key, None)
+    assert api(f"models/{VARIANTS_MODEL}/1") == doc
 
 
 def test_bad_api_input_gets_a_clear_error(site):
@@ -183,11 +232,16 @@ def test_bad_api_input_gets_a_clear_error(site):
     for path, status, words in [
         (f"rollouts/{site.guarded}/series?hours=abc", 400, "hours must be a number"),
         (f"rollouts/{site.guarded}/series?hours=100000", 400, "hours must be above 0"),
-        ("rollouts/rol_nope", 400, "invalid rollout id"),
+        ("rollouts/RO-NOPE", 400, "invalid rollout id"),
         ("rollouts/ro_0000000000", 404, "ro_0000000000"),
         ("models/no-such-model/1/backends", 404, "no-such-model"),
         ("devices?limit=0", 400, "limit must be"),
         ("rollouts?model=" + "x" * 500, 400, ""),
+        ("devices?select=platfrom%3Dandroid", 400, "did you mean `platform`"),
+        ("devices?page_token=forged", 400, ""),
+        ("devices/dev_zzzzzzzz", 404, "dev_zzzzzzzz"),
+        ("devices/BAD!", 400, "invalid device id"),
+        ("models/det/99", 404, "99"),
     ]:
         r = s.get(site.url + "api/v1/" + path, headers=auth)
         assert r.status_code == status, (path, r.text)

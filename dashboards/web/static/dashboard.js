@@ -15,6 +15,12 @@
   function label(s) {
     var l = s.labels;
     if (l.cohort) { return plain(l.cohort); }
+    // The quieter series, merged by the server into one (quantiles of all they hold).
+    if (l.other) {
+      var classes = l.device_classes;
+      if (!classes) { return "other (" + l.other + " series)"; }
+      return "other (" + (classes === l.other ? classes + " classes" : l.other + " series of " + classes + " classes") + ")";
+    }
     var cls = Object.keys(l.device_class || {}).sort().map(function (k) {
       return k + "=" + (l.device_class[k] || "?");
     }).join(",");
