@@ -30,7 +30,13 @@ from control_plane.api.transfer import (
 from control_plane.api.trust import signed_golden, signed_variant, verify_version
 from control_plane.fleet.wire import attributes_pb
 from device_agent.signing_keys import KeyRing
-from device_agent.transport import ClientTls, channel_credentials
+from device_agent.transport import (
+    ClientTls,
+    address_problem,
+    channel_credentials,
+    retry_helps,
+    unreachable,
+)
 from protos import admin_pb2, admin_pb2_grpc, common_pb2, fleet_pb2, fleet_pb2_grpc
 
 UNARY_DEADLINE_S = 30.0
@@ -52,46 +58,45 @@ CHANNEL_OPTIONS = [
 ]
 
 
-# gRPC reports a failed TLS handshake as UNAVAILABLE, with the TLS library's reason deep
-# in the details; each entry says what that reason means for the user, and what to do.
-TLS_FAILURES = (
-    (
-        "CERTIFICATE_VERIFY_FAILED",
-        "the server's TLS certificate is not signed by the CA this client trusts "
-        "(--ca, SKIFF_CA or the home's tls_ca)",
-    ),
-    (
-        "Hostname Verification",
-        "the server's TLS certificate does not name the host dialed "
-        "(`skiff init --tls-san NAME` names it; or dial a name it has)",
-    ),
-    ("WRONG_VERSION_NUMBER", "the server does not speak TLS (dial it without --ca on loopback)"),
-)
+def rpc_error(
+    exc: grpc.RpcError, *, address: str = "", plaintext: bool = False
+) -> errors.SkiffError:
+    """Turn a gRPC error into the matching domain error, keeping the server's message.
 
-
-def tls_failure(details: str) -> str | None:
-    """Return what a failed TLS handshake in `details` means, or None if it is not one."""
-    return next((meaning for marker, meaning in TLS_FAILURES if marker in details), None)
-
-
-def rpc_error(exc: grpc.RpcError, *, plaintext: bool = False) -> errors.SkiffError:
-    """Turn a gRPC error into the matching domain error, keeping the server's message."""
+    A call that never reached the server says why in one line, as the agent does
+    (`device_agent.transport.unreachable`: the CA, the port, the host name...).
+    """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or code.name.lower()
-    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
-        reason = tls_failure(details)
-        if reason:
-            return errors.Unavailable(f"TLS handshake with the control plane failed: {reason}")
-        details = "control plane unreachable: " + details.splitlines()[0]
-        if plaintext:  # a TLS server closes a plaintext connection without a word
-            details += " (if the server uses TLS, give its CA: --ca or SKIFF_CA)"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details = unreachable(address, details, plaintext=plaintext) or details
     return error_for(code)(details)
+
+
+class PushCancelled(KeyboardInterrupt):
+    """Ctrl-C during a push: the call is cancelled; the message says what the server keeps.
+
+    A stream cut short can never be stored (the header declares its size and SHA-256);
+    once every byte is sent, the server stores nothing unless it had already committed.
+    """
+
+    def __init__(self, name: str, *, complete: bool) -> None:
+        if complete:
+            super().__init__(
+                "push cancelled after the upload: the server stores nothing unless it had "
+                f"already finished (`skiff model show {name}` says)"
+            )
+        else:
+            super().__init__("push cancelled: nothing stored (the upload was cut short)")
 
 
 class AdminClient:
     """Typed wrapper over AdminService."""
 
     def __init__(self, address: str, token: str, tls: ClientTls | None = None) -> None:
+        if problem := address_problem(address):
+            raise errors.InvalidArgument(problem)
+        self._address = address
         credentials = channel_credentials(address, tls)
         self._plaintext = credentials is None
         if credentials is None:
@@ -114,7 +119,7 @@ class AdminClient:
         self.close()
 
     def _error(self, exc: grpc.RpcError) -> errors.SkiffError:
-        return rpc_error(exc, plaintext=self._plaintext)
+        return rpc_error(exc, address=self._address, plaintext=self._plaintext)
 
     def _unary(self, method, request):
         for attempt in range(RETRIES + 1):
@@ -123,7 +128,7 @@ class AdminClient:
             except grpc.RpcError as exc:
                 retry = exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < RETRIES
                 # A certificate that failed to verify fails again: do not wait it out.
-                if not retry or tls_failure(exc.details() or ""):
+                if not retry or not retry_helps(exc.details() or ""):
                     raise self._error(exc) from None
                 time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)))
         raise AssertionError("unreachable")
@@ -214,7 +219,7 @@ class AdminClient:
                 request, timeout=UNARY_DEADLINE_S, metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise self._error(exc) from None
 
     # -- fleet ------------------------------------------------------------------------------
 
@@ -254,7 +259,7 @@ class AdminClient:
                 return merged
 
     def get_device(self, device_id: str) -> fleet_pb2.Device:
-        """Return one device."""
+        """Return one device: `device_id` is its id or any unique prefix of it."""
         return self._unary(self._fleet.GetDevice, fleet_pb2.GetDeviceRequest(id=device_id))
 
     def get_backends(
@@ -286,7 +291,11 @@ class AdminClient:
         return list(self._unary(self._rollouts.ListRollouts, request).rollouts)
 
     def get_rollout(self, rollout_id: str) -> fleet_pb2.Rollout:
-        """Return one rollout with its audit log and counts."""
+        """Return one rollout with its audit log and counts.
+
+        `rollout_id` is its id or any unique prefix of it (the server resolves it: see
+        `control_plane.id_prefix` for what an unknown or ambiguous one raises).
+        """
         return self._unary(self._rollouts.GetRollout, fleet_pb2.GetRolloutRequest(id=rollout_id))
 
     def transition_rollout(
@@ -333,6 +342,7 @@ class AdminClient:
         min_cosine: float = 0.0,
         allow_degraded: bool = False,
         pipeline: str | Mapping | None = None,
+        allow_duplicate: bool = False,
     ) -> common_pb2.ModelVersion:
         """Stream a model file (and golden inputs, if given) to the registry.
 
@@ -340,9 +350,14 @@ class AdminClient:
         inputs the server builds when `golden` is None; `min_cosine` (0 = the server's
         default) is the bar derived variants must reach, unless `allow_degraded`.
         `pipeline` is the version's event pipeline (`runtime.pipeline`: JSON text or data).
+        A file whose bytes are the model's latest version's is refused (FailedPrecondition,
+        before it is uploaded) unless `allow_duplicate`.
         """
         path = Path(path)
-        size, digest = size_and_digest(path)
+        try:
+            size, digest = size_and_digest(path)
+        except KeyboardInterrupt:
+            raise PushCancelled(name, complete=False) from None
         golden_data = read_golden(Path(golden)) if golden is not None else b""
         header = admin_pb2.PushHeader(
             name=name,
@@ -362,15 +377,27 @@ class AdminClient:
             min_cosine=min_cosine,
             allow_degraded=allow_degraded,
             pipeline=_pipeline_text(pipeline),
+            allow_duplicate=allow_duplicate,
+        )
+        sent = [0]
+
+        def counted(done: int, total: int) -> None:
+            sent[0] = done
+            if progress:
+                progress(done, total)
+
+        call = self._stub.PushModel.future(
+            push_requests(path, header, counted, golden_data),
+            timeout=STREAM_DEADLINE_S,
+            metadata=self._metadata,
         )
         try:
-            return self._stub.PushModel(
-                push_requests(path, header, progress, golden_data),
-                timeout=STREAM_DEADLINE_S,
-                metadata=self._metadata,
-            )
+            return call.result()
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+        except KeyboardInterrupt:
+            call.cancel()  # the server sees its client go and stores nothing from now on
+            raise PushCancelled(name, complete=sent[0] >= size) from None
 
     def pull(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 
 from control_plane import errors, paging
 from control_plane.api.access import caller
@@ -11,6 +12,7 @@ from control_plane.api.fleet_convert import (
     attributes_dict,
     backends_pb,
     device_pb,
+    preview_pb,
     rollout_pb,
     timestamp,
 )
@@ -18,16 +20,22 @@ from control_plane.api.grpc_errors import mapped
 from control_plane.api.telemetry_convert import install_pb, latency_pb
 from control_plane.fleet.devices import Fleet, validate_device_id
 from control_plane.fleet.writer import DeviceWriter
+from control_plane.id_prefix import only_match
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.guard import Guard
+from control_plane.rollouts.lifecycle import stage_index
 from control_plane.rollouts.resolver import Resolver, Snapshot
-from control_plane.rollouts.service import Rollouts, RolloutSpec
+from control_plane.rollouts.service import ROLLOUT_PREFIX, Rollouts, RolloutSpec
 from control_plane.rollouts.watchers import Watchers
 from control_plane.store.base import RegistryStore
 from control_plane.store.fleet import DeviceRecord
+from control_plane.store.rollouts import RolloutRecord
 from control_plane.telemetry import Telemetry
 from control_plane.telemetry.recommend import Recommendations
 from protos import fleet_pb2, fleet_pb2_grpc
+
+# The characters of a rollout id (`ro_` and lowercase hex): any start of one names it.
+_ID_START = re.compile(r"[0-9a-z_]{1,32}")
 
 
 def _actor() -> str:
@@ -62,9 +70,12 @@ class FleetView:
 
     def device_detail_pb(self, d: DeviceRecord) -> fleet_pb2.Device:
         """Return one device's message with its recent installs and latency per model."""
-        msg = self.device_pb(d)
-        msg.recent_installs.extend(install_pb(i) for i in self._telemetry.recent_installs(d.id))
-        msg.latency.extend(latency_pb(x) for x in self._telemetry.latency(d.id))
+        return self.add_telemetry(self.device_pb(d))
+
+    def add_telemetry(self, msg: fleet_pb2.Device) -> fleet_pb2.Device:
+        """Add its recent installs and latency per model to a device's message; return it."""
+        msg.recent_installs.extend(install_pb(i) for i in self._telemetry.recent_installs(msg.id))
+        msg.latency.extend(latency_pb(x) for x in self._telemetry.latency(msg.id))
         return msg
 
     def snapshot(self) -> Snapshot:
@@ -86,6 +97,25 @@ class FleetView:
         """Return one device (after writing what this replica still holds back)."""
         self._writer.flush()
         return self.fleet.get(device_id)
+
+    def page(
+        self, selector: str, page_size: int = 0, page_token: str = ""
+    ) -> tuple[list[fleet_pb2.Device], str]:
+        """Return one page of the devices a selector picks, and the next page's token.
+
+        What ListDevices answers, and the dashboard's devices page reads: a token
+        continues the listing of one selector only (hashed: selectors are long).
+        """
+        scope = "devices:" + hashlib.sha256(selector.encode()).hexdigest()[:16]
+        page = paging.page_request(page_size, page_token, scope=scope, parse_key=validate_device_id)
+        records = self.list(selector, after=page.after or "", limit=page.size + 1)
+        snap = self.snapshot()
+        return paging.next_page(
+            [self.device_pb(d, snap) for d in records],
+            page,
+            key=lambda d: d.id,
+            byte_size=lambda d: d.ByteSize(),
+        )
 
 
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
@@ -120,25 +150,14 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
     @mapped
     def ListDevices(self, request, context):  # noqa: D102, N802
         _actor()
-        # A token continues the listing of one selector only (hashed: selectors are long).
-        scope = "devices:" + hashlib.sha256(request.selector.encode()).hexdigest()[:16]
-        page = paging.page_request(
-            request.page_size, request.page_token, scope=scope, parse_key=validate_device_id
-        )
-        records = self._view.list(request.selector, after=page.after or "", limit=page.size + 1)
-        snap = self._view.snapshot()
-        devices, token = paging.next_page(
-            [self._view.device_pb(d, snap) for d in records],
-            page,
-            key=lambda d: d.id,
-            byte_size=lambda d: d.ByteSize(),
-        )
+        devices, token = self._view.page(request.selector, request.page_size, request.page_token)
         return fleet_pb2.ListDevicesResponse(devices=devices, next_page_token=token)
 
     @mapped
     def GetDevice(self, request, context):  # noqa: D102, N802
         _actor()
-        return self._view.device_detail_pb(self._view.get(request.id))
+        # Any unique prefix of an id names its device (`skiff fleet show dev_3f`).
+        return self._view.device_detail_pb(self._view.get(self._view.fleet.resolve(request.id)))
 
     @mapped
     def RevokeDevice(self, request, context):  # noqa: D102, N802
@@ -174,19 +193,53 @@ class RolloutOps:
     def with_counts(self, record) -> fleet_pb2.Rollout:
         """Return a rollout's message with its device counts and guardrail health."""
         self._view.flush()  # counts include what devices reported to this replica
-        return rollout_pb(record, self._rollouts.counts(record), self._guard.health(record))
+        return rollout_pb(
+            record,
+            self._rollouts.counts(record),
+            self._guard.health(record),
+            variant=self._rollouts.variant_of(record),
+        )
 
     def get(self, rollout_id: str) -> fleet_pb2.Rollout:
-        """Return one rollout with its counts and health."""
-        return self.with_counts(self._rollouts.get(rollout_id))
+        """Return one rollout with its counts and health: `rollout_id` or a unique prefix."""
+        return self.with_counts(self._find(rollout_id))
+
+    def _find(self, text: str) -> RolloutRecord:
+        """Return the rollout whose id is `text`, or the one whose id alone starts with it.
+
+        Any unique prefix names its rollout, as for devices (`skiff rollout show ro_9a`);
+        see `control_plane.id_prefix` for an unknown or ambiguous one.
+        """
+        starts_like_one = isinstance(text, str) and (
+            ROLLOUT_PREFIX.startswith(text) or text.startswith(ROLLOUT_PREFIX)
+        )
+        if not (starts_like_one and _ID_START.fullmatch(text)):
+            raise errors.InvalidArgument(f"invalid rollout id {text!r:.40}: expected ro_...")
+        if text.startswith(ROLLOUT_PREFIX):
+            try:
+                return self._rollouts.get(text)
+            except errors.NotFound:
+                pass  # the start of an id, perhaps
+        ids = [r.id for r in self._rollouts.list() if r.id.startswith(text)]
+        return self._rollouts.get(only_match("rollout", text, ids))
 
     def list(self, model: str = "") -> list[fleet_pb2.Rollout]:
         """Return every rollout (of `model`, if given), without counts."""
-        return [rollout_pb(r) for r in self._rollouts.list(model)]
+        return [
+            rollout_pb(r, variant=self._rollouts.variant_of(r)) for r in self._rollouts.list(model)
+        ]
 
-    def create(self, spec: RolloutSpec, *, actor: str) -> fleet_pb2.Rollout:
-        """Create a rollout."""
-        return rollout_pb(self._rollouts.create(spec, actor=actor))
+    def create(self, spec: RolloutSpec, *, actor: str, dry_run: bool = False) -> fleet_pb2.Rollout:
+        """Create a rollout; with `dry_run`, the one it would be and its preview, unstored."""
+        if dry_run:
+            self._view.flush()  # count the devices this replica has just heard from too
+            record, found = self._rollouts.preview(spec, actor=actor)
+            msg = rollout_pb(record, variant=self._rollouts.variant_of(record))
+            msg.id = ""  # nothing was created: no id to act on
+            msg.preview.CopyFrom(preview_pb(found))
+            return msg
+        created = self._rollouts.create(spec, actor=actor)
+        return rollout_pb(created, variant=self._rollouts.variant_of(created))
 
     def transition(
         self,
@@ -198,13 +251,20 @@ class RolloutOps:
         expected_stage: int | None = None,
         slice: str = "",
     ) -> fleet_pb2.Rollout:
-        """Pause, resume, promote or roll back (a slice of) a rollout, as `actor`."""
+        """Pause, resume, promote or roll back (a slice of) a rollout, as `actor`.
+
+        `expected_stage` is numbered from 1, as every message and document has it.
+        """
+        index = None
+        if expected_stage is not None:
+            n_stages = len(self._rollouts.get(rollout_id).stages)
+            index = stage_index(expected_stage, n_stages)
         record = self._rollouts.transition(
             rollout_id,
             action,
             actor=actor,
             reason=reason,
-            expected_stage=expected_stage,
+            expected_stage=index,
             slice=slice,
         )
         return self.with_counts(record)
@@ -232,8 +292,10 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
             min_devices=request.min_devices,
             min_inferences=request.min_inferences,
             slice_by=request.slice_by,
+            allow_empty=request.allow_empty,
+            allow_degraded=request.allow_degraded,
         )
-        return self._ops.create(spec, actor=actor)
+        return self._ops.create(spec, actor=actor, dry_run=request.dry_run)
 
     @mapped
     def ListRollouts(self, request, context):  # noqa: D102, N802

@@ -38,6 +38,10 @@ class NotConverged(errors.SkiffError):
     """The device synced but does not run its desired state."""
 
 
+class UsageError(errors.SkiffError):
+    """The command line cannot work as given (exit 2, as argparse's own refusals)."""
+
+
 def add_parsers(sub, common: Callable[..., None]) -> None:
     """Add `skiff agent` to the `skiff` parser."""
     agent = sub.add_parser("agent", help="the device agent: enroll, sync, install, serve")
@@ -54,7 +58,7 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
     p.add_argument(
         "--enroll-token",
-        default=os.environ.get("SKIFF_ENROLL_TOKEN", ""),
+        default="",  # read from SKIFF_ENROLL_TOKEN at run time: --help must not print it
         metavar="T",
         help="enroll with this token (SKIFF_ENROLL_TOKEN keeps it out of the process list); "
         "only the first start needs it",
@@ -184,6 +188,8 @@ def _agent_errors() -> Iterator[None]:
     except AgentError as exc:
         raise errors.FailedPrecondition(str(exc)) from None
     except DeviceCallError as exc:
+        if exc.message.startswith("control plane unreachable"):  # says why already
+            raise errors.Unavailable(exc.message) from None
         raise errors.Unavailable(f"control plane call failed: {exc.message}") from None
 
 
@@ -210,16 +216,28 @@ def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
     from control_plane.fleet.attributes import parse_attr_flags
     from device_agent.agent import Agent
     from device_agent.state import StateDir
+    from device_agent.transport import address_problem
 
     if not args.server:
-        raise errors.InvalidArgument("--server HOST:PORT (or SKIFF_AGENT_SERVER) is required")
+        raise UsageError("--server HOST:PORT (or SKIFF_AGENT_SERVER) is required")
+    if problem := address_problem(args.server):
+        raise errors.InvalidArgument(f"--server (or SKIFF_AGENT_SERVER): {problem}")
+    enroll_token = args.enroll_token or os.environ.get("SKIFF_ENROLL_TOKEN", "")
+    with _agent_errors():
+        enrolled = StateDir(args.state).load_identity() is not None
+    if not enrolled and not enroll_token:
+        # Nothing to run as and nothing to enroll with: the command line lacks a flag.
+        raise UsageError(
+            f"{args.state} holds no device identity: pass --enroll-token (or "
+            "SKIFF_ENROLL_TOKEN) to enroll"
+        )
     _configure_logging(args.json_log)
     attributes = None if args.attr is None else parse_attr_flags(args.attr)
     agent = Agent(
         StateDir(args.state),
         args.server,
         tls=client_tls(config),
-        enroll_token=args.enroll_token,
+        enroll_token=enroll_token,
         attributes=attributes,
         serve=not args.once,
         report_interval_s=args.report_interval,

@@ -12,9 +12,10 @@ from control_plane.api.transfer import read_pipeline
 from control_plane.api.trust import verify_version
 from control_plane.cli import views
 from control_plane.cli.connect import admin_client as _client
-from control_plane.cli.golden_flags import golden_options
-from control_plane.cli.listing import limit_of, say_more
+from control_plane.cli.golden_flags import push_options
+from control_plane.cli.listing import limit_of, listed, say_more
 from control_plane.cli.progress import ProgressBar
+from control_plane.cli.push_views import push_text
 from control_plane.cli.signing_commands import trusted_pins
 from control_plane.registry.requests import parse_ref
 from control_plane.settings import Config
@@ -43,7 +44,7 @@ def start_server(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the control plane until interrupted."""
     from control_plane.api.server import serve
 
-    serve(config=config)
+    serve(config=config, replica=args.replica)
     return None
 
 
@@ -52,17 +53,18 @@ def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
     pipeline = read_pipeline(args.pipeline) if args.pipeline is not None else None
     bar = ProgressBar(f"push {args.file.name}", after="  - server validating with MNN")
     with _client(config) as client:
-        version = client.push(
-            args.file,
-            name=args.name,
-            notes=args.notes,
-            variants=tuple(args.variant),
-            progress=bar,
-            pipeline=pipeline,
-            **golden_options(args),
-        )
-    bar.finish()
-    return views.version_dict(version), f"{version.model}:{version.version}"
+        try:
+            version = client.push(
+                args.file,
+                name=args.name,
+                notes=args.notes,
+                progress=bar,
+                pipeline=pipeline,
+                **push_options(args),
+            )
+        finally:  # a failed or cancelled push's message starts on a line of its own
+            bar.finish()
+    return views.version_dict(version), push_text(version)
 
 
 def start_model_ls(*, config: Config, args: argparse.Namespace) -> Output:
@@ -70,8 +72,10 @@ def start_model_ls(*, config: Config, args: argparse.Namespace) -> Output:
     limit = limit_of(args)
     with _client(config) as client:
         page = client.models_page(limit)
-    say_more(bool(page.next_page_token), "models", limit)
-    return [views.model_dict(m) for m in page.models], views.models_table(list(page.models))
+    more = bool(page.next_page_token)
+    say_more(more, "models", limit)
+    body = listed("models", [views.model_dict(m) for m in page.models], more=more)
+    return body, views.models_table(list(page.models))
 
 
 def _backends(config: Config, name: str, number: int | None) -> Output:
@@ -117,8 +121,7 @@ def start_model_show(*, config: Config, args: argparse.Namespace) -> Output:
         texts.append(views.version_text(v, signed_by=signed_by, unverified=reason))
     body = {
         "model": views.model_dict(found.model),
-        "versions": versions,
-        "more": bool(found.next_page_token),
+        **listed("versions", versions, more=bool(found.next_page_token)),
     }
     return body, "\n".join(texts)
 

@@ -13,9 +13,10 @@ from pathlib import Path
 from control_plane import errors
 from control_plane.api.roles import ROLES
 from control_plane.cli.connect import admin_client as _client
-from control_plane.cli.listing import add_limit_flag, limit_of, say_more
+from control_plane.cli.listing import add_limit_flag, limit_of, listed, say_more
+from control_plane.cli.rollout_watch import Goal
 from control_plane.fleet.attributes import parse_attr_flags
-from control_plane.rollouts.lifecycle import parse_duration, parse_stage_list
+from control_plane.rollouts.lifecycle import RolloutState, parse_duration, parse_stage_list
 from control_plane.settings import Config
 
 Output = tuple[object, object] | None
@@ -96,10 +97,10 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
     add_limit_flag(p, "devices, by id")
     p = fsub.add_parser("show", help="show one device")
     common(p)
-    p.add_argument("device")
+    p.add_argument("device", metavar="DEVICE", help="its id, or any unique prefix of it")
     p = fsub.add_parser("revoke", help="refuse a device at once, open streams included")
     common(p)
-    p.add_argument("device")
+    p.add_argument("device", metavar="DEVICE", help="its id, or any unique prefix of it")
     p.add_argument("--reason", default="")
 
     rollout = sub.add_parser("rollout", help="create and drive staged rollouts")
@@ -143,16 +144,40 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
         help="judge rules per value of a device-class attribute (e.g. soc) and roll back "
         "only the failing slice; without it a failing rule pauses the whole rollout",
     )
+    p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="create it even if the selector matches no device today (else refused as a "
+        "likely typo)",
+    )
+    p.add_argument(
+        "--allow-degraded",
+        action="store_true",
+        help="roll out a variant the registry marked degraded (recorded in the audit log)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print how many devices it would select per stage (and per slice), creating nothing",
+    )
     p = rsub.add_parser("ls", help="list rollouts")
     common(p)
     p.add_argument("--model", default="")
     p = rsub.add_parser("show", help="show a rollout with its counts and audit log")
     common(p)
-    p.add_argument("id")
+    p.add_argument("id", metavar="ID", help=ID_HELP)
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="follow it until it completes or is rolled back (Ctrl-C stops): redrawn on a "
+        "terminal, else one line per change (with --json, one JSON document per line)",
+    )
+    _add_interval_flag(p)
+    _add_wait_parser(rsub, common)
     for action in TRANSITIONS:
         p = rsub.add_parser(action, help=f"{action} a rollout")
         common(p)
-        p.add_argument("id")
+        p.add_argument("id", metavar="ID", help=ID_HELP)
         p.add_argument("--reason", default="")
         if action in ("resume", "rollback"):
             p.add_argument(
@@ -161,6 +186,51 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
                 metavar="ATTRIBUTE=VALUE",
                 help=f"{action} one slice of a sliced rollout only (e.g. soc=sm8450)",
             )
+
+
+ID_HELP = "the rollout's id, or any unique prefix of it"
+
+
+def _add_wait_parser(rsub, common: Callable[..., None]) -> None:
+    p = rsub.add_parser(
+        "wait",
+        help="wait until a rollout reaches a stage or a state (for scripts)",
+        description="Exit 0 once the rollout is there; 7 as soon as it never can be (rolled "
+        "back, say); 9 when --timeout passes first; 6 if the control plane stays away.",
+    )
+    common(p)
+    p.add_argument("id", metavar="ID", help=ID_HELP)
+    goal = p.add_mutually_exclusive_group()
+    goal.add_argument(
+        "--stage",
+        type=int,
+        metavar="N",
+        help="until stage N (1 = the first) is in effect, or the rollout completed",
+    )
+    goal.add_argument(
+        "--state",
+        choices=[s.value for s in RolloutState],
+        help="until the rollout is in this state (default: completed)",
+    )
+    p.add_argument(
+        "--timeout",
+        default="0",
+        metavar="D",
+        help="give up after D, e.g. 90s, 30m, 2h (default 0: wait as long as it takes)",
+    )
+    _add_interval_flag(p)
+
+
+def _add_interval_flag(p: argparse.ArgumentParser) -> None:
+    from control_plane.cli.rollout_watch import POLL_S, poll_seconds
+
+    p.add_argument(
+        "--interval",
+        type=poll_seconds,
+        default=POLL_S,
+        metavar="S",
+        help="seconds between two reads of the rollout",
+    )
 
 
 def start_token_create(*, config: Config, args: argparse.Namespace) -> Output:
@@ -223,7 +293,8 @@ def start_token_ls(*, config: Config, args: argparse.Namespace) -> Output:
     """List API tokens."""
     with _client(config) as client:
         tokens = client.list_api_tokens(include_inactive=args.all)
-    return [views.api_token_dict(t) for t in tokens], views.api_tokens_table(tokens)
+    body = listed("tokens", [views.api_token_dict(t) for t in tokens])
+    return body, views.api_tokens_table(tokens)
 
 
 def start_token_revoke(*, config: Config, args: argparse.Namespace) -> Output:
@@ -257,9 +328,11 @@ def start_fleet_ls(*, config: Config, args: argparse.Namespace) -> Output:
     limit = limit_of(args)
     with _client(config) as client:
         page = client.devices_page(args.select, limit)
-    say_more(bool(page.next_page_token), "devices", limit)
+    more = bool(page.next_page_token)
+    say_more(more, "devices", limit)
     devices = list(page.devices)
-    return [views.device_dict(d) for d in devices], views.devices_table(devices)
+    body = listed("devices", [views.device_dict(d) for d in devices], more=more)
+    return body, views.devices_table(devices)
 
 
 def start_fleet_show(*, config: Config, args: argparse.Namespace) -> Output:
@@ -271,8 +344,12 @@ def start_fleet_show(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_fleet_revoke(*, config: Config, args: argparse.Namespace) -> Output:
     """Revoke a device."""
+    from control_plane.limits import MAX_REASON, check_text
+
+    check_text("reason", args.reason, MAX_REASON)  # a bad flag first, before any lookup
     with _client(config) as client:
-        device = client.revoke_device(args.device, args.reason)
+        # Revoked by its full id: a prefix is resolved (and refused when ambiguous) first.
+        device = client.revoke_device(client.get_device(args.device).id, args.reason)
     return views.device_dict(device), f"revoked {device.id}"
 
 
@@ -297,9 +374,20 @@ def start_rollout_create(*, config: Config, args: argparse.Namespace) -> Output:
         min_devices=args.min_devices,
         min_inferences=args.min_inferences,
         slice_by=args.slice_by,
+        allow_empty=args.allow_empty,
+        allow_degraded=args.allow_degraded,
+        dry_run=args.dry_run,
     )
     with _client(config) as client:
         rollout = client.create_rollout(request)
+    if args.dry_run:
+        return views.preview_dict(rollout), views.preview_text(rollout)
+    if rollout.degraded:  # on stderr: stdout keeps the id alone, for scripts
+        print(
+            f"skiff: {rollout.id} rolls out variant {rollout.variant}, DEGRADED "
+            f"({rollout.degraded_reason}), with --allow-degraded",
+            file=sys.stderr,
+        )
     return views.rollout_dict(rollout), rollout.id
 
 
@@ -307,14 +395,54 @@ def start_rollout_ls(*, config: Config, args: argparse.Namespace) -> Output:
     """List rollouts."""
     with _client(config) as client:
         rollouts = client.list_rollouts(args.model)
-    return [views.rollout_dict(r) for r in rollouts], views.rollouts_table(rollouts)
+    body = listed("rollouts", [views.rollout_dict(r) for r in rollouts])
+    return body, views.rollouts_table(rollouts)
 
 
 def start_rollout_show(*, config: Config, args: argparse.Namespace) -> Output:
-    """Show one rollout."""
+    """Show one rollout (with --watch, follow it until it is finished)."""
     with _client(config) as client:
         rollout = client.get_rollout(args.id)
+        if args.watch:
+            from control_plane.cli.rollout_watch import watch
+
+            watch(
+                lambda: client.get_rollout(rollout.id),
+                out=sys.stdout,
+                as_json=args.json,
+                poll_s=args.interval,
+            )
+            return None
     return views.rollout_dict(rollout), views.rollout_text(rollout)
+
+
+def start_rollout_wait(*, config: Config, args: argparse.Namespace) -> Output:
+    """Wait until a rollout reaches a stage or a state; prints it as it is then."""
+    from control_plane.cli.rollout_watch import status_line, wait
+
+    goal = (
+        Goal(stage=args.stage) if args.stage is not None else Goal(state=args.state or "completed")
+    )
+    timeout_s = parse_duration(args.timeout)
+    first = True
+
+    def tell(r) -> None:  # on stderr: stdout holds the result (and --json nothing else)
+        nonlocal first
+        print(
+            f"skiff: {status_line(r)}" + (f"; waiting for {goal}" if first else ""), file=sys.stderr
+        )
+        first = False
+
+    with _client(config) as client:
+        rollout_id = client.get_rollout(args.id).id
+        r = wait(
+            lambda: client.get_rollout(rollout_id),
+            goal,
+            timeout_s=timeout_s,
+            on_change=tell,
+            poll_s=args.interval,
+        )
+    return views.rollout_dict(r), status_line(r)
 
 
 def _transition(action: str):
@@ -322,18 +450,14 @@ def _transition(action: str):
         with _client(config) as client:
             # A promote names the stage it promotes from: if another operator (or the
             # scheduler) moved the rollout meanwhile, this one is refused, not doubled.
-            expected = client.get_rollout(args.id).stage if action == "promote" else None
+            found = client.get_rollout(args.id)  # a prefix becomes the full id here
+            expected = found.stage if action == "promote" else None
             piece = getattr(args, "slice", "")
             r = client.transition_rollout(
-                args.id, action, args.reason, expected_stage=expected, slice=piece
+                found.id, action, args.reason, expected_stage=expected, slice=piece
             )
-        stage = f"stage {r.stage + 1}/{len(r.stages)} ({r.stages[r.stage]:g}%)"
-        what = (
-            f"slice {piece} {'readmitted' if action == 'resume' else 'rolled back'}; "
-            if piece
-            else ""
-        )
-        return views.rollout_dict(r), f"{r.id}: {what}{r.state}, {stage}"
+        # The same words as `rollout show` and the dashboard (stages numbered from 1).
+        return views.rollout_dict(r), views.transition_text(r, action, piece)
 
     start.__doc__ = f"{action.capitalize()} a rollout."
     return start

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
+from control_plane.rollouts.lifecycle import paused_text as paused_words
 from protos import fleet_pb2
 
 
@@ -203,7 +204,7 @@ def _attributes_text(attrs: dict) -> str:
     parts = [f"{k}={v}" for k, v in attrs.items() if k not in ("tags", "custom")]
     if "tags" in attrs:
         parts.append(f"tags={','.join(attrs['tags'])}")
-    parts += [f"{k}={v}" for k, v in attrs.get("custom", {}).items()]
+    parts += [f"custom.{k}={v}" for k, v in attrs.get("custom", {}).items()]
     return ", ".join(parts)
 
 
@@ -219,7 +220,10 @@ def _desired_text(desired: dict) -> str:
 
 
 def rollout_dict(r: fleet_pb2.Rollout) -> dict:
-    """JSON-ready form of a rollout."""
+    """JSON-ready form of a rollout.
+
+    `stage` (and each audit entry's) is numbered from 1: stage N is `stages[N - 1]`.
+    """
     return {
         "id": r.id,
         "model": r.model,
@@ -231,6 +235,9 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
         "state": r.state,
         "bake_s": r.bake_s,
         "priority": r.priority,
+        "degraded": r.degraded,
+        "degraded_reason": r.degraded_reason or None,
+        "degraded_allowed": r.degraded_allowed,
         "created_at": _ts(r.created_at),
         "created_by": r.created_by,
         "stage_started_at": _ts(r.stage_started_at),
@@ -301,6 +308,7 @@ def _slice_dict(s: fleet_pb2.SliceHealth) -> dict:
                     for k in ("value", "bound", "candidate", "baseline")
                 },
                 "detail": v.detail,
+                "sentence": v.sentence or None,
             }
             for v in s.rules
         ],
@@ -341,7 +349,7 @@ def _health_lines(r: fleet_pb2.Rollout) -> list[str]:
             f"  crashes {c.crashes}/{b.crashes}"
         )
         for v in s.rules:
-            lines.append(f"      {v.status:<12} {v.rule:<26} {v.detail}")
+            lines.append(f"      {v.rule:<26} {v.sentence or f'{v.detail}: {v.status}'}")
     if h.outside_reports:
         lines.append(
             f"    outside the cohorts: {h.outside_reports} reports from {h.outside_devices}"
@@ -351,7 +359,86 @@ def _health_lines(r: fleet_pb2.Rollout) -> list[str]:
 
 
 def _stages(r: fleet_pb2.Rollout) -> str:
-    return " ".join((f"[{s:g}%]" if i == r.stage else f"{s:g}%") for i, s in enumerate(r.stages))
+    return " ".join(
+        (f"[{s:g}%]" if i == r.stage else f"{s:g}%") for i, s in enumerate(r.stages, start=1)
+    )
+
+
+def stage_text(stage: int, stages) -> str:
+    """Describe stage `stage` (numbered from 1) of `stages`: "stage 2 of 3 (50%)"."""
+    if not 1 <= stage <= len(stages):
+        return f"stage {stage} of {len(stages)}"
+    return f"stage {stage} of {len(stages)} ({stages[stage - 1]:g}%)"
+
+
+def paused_text(r: fleet_pb2.Rollout) -> str:
+    """Say what a paused rollout does, the same words on every surface (and how to resume)."""
+    if not 1 <= r.stage <= len(r.stages):
+        return f"it stays where it is until resumed (`skiff rollout resume {r.id}`)"
+    return f"{paused_words(r.stage - 1, r.stages)} (`skiff rollout resume {r.id}`)"
+
+
+def transition_text(r: fleet_pb2.Rollout, action: str, piece: str = "") -> str:
+    """Say what a pause, resume, promote or rollback (of a slice) left the rollout as."""
+    where = stage_text(r.stage, r.stages)
+    if piece:
+        done = "readmitted" if action == "resume" else "rolled back"
+        return f"{r.id}: slice {piece} {done}; the rollout is {r.state} at {where}"
+    if r.state == "paused":
+        return f"{r.id}: paused: {paused_text(r)}"
+    if r.state == "rolled_back":
+        return f"{r.id}: rolled back: every device it moved returns to what it ran without it"
+    if r.state == "completed":
+        return f"{r.id}: completed: every selected device gets {r.model}:{r.version} ({where})"
+    if action == "resume":
+        return f"{r.id}: active again at {where}; the stage's bake time starts over"
+    return f"{r.id}: active at {where}"
+
+
+def preview_dict(r: fleet_pb2.Rollout) -> dict:
+    """JSON-ready form of a dry run: the rollout it would be and what it would select."""
+    p = r.preview
+    return {
+        "dry_run": True,
+        "rollout": rollout_dict(r),
+        "selected": p.selected,
+        "stages": [
+            {"stage": i, "percent": float(pct), "devices": n}
+            for i, (pct, n) in enumerate(zip(r.stages, p.devices, strict=True), start=1)
+        ],
+        "slices": [{"slice": s.slice, "devices": list(s.devices)} for s in p.slices],
+        "more_slices": p.more_slices,
+    }
+
+
+def _devices(n: int) -> str:
+    return f"{n} device" + ("" if n == 1 else "s")
+
+
+def preview_text(r: fleet_pb2.Rollout) -> str:
+    """Describe a dry run for people: devices per stage and per slice; nothing was created."""
+    p = r.preview
+    what = f"{r.model}:{r.version} ({r.variant})" + ("  DEGRADED" if r.degraded else "")
+    lines = [
+        f"dry run: nothing created. {what} to {r.selector or '(whole fleet)'} would select "
+        f"{_devices(p.selected)} today"
+    ]
+    if not p.selected and r.selector:
+        lines.append("  it matches no device: `rollout create` needs --allow-empty for it")
+    for i, (pct, n) in enumerate(zip(r.stages, p.devices, strict=True), start=1):
+        lines.append(f"  stage {i} of {len(r.stages)} ({pct:g}%)  {_devices(n)}")
+    if p.slices:
+        lines.append(f"  per slice ({r.slice_by}), stage by stage")
+        for s in p.slices:
+            lines.append(f"    {s.slice:<28} {' / '.join(str(n) for n in s.devices)}")
+        if p.more_slices:
+            lines.append(f"    and {p.more_slices} smaller slices")
+    if len(r.stages) > 1:
+        lines.append(
+            "  (stages before the last are a sticky sample the rollout draws when created: "
+            "expect about these counts)"
+        )
+    return "\n".join(lines)
 
 
 def rollouts_table(rollouts: list[fleet_pb2.Rollout]) -> Table | str:
@@ -376,13 +463,25 @@ def rollouts_table(rollouts: list[fleet_pb2.Rollout]) -> Table | str:
     return table
 
 
+def degraded_how(r: fleet_pb2.Rollout) -> str:
+    """Say how a rollout of a degraded variant came to be (CLI and dashboard)."""
+    if r.degraded_allowed:
+        return "rolled out with --allow-degraded"
+    return "created before --allow-degraded was required"
+
+
 def rollout_text(r: fleet_pb2.Rollout) -> str:
     """Describe one rollout for people, with its counts and audit log."""
     c = r.counts
-    lines = [
-        f"{r.id}  {r.model}:{r.version} ({r.variant})  {r.state}",
+    lines = [f"{r.id}  {r.model}:{r.version} ({r.variant})  {r.state}"]
+    if r.degraded:
+        lines.append(f"  variant   {r.variant} DEGRADED ({r.degraded_reason}): {degraded_how(r)}")
+    if r.state == "paused":
+        lines.append(f"  paused    {paused_text(r)}")
+    lines += [
         f"  selector  {r.selector or '(whole fleet)'}",
-        f"  stages    {_stages(r)}  bake {r.bake_s}s  priority {r.priority}",
+        f"  stage     {stage_text(r.stage, r.stages)}   {_stages(r)}  bake {r.bake_s}s"
+        f"  priority {r.priority}",
         f"  devices   selected {c.selected}  in stage {c.in_stage}  synced {c.synced}"
         f"  installed {c.installed}  failed {c.failed}",
         *_health_lines(r),
@@ -393,7 +492,8 @@ def rollout_text(r: fleet_pb2.Rollout) -> str:
         if e.slice:
             change = f"{e.slice}: {change}"
         why = f"  ({e.reason})" if e.reason else ""
-        lines.append(f"    {_ts(e.at)}  {e.actor:<10} {e.action:<8} {change}, stage {e.stage}{why}")
+        where = stage_text(e.stage, r.stages)
+        lines.append(f"    {_ts(e.at)}  {e.actor:<10} {e.action:<8} {change}, {where}{why}")
     return "\n".join(lines)
 
 

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
+import os
+import re
 import sys
 from pathlib import Path
 
 from control_plane import errors
-from control_plane.cli import agent_commands, fleet_commands, signing_commands, sim_commands
-from control_plane.cli.golden_flags import add_golden_flags
+from control_plane.cli import (
+    agent_commands,
+    fleet_commands,
+    rollout_watch,
+    signing_commands,
+    sim_commands,
+)
+from control_plane.cli.golden_flags import add_golden_flags, add_push_flags
 from control_plane.cli.listing import add_limit_flag
-from control_plane.settings import SETTINGS, default_home, load_config
+from control_plane.settings import SETTINGS, Setting, default_home, load_config
 
 # Exit codes, one per kind of failure, so scripts can tell them apart.
 EXIT_OK = 0
@@ -24,9 +33,13 @@ EXIT_AUTH = 5
 EXIT_UNAVAILABLE = 6
 EXIT_CONFLICT = 7
 EXIT_INTEGRITY = 8
+EXIT_NOT_CONVERGED = agent_commands.EXIT_NOT_CONVERGED  # 9: `agent run --once`, `rollout wait`
+EXIT_BROKEN_PIPE = 141  # as a shell reports a command SIGPIPE ended: `skiff ... | head`
 
 EXIT_BY_ERROR: tuple[tuple[type[errors.SkiffError], int], ...] = (
-    (agent_commands.NotConverged, agent_commands.EXIT_NOT_CONVERGED),
+    (agent_commands.NotConverged, EXIT_NOT_CONVERGED),
+    (agent_commands.UsageError, EXIT_USAGE),
+    (rollout_watch.WaitTimedOut, EXIT_NOT_CONVERGED),
     (errors.InvalidArgument, EXIT_INVALID),
     (errors.TooLarge, EXIT_INVALID),
     (errors.NotFound, EXIT_NOT_FOUND),
@@ -38,6 +51,67 @@ EXIT_BY_ERROR: tuple[tuple[type[errors.SkiffError], int], ...] = (
     (errors.FailedPrecondition, EXIT_CONFLICT),
     (errors.OutOfRange, EXIT_INVALID),
 )
+
+
+# Options whose default --help must not print, whatever filled it in.
+_SECRET = re.compile(r"token|secret|password|passphrase", re.IGNORECASE)
+
+
+def _shown_default(action: argparse.Action) -> str | None:
+    """Return an option's default as `--help` shows it, or None when it has no real one.
+
+    None, "", [] and a flag's False are "not given", not defaults worth a word. A secret's
+    default (a token read from the environment, say) is never shown.
+    """
+    default = action.default
+    if not action.option_strings or default is None or default is argparse.SUPPRESS:
+        return None
+    if _SECRET.search(action.dest):
+        return None
+    if isinstance(default, bool) or default in ("", [], ()):
+        return None
+    return str(default)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with "(default: X)" where it has a real default.
+
+    One class for every parser (sub-parsers inherit it, see SkiffParser), so no parser
+    spells its defaults by hand; help that already says its default is left alone.
+    """
+
+    def _format_action(self, action: argparse.Action) -> str:
+        shown = _shown_default(action)
+        if not action.help and shown is not None:
+            action = copy.copy(action)  # argparse prints an option without help bare
+            action.help = f"(default: {shown.replace('%', '%%')})"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        shown = _shown_default(action)
+        if shown is None or "default" in text.lower():
+            return text
+        # argparse expands %-formats in help: a default holding "%" must stay literal.
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class SkiffParser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows defaults; its sub-parsers are SkiffParsers too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _setting_help(s: Setting) -> str:
+    """Return the help of a setting's flag: its doc, its variable and its default.
+
+    The flag's own default is None: a flag not given must not hide the environment or
+    skiff.json, so the setting's default is said in words.
+    """
+    default = f"; default: {s.default}" if s.default not in ("", None) else ""
+    return f"{s.doc.rstrip('.')} ({s.env}{default})".replace("%", "%%")
 
 
 def _common(
@@ -56,14 +130,14 @@ def _common(
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the full argument parser."""
-    parser = argparse.ArgumentParser(prog="skiff", description="Ship MNN models to fleets.")
+    parser = SkiffParser(prog="skiff", description="Ship MNN models to fleets.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("init", help="create the embedded default in the home folder")
     _common(p, remote=False)
     for s in SETTINGS:
         if s.name in ("grpc", "db", "blobs", "kek"):
-            p.add_argument(f"--{s.name}", help=s.doc)
+            p.add_argument(f"--{s.name}", help=_setting_help(s))
     p.add_argument(
         "--tls-san",
         action="append",
@@ -79,7 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, json_flag=False, remote=False)
     for s in SETTINGS:
         if s.name in ("grpc", "http", "db", "blobs"):
-            p.add_argument(f"--{s.name}", help=s.doc)
+            p.add_argument(f"--{s.name}", help=_setting_help(s))
+    p.add_argument(
+        "--replica",
+        action="store_true",
+        help="one of several servers of this home on purpose (PostgreSQL only): they share "
+        "the home and may share the --grpc address; without it a second server is refused",
+    )
 
     model = sub.add_parser("model", help="push, list, show and pull models")
     msub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -88,9 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path)
     p.add_argument("--name", required=True)
     p.add_argument("--notes", default="")
-    p.add_argument(
-        "--variant", action="extend", nargs="+", default=[], choices=("fp16", "int8", "int4")
-    )
+    add_push_flags(p)
     add_golden_flags(p)
     p.add_argument(
         "--pipeline",
@@ -162,13 +240,33 @@ def _run(args: argparse.Namespace) -> int:
     if result is not None:
         if getattr(args, "json", False):
             print(json.dumps(result[0], indent=2, sort_keys=True))
-        elif isinstance(result[1], str):
-            print(result[1])
         else:
-            from rich.console import Console  # tables only: not loaded by the agent daemon
+            from control_plane.cli.render import print_output
 
-            Console(highlight=False).print(result[1])
+            print_output(result[1])
     return EXIT_OK
+
+
+# The server's refusal names the RPC ("token tok_1 (ci) is viewer; CreateRollout needs
+# operator"); a CLI user typed a command, so the CLI names that instead.
+_ROLE_REFUSAL = re.compile(
+    r"token (?P<token>.+) is (?P<role>\w+); (?P<rpc>\w+) needs (?P<needed>\w+)"
+)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """Return the command `args` came from, as typed: `skiff rollout promote`."""
+    action = getattr(args, "action", None)
+    return " ".join(p for p in ("skiff", args.command, action) if p)
+
+
+def error_message(exc: errors.SkiffError, args: argparse.Namespace) -> str:
+    """Return the one line that reports `exc` (a role refusal names the CLI command)."""
+    found = _ROLE_REFUSAL.fullmatch(str(exc)) if isinstance(exc, errors.PermissionDenied) else None
+    if found is None:
+        return str(exc)
+    who = f"token {found['token']} is {found['role']}"
+    return f"{who}; `{command_line(args)}` needs {found['needed']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,15 +283,22 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except errors.SkiffError as exc:
         code = next((c for kind, c in EXIT_BY_ERROR if isinstance(exc, kind)), EXIT_ERROR)
-        print(f"skiff: error: {exc}", file=sys.stderr)
+        print(f"skiff: error: {error_message(exc, args)}", file=sys.stderr)
         return code
+    except BrokenPipeError:
+        # The reader went away (`skiff fleet ls | head`): end as quietly as `ls | head`
+        # does, and keep Python from complaining when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except OSError as exc:
         print(
             f"skiff: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
             file=sys.stderr,
         )
         return EXIT_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if exc.args:  # what an interrupted command left behind (client.PushCancelled)
+            print(f"skiff: {exc}", file=sys.stderr)
         return 130
 
 

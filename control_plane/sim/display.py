@@ -1,4 +1,8 @@
-"""What the simulator shows: a live convergence table on stderr, and the final summary."""
+"""What the simulator shows: a live convergence table on stderr, and the final summary.
+
+The live view is for people at a terminal only: `skiff sim` draws it when stderr is one
+and `--json` is not given, so a pipe, a log file or a script reads the summary alone.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +58,8 @@ def render(stats: FleetStats, *, title: str) -> Group:
         f"  converged {stats.converged}  rejected {stats.rejected}  syncs {stats.syncs}"
         f"  reconnects {stats.reconnects}",
     )
+    if stats.enrolling:
+        head.append(f"\nenrolling: {stats.enrolling:,} devices to go")
     if stats.failures:
         failures = ", ".join(f"{k} {n}" for k, n in sorted(stats.failures.items()))
         head.append(f"\nfailed calls: {failures}", style="yellow")
@@ -68,18 +74,26 @@ def render(stats: FleetStats, *, title: str) -> Group:
     return Group(head, table)
 
 
+def live_console(*, as_json: bool) -> Console | None:
+    """Return the console to draw the live view on: stderr at a terminal, never for --json."""
+    if as_json or not sys.stderr.isatty():
+        return None
+    return Console(file=sys.stderr, highlight=False)
+
+
 class LiveView:
-    """Redraws the fleet's state on stderr a few times a second (only on a terminal).
+    """Redraws the fleet's state on `console` a few times a second (None: draws nothing).
 
     Drawn from the event loop, not rich's refresh thread: the counters it reads are
     mutated by the loop, and a dict must not change size while another thread iterates.
     """
 
-    def __init__(self, stats: Callable[[], FleetStats], title: str) -> None:
+    def __init__(
+        self, stats: Callable[[], FleetStats], title: str, console: Console | None
+    ) -> None:
         self._stats, self._title = stats, title
         self._started = time.monotonic()
-        console = Console(file=sys.stderr, highlight=False)
-        self._live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+        self._live = None if console is None else Live(console=console, auto_refresh=False)
 
     async def run(self, interval_s: float = 0.25) -> None:
         """Redraw until cancelled."""

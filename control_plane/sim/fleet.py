@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -94,6 +94,7 @@ class FleetSimulator:
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()
+        self._enrolling = 0  # devices `enroll` has yet to enroll (the live view counts them)
 
     async def __aenter__(self) -> FleetSimulator:
         return self
@@ -151,10 +152,14 @@ class FleetSimulator:
         attrs = [self.profile.attributes(self.seed, start + i) for i in range(n)]
         if not attrs:
             return []
+        self._enrolling = n
         try:
             first = await self._enroll_one(start, attrs[0], token)
-        except DeviceCallError as exc:
-            raise _enroll_error(exc, self.addresses[0], enrolled=0) from None
+        except BaseException as exc:  # cancelled too: nothing is enrolling any more
+            self._enrolling = 0
+            if isinstance(exc, DeviceCallError):
+                raise _enroll_error(exc, self.addresses[0], enrolled=0) from None
+            raise
         limit = asyncio.Semaphore(self.options.concurrency)
         slots: list[Identity | None] = [first] + [None] * (n - 1)
 
@@ -165,6 +170,7 @@ class FleetSimulator:
         try:
             results = await asyncio.gather(*(one(i) for i in range(1, n)), return_exceptions=True)
         finally:  # also when cancelled: keep whoever enrolled, their state is saved
+            self._enrolling = 0
             added = self.adopt([s for s in slots if s is not None])
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -175,6 +181,7 @@ class FleetSimulator:
         keys = DeviceKeyPair.generate()
         conn = DeviceConnection(self._channel(index))
         reply = await conn.enroll(token, attributes_pb(attrs), keys.public_keyset())
+        self._enrolling -= 1
         return Identity(
             device_id=reply.device_id,
             credential=reply.credential,
@@ -292,7 +299,7 @@ class FleetSimulator:
 
     def stats(self) -> FleetStats:
         """Count what the fleet is doing now."""
-        return fleet_stats(self.devices, self.cache)
+        return replace(fleet_stats(self.devices, self.cache), enrolling=max(self._enrolling, 0))
 
     async def stop_reporting(self, flush_s: float = FLUSH_ON_STOP_S) -> None:
         """Stop every device's report loop, then send what is queued (as agents do).

@@ -22,7 +22,7 @@ from control_plane import errors
 from control_plane.api.transport import client_tls
 from control_plane.rollouts.lifecycle import parse_duration
 from control_plane.settings import Config
-from control_plane.sim.display import LiveView, render, summary_json
+from control_plane.sim.display import LiveView, live_console, render, summary_json
 from control_plane.sim.fleet import FleetSimulator
 from control_plane.sim.profile import Profile, load_profile
 from control_plane.sim.state import Identity, load_state, save_state
@@ -47,6 +47,7 @@ class Plan:
     once: bool
     duration_s: int | None
     report_interval_s: int = 0
+    live: bool = False  # draw progress on stderr (a terminal, without --json)
 
 
 def run_sim(*, config: Config, args: argparse.Namespace) -> tuple[dict, object]:
@@ -70,6 +71,7 @@ def run_sim(*, config: Config, args: argparse.Namespace) -> tuple[dict, object]:
         once=args.once,
         duration_s=duration,
         report_interval_s=parse_duration(args.report_interval),
+        live=live_console(as_json=args.json) is not None,
     )
     _raise_fd_limit()
     return asyncio.run(_run(plan))
@@ -106,7 +108,9 @@ async def _run(plan: Plan) -> tuple[dict, object]:
 async def _until_done_or_stopped(sim: FleetSimulator, plan: Plan) -> None:
     """Run the plan, drawing progress, until it ends, fails or a signal stops it."""
     stop = asyncio.Event()
-    drawing = asyncio.create_task(LiveView(sim.stats, f"skiff sim -> {plan.address}").run())
+    console = live_console(as_json=False) if plan.live else None
+    view = LiveView(sim.stats, f"skiff sim -> {plan.address}", console)
+    drawing = asyncio.create_task(view.run())
     work = asyncio.create_task(_drive(sim, plan))
     with _stop_on_signals(stop):
         stopper = asyncio.create_task(stop.wait())

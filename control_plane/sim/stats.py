@@ -36,6 +36,7 @@ class FleetStats:
     reports: int = 0  # telemetry batches the control plane took
     reports_queued: int = 0  # batches waiting for the control plane
     reports_dropped: int = 0  # batches dropped: queue bounds, or refused as invalid
+    enrolling: int = 0  # devices still being enrolled (the live view's first phase)
 
 
 def fleet_stats(devices: Sequence[SimDevice], cache: ArtifactCache) -> FleetStats:

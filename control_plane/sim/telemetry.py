@@ -82,7 +82,7 @@ def parse_injections(raw: object) -> tuple[Injection, ...]:
         if unknown:
             raise errors.InvalidArgument(f"{where}: unknown key {', '.join(unknown)}")
         try:
-            selector = parse_selector(str(rule["select"]))
+            selector = parse_selector(str(rule["select"]), strict=True)
             model, version = parse_ref(str(rule["model"]))
         except errors.InvalidArgument as exc:
             raise errors.InvalidArgument(f"{where}: {exc}") from None

@@ -55,14 +55,18 @@ def test_ls_and_show_walk_every_page_unless_limited(server, model_file):  # noqa
     env = server["env"]
     for name in ("page-a", "page-b", "page-c"):
         skiff("model", "push", str(model_file), "--name", name, env=env)
-    skiff("model", "push", str(model_file), "--name", "page-a", env=env)
+    skiff("model", "push", str(model_file), "--name", "page-a", "--allow-duplicate", env=env)
 
     everything = json.loads(skiff("model", "ls", "--json", env=env).stdout)
-    names = [m["name"] for m in everything]
+    assert everything["more"] is False
+    names = [m["name"] for m in everything["models"]]
     assert {"page-a", "page-b", "page-c"} <= set(names) and names == sorted(names)
 
     limited = skiff("model", "ls", "--limit", "2", "--json", env=env)
-    assert [m["name"] for m in json.loads(limited.stdout)] == names[:2]
+    assert json.loads(limited.stdout) == {
+        "models": everything["models"][:2],
+        "more": True,  # the document says it was cut short, as stderr does
+    }
     assert "showing the first 2 models; more exist" in limited.stderr
     whole = skiff("model", "ls", "--limit", str(len(names)), env=env)
     assert whole.stderr == "" and all(name in whole.stdout for name in names)
@@ -104,7 +108,8 @@ def test_fleet_ls_limit(server):  # noqa: F811
     everything = json.loads(
         skiff("fleet", "ls", "--select", "region=paged", "--json", env=env).stdout
     )
-    assert [d["id"] for d in everything] == ids
+    assert [d["id"] for d in everything["devices"]] == ids and everything["more"] is False
     limited = skiff("fleet", "ls", "--select", "region=paged", "--limit", "2", "--json", env=env)
-    assert [d["id"] for d in json.loads(limited.stdout)] == ids[:2]
+    cut = json.loads(limited.stdout)
+    assert [d["id"] for d in cut["devices"]] == ids[:2] and cut["more"] is True
     assert "showing the first 2 devices; more exist" in limited.stderr

@@ -76,8 +76,8 @@ def test_push_ls_show_pull(server, model_file, tmp_path):
     pushed = skiff(
         "model", "push", str(model_file), "--name", "clidet", "--variant", "int8", env=env
     )
-    assert pushed.stdout.strip() == "clidet:1"
-    listed = json.loads(skiff("model", "ls", "--json", env=env).stdout)
+    assert pushed.stdout.splitlines()[0] == "pushed clidet:1"
+    listed = json.loads(skiff("model", "ls", "--json", env=env).stdout)["models"]
     assert {"name": "clidet", "latest_version": 1, "version_count": 1}.items() <= listed[0].items()
     shown = json.loads(skiff("model", "show", "clidet:1", "--json", env=env).stdout)
     version = shown["versions"][0]

@@ -18,7 +18,7 @@ EXIT_INVALID = 3
 
 
 def versions(env, name: str) -> int:
-    listed = json.loads(skiff("model", "ls", "--json", env=env).stdout)
+    listed = json.loads(skiff("model", "ls", "--json", env=env).stdout)["models"]
     return next((m["version_count"] for m in listed if m["name"] == name), 0)
 
 

@@ -34,7 +34,7 @@ def test_init_names_the_extra_host_and_the_cli_verifies_against_the_home_ca(serv
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert "skiff.lan" in sans.get_values_for_type(x509.DNSName)
     ok = skiff("model", "ls", "--home", str(served["home"]), "--json", env=_env(served))
-    assert json.loads(ok.stdout) == []
+    assert json.loads(ok.stdout) == {"models": [], "more": False}
 
 
 def _env(served) -> dict:

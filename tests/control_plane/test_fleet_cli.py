@@ -39,20 +39,20 @@ def test_fleet_and_rollouts_from_the_command_line(server, model_file):  # noqa: 
 
     android = Device.enroll(_address(server), made["token"], {"platform": "android"})
     ios = Device.enroll(_address(server), made["token"], {"platform": "ios"})
-    listed = json.loads(skiff("fleet", "ls", "--json", env=env).stdout)
+    listed = json.loads(skiff("fleet", "ls", "--json", env=env).stdout)["devices"]
     assert {d["id"] for d in listed} >= {android.id, ios.id}
     for key in ("id", "attributes", "last_seen", "online", "installed", "desired"):
         assert key in listed[0]
     picked = json.loads(
         skiff("fleet", "ls", "--select", "platform=android,region=eu", "--json", env=env).stdout
-    )
+    )["devices"]
     assert [d["id"] for d in picked] == [android.id]
     assert picked[0]["attributes"] == {"platform": "android", "region": "eu", "tags": ["lab"]}
     assert picked[0]["attested"] == {"region": "eu", "tags": ["lab"]}
     claimer = Device.enroll(_address(server), plain, {"platform": "linux", "region": "eu"})
     attested = json.loads(
         skiff("fleet", "ls", "--select", "@region=eu, @tags=lab", "--json", env=env).stdout
-    )
+    )["devices"]
     assert sorted(d["id"] for d in attested) == sorted([android.id, ios.id])
     shown = json.loads(skiff("fleet", "show", claimer.id, "--json", env=env).stdout)
     assert shown["attributes"]["region"] == "eu" and shown["attested"] == {}
@@ -87,10 +87,10 @@ def test_fleet_and_rollouts_from_the_command_line(server, model_file):  # noqa: 
     ):
         assert key in shown
     assert (shown["model"], shown["version"], shown["variant"]) == ("kws", 1, "fp32")
-    assert shown["stages"] == [50.0, 100.0] and shown["stage"] == 0
+    assert shown["stages"] == [50.0, 100.0] and shown["stage"] == 1  # numbered from 1
     assert shown["counts"]["selected"] == 1
     promoted = skiff("rollout", "promote", rid, "--reason", "looks good", env=env).stdout
-    assert "active, stage 2/2" in promoted
+    assert f"{rid}: active at stage 2 of 2 (100%)" in promoted
     device = json.loads(skiff("fleet", "show", android.id, "--json", env=env).stdout)
     assert device["desired"] == {"kws": {"version": 1, "variant": "fp32", "rollout": rid}}
     other = json.loads(skiff("fleet", "show", ios.id, "--json", env=env).stdout)
@@ -99,7 +99,7 @@ def test_fleet_and_rollouts_from_the_command_line(server, model_file):  # noqa: 
     illegal = skiff("rollout", "resume", rid, env=env, check=False)
     assert illegal.returncode == 7 and "active" in _error_line(illegal)
     listed = json.loads(skiff("rollout", "ls", "--model", "kws", "--json", env=env).stdout)
-    assert [r["id"] for r in listed] == [rid]
+    assert [r["id"] for r in listed["rollouts"]] == [rid] and listed["more"] is False
     assert "kws:1" in skiff("rollout", "ls", env=env).stdout
     skiff("rollout", "rollback", rid, env=env)
     device = json.loads(skiff("fleet", "show", android.id, "--json", env=env).stdout)

@@ -31,7 +31,7 @@ def test_each_role_does_its_job_and_no_more(server, model_file):  # noqa: F811
     as_operator = {**env, "SKIFF_TOKEN": operator["token"]}
     refused = skiff("model", "push", str(model_file), "--name", "rl", env=as_viewer, check=False)
     assert refused.returncode == 5
-    assert "is viewer; PushModel needs publisher" in _error_line(refused)
+    assert "(dash) is viewer; `skiff model push` needs publisher" in _error_line(refused)
     assert skiff("model", "push", str(model_file), "--name", "rl", env=as_publisher).returncode == 0
     assert json.loads(skiff("model", "ls", "--json", env=as_viewer).stdout)
     # Versions record which token pushed them.
@@ -41,8 +41,12 @@ def test_each_role_does_its_job_and_no_more(server, model_file):  # noqa: F811
     rollout = skiff(
         "rollout", "create", "rl:1", "--select", "platform=x", env=as_publisher, check=False
     )
-    assert rollout.returncode == 5 and "CreateRollout needs operator" in _error_line(rollout)
-    assert skiff("rollout", "create", "rl:1", "--select", "platform=x", env=as_operator).stdout
+    assert rollout.returncode == 5
+    assert "(ci) is publisher; `skiff rollout create` needs operator" in _error_line(rollout)
+    made = skiff(
+        "rollout", "create", "rl:1", "--select", "platform=x", "--allow-empty", env=as_operator
+    )
+    assert made.stdout
     for who in (as_viewer, as_publisher, as_operator):
         made = skiff("token", "create", "--role", "admin", env=who, check=False)
         assert made.returncode == 5 and "needs admin" in _error_line(made)
@@ -56,7 +60,7 @@ def test_tokens_are_listed_expire_and_are_revoked(server):  # noqa: F811
     kept = _make(env, "viewer", "--name", "kept")
     listed = skiff("token", "ls", "--json", env=env).stdout
     assert short["token"] not in listed and kept["token"] not in listed  # never a secret
-    rows = {t["id"]: t for t in json.loads(listed)}
+    rows = {t["id"]: t for t in json.loads(listed)["tokens"]}
     assert rows[kept["id"]]["role"] == "viewer" and rows[kept["id"]]["created_by"] == "admin"
     assert {"admin"} <= {t["name"] for t in rows.values()}
 
@@ -131,7 +135,7 @@ def test_a_database_without_an_admin_token_says_what_to_do(tmp_path, pg_url):
         )
         assert made["created_by"] == "token create --offline"
         ok = skiff("model", "ls", "--json", env={**env, "SKIFF_TOKEN": made["token"]})
-        assert json.loads(ok.stdout) == []
+        assert json.loads(ok.stdout) == {"models": [], "more": False}
         # ...and once a token exists, an unknown one is just invalid.
         assert "invalid token" in _error_line(skiff("model", "ls", env=env, check=False))
     finally:

@@ -31,7 +31,12 @@ def run_json(capsys, argv: list[str]) -> dict:
 
 def rollout(cp, version: int, selector: str, stages=(100,), bake_s: int = 0):
     request = fleet_pb2.CreateRolloutRequest(
-        model=MODEL, version=version, selector=selector, stages=list(stages), bake_s=bake_s
+        model=MODEL,
+        version=version,
+        selector=selector,
+        stages=list(stages),
+        bake_s=bake_s,
+        allow_empty=True,  # made before the simulated fleet enrolls
     )
     with cp.client() as client:
         return client.create_rollout(request)
