@@ -118,6 +118,8 @@ class _Upload:
         """Say how far the upload got, for a log line."""
         if not self.size:
             return "before its upload"
+        if self.received >= self.size:  # the client reset the call as its last bytes came
+            return f"as its upload ended ({_mib(self.size)} MiB received)"
         return f"mid-upload ({_mib(self.received)} of {_mib(self.size)} MiB received)"
 
     async def header(self, limit: int) -> admin_pb2.PushHeader:
@@ -333,8 +335,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             # complete, this is what makes the reset surface (and the done-callback run)
             # before the push commits. Clients that declare size and SHA-256, as the CLI
             # does, are checked exactly whatever the timing.
-            await context.send_initial_metadata(())
             stack.callback(os.close, spooled.fd)
+            try:
+                await context.send_initial_metadata(())
+            except Exception:  # noqa: BLE001 - gRPC's ExecuteBatchError: the stream is gone
+                # The client reset the call as its last bytes arrived: nobody can get an
+                # answer, so it ends as a cancel does (one line, nothing stored).
+                raise asyncio.CancelledError from None
             owned = stack.pop_all()
         # The push is shielded: its thread, once started, owns the slot and memfd and must
         # be the one to release them.

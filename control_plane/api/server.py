@@ -527,7 +527,11 @@ def start_server(
         raise
     server.home_lock = lock
     lock.describe(f"{address.rsplit(':', 1)[0]}:{port}")
-    server.start()
+    try:
+        server.start()
+    except BaseException:
+        lock.release()  # whatever did start, this home is not served
+        raise
     log.info("skiff control plane listening on port %d", port)
     if not app.store.has_admin_token(now=dt.datetime.now(dt.UTC)):
         log.warning("%s", no_admin_hint(db_description(config.db)))

@@ -90,7 +90,11 @@ def _bind_problem(address: str, reuse_port: bool) -> errors.SkiffError | None:
     except socket.gaierror as exc:
         return errors.InvalidArgument(f"cannot listen on {address}: {host}: {exc.strerror}")
     for family, kind, proto, _, sockaddr in found:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # a family this kernel lacks (IPv6 off): gRPC skips it too
+            continue
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if reuse_port:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

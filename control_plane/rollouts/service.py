@@ -341,6 +341,12 @@ class Rollouts:
                 f"longer watch it): roll it out to that slice with a new rollout "
                 f"(--select {slice})"
             )
+        if current.state == RolloutState.PAUSED and action == "resume":
+            # Paused is frozen: readmitting would give its devices the version meanwhile.
+            raise errors.FailedPrecondition(
+                f"cannot readmit a slice of a rollout that is paused: resume the rollout "
+                f"first (skiff rollout resume {rollout_id}), then the slice"
+            )
         changed = self.set_slice(
             rollout_id, value, states[action], actor=actor, reason=_check_reason(reason)
         )
@@ -417,7 +423,10 @@ class Rollouts:
                 continue
             if ready is not None and r.halt_rules and not ready(r):
                 continue
-            done = self._apply(r, Action.ADVANCE, actor="scheduler", reason="bake time passed")
+            # Timed from the stage start it read: a pause and resume since restarted it.
+            done = self._apply(
+                r, Action.ADVANCE, actor="scheduler", reason="bake time passed", timed=True
+            )
             if done is not None:  # None: another replica or an operator got there first
                 advanced.append(done)
         return advanced
@@ -430,6 +439,7 @@ class Rollouts:
         actor: str,
         reason: str,
         evidence: dict | None = None,
+        timed: bool = False,
     ) -> RolloutRecord | None:
         state, stage = next_step(RolloutState(r.state), act, r.stage, len(r.stages))
         now = self._clock()
@@ -437,7 +447,16 @@ class Rollouts:
         event = RolloutEventRecord(
             now, actor, act.value, r.state, state.value, stage, reason, evidence=evidence or {}
         )
-        change = RolloutChange(r.id, r.state, r.stage, state.value, stage, started, event)
+        change = RolloutChange(
+            r.id,
+            r.state,
+            r.stage,
+            state.value,
+            stage,
+            started,
+            event,
+            expected_started_at=r.stage_started_at if timed else None,
+        )
         result = self._store.change_rollout(change)
         if result is not None:
             where = stage_text(stage, r.stages)

@@ -63,6 +63,9 @@ class RolloutChange:
     stage: int
     stage_started_at: dt.datetime
     event: RolloutEventRecord
+    # Also only if the stage still started then: the scheduler's bake was timed from it,
+    # and a pause and resume in between restarted it (None: any start).
+    expected_started_at: dt.datetime | None = None
 
 
 class RolloutStore(abc.ABC):

@@ -143,14 +143,17 @@ class SqlRolloutStore(RolloutStore):
 
     def change_rollout(self, change: RolloutChange) -> RolloutRecord | None:
         """Apply a conditional state/stage change with its audit entry."""
+        expected = [
+            orm.RolloutRow.id == change.rollout_id,
+            orm.RolloutRow.state == change.expected_state,
+            orm.RolloutRow.stage == change.expected_stage,
+        ]
+        if change.expected_started_at is not None:
+            expected.append(orm.RolloutRow.stage_started_at == change.expected_started_at)
         with self._scope() as session:
             done = session.execute(
                 update(orm.RolloutRow)
-                .where(
-                    orm.RolloutRow.id == change.rollout_id,
-                    orm.RolloutRow.state == change.expected_state,
-                    orm.RolloutRow.stage == change.expected_stage,
-                )
+                .where(*expected)
                 .values(
                     state=change.state,
                     stage=change.stage,

