@@ -22,7 +22,6 @@ from control_plane.crypto import LocalKek, ManifestSigner
 from control_plane.files import write_private_file
 from control_plane.pins import write_pins
 from control_plane.settings import CONFIG_FILE, TOKEN_FILE, Config, write_config_file
-from control_plane.store.sql_store import SqlStore
 from device_agent.signing_keys import KeyRing
 
 log = logging.getLogger(__name__)
@@ -68,6 +67,10 @@ def init_home(config: Config, *, tls_names: Iterable[str] = ()) -> InitResult:
         LocalKek.create(config.kek)
     signer = ManifestSigner.create(config.signing_key)
     write_pins(home, KeyRing.from_pems([signer.public_key_pem()]))  # what `model pull` trusts
+    # Deferred: every CLI command reads its token through this module, and SQLAlchemy
+    # with its dialects is most of a command's start-up; only `init` needs it.
+    from control_plane.store.sql_store import SqlStore
+
     store = SqlStore(config.db)
     try:
         token = new_token()
