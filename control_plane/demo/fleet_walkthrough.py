@@ -138,6 +138,9 @@ async def _fleet_demo(
         await _guarded_rollout(demo, sim, call, model=model, old=old, new=new)
 
 
+GUARD_BAKE_S = 15
+
+
 def _slow_on(model: str, version: int, soc: str):
     """Return the default device profile, with `model:version` 3x slower on `soc`."""
     doc = json.loads(
@@ -155,7 +158,10 @@ async def _guarded_rollout(demo: FleetDemo, sim: FleetSimulator, call, *, model,
         version=new,
         selector=SELECTOR,
         stages=[20, 100],
-        bake_s=5,
+        # Long enough for the slow SoC's first-stage devices to reach the sample the
+        # guard needs: at 100% no device is left to compare a slice with, so a slice
+        # that is not judged in the first stage never is (a loaded machine reports slower).
+        bake_s=GUARD_BAKE_S,
         halt=list(HALT),
         min_devices=5,
         min_inferences=500,
@@ -166,7 +172,7 @@ async def _guarded_rollout(demo: FleetDemo, sim: FleetSimulator, call, *, model,
     rollout = await call(client.create_rollout, request)
     _say(
         f"\n== rollout {rollout.id}: {model}:{new} to `{SELECTOR}` again, in stages 20%, 100%"
-        f" (5 s bake), halted by {', '.join(HALT)}, sliced by soc\n"
+        f" ({GUARD_BAKE_S} s bake), halted by {', '.join(HALT)}, sliced by soc\n"
         f"   the simulated devices report latency and crashes every second; {model}:{new} is"
         f" 3x slower on {SLOW_SOC} (the simulator injects it)"
     )
