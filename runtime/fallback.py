@@ -105,7 +105,9 @@ class ConfigChain:
                 self.failure = "no candidate config passed the probe"
                 return
             self._loading = True
-        self._advance()
+        # Every pending config was probed just now: loading the winner again (or the next
+        # one, should it fail to) validates it without adding a second probe result.
+        self._advance(record=False)
 
     def _probe_one(
         self, config: BackendConfig, kept: Executor | None, runs: int
@@ -230,11 +232,14 @@ class ConfigChain:
         if active is not None:
             active.close()
 
-    def _advance(self, failed: BackendConfig | None = None, reason: str = "") -> None:
+    def _advance(
+        self, failed: BackendConfig | None = None, reason: str = "", *, record: bool = True
+    ) -> None:
         """Walk the pending configs until one loads and passes, and make it active.
 
         The caller set `_loading` (and took the failed executor out of `active`) under
-        the lock; the loads themselves run without it.
+        the lock; the loads themselves run without it. With `record`, each load's
+        validation is added to `probe_results`.
         """
         executor = None
         while executor is None:
@@ -245,7 +250,7 @@ class ConfigChain:
                 if not self._pending or self._closed:
                     break
                 config = self._pending.pop(0)
-            executor, problem = self._load(config)
+            executor, problem = self._load(config, record=record)
             if executor is None:
                 failed, reason = config, problem
         with self._lock:
@@ -265,13 +270,14 @@ class ConfigChain:
         target = following.key if following else "nothing"
         logger.warning("fallback from %s to %s: %s", failed.key, target, reason)
 
-    def _load(self, config: BackendConfig) -> tuple[Executor | None, str]:
+    def _load(self, config: BackendConfig, *, record: bool) -> tuple[Executor | None, str]:
         """Load one config; with golden data, only keep it if the outputs match."""
         if self._golden is not None:
             result, executor = probe_config(
                 self._make, config, self._golden, runs=VALIDATION_RUNS, warmup=0
             )
-            self.probe_results.append(result)
+            if record:
+                self.probe_results.append(result)
             return executor, result.error or ""
         try:
             return self._make(config), ""

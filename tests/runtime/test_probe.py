@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -143,6 +144,30 @@ def test_default_candidates_never_pick_an_unavailable_backend(golden):
         accepted = [r for r in model.probe_results if r.accepted]
         assert accepted and all(r.config.backend is Backend.CPU for r in accepted)
         assert all(r.actual_backend in (Backend.CPU, None) for r in model.probe_results)
+
+
+def test_a_winner_reloaded_after_the_probe_is_probed_once(golden, monkeypatch):
+    # Ranking within timing noise is relative to the fastest: a third config can move the
+    # lead back to the second one after the first was kept loaded. The chain loads the
+    # winner again, and its probe results still hold one entry per candidate.
+    import runtime.fallback
+
+    p50s = {CPU_1: 100.0, CPU_1_LOW: 96.0, CPU_1_HIGH: 92.0}
+    real = runtime.fallback.probe_config
+
+    def scripted(make, config, *args, **kwargs):
+        result, executor = real(make, config, *args, **kwargs)
+        return dataclasses.replace(result, p50_us=p50s[config]), executor
+
+    monkeypatch.setattr(runtime.fallback, "probe_config", scripted)
+    candidates = [CPU_1, CPU_1_LOW, CPU_1_HIGH]
+    assert [
+        r.config for r in rank([ProbeResult(c, Backend.CPU, True, p50) for c, p50 in p50s.items()])
+    ] == [CPU_1_LOW, CPU_1_HIGH, CPU_1]
+    with Model.from_bytes(tiny_mnn(), golden=golden, candidates=candidates) as model:
+        assert [r.config for r in model.probe_results] == candidates
+        assert model.config == CPU_1_LOW and model.fallbacks == ()
+        assert model.run(golden.inputs)["y"].shape == golden.outputs["y"].shape
 
 
 def test_outputs_that_do_not_match_the_golden_data_reject_every_config(golden):
