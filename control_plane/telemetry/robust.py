@@ -432,7 +432,8 @@ def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> Dev
 
     Per config each cohort ran on more than 2k devices with `min_samples(q)` timed
     inferences (all configs merged per device only when the cohorts share none; sharing
-    some without enough devices on them, None): the k highest and k lowest device
+    some without enough devices on them, None), of which at least two are left after
+    trimming (a config with fewer has no spread to weigh it by): the k highest and k lowest device
     quantiles of each cohort are left out, the trimmed means of their logs compared, and
     the difference's standard error is Yuen's, over devices: as wide as devices differ.
     """
@@ -446,7 +447,10 @@ def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> Dev
     slower: dict[str, float] = {}
     for config in configs:
         dc, db = device_quantiles(candidate, q, config), device_quantiles(baseline, q, config)
-        if min(len(dc.log_us), len(db.log_us)) <= 2 * k:
+        if min(len(dc.log_us), len(db.log_us)) <= 2 * k + 1:
+            # Fewer than two devices left after trimming: no spread to weigh this config
+            # by (Yuen's variance is infinite), and one such config must not void the
+            # others' evidence.
             continue
         tc, tb = trimmed(dc.log_us, k), trimmed(db.log_us, k)
         weight = tc.kept * tb.kept / (tc.kept + tb.kept)

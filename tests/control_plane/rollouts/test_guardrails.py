@@ -467,3 +467,26 @@ def test_a_device_alone_on_a_backend_config_cannot_swing_the_latency_ratio():
     healthy_c = cohort(30, lognormal(12_000, 2000, 3))
     v = judge(P95, plus(healthy_c, attacker(slow)), plus(base, attacker(fast)), **limits)
     assert v.status == PASS and v.value < 1.2, v
+
+
+def test_a_config_with_too_few_devices_to_measure_a_spread_does_not_hide_a_slowdown():
+    # CI's readmission scenario: 3x slower on every device, 6 of 9 candidates on the GPU
+    # and 3 on the CPU. With one device left out each way, the CPU's 3 leave one device, no
+    # spread to measure: that config cannot be weighed, but the GPU's 6 still decide.
+    rng = np.random.default_rng(5)
+
+    def devices(n, config, median_us, prefix):
+        return [
+            device_row(
+                f"dev_{prefix}{i:03d}",
+                rng.lognormal(np.log(median_us * np.exp(0.15 * rng.standard_normal())), 0.3, 4000),
+                config=config,
+            )
+            for i in range(n)
+        ]
+
+    slow = Cohort([*devices(6, GPU, 3 * 550, "g"), *devices(3, CPU, 3 * 1000, "c")])
+    base = Cohort([*devices(13, GPU, 550, "bg"), *devices(7, CPU, 1000, "bc")])
+    v = judge(P95, slow, base, min_devices=3, min_inferences=300)
+    assert v.status == FAIL, v
+    assert v.value == pytest.approx(3, rel=0.2) and v.bound > 1.2
