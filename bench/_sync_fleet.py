@@ -25,6 +25,8 @@ from pathlib import Path
 import grpc
 from sqlalchemy import create_engine, insert
 
+from contract.assignment import load_public_keys, new_nonce, verify_sync
+from contract.key_wrap import DeviceKeyPair
 from control_plane.api.client import AdminClient
 from control_plane.api.fleet_convert import attributes_dict, attributes_pb
 from control_plane.demo import sample_models
@@ -34,8 +36,6 @@ from control_plane.rollouts.lifecycle import MAX_BAKE_S
 from control_plane.rollouts.resolver import Desired, Resolver
 from control_plane.store import orm
 from control_plane.store.sql_store import SqlStore
-from device_agent.assignment import load_public_keys, new_nonce, verify_sync
-from device_agent.identity import DeviceKeyPair
 from protos import device_pb2, device_pb2_grpc, fleet_pb2
 
 # (device_model, soc) per platform, os versions, RAM sizes.

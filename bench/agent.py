@@ -51,6 +51,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from propagation import CLI, start_servers, stop_servers  # noqa: E402
 
+from contract.key_wrap import DeviceKeyPair  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
@@ -61,7 +62,6 @@ from control_plane.demo.sample_pipeline import (  # noqa: E402
 )
 from control_plane.home import read_token  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
-from device_agent.identity import DeviceKeyPair  # noqa: E402
 from device_agent.install import decrypt_artifact  # noqa: E402
 from device_agent.local_api import socket_path, to_tensor  # noqa: E402
 from device_agent.state import StateDir  # noqa: E402

@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from contract.transport import ClientTls  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
@@ -54,7 +55,6 @@ from control_plane.home import init_home, read_token  # noqa: E402
 from control_plane.rollouts.lifecycle import bucket, stage_limit  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
 from control_plane.sim import FleetSimulator, SimOptions  # noqa: E402
-from device_agent.transport import ClientTls  # noqa: E402
 from protos import fleet_pb2  # noqa: E402
 
 CLI = [sys.executable, "-m", "control_plane.cli"]

@@ -3,7 +3,7 @@
 One control plane (`skiff server`, plaintext on loopback like the echo) on SQLite, then
 on PostgreSQL. Simulated devices enroll; each sends Report batches as an agent does
 (three models, a latency histogram each, counts, the odd crash: built by
-`control_plane.sim.telemetry`, a fresh batch id every call), `--concurrency` calls in
+`control_plane.sim.load`, a fresh batch id every call), `--concurrency` calls in
 flight, for `--window` seconds. The baseline is the bare echo of bench/sync.py (a
 grpc.aio server, raw bytes, no protobuf, no handler work) driven the same way with
 messages of the same size. Report and echo windows alternate for `--rounds` rounds (the
@@ -51,11 +51,11 @@ sys.path.insert(0, str(BENCH))
 import grpc  # noqa: E402
 from sync import pg_database, start_process, stop_process  # noqa: E402
 
+from contract.reports import new_batch_id  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.home import read_token  # noqa: E402
 from control_plane.sim import FleetSimulator, SimOptions  # noqa: E402
-from control_plane.sim.telemetry import Load  # noqa: E402
-from device_agent.telemetry import new_batch_id  # noqa: E402
+from control_plane.sim.load import Load  # noqa: E402
 
 PG_ADMIN = os.environ.get("SKIFF_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 # What each device reports: published first (the server refuses reports of anything else).
@@ -210,10 +210,10 @@ def health_query(name: str, db_url: str | None) -> dict:
     from control_plane.rollouts.guard import Guard
     from control_plane.store import orm
     from control_plane.store.rollouts import RolloutRecord
-    from control_plane.store.rollups import COUNTERS, DeviceKey, encode_buckets
+    from control_plane.store.rollup_records import COUNTERS, DeviceKey, encode_buckets
     from control_plane.store.sql_store import SqlStore
     from control_plane.telemetry.classes import parse_device_class
-    from control_plane.telemetry.rollups import (
+    from control_plane.telemetry.roller import (
         BASELINE,
         CANDIDATE,
         HOUR,

@@ -8,7 +8,7 @@ import tempfile
 from contextlib import suppress
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.auth import ADMIN, hash_token, new_token
 from control_plane.api.transport import init_tls
 from control_plane.blobs.local_blob_store import LocalBlobStore
@@ -22,7 +23,6 @@ from control_plane.crypto import LocalKek, ManifestSigner
 from control_plane.files import write_private_file
 from control_plane.pins import write_pins
 from control_plane.settings import CONFIG_FILE, TOKEN_FILE, Config, write_config_file
-from device_agent.signing_keys import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def init_home(config: Config, *, tls_names: Iterable[str] = ()) -> InitResult:
     if not config.kek.startswith("aws-kms://"):
         LocalKek.create(config.kek)
     signer = ManifestSigner.create(config.signing_key)
-    write_pins(home, KeyRing.from_pems([signer.public_key_pem()]))  # what `model pull` trusts
+    write_pins(home, PinnedKeyRing.from_pems([signer.public_key_pem()]))  # what `model pull` trusts
     # Deferred: every CLI command reads its token through this module, and SQLAlchemy
     # with its dialects is most of a command's start-up; only `init` needs it.
     from control_plane.store.sql_store import SqlStore

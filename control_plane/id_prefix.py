@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from control_plane import errors
+from contract import errors
 
 # How many of the ids an ambiguous prefix matches the error names.
 SHOWN = 4

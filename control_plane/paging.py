@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from control_plane import errors
+from contract import errors
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 
 `skiff init` pins the key it creates; `skiff key pin` pins a remote server's keys on
 first use, explicitly. Later keys are only ever added through the endorsement chain
-(`device_agent.signing_keys.KeyRing.update`).
+(`contract.pinned_keys.PinnedKeyRing.update`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.files import read_private_file, write_private_file
-from device_agent.signing_keys import KeyRing
 
 PINS_FILE = Path("keys") / "signing_pins.json"
 SCHEMA = "skiff.signing-pins/v1"
@@ -23,7 +23,7 @@ def pins_path(home: Path) -> Path:
     return home / PINS_FILE
 
 
-def read_pins(home: Path) -> KeyRing | None:
+def read_pins(home: Path) -> PinnedKeyRing | None:
     """Return the home's pinned keys, or None when it has none."""
     path = pins_path(home)
     try:
@@ -35,12 +35,12 @@ def read_pins(home: Path) -> KeyRing | None:
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise errors.InvalidArgument(f"{path} is not a {SCHEMA} document")
     try:
-        return KeyRing.from_json(doc["keys"])
+        return PinnedKeyRing.from_json(doc["keys"])
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise errors.InvalidArgument(f"{path}: malformed pinned keys ({exc})") from None
 
 
-def write_pins(home: Path, ring: KeyRing) -> Path:
+def write_pins(home: Path, ring: PinnedKeyRing) -> Path:
     """Store `ring` as the home's pins (0600, atomically)."""
     path = pins_path(home)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from control_plane import errors
+from contract import errors
 from control_plane.files import write_private_file
 
 CONFIG_FILE = "skiff.json"

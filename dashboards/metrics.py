@@ -41,14 +41,14 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from control_plane.rollouts.lifecycle import RolloutState
-from control_plane.store.rollups import Aggregate
+from control_plane.store.rollup_records import Aggregate
 from control_plane.telemetry.classes import class_values, parse_dimension
-from control_plane.telemetry.rollups import MINUTE
+from control_plane.telemetry.roller import MINUTE
 from runtime.histogram import BUCKETS_PER_DOUBLING, N_BUCKETS
 
 if TYPE_CHECKING:
     from control_plane.api.server import App
-    from control_plane.telemetry.rollups import Deltas
+    from control_plane.telemetry.roller import Deltas
 
 # `_created` series say when this process started counting: noise for these dashboards.
 disable_created_metrics()

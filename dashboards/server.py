@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from cheroot import wsgi
 from cheroot.ssl.builtin import BuiltinSSLAdapter
 
-from control_plane import errors
-from device_agent.transport import host_of, is_loopback
+from contract import errors
+from contract.transport import host_of, is_loopback
 
 if TYPE_CHECKING:
     from control_plane.api.server import App

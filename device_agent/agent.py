@@ -8,7 +8,7 @@ whenever the poll interval runs out, reconnecting with exponential backoff and f
 jitter, until `stop` is set.
 
 Time is the control plane's: each signed answer says when it was signed and echoes the
-agent's nonce, so the agent measures its clock's offset from it (device_agent.clock),
+agent's nonce, so the agent measures its clock's offset from it (contract.server_clock),
 judges expiry on the control plane's time, stamps its reports with it, and says in one
 line (log, `agent status`, telemetry) when its own clock is far off. Each answer it
 accepts is acknowledged (`Ack`): only then does the control plane count it as synced.
@@ -16,7 +16,7 @@ accepts is acknowledged (`Ack`): only then does the control plane count it as sy
 With `serve=True`, `run()` also serves the installed models to apps on the device
 (device_agent.local_api), swaps each newly activated version in, goes back to the
 previous version when the active one fails at run time, and reports telemetry
-(device_agent.telemetry): install outcomes as they happen, serving stats every
+(device_agent.report_outbox): install outcomes as they happen, serving stats every
 `report_interval_s`, queued on disk while the control plane is unreachable.
 """
 
@@ -31,37 +31,32 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from control_plane.fleet.wire import attributes_pb
-from device_agent.assignment import (
+from contract.assignment import (
     AssignmentRejected,
     VerifiedAssignment,
     new_nonce,
     verify_sync,
 )
-from device_agent.clock import (
-    ServerClock,
-    load_reading,
-    save_reading,
-    skew_notice,
-    skewed,
-)
-from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s, open_channel
-from device_agent.identity import DeviceKeyPair, KeyUnwrapError
+from contract.attributes import attributes_pb
+from contract.device_client import DeviceCallError, DeviceConnection, backoff_s, open_channel
+from contract.key_wrap import DeviceKeyPair, KeyUnwrapError
+from contract.pinned_keys import PinnedKeyRing
+from contract.server_clock import ServerClock, skew_notice, skewed
+from contract.transport import ClientTls, is_plaintext
+from device_agent.clock_reading import load_reading, save_reading
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
 from device_agent.limits import AppLimits
 from device_agent.pipelines import Pipelines
-from device_agent.reporting import AUTH_CODES, Reporter
-from device_agent.serving import Serving
-from device_agent.signing_keys import KeyRing
-from device_agent.state import AgentError, Identity, StateDir, one_line
-from device_agent.telemetry import (
+from device_agent.report_outbox import (
     Collector,
     Outbox,
     install_report,
     open_outbox,
     rollback_reports,
 )
-from device_agent.transport import ClientTls, is_plaintext
+from device_agent.reporting import AUTH_CODES, Reporter
+from device_agent.serving import Serving
+from device_agent.state import AgentError, Identity, StateDir, one_line
 from protos import agent_pb2, device_pb2
 
 log = logging.getLogger("skiff.agent")
@@ -237,7 +232,7 @@ class Agent:
             device_id=reply.device_id,
             credential=reply.credential,
             private_keyset=keys.private_keyset(),
-            pinned=KeyRing.from_enrollment(reply, self.server_clock.now_datetime()),
+            pinned=PinnedKeyRing.from_enrollment(reply, self.server_clock.now_datetime()),
             attributes=attributes,
         )
         self.state.save_identity(identity)

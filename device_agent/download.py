@@ -2,7 +2,7 @@
 
 Artifacts are kept encrypted under `artifacts/SHA256` (named by ciphertext digest) and
 downloaded beside it as `SHA256.part`. With the per-segment digests the manifest signs
-(control_plane.crypto.segments), every 1 MiB segment is checked as it arrives and only
+(contract.segments), every 1 MiB segment is checked as it arrives and only
 verified segments are written, so a crash or a cut resumes at the first segment not held
 verified and a flipped byte costs one segment. The presigned URL a Sync answer may carry
 is tried first (device_agent.url_fetch); the control plane's Download takes over where it
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from control_plane import errors
-from control_plane.crypto.envelope import SEGMENT_SIZE
-from control_plane.crypto.segments import SegmentChecker, verified_prefix
-from device_agent.connection import DeviceConnection
+from contract import errors
+from contract.device_client import DeviceConnection
+from contract.envelope import SEGMENT_SIZE
+from contract.segments import SegmentChecker, verified_prefix
 from device_agent.state import AgentError, fsync_dir, write_all
 from device_agent.url_fetch import UrlFetchError, fetch_url, usable_url
 

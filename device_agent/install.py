@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from control_plane.crypto import decrypt_stream
-from control_plane.limits import MODEL_NAME  # a network name becomes a path
-from device_agent.assignment import GoldenArtifact, VerifiedModel
-from device_agent.connection import DeviceConnection
+from contract.assignment import GoldenArtifact, VerifiedModel
+from contract.device_client import DeviceConnection
+from contract.envelope import decrypt_stream
+from contract.limits import MODEL_NAME  # a network name becomes a path
 from device_agent.download import DiskFull, Downloads, IntegrityFailure
 from device_agent.state import (
     AgentError,

@@ -23,92 +23,38 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import numpy as np
 
+from contract.local_api import (
+    MAX_MESSAGE_BYTES,
+    MAX_TENSORS,
+    BadTensor,
+    SocketPathTooLong,
+    to_array,
+    to_tensor,
+)
+from contract.local_api import socket_path as local_socket_path
 from device_agent.limits import Overloaded, pushback_ms
 from device_agent.pipelines import Closed, EventsRejected, NoPipeline, Pipelines, Result
+from device_agent.report_outbox import Collector
 from device_agent.serving import NotServing, Serving
 from device_agent.state import AgentError, one_line
-from device_agent.telemetry import Collector
 from protos import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("skiff.agent")
 
-SOCKET_NAME = "agent.sock"
-# sockaddr_un.sun_path holds 108 bytes with its NUL.
-MAX_SOCKET_PATH = 107
-MAX_MESSAGE_BYTES = 64 << 20
 PUSH_THREADS = 2
-MAX_TENSORS = 64
-MAX_RANK = 8
-DTYPES = frozenset(
-    {
-        "float16",
-        "float32",
-        "float64",
-        "int8",
-        "uint8",
-        "int16",
-        "uint16",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "bool",
-    }
-)
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
 
-class BadTensor(ValueError):
-    """A tensor in a request cannot be read as an array."""
-
-
 def socket_path(state_dir: Path) -> Path:
     """Return the local API socket of a state directory (its length checked)."""
-    path = Path(os.path.abspath(state_dir)) / SOCKET_NAME
-    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise AgentError(
-            f"{path}: a Unix socket path must be at most {MAX_SOCKET_PATH} bytes; "
-            "use a shorter --state path"
-        )
-    return path
-
-
-def to_array(t: agent_pb2.Tensor) -> np.ndarray:
-    """Return a Tensor message as a numpy array; BadTensor names what is wrong."""
-    name = t.name or "(unnamed)"
-    if t.dtype not in DTYPES:
-        raise BadTensor(
-            f"tensor {name!r:.60}: dtype {t.dtype!r:.30} is not one of {sorted(DTYPES)}"
-        )
-    if len(t.shape) > MAX_RANK or any(d < 0 for d in t.shape):
-        raise BadTensor(f"tensor {name!r:.60}: shape {list(t.shape)[:10]} is not a valid shape")
-    dtype = np.dtype(t.dtype).newbyteorder("<")
-    count = nonzero = 1
-    for d in t.shape:
-        count *= d
-        nonzero *= max(d, 1)
-    if nonzero > MAX_MESSAGE_BYTES:  # a zero dim must not let huge others through to numpy
-        raise BadTensor(f"tensor {name!r:.60}: shape {list(t.shape)[:10]} is too large")
-    if count * dtype.itemsize != len(t.data):
-        raise BadTensor(
-            f"tensor {name!r:.60}: {len(t.data)} bytes do not hold shape {list(t.shape)} "
-            f"of {t.dtype} ({count * dtype.itemsize} bytes)"
-        )
-    return np.frombuffer(t.data, dtype=dtype).reshape(tuple(t.shape)).astype(t.dtype, copy=False)
-
-
-def to_tensor(name: str, array: np.ndarray) -> agent_pb2.Tensor:
-    """Return an array as a Tensor message (C order, little-endian)."""
-    array = np.asarray(array)
-    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return agent_pb2.Tensor(
-        name=name, dtype=array.dtype.name, shape=list(array.shape), data=little.tobytes()
-    )
+    try:
+        return local_socket_path(state_dir)
+    except SocketPathTooLong as exc:
+        raise AgentError(str(exc)) from None
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):

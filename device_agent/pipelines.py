@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from device_agent.limits import MAX_EVENTS, AppLimits, Overloaded, RateLimits
+from device_agent.report_outbox import Collector
 from device_agent.serving import NotServing, Serving
 from device_agent.state import one_line
-from device_agent.telemetry import Collector
 
 log = logging.getLogger("skiff.agent")
 

@@ -1,6 +1,6 @@
 """Telemetry on its way out: install outcomes at once, serving stats every interval.
 
-Batches go through the on-disk outbox (device_agent.telemetry.Outbox) first, so nothing
+Batches go through the on-disk outbox (device_agent.report_outbox.Outbox) first, so nothing
 is lost while the control plane is unreachable: `flush` sends them oldest first and
 acknowledges each once the control plane took it (a batch id is applied once even when
 sent twice). A batch the control plane refuses as invalid would never be accepted: it is
@@ -16,15 +16,15 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from device_agent.connection import DeviceCallError
-from device_agent.telemetry import Collector, Outbox, install_batch
+from contract.device_client import DeviceCallError
+from contract.reports import FLUSH_ON_STOP_S
+from device_agent.report_outbox import Collector, Outbox, install_batch
 from protos import device_pb2
 
 log = logging.getLogger("skiff.agent")
 
 AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 # On SIGTERM: how long queued reports may take to reach the control plane.
-FLUSH_ON_STOP_S = 5.0
 
 
 class Reporter:

@@ -2,7 +2,7 @@
 
 Each installed model serves from a `runtime.ModelSlot`. A newly activated version is
 swapped in between requests (none fails because of an install). Every request is
-counted for telemetry (device_agent.telemetry.Collector). When the active version keeps
+counted for telemetry (device_agent.report_outbox.Collector). When the active version keeps
 failing at run time, its fallback chain exhausted (`ModelFailed`) or its worker crashing
 `ROLLBACK_CRASHES` times in a row, `on_failure(model, uid, reason)` is called once for
 that version (`uid`); the agent goes back to the previous version if that one is still
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from device_agent.telemetry import Collector
+from device_agent.report_outbox import Collector
 
 log = logging.getLogger("skiff.agent")
 

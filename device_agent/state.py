@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from device_agent.signing_keys import KeyRing
+from contract.pinned_keys import PinnedKeyRing
 
 IDENTITY_SCHEMA = "skiff.agent-identity/v1"
 LOCK_TRIES = 20  # 50 ms apart
@@ -99,7 +99,7 @@ class Identity:
     device_id: str
     credential: str = field(repr=False)
     private_keyset: bytes = field(repr=False)
-    pinned: KeyRing
+    pinned: PinnedKeyRing
     attributes: dict
 
     def to_json(self) -> dict[str, Any]:
@@ -125,7 +125,7 @@ class Identity:
                 device_id=str(body["device_id"]),
                 credential=str(body["credential"]),
                 private_keyset=base64.b64decode(body["private_keyset"], validate=True),
-                pinned=KeyRing.from_json(body["signing_keys"]),
+                pinned=PinnedKeyRing.from_json(body["signing_keys"]),
                 attributes=dict(body.get("attributes") or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -6,7 +6,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from device_agent.clock import describe_offset, load_reading
+from contract.server_clock import describe_offset
+from device_agent.clock_reading import load_reading
 from device_agent.install import Installer
 from device_agent.state import AgentError, StateDir
 

@@ -3,7 +3,7 @@
 When the blob store can presign, a Sync answer carries a URL per artifact: the device
 fetches the ciphertext straight from the store, and the control plane's Download RPC is
 only the fallback. Nothing here is trusted for integrity: every segment is checked
-against the digests the manifest signs (control_plane.crypto.segments), and the bytes
+against the digests the manifest signs (contract.segments), and the bytes
 are ciphertext. The URL's transport follows the rule of every other connection: HTTPS,
 or plain HTTP to a loopback host only.
 """

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from control_plane import errors
+from contract import errors
 from control_plane.api import roles
 from control_plane.api.auth import Authenticator
 from control_plane.api.grpc_errors import status_for

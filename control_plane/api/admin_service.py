@@ -14,15 +14,16 @@ from dataclasses import replace
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from control_plane import errors, paging
+from contract import errors
+from control_plane import paging
 from control_plane.api.access import caller
 from control_plane.api.auth import ApiTokens, Authenticator
 from control_plane.api.golden_convert import accuracy_pb, golden_pb, golden_request
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.signing_convert import chain_pb, signing_key_pb
-from control_plane.registry import memfd
+from control_plane.registry import upload_spool
 from control_plane.registry.contract import MAX_GOLDEN_UPLOAD
-from control_plane.registry.keys import KekRotation
+from control_plane.registry.kek_rotation import KekRotation
 from control_plane.registry.registry import Registry
 from control_plane.registry.requests import (
     PushRequest,
@@ -160,9 +161,11 @@ class _Upload:
             )
         return bytes(golden), request
 
-    async def spool(self, limit: int, first: admin_pb2.PushModelRequest | None) -> memfd.Spooled:
+    async def spool(
+        self, limit: int, first: admin_pb2.PushModelRequest | None
+    ) -> upload_spool.Spooled:
         """Copy the remaining chunks into a memfd (hashing in a thread, off the event loop)."""
-        spooler = memfd.Spooler(limit=limit)
+        spooler = upload_spool.Spooler(limit=limit)
         writing: asyncio.Future | None = None
         try:
             request = first
@@ -231,7 +234,7 @@ def _log_abandoned(what: str, push: asyncio.Future) -> None:
 def _push_and_release(
     registry: Registry,
     request: PushRequest,
-    upload: memfd.Spooled,
+    upload: upload_spool.Spooled,
     owned: ExitStack,
     abandoned: threading.Event,
 ) -> VersionRecord:

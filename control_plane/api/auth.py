@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 from control_plane.api import roles
 from control_plane.store.tokens import TokenRecord, TokenStore
 

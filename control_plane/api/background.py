@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from control_plane import errors
+from contract import errors
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,16 @@ from pathlib import Path
 
 import grpc
 
-from control_plane import errors
+from contract import errors
+from contract.attributes import attributes_pb
+from contract.pinned_keys import PinnedKeyRing
+from contract.transport import (
+    ClientTls,
+    address_problem,
+    channel_credentials,
+    retry_helps,
+    unreachable,
+)
 from control_plane.api.grpc_errors import error_for
 from control_plane.api.transfer import (
     Progress,
@@ -28,15 +37,6 @@ from control_plane.api.transfer import (
     write_verified,
 )
 from control_plane.api.trust import signed_golden, signed_variant, verify_version
-from control_plane.fleet.wire import attributes_pb
-from device_agent.signing_keys import KeyRing
-from device_agent.transport import (
-    ClientTls,
-    address_problem,
-    channel_credentials,
-    retry_helps,
-    unreachable,
-)
 from protos import admin_pb2, admin_pb2_grpc, common_pb2, fleet_pb2, fleet_pb2_grpc
 
 UNARY_DEADLINE_S = 30.0
@@ -64,7 +64,7 @@ def rpc_error(
     """Turn a gRPC error into the matching domain error, keeping the server's message.
 
     A call that never reached the server says why in one line, as the agent does
-    (`device_agent.transport.unreachable`: the CA, the port, the host name...).
+    (`contract.transport.unreachable`: the CA, the port, the host name...).
     """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or code.name.lower()
@@ -405,7 +405,7 @@ class AdminClient:
         version: int | None,
         out: str | os.PathLike,
         *,
-        pins: KeyRing,
+        pins: PinnedKeyRing,
         variant: str = "",
         progress: Progress | None = None,
         golden: bool = False,
@@ -429,7 +429,7 @@ class AdminClient:
         name: str,
         version: int | None,
         *,
-        pins: KeyRing,
+        pins: PinnedKeyRing,
         variant: str = "",
         golden: bool = False,
     ) -> tuple[admin_pb2.PullHeader, bytes]:

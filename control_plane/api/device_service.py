@@ -13,7 +13,7 @@ import collections
 import datetime as dt
 import threading
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.signing_convert import chain_pb
@@ -24,11 +24,11 @@ from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import associated_data
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
-from control_plane.registry.signing_keys import SigningKeys
+from control_plane.registry.signers import SigningKeys
 from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
-from control_plane.store.telemetry import ReportBatch
+from control_plane.store.report_records import ReportBatch
 from control_plane.telemetry import Telemetry
 from control_plane.telemetry.recommend import Recommendations
 from protos import device_pb2, device_pb2_grpc

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from control_plane.fleet.attributes import attested_attributes
-from control_plane.fleet.wire import (  # noqa: F401 - re-exported for the API layer
+from contract.attributes import (  # noqa: F401 - re-exported for the API layer
     attributes_dict,
     attributes_pb,
     timestamp,
 )
+from control_plane.fleet.attributes import attested_attributes
 from control_plane.rollouts.guard import Health, SliceHealth
 from control_plane.rollouts.lifecycle import stage_number
 from control_plane.rollouts.preview import Preview

@@ -6,7 +6,8 @@ import datetime as dt
 import hashlib
 import re
 
-from control_plane import errors, paging
+from contract import errors
+from control_plane import paging
 from control_plane.api.access import caller
 from control_plane.api.fleet_convert import (
     attributes_dict,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from control_plane import errors
-from control_plane.limits import check_text
+from contract import errors
+from contract.limits import check_text
 from control_plane.registry.golden import DEFAULT_MIN_COSINE, MAX_HINTS, GoldenRequest
 from protos import admin_pb2, common_pb2
 

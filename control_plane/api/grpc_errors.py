@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from control_plane import errors
+from contract import errors
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
-from control_plane import errors
+from contract import errors
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.engine import url as sa_url
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.access import AccessInterceptor, check_table
 from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
@@ -38,10 +38,10 @@ from control_plane.crypto import ManifestSigner, open_kek
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.home import HomeLock
-from control_plane.registry.keys import REWRAP_BATCH, KekRotation, Opener, open_keyring
+from control_plane.registry.kek_rotation import REWRAP_BATCH, KekRotation, Opener, open_keyring
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.registry import Registry
-from control_plane.registry.signing_keys import SigningKeys
+from control_plane.registry.signers import SigningKeys
 from control_plane.rollouts.changes import ChangeFeed
 from control_plane.rollouts.delivery import Delivery
 from control_plane.rollouts.guard import Guard
@@ -55,7 +55,7 @@ from control_plane.telemetry.catalog import Catalog
 from control_plane.telemetry.classes import parse_device_class
 from control_plane.telemetry.recommend import Recommendations
 from control_plane.telemetry.robust import check_robustness
-from control_plane.telemetry.rollups import Retention, Roller
+from control_plane.telemetry.roller import Retention, Roller
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from control_plane.store.signing_keys import SigningKeyRecord
+from control_plane.store.signing_key_records import SigningKeyRecord
 from protos import common_pb2
 
 

@@ -11,11 +11,11 @@ import functools
 import math
 import re
 
-from control_plane import errors
+from contract import errors
+from contract.limits import check_text
 from control_plane.api.fleet_convert import timestamp
-from control_plane.limits import check_text
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
-from control_plane.store.telemetry import (
+from control_plane.store.report_records import (
     INSTALL_RESULTS,
     MAX_REPORT_AGE,
     InstallRecord,

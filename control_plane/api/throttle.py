@@ -37,7 +37,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 
 log = logging.getLogger(__name__)
 

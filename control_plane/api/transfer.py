@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 from control_plane.registry.contract import MAX_GOLDEN_UPLOAD
 from protos import admin_pb2
 

@@ -3,7 +3,7 @@
 The server speaks TLS whenever a certificate is configured (a home made by `skiff init`
 has one) and refuses to listen in plaintext on anything but loopback: the bearer tokens
 and `PullModel`'s decrypted models must not cross a network in the clear. Clients follow
-device_agent.transport's rule, with the CA from the settings (`tls_ca`, `--ca`,
+contract.transport's rule, with the CA from the settings (`tls_ca`, `--ca`,
 SKIFF_CA).
 """
 
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import grpc
 
-from control_plane import errors
+from contract import errors
+from contract.transport import ClientTls, host_of, is_loopback, pem_problem
 from control_plane.crypto import tls as certs
 from control_plane.files import read_private_file
 from control_plane.settings import Config
-from device_agent.transport import ClientTls, host_of, is_loopback, pem_problem
 
 
 def server_credentials(config: Config) -> grpc.ServerCredentials | None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
+from contract.assignment import AssignmentRejected
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.registry.contract import BASE_VARIANT, MANIFEST_SCHEMA
-from device_agent.assignment import AssignmentRejected
-from device_agent.signing_keys import KeyRing
 from protos import common_pb2
 
 
@@ -26,7 +26,7 @@ class VerifiedManifest:
 
 
 def verify_version(
-    pins: KeyRing,
+    pins: PinnedKeyRing,
     version: common_pb2.ModelVersion,
     *,
     model: str,

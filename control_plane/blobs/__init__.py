@@ -11,9 +11,9 @@ import importlib
 from typing import Any
 from urllib.parse import urlsplit
 
+from contract.errors import InvalidArgument
 from control_plane.blobs.base import CHUNK_SIZE, BlobInfo, BlobStore, StoredBlob
 from control_plane.blobs.local_blob_store import LocalBlobStore
-from control_plane.errors import InvalidArgument
 
 __all__ = [
     "CHUNK_SIZE",

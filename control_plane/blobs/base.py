@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from control_plane.errors import IntegrityError, InvalidArgument, Unavailable
+from contract.errors import IntegrityError, InvalidArgument, Unavailable
 
 CHUNK_SIZE = 1024 * 1024
 """Bytes per read/write; large enough to amortise syscalls, small enough to stream."""

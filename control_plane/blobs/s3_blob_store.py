@@ -26,6 +26,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, HTTPClientError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from contract.errors import InvalidArgument, NotFound, SkiffError, Unavailable
 from control_plane.blobs.base import (
     CHUNK_SIZE,
     BlobInfo,
@@ -39,7 +40,6 @@ from control_plane.blobs.base import (
     iter_file,
     verify_digest,
 )
-from control_plane.errors import InvalidArgument, NotFound, SkiffError, Unavailable
 
 _MIB = 1024 * 1024
 _QUERY_PARAMS = frozenset({"endpoint_url", "region", "addressing_style"})

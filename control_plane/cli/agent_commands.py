@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 from control_plane.settings import Config
 
 Output = tuple[object, object] | None
@@ -171,9 +171,9 @@ def _configure_logging(json_lines: bool) -> None:
 @contextlib.contextmanager
 def _agent_errors() -> Iterator[None]:
     """Turn the agent's failures into the CLI's errors (one line, one exit code)."""
+    from contract.assignment import AssignmentRejected
+    from contract.device_client import DeviceCallError
     from device_agent.agent import Refused
-    from device_agent.assignment import AssignmentRejected
-    from device_agent.connection import DeviceCallError
     from device_agent.install import IntegrityFailure
     from device_agent.state import AgentError, StateLocked
 
@@ -212,11 +212,11 @@ def _app_limits(args: argparse.Namespace):
 
 def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the agent until SIGTERM/SIGINT, or sync once with --once."""
+    from contract.transport import address_problem
     from control_plane.api.transport import client_tls
     from control_plane.fleet.attributes import parse_attr_flags
     from device_agent.agent import Agent
     from device_agent.state import StateDir
-    from device_agent.transport import address_problem
 
     if not args.server:
         raise UsageError("--server HOST:PORT (or SKIFF_AGENT_SERVER) is required")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.transfer import read_pipeline
 from control_plane.api.trust import verify_version
 from control_plane.cli import views

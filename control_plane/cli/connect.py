@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from control_plane import errors
+from contract import errors
 from control_plane.settings import Config
 
 
 def admin_client(config: Config):
     """Return an AdminClient for `config`'s server, verified against its CA when it has one."""
+    from contract.transport import address_problem
     from control_plane.api.client import AdminClient  # deferred: keeps `skiff --help` instant
     from control_plane.api.transport import client_tls
     from control_plane.home import read_token
-    from device_agent.transport import address_problem
 
     if problem := address_problem(config.dial_address):
         raise errors.InvalidArgument(f"SKIFF_SERVER (or `server` in skiff.json): {problem}")

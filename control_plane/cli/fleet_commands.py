@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.roles import ROLES
 from control_plane.cli.connect import admin_client as _client
 from control_plane.cli.listing import add_limit_flag, limit_of, listed, say_more
@@ -344,7 +344,7 @@ def start_fleet_show(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_fleet_revoke(*, config: Config, args: argparse.Namespace) -> Output:
     """Revoke a device."""
-    from control_plane.limits import MAX_REASON, check_text
+    from contract.limits import MAX_REASON, check_text
 
     check_text("reason", args.reason, MAX_REASON)  # a bad flag first, before any lookup
     with _client(config) as client:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from control_plane import errors
+from contract import errors
 
 
 def add_limit_flag(parser: argparse.ArgumentParser, what: str) -> None:

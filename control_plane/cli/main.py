@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 from control_plane.cli import (
     agent_commands,
     fleet_commands,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from control_plane import errors
+from contract import errors
 from control_plane.rollouts.lifecycle import TRANSITIONS, Action, RolloutState
 
 if TYPE_CHECKING:

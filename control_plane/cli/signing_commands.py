@@ -13,12 +13,12 @@ import datetime as dt
 import hashlib
 import re
 
-from control_plane import errors
+from contract import errors
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.client import AdminClient
 from control_plane.cli.connect import admin_client as _client
 from control_plane.pins import pins_path, read_pins, write_pins
 from control_plane.settings import Config
-from device_agent.signing_keys import KeyRing
 from protos import common_pb2
 
 Output = tuple[object, str] | None
@@ -54,7 +54,7 @@ def fingerprint(pem: bytes) -> str:
     return hashlib.sha256(pem).hexdigest()
 
 
-def trusted_pins(config: Config, client: AdminClient) -> KeyRing:
+def trusted_pins(config: Config, client: AdminClient) -> PinnedKeyRing:
     """Return the home's pins after walking the server's chain from them (and save them).
 
     FailedPrecondition, saying how to pin, when the home has none.
@@ -99,7 +99,7 @@ def start_key_pin(*, config: Config, args: argparse.Namespace) -> Output:
     ]
     if not valid:
         raise errors.FailedPrecondition("the server named no valid signing key")
-    ring = KeyRing.from_pems([k.public_key_pem for k in valid]).update(chain, now)
+    ring = PinnedKeyRing.from_pems([k.public_key_pem for k in valid]).update(chain, now)
     path = write_pins(config.home, ring)
     pinned = [_key_dict(k) for k in valid if k.key_id in {p.key_id for p in ring.keys}]
     lines = [f"pinned {len(pinned)} signing key(s) in {path}:"]

@@ -7,7 +7,7 @@ decrypts artifacts with `decrypt_stream` and never needs them, nor their memory.
 import importlib
 from typing import Any
 
-from control_plane.crypto.envelope import (
+from contract.envelope import (
     SEGMENT_SIZE,
     ciphertext_size,
     decrypt_stream,

@@ -14,8 +14,8 @@ from google.protobuf.message import DecodeError
 from tink import hybrid
 from tink.proto import hpke_pb2, tink_pb2
 
-from control_plane import errors
-from device_agent.identity import wrap_context
+from contract import errors
+from contract.key_wrap import wrap_context
 
 __all__ = ["check_public_keyset", "device_encrypter", "wrap_context"]
 

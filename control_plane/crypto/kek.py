@@ -31,7 +31,7 @@ import tink
 from tink import aead, cleartext_keyset_handle
 from tink.proto import tink_pb2
 
-from control_plane import errors
+from contract import errors
 from control_plane.files import read_private_file, write_private_file
 
 aead.register()

@@ -14,10 +14,10 @@ import hashlib
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from control_plane import errors
+from contract import errors
+from contract.assignment import key_id_of, signature_valid
 from control_plane.crypto.kek import call_kms, kms_client  # one KMS client policy
 from control_plane.crypto.signing import Signer
-from device_agent.assignment import key_id_of, signature_valid
 
 KMS_SCHEME = "aws-kms://"
 KEY_SPEC = "ECC_NIST_P256"

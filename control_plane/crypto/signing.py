@@ -19,11 +19,10 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from control_plane import errors
-from control_plane.files import read_private_file, write_private_file
+from contract import errors
 
 # One definition of each, used by both sides.
-from device_agent.assignment import (
+from contract.assignment import (
     AssignmentRejected,
     PublicKey,
     canonical_json,
@@ -31,6 +30,7 @@ from device_agent.assignment import (
     load_public_key,
     signature_valid,
 )
+from control_plane.files import read_private_file, write_private_file
 
 _BAD_SIGNATURE = "manifest signature does not verify"
 
@@ -50,7 +50,7 @@ class Signer(abc.ABC):
     @property
     @abc.abstractmethod
     def key_id(self) -> str:
-        """Return the public key's id (`device_agent.assignment.key_id_of`)."""
+        """Return the public key's id (`contract.assignment.key_id_of`)."""
 
     @abc.abstractmethod
     def public_key_pem(self) -> bytes:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import grpc
 
-from control_plane import errors
-from device_agent.local_api import MAX_SOCKET_PATH, SOCKET_NAME, socket_path
+from contract import errors
+from contract.local_api import MAX_SOCKET_PATH, SOCKET_NAME, socket_path
 from protos import agent_pb2, agent_pb2_grpc
 
 STOP_GRACE_S = 20.0

@@ -19,10 +19,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from control_plane import errors
+from contract import errors
+from contract.local_api import to_array
 from control_plane.demo.demo_agents import DemoAgent
 from control_plane.demo.sample_pipeline import activity_events, event_messages
-from device_agent.local_api import to_array
 from protos import agent_pb2
 from runtime.npz import write_npz
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
+from contract.transport import ClientTls
 from control_plane.api.client import AdminClient
 from control_plane.cli import fleet_views
 from control_plane.demo.demo_agents import DemoAgents
 from control_plane.sim.fleet import FleetSimulator
 from control_plane.sim.profile import parse_profile
-from device_agent.transport import ClientTls
 from protos import fleet_pb2
 
 FLEET_SIZE = 300

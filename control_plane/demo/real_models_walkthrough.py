@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from control_plane import errors
+from contract import errors
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.client import AdminClient
 from control_plane.api.trust import verify_version
 from control_plane.cli import views
 from control_plane.demo.third_party_models import THIRD_PARTY_MODELS, ThirdPartyModel, by_name
-from device_agent.signing_keys import KeyRing
 from runtime import Model
 from runtime.golden import Golden
 
@@ -30,7 +30,7 @@ __all__ = ["run_real_models_demo"]
 
 
 def run_real_models_demo(
-    client: AdminClient, pins: KeyRing, work: Path, say: Callable[[str], None]
+    client: AdminClient, pins: PinnedKeyRing, work: Path, say: Callable[[str], None]
 ) -> None:
     """Push, judge, pull and run every third-party model; print what happens.
 
@@ -56,7 +56,7 @@ def run_real_models_demo(
         say(_run(client, pins, model))
 
 
-def _shown(pins: KeyRing, version) -> str:
+def _shown(pins: PinnedKeyRing, version) -> str:
     signed_by = verify_version(pins, version, model=version.model, number=version.version).key_id
     return views.version_text(version, signed_by=signed_by)
 
@@ -79,7 +79,7 @@ def _push(client: AdminClient, model: ThirdPartyModel, work: Path, **options):
     )
 
 
-def _run(client: AdminClient, pins: KeyRing, model: ThirdPartyModel) -> str:
+def _run(client: AdminClient, pins: PinnedKeyRing, model: ThirdPartyModel) -> str:
     _, mnn = client.pull_bytes(model.name, None, pins=pins)
     _, data = client.pull_bytes(model.name, None, pins=pins, golden=True)
     golden = Golden.from_npz(data)

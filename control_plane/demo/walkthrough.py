@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.client import AdminClient
 from control_plane.api.server import start_server
 from control_plane.api.transport import client_tls

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NoReturn
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet.attributes import ATTESTED, CUSTOM, STANDARD_KEYS
 
 if TYPE_CHECKING:

@@ -40,8 +40,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from control_plane import errors
-from control_plane.limits import MAX_ATTRIBUTE, check_text
+from contract import errors
+from contract.limits import MAX_ATTRIBUTE, check_text
 
 STANDARD_KEYS = (
     "platform",

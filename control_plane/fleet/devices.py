@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
+from contract.limits import MAX_NAME, MAX_REASON, check_text
 from control_plane.crypto.device_keys import check_public_keyset
 from control_plane.fleet.attributes import effective_attributes, normalize_attributes
 from control_plane.fleet.selector import parse_selector
 from control_plane.id_prefix import SHOWN, only_match
-from control_plane.limits import MAX_NAME, MAX_REASON, check_text
 from control_plane.store.fleet import (
     Change,
     DeviceAuth,

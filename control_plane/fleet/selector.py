@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet._selector_compile import (
     CUSTOM_PREFIX,
     Test,

@@ -13,7 +13,7 @@ import logging
 import threading
 from dataclasses import replace
 
-from control_plane import errors
+from contract import errors
 from control_plane.store.fleet import DeviceUpdate, FleetStore
 
 log = logging.getLogger(__name__)

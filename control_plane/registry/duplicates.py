@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from control_plane import errors
+from contract import errors
 from control_plane.registry.contract import BASE_VARIANT
 from control_plane.registry.requests import PushRequest
 from control_plane.store.base import VersionRecord

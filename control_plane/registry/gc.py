@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 from control_plane.blobs import BlobStore
 from control_plane.registry import mnn_tools
 from control_plane.store.base import RegistryStore

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from control_plane import errors
+from contract import errors
 from control_plane.registry import accuracy_bars
 from control_plane.registry.contract import DEFAULT_MIN_COSINE, MAX_GOLDEN_UPLOAD
 from control_plane.registry.mnn_tools import TensorSpec

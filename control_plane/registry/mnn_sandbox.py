@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "DEFAULT_USER", "Sandbox", "default_sandbox"]
 

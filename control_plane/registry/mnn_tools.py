@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from control_plane import errors
+from contract import errors
 from control_plane.registry.contract import DERIVED_VARIANTS
 from control_plane.registry.mnn_sandbox import Sandbox, child_env, default_sandbox
 from runtime.golden import MAX_GOLDEN_BYTES

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from control_plane import errors
+from contract import errors
 from control_plane.registry.mnn_flatbuffer import MalformedModel, external_paths
 from control_plane.registry.mnn_tools import VARIANT_FLAGS
 from runtime._memfd import fd_path

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from control_plane import errors
+from contract import errors
+from contract.segments import SegmentHasher, encode_digests
 from control_plane.blobs import BlobStore
 from control_plane.crypto import (
     SEGMENT_SIZE,
@@ -32,9 +33,8 @@ from control_plane.crypto import (
     encrypt_chunks,
     new_data_key,
 )
-from control_plane.crypto.keyring import Keyring
-from control_plane.crypto.segments import SegmentHasher, encode_digests
-from control_plane.registry import evaluation, gc, memfd, mnn_tools
+from control_plane.crypto.kek_ring import KekRing
+from control_plane.registry import evaluation, gc, mnn_tools, upload_spool
 from control_plane.registry.contract import BASE_VARIANT, MANIFEST_SCHEMA
 from control_plane.registry.duplicates import refuse_duplicate
 from control_plane.registry.mnn_sandbox import Sandbox
@@ -45,7 +45,7 @@ from control_plane.registry.requests import (
     validate_name,
     validate_version,
 )
-from control_plane.registry.signing_keys import SigningKeys
+from control_plane.registry.signers import SigningKeys
 from control_plane.store.base import (
     ModelRecord,
     NewVersion,
@@ -87,7 +87,7 @@ class Registry:
         *,
         store: RegistryStore,
         blobs: BlobStore,
-        kek: Keyring,
+        kek: KekRing,
         signer: SigningKeys,
         max_model_bytes: int,
         mnn_timeout_s: float,
@@ -119,7 +119,7 @@ class Registry:
         """Spool `chunks`, then validate, convert, encrypt and store them as the next version."""
         check_request(request)
         with self.upload_slot():
-            upload = memfd.spool(chunks, limit=self.max_model_bytes)
+            upload = upload_spool.spool(chunks, limit=self.max_model_bytes)
             try:
                 return self.push_spooled(request, upload)
             finally:
@@ -140,7 +140,7 @@ class Registry:
     def push_spooled(
         self,
         request: PushRequest,
-        upload: memfd.Spooled,
+        upload: upload_spool.Spooled,
         *,
         abandoned: Callable[[], bool] = lambda: False,
     ) -> VersionRecord:
@@ -355,7 +355,7 @@ class Registry:
 
         def plaintext() -> Iterator[bytes]:
             nonlocal size
-            for chunk in memfd.read_chunks(fd):
+            for chunk in upload_spool.read_chunks(fd):
                 digest.update(chunk)
                 size += len(chunk)
                 yield chunk

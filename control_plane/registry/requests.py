@@ -11,15 +11,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from control_plane import errors
-from control_plane.limits import (  # noqa: F401 - re-exported: the names' old home
+from contract import errors
+from contract.limits import (  # noqa: F401 - re-exported: the names' old home
     MAX_NOTES,
     MAX_VERSION,
     MODEL_NAME,
     VARIANT_NAME,
     check_text,
 )
-from control_plane.registry import memfd
+from control_plane.registry import upload_spool
 from control_plane.registry.contract import DERIVED_VARIANTS, unknown_variants
 from control_plane.registry.golden import GoldenRequest
 
@@ -69,7 +69,7 @@ def check_request(request: PushRequest) -> tuple[str, ...]:
     return _validate_variants(request.variants)
 
 
-def check_upload(request: PushRequest, upload: memfd.Spooled) -> None:
+def check_upload(request: PushRequest, upload: upload_spool.Spooled) -> None:
     """Check a spooled upload against what its request declared."""
     if upload.size == 0:
         raise errors.InvalidArgument("model file is empty")

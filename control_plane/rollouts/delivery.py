@@ -19,16 +19,16 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
+from contract.assignment import AssignmentRejected, load_public_keys, verify_signed
 from control_plane.blobs import BlobStore
 from control_plane.crypto import KeyEncryptionKey
 from control_plane.crypto.device_keys import device_encrypter, wrap_context
 from control_plane.registry.registry import associated_data
-from control_plane.registry.signing_keys import SigningKeys
+from control_plane.registry.signers import SigningKeys
 from control_plane.rollouts.resolver import Desired, Resolver
 from control_plane.store.base import RegistryStore, VariantRecord, VersionRecord
 from control_plane.store.fleet import DeviceAuth, ModelState
-from device_agent.assignment import AssignmentRejected, load_public_keys, verify_signed
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 _VERSION_CACHE = 1024

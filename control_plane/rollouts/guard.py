@@ -6,7 +6,7 @@ where the window has too few baseline devices, as in the last stage, the baselin
 the whole rollout),
 per slice of the `slice_by` attribute and over all slices still in, with each halt rule's
 verdict (control_plane.rollouts.guardrails). It is read from the rollout's device rows
-(one per device, backend config, cohort and window: control_plane.telemetry.rollups), so
+(one per device, backend config, cohort and window: control_plane.telemetry.roller), so
 each device's own figures are there to be capped and trimmed, and cohorts are by
 assignment: what a device says it runs never puts it in a cohort. Reports outside both
 cohorts are counted (`outside_reports`), never judged.
@@ -35,10 +35,10 @@ import numpy as np
 from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, Verdict, judge, parse_rule
 from control_plane.rollouts.lifecycle import stage_number
 from control_plane.store.rollouts import RolloutRecord
-from control_plane.store.rollups import OUTSIDE, RollupStore
+from control_plane.store.rollup_records import OUTSIDE, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values, parse_dimension
 from control_plane.telemetry.robust import DEFAULT_OUTLIERS, Devices
-from control_plane.telemetry.rollups import BASELINE, CANDIDATE
+from control_plane.telemetry.roller import BASELINE, CANDIDATE
 
 log = logging.getLogger(__name__)
 

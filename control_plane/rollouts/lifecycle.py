@@ -19,7 +19,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from control_plane import errors
+from contract import errors
 
 BUCKETS = 10_000  # membership resolution: 0.01% of the selected devices
 MAX_STAGES = 20

@@ -13,9 +13,9 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
+from contract.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
 from control_plane.fleet.selector import Selector, parse_selector
-from control_plane.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
 from control_plane.registry.accuracy_bars import failed_bars
 from control_plane.registry.contract import BASE_VARIANT
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name

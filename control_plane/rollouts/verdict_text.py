@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from statistics import NormalDist
 
-from control_plane import errors
+from contract import errors
 from control_plane.rollouts.guardrails import (
     FAIL,
     INSUFFICIENT,

@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from control_plane import errors
+from contract import errors
 from control_plane.rollouts.resolver import Desired, Resolver, Snapshot
 from control_plane.store.fleet import Change, FleetStore
 

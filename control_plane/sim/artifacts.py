@@ -16,10 +16,10 @@ import hashlib
 import tempfile
 from dataclasses import dataclass
 
-from control_plane import errors
-from control_plane.crypto import decrypt_stream
-from device_agent.assignment import VerifiedModel
-from device_agent.connection import DeviceConnection
+from contract import errors
+from contract.assignment import VerifiedModel
+from contract.device_client import DeviceConnection
+from contract.envelope import decrypt_stream
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 It syncs, verifies the signed assignment against the keys it pinned at enrollment (and
 their successors, each accepted only through an endorsement by a key already pinned),
 acknowledges the answer it accepted (so the server counts it synced), measures the
-control plane's time from it as the agent does (device_agent.clock), unwraps each new
+control plane's time from it as the agent does (contract.server_clock), unwraps each new
 version's data key with its own key pair, has the artifact checked (downloaded and
 decrypted once per process, see `artifacts`), counts it installed and Syncs again so the
 server records what it runs. It holds a Watch stream and Syncs (after a little jitter)
@@ -26,22 +26,22 @@ from collections.abc import Callable
 
 import grpc
 
-from control_plane import errors
-from control_plane.api.fleet_convert import attributes_pb
-from control_plane.sim.artifacts import ArtifactCache
-from control_plane.sim.outbox import ReportQueue
-from control_plane.sim.state import Identity
-from device_agent.assignment import (
+from contract import errors
+from contract.assignment import (
     AssignmentRejected,
     VerifiedAssignment,
     VerifiedModel,
     new_nonce,
     verify_sync,
 )
-from device_agent.clock import ServerClock
-from device_agent.connection import DeviceCallError, DeviceConnection, backoff_s
-from device_agent.identity import DeviceKeyPair, KeyUnwrapError
-from device_agent.signing_keys import KeyRing
+from contract.device_client import DeviceCallError, DeviceConnection, backoff_s
+from contract.key_wrap import DeviceKeyPair, KeyUnwrapError
+from contract.pinned_keys import PinnedKeyRing
+from contract.server_clock import ServerClock
+from control_plane.api.fleet_convert import attributes_pb
+from control_plane.sim.artifacts import ArtifactCache
+from control_plane.sim.outbox import ReportQueue
+from control_plane.sim.state import Identity
 from protos import device_pb2
 
 # Each install is reported by one more Sync; a server that keeps changing its answer
@@ -73,7 +73,7 @@ class SimDevice:
         self.identity, self.id = identity, identity.device_id
         self._conn = DeviceConnection(channel, identity.credential)
         self._keys = DeviceKeyPair.from_private(identity.private_keyset)
-        self._pinned = KeyRing.from_pems(identity.signing_public_keys)
+        self._pinned = PinnedKeyRing.from_pems(identity.signing_public_keys)
         self._attrs = attributes_pb(identity.attributes)
         self._cache, self._notify = cache, notify
         self._lock = asyncio.Lock()

@@ -12,7 +12,7 @@ Each channel is its own TCP connection (a local subchannel pool: by default gRPC
 fold every channel to one address into one connection) and carries `devices_per_channel`
 devices, their credentials travelling with each call. With several addresses (replicas of
 one control plane), channels take them in turn. `tls` is what the channels trust (see
-device_agent.transport); a TLS handshake is per channel, so 10,000 devices over channels
+contract.transport); a TLS handshake is per channel, so 10,000 devices over channels
 of 500 cost 20 handshakes.
 """
 
@@ -25,7 +25,16 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from control_plane import errors
+from contract import errors
+from contract.device_client import (
+    CHANNEL_OPTIONS,
+    DeviceCallError,
+    DeviceConnection,
+    open_channel,
+)
+from contract.key_wrap import DeviceKeyPair
+from contract.reports import FLUSH_ON_STOP_S, MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
+from contract.transport import ClientTls
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.sim.artifacts import ArtifactCache
 from control_plane.sim.device import SimDevice, Target
@@ -33,16 +42,6 @@ from control_plane.sim.outbox import ReportQueue
 from control_plane.sim.profile import Profile, load_profile
 from control_plane.sim.state import Identity
 from control_plane.sim.stats import FleetStats, fleet_stats
-from device_agent.connection import (
-    CHANNEL_OPTIONS,
-    DeviceCallError,
-    DeviceConnection,
-    open_channel,
-)
-from device_agent.identity import DeviceKeyPair
-from device_agent.reporting import FLUSH_ON_STOP_S
-from device_agent.telemetry import MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
-from device_agent.transport import ClientTls
 
 SIM_CHANNEL_OPTIONS = [
     *CHANNEL_OPTIONS,
@@ -215,10 +214,10 @@ class FleetSimulator:
     def report_all(self, interval_s: float, *, requests_per_s: float | None = None) -> None:
         """Have every device report its models' serving stats every `interval_s`.
 
-        What they report follows `control_plane.sim.telemetry` (each model served
+        What they report follows `control_plane.sim.load` (each model served
         `requests_per_s`, by default REQUESTS_PER_S) and the profile's `inject` rules.
         """
-        from control_plane.sim.telemetry import REQUESTS_PER_S, Load
+        from control_plane.sim.load import REQUESTS_PER_S, Load
 
         for device in self.devices:
             key = f"report-{device.id}"

@@ -1,6 +1,6 @@
 """A simulated device's queue of Report batches: the agent's outbox, in memory.
 
-Like `device_agent.telemetry.Outbox`, it keeps every batch until the control plane has
+Like `device_agent.report_outbox.Outbox`, it keeps every batch until the control plane has
 acknowledged it, sends the oldest first, and is bounded by size and by age: past either
 bound the oldest batches go first and are counted, and the next batch sent carries the
 count (`dropped_batches`). A batch whose reply was lost is sent again unchanged, the same
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from device_agent.telemetry import MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
+from contract.reports import MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
 from protos import device_pb2
 
 

@@ -13,7 +13,7 @@ A profile is JSON in one of three shapes:
                                                         (an iPhone never has an rk3588)
 
 Any shape may add `"inject": [...]`: faults a slice of the fleet shows in what it reports
-while it runs one version (see control_plane.sim.telemetry). A profile of faults alone,
+while it runs one version (see control_plane.sim.load). A profile of faults alone,
 `{"inject": [...]}`, applies them to the default fleet (default_profile.json).
 
 Device i's attributes depend only on the seed, i and the profile, never on how many
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet.attributes import STANDARD_KEYS, normalize_attributes
 
 _CHOICE_KEYS = tuple(k for k in STANDARD_KEYS if k != "tags")
@@ -65,7 +65,7 @@ class Profile:
 
     devices: tuple[dict, ...] = ()
     classes: tuple[tuple[Mix, float], ...] = ()
-    # What slices of the fleet show while they run a version (control_plane.sim.telemetry).
+    # What slices of the fleet show while they run a version (control_plane.sim.load).
     injections: tuple = ()
 
     def attributes(self, seed: int, index: int) -> dict:
@@ -121,7 +121,7 @@ def _parse(data: object) -> Profile:
         raise errors.InvalidArgument("has more than one of 'devices', 'mix' and 'classes'")
     if not shapes and "inject" not in data:
         raise errors.InvalidArgument("needs 'devices', 'mix', 'classes' or 'inject'")
-    from control_plane.sim.telemetry import parse_injections
+    from control_plane.sim.load import parse_injections
 
     injections = parse_injections(data.get("inject", []))
     if not shapes:  # faults only: on the default fleet

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
+from contract.transport import ClientTls
 from control_plane.api.transport import client_tls
 from control_plane.rollouts.lifecycle import parse_duration
 from control_plane.settings import Config
@@ -26,7 +27,6 @@ from control_plane.sim.display import LiveView, live_console, render, summary_js
 from control_plane.sim.fleet import FleetSimulator
 from control_plane.sim.profile import Profile, load_profile
 from control_plane.sim.state import Identity, load_state, save_state
-from device_agent.transport import ClientTls
 
 MAX_DEVICES = 1_000_000
 TOKEN_TTL_S = 3600

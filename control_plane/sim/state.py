@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane import errors
+from contract import errors
 from control_plane.files import read_private_file, write_private_file
 from control_plane.fleet.attributes import normalize_attributes
 

@@ -12,7 +12,7 @@ import datetime as dt
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto.kek import WrappedKey
 
 

@@ -378,7 +378,7 @@ class RollupRow(Base):
 
     A group is model, version, variant, backend config and device class; with `rollout`
     set, it is also one cohort of that rollout (candidate or baseline), which is what
-    guardrails compare. Histograms are stored sparse (control_plane.telemetry.rollups).
+    guardrails compare. Histograms are stored sparse (control_plane.telemetry.roller).
     """
 
     __tablename__ = "telemetry_rollups"
@@ -443,7 +443,7 @@ class DeviceRollupRow(Base):
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    # SHA-256 of every dimension below (control_plane.store.rollups.DeviceKey.digest);
+    # SHA-256 of every dimension below (control_plane.store.rollup_records.DeviceKey.digest);
     # serves the roller's merge.
     key: Mapped[str] = mapped_column(String(64), unique=True)
     scope: Mapped[str] = mapped_column(String(32))

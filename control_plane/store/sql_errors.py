@@ -6,7 +6,7 @@ import logging
 
 from sqlalchemy import exc as sa_exc
 
-from control_plane import errors
+from contract import errors
 
 log = logging.getLogger("control_plane.store.sql_store")
 

@@ -9,7 +9,7 @@ from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from control_plane import errors
+from contract import errors
 from control_plane.store import orm
 from control_plane.store.fleet import (
     DeviceAuth,

@@ -17,7 +17,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto.kek import WrappedKey
 from control_plane.store import orm
 from control_plane.store.base import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select, update
 from sqlalchemy.orm import selectinload
 
-from control_plane import errors
+from contract import errors
 from control_plane.store import orm
 from control_plane.store.rollouts import (
     RolloutChange,

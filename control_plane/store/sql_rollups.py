@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 
 from control_plane.store import orm
-from control_plane.store.rollups import (
+from control_plane.store.rollup_records import (
     COUNTERS,
     FLEET,
     Aggregate,

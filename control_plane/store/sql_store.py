@@ -11,7 +11,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto.kek import WrappedKey
 from control_plane.store import orm
 from control_plane.store.base import (
@@ -29,7 +29,7 @@ from control_plane.store.sql_keks import SqlKekStore
 from control_plane.store.sql_rollouts import SqlRolloutStore
 from control_plane.store.sql_rollups import SqlRollupStore
 from control_plane.store.sql_sessions import SqlWebSessionStore
-from control_plane.store.sql_signing_keys import SqlSigningKeyStore
+from control_plane.store.sql_signing_key_records import SqlSigningKeyStore
 from control_plane.store.sql_telemetry import SqlTelemetryStore
 from control_plane.store.sql_tokens import SqlTokenStore
 

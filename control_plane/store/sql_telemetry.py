@@ -11,10 +11,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from control_plane import errors
+from contract import errors
 from control_plane.store import orm
-from control_plane.store.sql_fleet import aware
-from control_plane.store.telemetry import (
+from control_plane.store.report_records import (
     InstallRecord,
     ModelStatsRecord,
     PeriodCheck,
@@ -22,6 +21,7 @@ from control_plane.store.telemetry import (
     StatsRow,
     TelemetryStore,
 )
+from control_plane.store.sql_fleet import aware
 
 _INSTALLS = orm.InstallReportRow.__table__
 

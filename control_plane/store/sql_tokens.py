@@ -7,7 +7,7 @@ import secrets
 
 from sqlalchemy import or_, select
 
-from control_plane import errors
+from contract import errors
 from control_plane.store import orm
 from control_plane.store.sql_fleet import aware
 from control_plane.store.tokens import TokenRecord, TokenStore

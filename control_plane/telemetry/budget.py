@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from control_plane import errors
-from control_plane.store.telemetry import ReportBatch
+from contract import errors
+from control_plane.store.report_records import ReportBatch
 
 # More than this many inferences per second of a period is no device's real load:
 # refused, so one device cannot outweigh a fleet in the rollups.

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 
 DEFAULT_DEVICE_CLASS = "soc,device_model,os_version:major"
 # Attributes a class may use; `custom.NAME` names a custom attribute.

@@ -22,8 +22,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from control_plane import errors
-from control_plane.store.telemetry import ReportBatch, TelemetryStore
+from contract import errors
+from control_plane.store.report_records import ReportBatch, TelemetryStore
 from control_plane.telemetry.budget import check_periods
 from control_plane.telemetry.catalog import Catalog
 

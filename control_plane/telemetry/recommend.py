@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from control_plane.store.rollups import FLEET, RollupStore
+from control_plane.store.rollup_records import FLEET, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,

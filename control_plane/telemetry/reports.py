@@ -13,7 +13,7 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane.store.telemetry import InstallRecord, ReportBatch, TelemetryStore
+from control_plane.store.report_records import InstallRecord, ReportBatch, TelemetryStore
 from control_plane.telemetry.catalog import Catalog
 from control_plane.telemetry.ingest import ReportWriter
 from runtime.histogram import LatencyHistogram

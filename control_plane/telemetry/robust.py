@@ -2,7 +2,7 @@
 
 Everything a device reports is its own word. Guardrail verdicts and backend
 recommendations are therefore computed from each device's own figures (one row per
-device and backend config: control_plane.store.rollups.DeviceRollup), in two steps:
+device and backend config: control_plane.store.rollup_records.DeviceRollup), in two steps:
 
 1. **Cap.** No device counts for more than `CAP_FACTOR` times the median device of its
    group (by inferences for rates, by timed inferences for latency): a device reporting
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from control_plane import errors
-from control_plane.store.rollups import COUNTERS, Aggregate, DeviceRollup, DeviceTable
+from contract import errors
+from control_plane.store.rollup_records import COUNTERS, Aggregate, DeviceRollup, DeviceTable
 from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
 CAP_FACTOR = 4.0

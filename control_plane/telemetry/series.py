@@ -12,10 +12,10 @@ import datetime as dt
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from control_plane import errors
-from control_plane.store.rollups import Aggregate, RollupKey, RollupStore
+from contract import errors
+from control_plane.store.rollup_records import Aggregate, RollupKey, RollupStore
 from control_plane.telemetry.classes import class_values
-from control_plane.telemetry.rollups import HOUR, MINUTE, bucket_start, utcnow
+from control_plane.telemetry.roller import HOUR, MINUTE, bucket_start, utcnow
 
 # Longest window a chart may ask for: the hour rows' default retention.
 MAX_WINDOW_H = 24 * 90

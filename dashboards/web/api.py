@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import flask
 
-from control_plane import errors
+from contract import errors
 from control_plane.cli.fleet_views import rollout_dict
 from control_plane.cli.listing import listed
 from dashboards.web import data

@@ -19,7 +19,7 @@ import flask
 import plotly
 from werkzeug.exceptions import HTTPException
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.server import App
 from control_plane.api.throttle import Throttle, Throttled, client_key
 from dashboards.metrics import Metrics

@@ -16,7 +16,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 from control_plane.api import roles
 from control_plane.api.auth import Authenticator, hash_token
 from control_plane.store.sessions import WebSessionStore

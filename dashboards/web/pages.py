@@ -11,7 +11,8 @@ import re
 
 import flask
 
-from control_plane import errors, paging
+from contract import errors
+from control_plane import paging
 from control_plane.api.throttle import Throttled
 from dashboards.web import data
 from dashboards.web.app import (

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import grpc
 
+from contract.pinned_keys import PinnedKeyRing
+from contract.transport import ClientTls, channel_credentials
 from control_plane.api.client import AdminClient
 from control_plane.api.server import App, ServerHandle, build_app, create_server
 from control_plane.api.transport import client_tls
@@ -23,8 +25,6 @@ from control_plane.home import init_home, read_token
 from control_plane.pins import read_pins
 from control_plane.registry.registry import Registry
 from control_plane.settings import CONFIG_FILE, Config, load_config
-from device_agent.signing_keys import KeyRing
-from device_agent.transport import ClientTls, channel_credentials
 
 
 class Address(str):
@@ -75,7 +75,7 @@ class ControlPlane:
         return self.app.registry
 
     @property
-    def pins(self) -> KeyRing:
+    def pins(self) -> PinnedKeyRing:
         """The signing keys `skiff init` pinned in this home."""
         return read_pins(self.config.home)
 

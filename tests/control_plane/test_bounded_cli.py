@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from contract.limits import MAX_NOTES
 from control_plane.blobs import LocalBlobStore
-from control_plane.limits import MAX_NOTES
 from tests.control_plane.api.device_helpers import Device
 from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.cli import render, rollout_watch
 from control_plane.cli.main import build_parser, error_message, main
 from control_plane.id_prefix import only_match

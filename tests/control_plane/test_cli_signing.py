@@ -9,7 +9,7 @@ import stat
 import pytest
 from sqlalchemy import select, update
 
-from control_plane import errors
+from contract import errors
 from control_plane.pins import pins_path
 from control_plane.settings import load_config
 from control_plane.store import orm

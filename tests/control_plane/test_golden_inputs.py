@@ -9,7 +9,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.registry.golden import (
     GoldenRequest,
     accuracy,

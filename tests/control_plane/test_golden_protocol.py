@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.demo import sample_models
 from protos import admin_pb2
 from tests.control_plane.helpers import start_control_plane
@@ -139,7 +139,7 @@ def test_a_pull_the_client_refuses_releases_the_servers_thread(tmp_path, caplog)
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from device_agent.signing_keys import KeyRing
+    from contract.pinned_keys import PinnedKeyRing
 
     plane = start_control_plane(tmp_path / "home")
     stranger = (
@@ -153,7 +153,7 @@ def test_a_pull_the_client_refuses_releases_the_servers_thread(tmp_path, caplog)
         with plane.client() as client:
             client.push(model, name="det")
             with pytest.raises(errors.SkiffError):
-                client.pull("det", 1, tmp_path / "out", pins=KeyRing.from_pems([stranger]))
+                client.pull("det", 1, tmp_path / "out", pins=PinnedKeyRing.from_pems([stranger]))
     finally:
         with caplog.at_level(logging.WARNING, logger="control_plane.api.server"):
             plane.stop()

@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.client import AdminClient
 from control_plane.api.server import build_app, create_server, kek_rotation
 from control_plane.demo import sample_models

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from control_plane.crypto.envelope import new_data_key
+from contract.envelope import new_data_key
 from tests.control_plane.leaks import find_leaks, key_material
 
 log = logging.getLogger("leak-self-test")

@@ -18,7 +18,7 @@ import onnx.reference
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from control_plane import errors
+from contract import errors
 from control_plane.demo import sample_models
 from control_plane.registry import mnn_tools
 from control_plane.registry.mnn_tools import ModelSignature, TensorSpec

@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.cli.golden_flags import push_options
 from control_plane.cli.main import build_parser
 from control_plane.cli.push_views import push_text, variant_summary

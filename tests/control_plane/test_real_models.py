@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.demo.third_party_models import THIRD_PARTY_MODELS, by_name
 from runtime.golden import Golden
 from tests.control_plane.helpers import start_control_plane

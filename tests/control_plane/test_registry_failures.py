@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import create_engine, text
 
-from control_plane import errors
+from contract import errors
 from control_plane.demo import sample_models
 from protos import admin_pb2, admin_pb2_grpc
 from tests.conftest import PG_ADMIN_URL

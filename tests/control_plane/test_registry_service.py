@@ -10,7 +10,7 @@ import boto3
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto import verify_manifest
 from control_plane.demo import sample_models
 from control_plane.registry import registry as registry_module

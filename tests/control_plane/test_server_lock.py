@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.server import start_server
 from control_plane.home import init_home
 from control_plane.settings import load_config

@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import pytest
 
-from control_plane import errors
+from contract import errors
+from contract.device_client import DeviceCallError, DeviceConnection, open_channel
+from contract.transport import connect_hint, retry_helps
 from control_plane.api.client import AdminClient
 from control_plane.api.transport import client_tls
-from device_agent.connection import DeviceCallError, DeviceConnection, open_channel
-from device_agent.transport import connect_hint, retry_helps
 from protos import device_pb2
 from tests.control_plane.helpers import start_control_plane
 from tests.control_plane.test_cli import skiff

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from control_plane import errors
+from contract import errors
 from control_plane.registry import mnn_flatbuffer, mnn_tools
 from control_plane.registry.mnn_sandbox import Sandbox
 from tests.control_plane.helpers import start_control_plane

@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 import requests
 
+from contract.reports import histogram_pb, new_batch_id, timestamp
 from control_plane.demo import sample_models
 from control_plane.demo.sample_pipeline import activity_pipeline
 from control_plane.telemetry import series
-from device_agent.telemetry import histogram_pb, new_batch_id, timestamp
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
 from tests.control_plane.api.device_helpers import Device

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.store.base import ModelRecord
-from control_plane.store.rollups import Aggregate, RollupKey
-from control_plane.store.telemetry import ModelStatsRecord
-from control_plane.telemetry.rollups import HOUR, MINUTE
+from control_plane.store.report_records import ModelStatsRecord
+from control_plane.store.rollup_records import Aggregate, RollupKey
+from control_plane.telemetry.roller import HOUR, MINUTE
 from dashboards import metrics
 from runtime.histogram import LatencyHistogram
 

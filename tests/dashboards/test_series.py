@@ -8,10 +8,10 @@ import json
 
 import numpy as np
 
-from control_plane.store.rollups import Aggregate, RollupKey
-from control_plane.store.telemetry import ModelStatsRecord
+from control_plane.store.report_records import ModelStatsRecord
+from control_plane.store.rollup_records import Aggregate, RollupKey
 from control_plane.telemetry import series
-from control_plane.telemetry.rollups import HOUR, MINUTE
+from control_plane.telemetry.roller import HOUR, MINUTE
 from runtime.histogram import LatencyHistogram
 
 NOW = dt.datetime(2026, 11, 26, 12, 0, tzinfo=dt.UTC)

@@ -6,7 +6,7 @@ import html
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from dashboards.server import DashboardServer
 from dashboards.web.auth import COOKIE
 from dashboards.web.data import CLIENT_TRUST_KEYS

@@ -15,9 +15,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from contract.assignment import AssignmentRejected
+from contract.pinned_keys import PinnedKeyRing
 from device_agent.agent import Agent
-from device_agent.assignment import AssignmentRejected
-from device_agent.signing_keys import KeyRing
 from device_agent.state import Identity, StateDir
 from protos import fleet_pb2
 from tests.device_agent.conftest import MODEL, blob_path
@@ -166,9 +166,9 @@ def test_a_cut_download_without_segment_digests_resumes_at_its_offset(cp, tmp_pa
     # Versions pushed before manifests signed per-segment digests: the whole file's digest
     # is checked at the end, and a cut download resumes at its last byte.
     # (Segment by segment: tests/device_agent/test_faults.py.)
-    import device_agent.assignment
+    import contract.assignment
 
-    monkeypatch.setattr(device_agent.assignment, "_segments", lambda *a: b"")
+    monkeypatch.setattr(contract.assignment, "_segments", lambda *a: b"")
     state = tmp_path / "state"
     asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled, nothing assigned
     _, [v1] = cp.registry.show(MODEL, 1)
@@ -193,7 +193,9 @@ def test_an_answer_signed_by_another_key_is_refused(cp, tmp_path):
         .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     identity = state_dir.load_identity()
-    state_dir.save_identity(Identity(**{**identity.__dict__, "pinned": KeyRing.from_pems([other])}))
+    state_dir.save_identity(
+        Identity(**{**identity.__dict__, "pinned": PinnedKeyRing.from_pems([other])})
+    )
     rollout(cp, 2)
     with pytest.raises(AssignmentRejected):
         asyncio.run(once(cp, state_dir.path))

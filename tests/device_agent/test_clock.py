@@ -12,11 +12,11 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from device_agent.assignment import AssignmentRejected, canonical_json, new_nonce, verify_sync
-from device_agent.clock import ServerClock, describe_offset, skew_notice
-from device_agent.signing_keys import KeyRing
+from contract.assignment import AssignmentRejected, canonical_json, new_nonce, verify_sync
+from contract.pinned_keys import PinnedKeyRing
+from contract.server_clock import ServerClock, describe_offset, skew_notice
+from device_agent.report_outbox import Collector, Outbox
 from device_agent.state import StateDir
-from device_agent.telemetry import Collector, Outbox
 from protos import device_pb2
 from runtime.backends import BackendConfig
 from runtime.events import CrashEvent
@@ -96,7 +96,9 @@ def test_an_answer_refused_is_not_counted_synced(cp, tmp_path):
     pem = stranger.public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    dir_.save_identity(type(identity)(**{**identity.__dict__, "pinned": KeyRing.from_pems([pem])}))
+    dir_.save_identity(
+        type(identity)(**{**identity.__dict__, "pinned": PinnedKeyRing.from_pems([pem])})
+    )
 
     async def refused():
         async with agent(cp, state) as a:

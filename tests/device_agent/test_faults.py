@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.crypto.envelope import SEGMENT_SIZE
+from contract.device_client import DeviceConnection
+from contract.envelope import SEGMENT_SIZE
 from control_plane.demo import sample_models
 from device_agent import download, install
-from device_agent.connection import DeviceConnection
 from tests.device_agent.conftest import MODEL
 from tests.device_agent.test_agent import once, rollout, status, token
 
@@ -156,7 +156,7 @@ def test_sigkill_during_the_pointer_swap_leaves_one_consistent_version(
 
 
 def _unwrapper(state: Path):
-    from device_agent.identity import DeviceKeyPair
+    from contract.key_wrap import DeviceKeyPair
 
     identity = install.StateDir(state).load_identity()
     keys = DeviceKeyPair.from_private(identity.private_keyset)

@@ -23,8 +23,8 @@ from control_plane.demo.sample_pipeline import activity_pipeline
 from device_agent.limits import AppLimits
 from device_agent.local_api import AgentServicer, socket_path, start_local_api
 from device_agent.pipelines import Pipelines
+from device_agent.report_outbox import Collector
 from device_agent.serving import Serving
-from device_agent.telemetry import Collector
 from protos import agent_pb2, agent_pb2_grpc
 from tests.device_agent.conftest import MODEL
 from tests.device_agent.test_pipelines import FIELDS, Subscriber, push, rpc_error

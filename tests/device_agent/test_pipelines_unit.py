@@ -25,7 +25,7 @@ from device_agent.pipelines import (
     Result,
     Subscription,
 )
-from device_agent.telemetry import Collector
+from device_agent.report_outbox import Collector
 from protos import agent_pb2
 from runtime.signature import Signature, TensorSpec
 

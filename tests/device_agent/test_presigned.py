@@ -10,7 +10,7 @@ import threading
 import boto3
 import pytest
 
-from control_plane.crypto.envelope import SEGMENT_SIZE
+from contract.envelope import SEGMENT_SIZE
 from control_plane.demo import sample_models
 from device_agent import download, url_fetch
 from device_agent.url_fetch import UrlFetchError, usable_url

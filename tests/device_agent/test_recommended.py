@@ -8,9 +8,9 @@ import datetime as dt
 import numpy as np
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.cli.main import main
-from control_plane.store.telemetry import ModelStatsRecord, ReportBatch
+from control_plane.store.report_records import ModelStatsRecord, ReportBatch
 from runtime.histogram import LatencyHistogram
 from tests.control_plane.api.device_helpers import Device
 from tests.control_plane.sim.test_sim_cli import run_json

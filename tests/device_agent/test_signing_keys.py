@@ -9,14 +9,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from device_agent.assignment import (
+from contract.assignment import (
     AssignmentRejected,
     canonical_json,
     key_id_of,
     load_public_key,
     verify_signed,
 )
-from device_agent.signing_keys import KeyRing, endorsement_body
+from contract.pinned_keys import PinnedKeyRing, endorsement_body
 from protos import common_pb2
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -65,14 +65,14 @@ def root(key: Key) -> common_pb2.SigningKey:
     return common_pb2.SigningKey(key_id=key.id, public_key_pem=key.pem)
 
 
-def ids(ring: KeyRing) -> set[str]:
+def ids(ring: PinnedKeyRing) -> set[str]:
     return {k.key_id for k in ring.keys}
 
 
 def test_walks_a_chain_through_keys_that_have_since_ended():
     k1, k2, k3 = Key(), Key(ecdsa=True), Key()
     chain = [root(k1), endorse(k2, k1, T0 + DAY), endorse(k3, k2, T0 + 2 * DAY)]
-    pins = KeyRing.from_pems([k1.pem])
+    pins = PinnedKeyRing.from_pems([k1.pem])
     during = pins.update(chain, T0)
     assert ids(during) == {k1.id, k2.id, k3.id}
     ends = {k.key_id: k.not_after for k in during.keys}
@@ -85,7 +85,7 @@ def test_walks_a_chain_through_keys_that_have_since_ended():
 
 def test_valid_keys_sign_only_until_their_end():
     k1, k2 = Key(), Key()
-    ring = KeyRing.from_pems([k1.pem]).update([endorse(k2, k1, T0 + DAY)], T0)
+    ring = PinnedKeyRing.from_pems([k1.pem]).update([endorse(k2, k1, T0 + DAY)], T0)
     body = canonical_json({"a": 1})
     assert ring.verify(body, k1.sign(body), T0) == (k1.id, {"a": 1})
     assert ring.verify(body, k2.sign(body), T0 + 2 * DAY) == (k2.id, {"a": 1})
@@ -105,7 +105,7 @@ def test_refuses_what_no_pinned_key_endorsed():
         endorse(k2, k1, T0 + DAY, key_id=Key().id),  # id does not match the key
         endorse(k2, k1, T0 + DAY, endorsement=statement.replace(b"{", b"{ ", 1)),
     ]
-    pins = KeyRing.from_pems([k1.pem])
+    pins = PinnedKeyRing.from_pems([k1.pem])
     for entry in bad:
         ring = pins.update([entry], T0)
         assert ring == pins, entry
@@ -116,17 +116,19 @@ def test_endorsement_must_be_signed_over_canonical_json():
     k1, k2 = Key(), Key()
     loose = b'{"schema": "skiff.signing-key-endorsement/v1", "key_id": "' + k2.id.encode() + b'"}'
     entry = endorse(k2, k1, T0 + DAY, endorsement=loose, endorsement_signature=k1.sign(loose))
-    assert KeyRing.from_pems([k1.pem]).update([entry], T0) == KeyRing.from_pems([k1.pem])
+    assert PinnedKeyRing.from_pems([k1.pem]).update([entry], T0) == PinnedKeyRing.from_pems(
+        [k1.pem]
+    )
 
 
 def test_round_trips_through_json_and_rechecks_ids():
     k1, k2 = Key(), Key(ecdsa=True)
-    ring = KeyRing.from_pems([k1.pem]).update([endorse(k2, k1, T0 + DAY)], T0)
-    assert KeyRing.from_json(ring.to_json()) == ring
+    ring = PinnedKeyRing.from_pems([k1.pem]).update([endorse(k2, k1, T0 + DAY)], T0)
+    assert PinnedKeyRing.from_json(ring.to_json()) == ring
     forged = ring.to_json()
     forged[0]["key_id"] = "0" * 16
     with pytest.raises(ValueError, match="does not match"):
-        KeyRing.from_json(forged)
+        PinnedKeyRing.from_json(forged)
 
 
 def test_accepts_only_ed25519_and_p256_keys():

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from device_agent.connection import BACKOFF_CAP_S, DeviceCallError, DeviceConnection
-from device_agent.telemetry import Outbox, install_batch, new_batch_id, timestamp
+from contract.device_client import BACKOFF_CAP_S, DeviceCallError, DeviceConnection
+from device_agent.report_outbox import Outbox, install_batch, new_batch_id, timestamp
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
 from tests.control_plane.sim.conftest import restart
@@ -272,8 +272,8 @@ def test_the_report_loop_stops_when_cancelled_as_it_wakes(tmp_path):
     (asyncio.wait_for on Python 3.11 can swallow such a cancel; the agent's stop then
     waited for the report loop for ever.)
     """
+    from device_agent.report_outbox import Collector
     from device_agent.reporting import Reporter
-    from device_agent.telemetry import Collector
 
     async def send(batch):
         return None

@@ -21,10 +21,10 @@ import secrets
 import grpc
 import pytest
 
-from control_plane import errors
+from contract import errors
+from contract.device_client import DeviceCallError
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.api.grpc_errors import status_for
-from device_agent.connection import DeviceCallError
 from protos import device_pb2, fleet_pb2
 from tests.conftest import fresh_pg_database
 from tests.control_plane.api.device_helpers import Device, run

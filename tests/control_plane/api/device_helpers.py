@@ -7,12 +7,12 @@ import datetime as dt
 import hashlib
 from dataclasses import dataclass, field
 
+from contract.assignment import new_nonce, verify_sync
+from contract.device_client import DeviceConnection, open_channel
+from contract.envelope import decrypt_stream
+from contract.key_wrap import DeviceKeyPair
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.fleet_convert import attributes_pb
-from control_plane.crypto import decrypt_stream
-from device_agent.assignment import new_nonce, verify_sync
-from device_agent.connection import DeviceConnection, open_channel
-from device_agent.identity import DeviceKeyPair
-from device_agent.signing_keys import KeyRing
 from protos import device_pb2
 from tests.control_plane.helpers import tls_of
 
@@ -40,7 +40,7 @@ class Device:
     keys: DeviceKeyPair
     signing_keys: list[bytes]
     attributes: dict
-    ring: KeyRing
+    ring: PinnedKeyRing
     revision: int = 0
     installed: list = field(default_factory=list)
 
@@ -60,7 +60,7 @@ class Device:
             keys,
             list(response.signing_public_keys),
             attributes,
-            KeyRing.from_enrollment(response, dt.datetime.now(dt.UTC)),
+            PinnedKeyRing.from_enrollment(response, dt.datetime.now(dt.UTC)),
         )
 
     def sync_raw(

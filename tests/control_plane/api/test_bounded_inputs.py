@@ -11,8 +11,8 @@ import dataclasses
 import grpc
 import pytest
 
-from control_plane import errors
-from control_plane.limits import MAX_NAME, MAX_NOTES, MAX_REASON
+from contract import errors
+from contract.limits import MAX_NAME, MAX_NOTES, MAX_REASON
 from control_plane.store.sql_store import SqlStore
 from protos import admin_pb2, admin_pb2_grpc, fleet_pb2
 from tests.control_plane.helpers import channel_to

@@ -7,7 +7,7 @@ import datetime as dt
 import grpc
 import pytest
 
-from device_agent.connection import DeviceCallError
+from contract.device_client import DeviceCallError
 from tests.control_plane.api.device_helpers import Device, run
 from tests.control_plane.api.test_device_service import ANDROID, code_of, rollout
 

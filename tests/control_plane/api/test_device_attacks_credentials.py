@@ -16,10 +16,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contract.device_client import DeviceCallError
+from contract.key_wrap import DeviceKeyPair
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.fleet_convert import attributes_pb
-from device_agent.connection import DeviceCallError
-from device_agent.identity import DeviceKeyPair
-from device_agent.signing_keys import KeyRing
 from tests.control_plane.api._attack_helpers import (
     ANDROID,
     code_of,
@@ -106,7 +106,7 @@ def test_unauthenticated_sync_does_not_stall_the_server(fresh):
         locker.execute("LOCK TABLE devices IN ACCESS EXCLUSIVE MODE")  # e.g. a migration
     release = threading.Timer(2.5, locker.commit)
     stranger = Device(
-        cp.address, "dev_x", "skd_" + secrets.token_urlsafe(32), None, [], {}, KeyRing([])
+        cp.address, "dev_x", "skd_" + secrets.token_urlsafe(32), None, [], {}, PinnedKeyRing([])
     )
     attempt = threading.Thread(target=lambda: code_of(stranger.sync_raw), daemon=True)
     try:
@@ -221,7 +221,9 @@ def test_no_secrets_in_logs(plane, run_id, caplog):
     data_key = device.keys.unwrap(m.wrapped_data_key, device_id=device.id, version_uid=m.uid)
     # Error paths too: wrong credentials, wrong tokens, revocation.
     for credential in (device.credential + "x", "Bearer " + device.credential):
-        stranger = Device(cp.address, device.id, credential, device.keys, [], ANDROID, KeyRing([]))
+        stranger = Device(
+            cp.address, device.id, credential, device.keys, [], ANDROID, PinnedKeyRing([])
+        )
         code_of(stranger.sync_raw)
     code_of(lambda: Device.enroll(cp.address, token + "x"))
     code_of(lambda: Device.enroll(cp.address, token, {"platform": "a" * 500}))

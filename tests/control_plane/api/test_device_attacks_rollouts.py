@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from control_plane import errors
-from device_agent.connection import DeviceCallError
+from contract import errors
+from contract.device_client import DeviceCallError
 from protos import fleet_pb2
 from tests.control_plane.api._attack_helpers import (
     ANDROID,

@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
+from contract.assignment import AssignmentRejected, load_public_keys, verify_sync
+from contract.device_client import DeviceCallError
 from control_plane.rollouts.lifecycle import bucket, stage_limit
-from device_agent.assignment import AssignmentRejected, load_public_keys, verify_sync
-from device_agent.connection import DeviceCallError
 from protos import device_pb2
 from tests.control_plane.api._attack_helpers import (
     ANDROID,

@@ -8,12 +8,12 @@ import hashlib
 import grpc
 import pytest
 
+from contract.assignment import AssignmentRejected, load_public_keys, verify_sync
+from contract.device_client import DeviceCallError
+from contract.envelope import decrypt_stream
+from contract.key_wrap import DeviceKeyPair, KeyUnwrapError
+from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.fleet_convert import attributes_pb
-from control_plane.crypto import decrypt_stream
-from device_agent.assignment import AssignmentRejected, load_public_keys, verify_sync
-from device_agent.connection import DeviceCallError
-from device_agent.identity import DeviceKeyPair, KeyUnwrapError
-from device_agent.signing_keys import KeyRing
 from protos import fleet_pb2
 from runtime.golden import Golden
 from tests.control_plane.api.device_helpers import Device, run
@@ -94,7 +94,9 @@ def test_enroll_refuses_bad_keys_and_attributes(cp, enroll_token):
 def test_device_calls_need_a_valid_credential(cp, enroll_token):
     device = Device.enroll(cp.address, enroll_token, ANDROID)
     for credential in ("", "skd_wrong", "Bearer", device.credential + "x"):
-        stranger = Device(cp.address, device.id, credential, device.keys, [], ANDROID, KeyRing([]))
+        stranger = Device(
+            cp.address, device.id, credential, device.keys, [], ANDROID, PinnedKeyRing([])
+        )
         assert code_of(stranger.sync_raw) == grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -12,7 +12,7 @@ import uuid
 import boto3
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.server import build_registry
 from control_plane.blobs import LocalBlobStore, S3BlobStore
 from control_plane.registry import gc

@@ -8,7 +8,7 @@ import signal
 import boto3
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.client import AdminClient
 from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token

@@ -9,7 +9,8 @@ import json
 import grpc
 import pytest
 
-from control_plane import errors, paging
+from contract import errors
+from control_plane import paging
 from control_plane.crypto.kek import WrappedKey
 from protos import admin_pb2, admin_pb2_grpc
 from tests.control_plane.helpers import channel_to

@@ -13,8 +13,8 @@ import datetime as dt
 import grpc
 import pytest
 
-from device_agent.connection import DeviceCallError
-from device_agent.telemetry import new_batch_id, timestamp
+from contract.device_client import DeviceCallError
+from contract.reports import new_batch_id, timestamp
 from protos import device_pb2
 from tests.control_plane.api.device_helpers import Device
 

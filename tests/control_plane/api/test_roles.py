@@ -10,7 +10,7 @@ import threading
 import grpc
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.api import roles
 from control_plane.api.access import check_table
 from control_plane.api.auth import ApiTokens

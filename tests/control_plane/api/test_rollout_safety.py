@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.rollouts.service import Rollouts
 from dashboards.web.app import create_app

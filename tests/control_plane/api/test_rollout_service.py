@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, Watching
 from tests.control_plane.helpers import Address

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.api import throttle as mod
 from control_plane.api.throttle import Limit, Throttle, Throttled, client_key, peer_key
 

@@ -11,7 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane import errors
+from contract import errors
+from contract.device_client import DeviceCallError, DeviceConnection, open_channel
+from contract.key_wrap import DeviceKeyPair
+from contract.transport import ClientTls, channel_credentials, is_loopback
 from control_plane.api.client import AdminClient
 from control_plane.api.server import build_app, create_server
 from control_plane.api.transport import client_tls
@@ -19,9 +22,6 @@ from control_plane.crypto import tls as certs
 from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token
 from control_plane.settings import Config, load_config
-from device_agent.connection import DeviceCallError, DeviceConnection, open_channel
-from device_agent.identity import DeviceKeyPair
-from device_agent.transport import ClientTls, channel_credentials, is_loopback
 from protos import device_pb2
 from tests.control_plane.helpers import ControlPlane
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from contract.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
 from control_plane.blobs import (
     CHUNK_SIZE,
     BlobInfo,
@@ -22,7 +23,6 @@ from control_plane.blobs import (
     S3BlobStore,
     open_blob_store,
 )
-from control_plane.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
 
 MIB = 1024 * 1024
 

@@ -12,7 +12,7 @@ import pytest
 import tink
 from tink import secret_key_access, streaming_aead
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto import (
     SEGMENT_SIZE,
     ciphertext_size,

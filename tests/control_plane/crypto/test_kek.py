@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto import (
     AwsKmsKek,
     LocalKek,

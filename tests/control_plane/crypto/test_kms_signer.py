@@ -5,10 +5,10 @@ from __future__ import annotations
 import boto3
 import pytest
 
-from control_plane import errors
+from contract import errors
+from contract.assignment import key_id_of, load_public_key
 from control_plane.crypto import verify_manifest
 from control_plane.crypto.kms_signer import KmsSigner, parse_kms_url
-from device_agent.assignment import key_id_of, load_public_key
 
 MANIFEST = {"model": "det", "version": 1, "variants": {"fp32": {"plaintext_size": 10}}}
 

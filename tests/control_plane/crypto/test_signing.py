@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto import ManifestSigner, SignedManifest, verify_manifest
 
 MANIFEST = {

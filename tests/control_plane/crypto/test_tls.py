@@ -11,7 +11,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.transport import init_tls
 from control_plane.crypto import tls as certs
 from control_plane.settings import load_config

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet.attributes import (
     ATTESTED,
     STANDARD_KEYS,

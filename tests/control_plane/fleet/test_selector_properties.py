@@ -11,7 +11,7 @@ from fractions import Fraction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet.attributes import effective_attributes, normalize_attributes
 from control_plane.fleet.selector import Clause, parse_selector
 from tests.control_plane.fleet._selector_cases import BARE, PIXEL

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet.attributes import effective_attributes
 from control_plane.fleet.selector import compare_versions, parse_selector, parse_version
 from tests.control_plane.fleet._selector_cases import BARE, PIXEL, matches

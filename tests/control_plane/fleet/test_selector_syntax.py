@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet import _selector_compile as compile_module
 from control_plane.fleet import selector as selector_module
 from control_plane.fleet.selector import Clause, Selector, SelectorError, parse_selector

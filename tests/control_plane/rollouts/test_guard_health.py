@@ -11,7 +11,7 @@ import pytest
 
 from control_plane.rollouts.guard import Guard
 from control_plane.store.sql_store import SqlStore
-from control_plane.telemetry.rollups import Roller
+from control_plane.telemetry.roller import Roller
 from tests.control_plane.telemetry.test_rollups import (
     CLASS,
     NOW,

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.rollouts.guardrails import (
     FAIL,
     INSUFFICIENT,
@@ -20,7 +20,8 @@ from control_plane.rollouts.guardrails import (
     parse_rules,
     wilson,
 )
-from control_plane.store.rollups import (
+from control_plane.store.report_records import ModelStatsRecord
+from control_plane.store.rollup_records import (
     EPOCH,
     INT64_MAX,
     Aggregate,
@@ -28,7 +29,6 @@ from control_plane.store.rollups import (
     DeviceRollup,
     saturating_add,
 )
-from control_plane.store.telemetry import ModelStatsRecord
 from runtime.histogram import LatencyHistogram
 
 
@@ -268,7 +268,7 @@ def test_counts_stick_at_the_largest_int64_instead_of_wrapping():
 
 
 def test_histogram_buckets_added_from_a_report_stick_at_the_largest_int64():
-    from control_plane.store.telemetry import ModelStatsRecord
+    from control_plane.store.report_records import ModelStatsRecord
     from runtime.histogram import SCHEME
 
     latency = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.rollouts.lifecycle import (
     BUCKETS,
     TRANSITIONS,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.fleet.selector import parse_selector
 from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.sim import FleetSimulator, SimOptions

@@ -12,8 +12,8 @@ import datetime as dt
 
 import numpy as np
 
+from contract.reports import histogram_pb, new_batch_id, timestamp
 from control_plane.rollouts.lifecycle import bucket, stage_limit
-from device_agent.telemetry import histogram_pb, new_batch_id, timestamp
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
 from tests.control_plane.api.device_helpers import Device

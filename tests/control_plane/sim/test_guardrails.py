@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.cli.fleet_views import rollout_dict
 from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.sim import FleetSimulator, SimOptions

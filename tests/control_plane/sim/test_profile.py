@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.cli.main import main
 from control_plane.fleet.attributes import normalize_attributes
 from control_plane.sim.profile import load_profile, parse_profile

@@ -20,6 +20,7 @@ import time
 import pytest
 from sqlalchemy import create_engine, insert
 
+from contract.key_wrap import DeviceKeyPair
 from control_plane.api.client import AdminClient
 from control_plane.crypto import ManifestSigner
 from control_plane.home import read_token
@@ -28,7 +29,6 @@ from control_plane.sim import FleetSimulator, SimOptions
 from control_plane.sim.profile import load_profile
 from control_plane.sim.state import Identity
 from control_plane.store import orm
-from device_agent.identity import DeviceKeyPair
 from protos import fleet_pb2
 from tests.control_plane.helpers import home_tls
 from tests.control_plane.sim.conftest import MODEL

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from sqlalchemy import text
 
+from contract.device_client import DeviceCallError, backoff_s
+from contract.reports import new_batch_id
 from control_plane.sim import FleetSimulator, SimOptions
+from control_plane.sim.load import Load
 from control_plane.sim.outbox import ReportQueue
-from control_plane.sim.telemetry import Load
-from device_agent.connection import DeviceCallError, backoff_s
-from device_agent.telemetry import new_batch_id
 from protos import device_pb2
 from tests.conftest import _pg_admin_engine
 from tests.control_plane.sim.conftest import MODEL, copy_home, serve

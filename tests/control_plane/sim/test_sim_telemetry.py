@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.sim import FleetSimulator, SimOptions
+from control_plane.sim.load import Load, parse_injections
 from control_plane.sim.profile import parse_profile
-from control_plane.sim.telemetry import Load, parse_injections
 from control_plane.telemetry import Telemetry
 from runtime.histogram import MAX_RELATIVE_ERROR, LatencyHistogram
 from tests.control_plane.sim.conftest import MODEL

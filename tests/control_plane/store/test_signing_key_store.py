@@ -6,8 +6,8 @@ import datetime as dt
 
 import pytest
 
-from control_plane import errors
-from control_plane.store.signing_keys import SigningKeyRecord
+from contract import errors
+from control_plane.store.signing_key_records import SigningKeyRecord
 from control_plane.store.sql_store import SqlStore
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

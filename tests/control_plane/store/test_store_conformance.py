@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto.kek import WrappedKey
 from control_plane.store.base import KekState, NewVersion, StaleKek, VariantRecord
 from control_plane.store.migrate import alembic_config

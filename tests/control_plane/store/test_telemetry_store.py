@@ -7,12 +7,12 @@ import threading
 
 import pytest
 
-from control_plane import errors
+from contract import errors
+from contract.key_wrap import DeviceKeyPair
 from control_plane.fleet.devices import Fleet
+from control_plane.store.report_records import InstallRecord, ModelStatsRecord, ReportBatch
 from control_plane.store.sql_store import SqlStore
-from control_plane.store.telemetry import InstallRecord, ModelStatsRecord, ReportBatch
 from control_plane.telemetry import Telemetry
-from device_agent.identity import DeviceKeyPair
 from runtime.histogram import LatencyHistogram
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)

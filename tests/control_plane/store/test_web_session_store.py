@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.api.auth import ApiTokens
 from control_plane.store.sql_store import SqlStore
 from dashboards.web.auth import SESSION_TTL, Sessions, csrf_for

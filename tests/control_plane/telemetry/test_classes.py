@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from control_plane import errors
-from control_plane.store.rollups import RollupKey
+from contract import errors
+from control_plane.store.rollup_records import RollupKey
 from control_plane.telemetry.classes import class_values, parse_device_class
-from control_plane.telemetry.rollups import HOUR, Retention, Roller
+from control_plane.telemetry.roller import HOUR, Retention, Roller
 from tests.control_plane.telemetry.test_rollups import (
     NOW,
     FixedResolver,

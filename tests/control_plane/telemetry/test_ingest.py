@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from control_plane import errors
+from contract import errors
 from control_plane.telemetry.ingest import ReportWriter
 
 

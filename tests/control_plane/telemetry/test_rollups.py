@@ -9,15 +9,15 @@ import threading
 import numpy as np
 import pytest
 
+from contract.key_wrap import DeviceKeyPair
 from control_plane.fleet.devices import Fleet
 from control_plane.rollouts.resolver import Resolver, Snapshot
+from control_plane.store.report_records import InstallRecord, ModelStatsRecord, ReportBatch
 from control_plane.store.rollouts import RolloutRecord
 from control_plane.store.sql_store import SqlStore
-from control_plane.store.telemetry import InstallRecord, ModelStatsRecord, ReportBatch
 from control_plane.telemetry.classes import parse_device_class
 from control_plane.telemetry.ingest import ReportWriter
-from control_plane.telemetry.rollups import HOUR, MINUTE, Retention, Roller
-from device_agent.identity import DeviceKeyPair
+from control_plane.telemetry.roller import HOUR, MINUTE, Retention, Roller
 from runtime.histogram import LatencyHistogram
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, 30, tzinfo=dt.UTC)

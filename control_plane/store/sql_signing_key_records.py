@@ -7,9 +7,9 @@ import datetime as dt
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane import errors
+from contract import errors
 from control_plane.store import orm
-from control_plane.store.signing_keys import Resigner, SigningKeyRecord, SigningKeyStore
+from control_plane.store.signing_key_records import Resigner, SigningKeyRecord, SigningKeyStore
 from control_plane.store.sql_fleet import aware
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from device_agent.transport import ClientTls, channel_credentials, retry_helps, unreachable
+from contract.transport import ClientTls, channel_credentials, retry_helps, unreachable
 from protos import device_pb2, device_pb2_grpc
 
 UNARY_DEADLINE_S = 30.0

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from control_plane.rollouts.lifecycle import RolloutState
 from control_plane.rollouts.resolver import LiveRollout, Resolver, Snapshot
 from control_plane.store.fleet import FleetStore
+from control_plane.store.report_records import MAX_REPORT_AGE, ModelStatsRecord, ReportBatch
 from control_plane.store.rollouts import RolloutRecord
-from control_plane.store.rollups import (
+from control_plane.store.rollup_records import (
     EPOCH,
     FLEET,
     OUTSIDE,
@@ -47,7 +48,6 @@ from control_plane.store.rollups import (
     RollupKey,
     RollupStore,
 )
-from control_plane.store.telemetry import MAX_REPORT_AGE, ModelStatsRecord, ReportBatch
 from control_plane.telemetry.classes import DeviceClass, parse_dimension
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from device_agent.assignment import (
+from contract.assignment import (
     AssignmentRejected,
     PublicKey,
     canonical_json,
@@ -77,19 +77,19 @@ class PinnedKey:
         return cls(key_id_of(load_public_key(pem)), bytes(pem))
 
 
-class KeyRing:
+class PinnedKeyRing:
     """An immutable set of pinned keys; `update` returns a new ring."""
 
     def __init__(self, keys: Iterable[PinnedKey]) -> None:
         self._keys: dict[str, PinnedKey] = {k.key_id: k for k in keys}
 
     @classmethod
-    def from_pems(cls, pems: Iterable[bytes]) -> KeyRing:
+    def from_pems(cls, pems: Iterable[bytes]) -> PinnedKeyRing:
         """Pin keys given out of band (no end of validity known yet)."""
         return cls(PinnedKey.from_pem(pem) for pem in pems)
 
     @classmethod
-    def from_enrollment(cls, response, now: dt.datetime) -> KeyRing:
+    def from_enrollment(cls, response, now: dt.datetime) -> PinnedKeyRing:
         """Pin what an Enroll answer names (trust on enrollment), then apply its chain.
 
         Falls back to the plain PEM list of a server that sends no chain.
@@ -114,7 +114,7 @@ class KeyRing:
                 return k.key_id, verify_signed(body, signature, [k.public_key])
         raise AssignmentRejected("signature does not verify under any pinned key")
 
-    def update(self, chain: Iterable, now: dt.datetime) -> KeyRing:
+    def update(self, chain: Iterable, now: dt.datetime) -> PinnedKeyRing:
         """Return the ring after walking `chain` (SigningKey messages) from these pins.
 
         A key is added only through an endorsement that verifies under a key already
@@ -140,7 +140,7 @@ class KeyRing:
                 if entry.key_id not in keys:
                     keys[entry.key_id] = PinnedKey(entry.key_id, bytes(entry.public_key_pem))
                     progress = True
-        return KeyRing(k for k in keys.values() if k.valid_at(now))
+        return PinnedKeyRing(k for k in keys.values() if k.valid_at(now))
 
     def to_json(self) -> list[dict]:
         """Return the JSON form stored by the CLI (public keys only: nothing secret)."""
@@ -154,7 +154,7 @@ class KeyRing:
         ]
 
     @classmethod
-    def from_json(cls, body: Iterable[Mapping]) -> KeyRing:
+    def from_json(cls, body: Iterable[Mapping]) -> PinnedKeyRing:
         """Parse `to_json`'s form; ids are recomputed and must match (ValueError if not)."""
         keys = []
         for entry in body:
@@ -168,13 +168,13 @@ class KeyRing:
         return cls(keys)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, KeyRing) and self.keys == other.keys
+        return isinstance(other, PinnedKeyRing) and self.keys == other.keys
 
     def __hash__(self) -> int:
         return hash(self.keys)
 
     def __repr__(self) -> str:
-        return f"KeyRing({', '.join(self._keys)})"
+        return f"PinnedKeyRing({', '.join(self._keys)})"
 
 
 def _endorsement(entry, endorser: PinnedKey) -> dict | None:

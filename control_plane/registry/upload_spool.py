@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 from control_plane.files import write_all
 
 CHUNK = 1 << 20

@@ -19,11 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from control_plane import errors
+from contract import errors
+from contract.pinned_keys import endorsement_body
 from control_plane.crypto.kms_signer import KMS_SCHEME, KmsSigner, parse_kms_url
 from control_plane.crypto.signing import ManifestSigner, SignedManifest, Signer
-from control_plane.store.signing_keys import SigningKeyRecord, SigningKeyStore
-from device_agent.signing_keys import endorsement_body
+from control_plane.store.signing_key_records import SigningKeyRecord, SigningKeyStore
 
 # How stale a replica's view of the active key may be (one small read per interval).
 REFRESH_S = 5.0

@@ -25,9 +25,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto import KeyEncryptionKey, LocalKek
-from control_plane.crypto.keyring import Keyring
+from control_plane.crypto.kek_ring import KekRing
 from control_plane.store.base import KekState, RegistryStore
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Rotated:
 
 def open_keyring(
     store: RegistryStore, opener: Opener, *, kek: str, keyring: Sequence[str] = ()
-) -> Keyring:
+) -> KekRing:
     """Open the KEKs of the config (`kek`, `keyring`) and of the database's KEK state.
 
     The database names the active KEK: another replica may have rotated since this
@@ -76,7 +76,7 @@ def open_keyring(
                 log.warning("cannot open KEK %s from the keyring: %s", url, exc)
         return keks, state.active_kek_id
 
-    return Keyring(load)
+    return KekRing(load)
 
 
 class KekRotation:
@@ -85,7 +85,7 @@ class KekRotation:
     def __init__(
         self,
         store: RegistryStore,
-        keyring: Keyring,
+        keyring: KekRing,
         *,
         opener: Opener,
         persist: Persist,

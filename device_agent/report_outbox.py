@@ -10,7 +10,7 @@ oldest batches go first and are counted, and the next batch sent carries that co
 a mergeable latency histogram, inference and error counts, the worker crashes and
 backend fallbacks the runtime recorded, and pipeline firings.
 
-Every time a batch carries is the control plane's (device_agent.clock), whatever the
+Every time a batch carries is the control plane's (contract.server_clock), whatever the
 device's own clock says, and a device's periods follow one another without overlap: each
 starts where the last one ended (a stretch with nothing to report is covered by the next
 batch), and the first of a run starts no earlier than the last one queued before it (the
@@ -21,11 +21,9 @@ has.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import logging
 import math
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -35,16 +33,21 @@ from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from control_plane.limits import strip_control
-from device_agent.clock import ServerClock
+from contract.limits import strip_control
+from contract.reports import (
+    MAX_QUEUE_AGE_S,
+    MAX_QUEUE_BYTES,
+    MAX_TEXT,
+    histogram_pb,
+    new_batch_id,
+    timestamp,
+)
+from contract.server_clock import ServerClock
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
 
 log = logging.getLogger("skiff.agent")
 
-MAX_QUEUE_BYTES = 4 << 20
-MAX_QUEUE_AGE_S = 7 * 24 * 3600.0
-MAX_TEXT = 1000  # what the control plane accepts for a reason or error line
 MAX_EVENTS = 64
 
 _SCHEMA = """
@@ -56,21 +59,6 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
-
-
-def new_batch_id() -> str:
-    """Return a fresh batch id: random, so two agents never collide."""
-    return "b" + secrets.token_hex(12)
-
-
-def timestamp(value: float | dt.datetime) -> Timestamp:
-    """Return a protobuf timestamp for a Unix time or an aware datetime."""
-    ts = Timestamp()
-    if isinstance(value, dt.datetime):
-        ts.FromDatetime(value)
-    else:
-        ts.FromNanoseconds(int(value * 1e9))
-    return ts
 
 
 def clip(text: str) -> str:
@@ -344,21 +332,6 @@ class Collector:
                 )
             )
         return batch
-
-
-def histogram_pb(h: LatencyHistogram) -> device_pb2.LatencyHistogram:
-    """Return a histogram as its message."""
-    body = h.to_dict()
-    msg = device_pb2.LatencyHistogram(
-        scheme=body["scheme"],
-        count=body["count"],
-        sum_ns=body["sum_ns"],
-        bucket_index=[i for i, _ in body["buckets"]],
-        bucket_count=[n for _, n in body["buckets"]],
-    )
-    if body["min_ns"] is not None:
-        msg.min_ns, msg.max_ns = body["min_ns"], body["max_ns"]
-    return msg
 
 
 def _crash_pb(c, at: Timestamp) -> device_pb2.CrashReport:

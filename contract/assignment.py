@@ -11,7 +11,7 @@ expired, re-targeted or mixed-and-matched answer is refused.
 Expiry is judged on the control plane's time, never on the device's clock (which may be
 a day off): the echoed nonce proves the answer was signed after the request left, so at
 most the round trip ago, and `issued_at` says when that was on the control plane's
-clock (device_agent.clock measures the device's offset from the same reading).
+clock (contract.server_clock measures the device's offset from the same reading).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from control_plane import errors
+from contract import errors
+from contract.segments import decode_digests
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 NONCE_BYTES = 16
@@ -287,7 +288,6 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
 
 def _segments(model: str, variant: dict, size: int) -> bytes:
     # Deferred: control_plane.crypto's package imports this module (signing).
-    from control_plane.crypto.segments import decode_digests
 
     if "segment_sha256" not in variant:
         return b""

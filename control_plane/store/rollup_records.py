@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from control_plane.store.telemetry import InstallRecord, ModelStatsRecord
+from control_plane.store.report_records import InstallRecord, ModelStatsRecord
 from runtime.histogram import N_BUCKETS, SCHEME, bucket_estimate_ns
 
 COUNTERS = (

@@ -33,10 +33,10 @@ from statistics import NormalDist
 
 import numpy as np
 
-from control_plane import errors
+from contract import errors
+from contract.reports import histogram_pb, new_batch_id, timestamp
 from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.requests import parse_ref
-from device_agent.telemetry import histogram_pb, new_batch_id, timestamp
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram
 

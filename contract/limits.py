@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from control_plane import errors
+from contract import errors
 
 # What a model name, a variant name and a version number may be anywhere they arrive
 # from outside (pushes, rollouts, device reports); a model name also names files on

@@ -16,8 +16,8 @@ import binascii
 import hashlib
 from collections.abc import Iterable, Iterator
 
-from control_plane import errors
-from control_plane.crypto.envelope import SEGMENT_SIZE
+from contract import errors
+from contract.envelope import SEGMENT_SIZE
 
 DIGEST = 32
 

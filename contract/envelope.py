@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from tink import secret_key_access, streaming_aead
 from tink.proto import aes_gcm_hkdf_streaming_pb2, common_pb2, tink_pb2
 
-from control_plane import errors
+from contract import errors
 
 SEGMENT_SIZE = 1 << 20
 """Ciphertext segment size in bytes (header and tag included)."""

@@ -24,15 +24,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-from device_agent.state import AgentError, read_json, write_json
 
 # An offset beyond this is worth a line in the log, `agent status` and telemetry: it is
 # more than NTP or a phone network leaves, and judged on the device's own clock it would
 # have made every answer look expired or not yet valid.
 SKEW_NOTICE_S = 300.0
-CLOCK_FILE = "clock.json"
 
 
 @dataclass(frozen=True)
@@ -44,7 +40,7 @@ class Reading:
     at: float  # the control plane's time of the measurement (Unix seconds)
 
     def to_json(self) -> dict:
-        """Return the body of clock.json."""
+        """Return the reading as JSON (an agent stores its last one)."""
         return {
             "offset_s": round(self.offset_s, 6),
             "error_s": round(self.error_s, 6),
@@ -53,27 +49,13 @@ class Reading:
 
     @classmethod
     def from_json(cls, body: dict) -> Reading | None:
-        """Parse clock.json's body; None if it is not a reading."""
+        """Parse a reading's JSON; None if it is not a reading."""
         try:
             offset, error = float(body["offset_s"]), float(body["error_s"])
             at = dt.datetime.fromisoformat(body["measured_at"]).timestamp()
         except (KeyError, TypeError, ValueError):
             return None
         return cls(offset, error, at) if math.isfinite(offset + error) else None
-
-
-def load_reading(state_dir: Path) -> Reading | None:
-    """Return the last reading an agent stored in `state_dir` (None if none or unreadable)."""
-    try:
-        body = read_json(Path(state_dir) / CLOCK_FILE)
-    except AgentError:
-        return None
-    return None if body is None else Reading.from_json(body)
-
-
-def save_reading(state_dir: Path, reading: Reading) -> None:
-    """Store a reading in `state_dir` (atomically, 0600)."""
-    write_json(Path(state_dir) / CLOCK_FILE, reading.to_json())
 
 
 class ServerClock:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from control_plane import errors
+from contract import errors
 from control_plane.crypto.kek import KeyEncryptionKey, WrappedKey
 
 
@@ -35,7 +35,7 @@ def _ring(keks: Sequence[KeyEncryptionKey], active_id: str) -> _Ring:
 Loader = Callable[[], tuple[Sequence[KeyEncryptionKey], str]]
 
 
-class Keyring(KeyEncryptionKey):
+class KekRing(KeyEncryptionKey):
     """Wraps with the active KEK, unwraps with whichever KEK wrapped, reloads when stale."""
 
     def __init__(self, load: Loader) -> None:
