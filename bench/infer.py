@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _real_models  # noqa: E402
 from bench._real_models import time_block  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
-from runtime import _mnn  # noqa: E402
+from runtime import mnn_host  # noqa: E402
 from runtime.backends import BackendConfig  # noqa: E402
 from runtime.model import Isolation, Model  # noqa: E402
 
@@ -69,7 +69,7 @@ def bare_mnn(module: object, x: np.ndarray) -> tuple[Callable[[], object], Calla
     in the same memory): two separately loaded copies of one model differ by several µs
     per call from memory layout alone, which would swamp the wrapper's cost.
     """
-    expr = _mnn.load_mnn().expr
+    expr = mnn_host.load_mnn().expr
     var = expr.placeholder(list(x.shape), expr.NCHW, expr.float)
 
     def run() -> object:
@@ -249,7 +249,7 @@ def main() -> None:
         "rounds": rounds,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
-        "mnn": _mnn.load_mnn().version(),
+        "mnn": mnn_host.load_mnn().version(),
         **figures,
         "models": all_figures,
         "real_models": real,

@@ -31,9 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime._memfd import memfd
-
-__all__ = ["Captured", "capture_c_stdout", "line_buffer_c_stdout", "swaps_file_pointer"]
+__all__ = ["Captured", "capture_c_stdout", "line_buffer_c_stdout", "memfd", "swaps_file_pointer"]
 
 _IOLBF = 1  # setvbuf's line-buffered mode, on glibc, musl and bionic
 _lock = threading.RLock()  # one capture at a time: they share C's stdout
@@ -91,7 +89,7 @@ def _capture_stream() -> tuple[int, int]:
     with "invalid stdio handle"); one that lives as long as the process cannot be.
     """
     if not _sink_file:
-        sink = _high_fd(memfd("skiff-mnn-log"))
+        sink = memfd("skiff-mnn-log")
         # Appending: a printf racing the truncation in `_drain` lands at the new end of
         # the file, never past a hole where the next capture would not look.
         stream = _c().fdopen(fcntl.fcntl(sink, fcntl.F_DUPFD_CLOEXEC, 3), b"a")
@@ -101,9 +99,14 @@ def _capture_stream() -> tuple[int, int]:
     return _sink_file[0]
 
 
-def _high_fd(fd: int) -> int:
-    """Move `fd` to 3 or above: a daemon started without stdout must not get fd 1 back."""
-    if fd >= 3:
+def memfd(name: str, flags: int = 0) -> int:
+    """Create a close-on-exec memfd numbered 3 or above.
+
+    In a process whose stdin/stdout/stderr are closed (a daemon), a new descriptor can
+    be 0, 1 or 2; capturing MNN's stdout (fd 1) would then clobber it.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | flags)
+    if fd > 2:
         return fd
     try:
         return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)

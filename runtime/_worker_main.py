@@ -27,8 +27,7 @@ import sys
 import threading
 from typing import Any
 
-from runtime import _mnn, _wire
-from runtime._memfd import fd_path
+import runtime._wire as _wire
 from runtime.backends import BackendConfig
 from runtime.engine import InProcessExecutor
 from runtime.errors import (
@@ -38,6 +37,7 @@ from runtime.errors import (
     ModelLoadError,
 )
 from runtime.hardening import forbid_core_dumps
+from runtime.mnn_host import fd_path, line_buffer_native_stdout
 
 __all__ = ["main"]
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not _harden(args.parent_pid):
         return 1
-    _mnn.line_buffer_native_stdout()  # MNN's last words before a crash reach the log
+    line_buffer_native_stdout()  # MNN's last words before a crash reach the log
     # Terminal signals are for the app; the parent alone decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = _wire.Channel(socket.socket(fileno=args.sock_fd))

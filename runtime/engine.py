@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime import _mnn
+import runtime._mnn_diagnosis as diagnosis
+import runtime.mnn_host as mnn_host
 from runtime.backends import Backend, BackendConfig
 from runtime.errors import (
     BackendUnavailable,
@@ -58,9 +59,9 @@ class InProcessExecutor:
         self.config = config
         self.deadline_s = deadline_s
         self._closed = False
-        mnn = _mnn.load_mnn()
+        mnn = mnn_host.load_mnn()
         expr = mnn.expr
-        with _mnn.native_output() as log:
+        with mnn_host.native_output() as log:
             try:
                 module = mnn.nn.load_module_from_file(
                     path,
@@ -74,11 +75,11 @@ class InProcessExecutor:
             except Exception as exc:  # noqa: BLE001 - the binding raises bare Exception/SystemError
                 module, error = None, exc
         if module is None:
-            reason = _mnn.log_reason(log.text) or str(error)
+            reason = diagnosis.log_reason(log.text) or str(error)
             raise ModelLoadError(f"MNN cannot load the model with {config.key}: {reason}")
         # The load's own log is the most direct evidence of what this module runs on; a
         # throwaway session is built only when the log is silent (see detect_backend).
-        self.actual_backend, self.evidence = _mnn.detect_backend(path, config, log.text)
+        self.actual_backend, self.evidence = diagnosis.detect_backend(path, config, log.text)
         _refuse_fallback(config, self.actual_backend, self.evidence)
         info = module.get_info()
         self.signature = _signature(info)
@@ -116,8 +117,8 @@ class InProcessExecutor:
             self._lock.release()
         if error is None:
             return outputs
-        reason = _mnn.log_reason(log)
-        if _mnn.shape_error(f"{log}\n{error}"):
+        reason = diagnosis.log_reason(log)
+        if diagnosis.shape_error(f"{log}\n{error}"):
             raise InvalidInput(self._shape_problem(arrays, reason or error))
         raise InferenceError(f"{error}: {reason}" if reason else str(error))
 
@@ -133,7 +134,7 @@ class InProcessExecutor:
             self._accepted_shapes.move_to_end(shapes)
             return self._forward(feeds), "", None
         # New shapes: MNN may refuse them, and says why on stdout only.
-        with _mnn.native_output() as log:
+        with mnn_host.native_output() as log:
             try:
                 outputs = self._forward(feeds)
             except InferenceError as exc:
@@ -245,7 +246,7 @@ def _signature(info: dict[str, Any]) -> Signature:
     """Build the signature from ``Module.get_info()``; ModelLoadError if it is unusable."""
     specs = []
     for name, var in zip(info["inputNames"], info["inputs"], strict=True):
-        dtype = _mnn.dtype_name(var, default=str(var.dtype))
+        dtype = mnn_host.dtype_name(var, default=str(var.dtype))
         layout = str(var.data_format).removeprefix("data_format.")
         specs.append(TensorSpec(name, tuple(var.shape), dtype, layout))
     try:

@@ -10,6 +10,9 @@ exact (nearest-rank) sample, clamped to the observed min and max. Buckets are 2^
 wide, so for samples between 1 µs and 134 s the relative error is at most
 2^(1/16) - 1, under 4.5%. Merging is exact: merging histograms gives the same counts,
 sum, min and max as recording all their samples into one.
+
+The bucket layout is plain arithmetic, so the control plane can read it without numpy;
+numpy loads only for the array methods (`counts`, `record_many_ns`).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["BUCKETS_PER_DOUBLING", "LatencyHistogram", "MAX_RELATIVE_ERROR", "SCHEME"]
 
@@ -86,6 +90,8 @@ class LatencyHistogram:
     @property
     def counts(self) -> np.ndarray:
         """Return a copy of the bucket counts as an int64 array."""
+        import numpy as np
+
         with self._lock:
             return np.array(self._counts, dtype=np.int64)
 
@@ -106,6 +112,8 @@ class LatencyHistogram:
 
     def record_many_ns(self, ns: np.ndarray) -> None:
         """Record many latencies at once (an int array of ns), bucketed as `record_ns` does."""
+        import numpy as np
+
         ns = np.maximum(np.asarray(ns, dtype=np.int64), 0)
         if not len(ns):
             return

@@ -49,7 +49,6 @@ from runtime._inputs import (
     refuse_non_finite,
     shape_hints,
 )
-from runtime._memfd import fd_path, sealed_memfd
 from runtime.backends import DEFAULT_CONFIG, Backend, BackendConfig, candidate_configs
 from runtime.errors import (
     ExecutorClosed,
@@ -64,6 +63,7 @@ from runtime.fallback import ConfigChain
 from runtime.golden import Golden
 from runtime.hardening import forbid_core_dumps
 from runtime.histogram import LatencyHistogram
+from runtime.mnn_host import fd_path, sealed_memfd
 from runtime.probe import Executor, ProbeResult
 from runtime.signature import Signature
 from runtime.worker import DEFAULT_DEADLINE_S, Fault

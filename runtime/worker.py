@@ -46,9 +46,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime import _processes, _wire
-from runtime._memfd import memfd
+import runtime._processes as _processes
+import runtime._wire as _wire
 from runtime._processes import EXIT_GRACE_S, child_env, kill, signal_name
+from runtime._stdio import memfd
 from runtime.backends import Backend, BackendConfig
 from runtime.errors import (
     BackendUnavailable,

@@ -35,14 +35,14 @@ from typing import Any
 from contract import errors
 from control_plane.registry.mnn_flatbuffer import MalformedModel, external_paths
 from control_plane.registry.mnn_tools import VARIANT_FLAGS
-from runtime._memfd import fd_path
-from runtime._mnn import (
+from runtime.hardening import confine, forbid_core_dumps
+from runtime.mnn_host import (
     dtype_name,
+    fd_path,
     forbidden_loaded,
     install_import_guard,
     line_buffer_native_stdout,
 )
-from runtime.hardening import confine, forbid_core_dumps
 
 BIZ_CODE = "skiff"  # recorded in every model we write, visible in MNN's get_info()
 

@@ -9,7 +9,6 @@ import threading
 import numpy as np
 import pytest
 
-from runtime._memfd import fd_path, sealed_memfd
 from runtime.engine import InProcessExecutor
 from runtime.errors import (
     DeadlineExceeded,
@@ -20,6 +19,7 @@ from runtime.errors import (
 )
 from runtime.fallback import ConfigChain
 from runtime.golden import Golden
+from runtime.mnn_host import fd_path, sealed_memfd
 from runtime.model import Isolation, Model
 from runtime.signature import Signature, TensorSpec
 from tests.runtime._model_helpers import (

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import _mnn, engine
-from runtime._memfd import fd_path, sealed_memfd
+from runtime import engine, mnn_host
 from runtime.backends import DEFAULT_CONFIG, Backend
 from runtime.engine import InProcessExecutor
 from runtime.errors import InvalidInput, ModelFailed
+from runtime.mnn_host import fd_path, sealed_memfd
 from runtime.model import Isolation, Model
 from tests.runtime._model_helpers import (
     CPU_1,
@@ -135,8 +135,8 @@ def test_remembered_shapes_are_the_most_recently_used(monkeypatch):
         for batch in range(1, limit + 7):
             executor.run([np.zeros((batch, 16), np.float32)], False)
         captures = []
-        real = _mnn.native_output
-        monkeypatch.setattr(_mnn, "native_output", lambda: captures.append(1) or real())
+        real = mnn_host.native_output
+        monkeypatch.setattr(mnn_host, "native_output", lambda: captures.append(1) or real())
         executor.run([np.zeros((limit + 6, 16), np.float32)], False)  # the newest shape
         executor.run([np.zeros((7, 16), np.float32)], False)  # the oldest one remembered
         assert captures == []
@@ -237,11 +237,11 @@ def test_another_threads_stdout_is_not_lost_during_loads(tmp_path):
     script = textwrap.dedent(
         f"""
         import contextlib, os, sys, threading
-        from runtime import _mnn
+        from runtime import mnn_host
         from runtime.backends import BackendConfig
         from runtime.model import Model
         inside, wrote, stop = threading.Event(), threading.Event(), threading.Event()
-        real = _mnn.native_output
+        real = mnn_host.native_output
 
         @contextlib.contextmanager
         def held_open():  # hold every capture open until the app has written inside it
@@ -252,7 +252,7 @@ def test_another_threads_stdout_is_not_lost_during_loads(tmp_path):
                 inside.clear()
                 yield captured
 
-        _mnn.native_output = held_open
+        mnn_host.native_output = held_open
 
         def app():
             n = 0

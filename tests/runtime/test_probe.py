@@ -11,12 +11,12 @@ import zipfile
 import numpy as np
 import pytest
 
-from runtime import _mnn
-from runtime._memfd import fd_path, sealed_memfd
+from runtime import _mnn_diagnosis
 from runtime.backends import Backend, BackendConfig, candidate_configs
 from runtime.engine import InProcessExecutor
 from runtime.errors import BackendUnavailable, ModelFailed
 from runtime.golden import Golden, Tolerance
+from runtime.mnn_host import fd_path, sealed_memfd
 from runtime.model import Model
 from runtime.probe import ProbeResult, probe_config, rank
 from runtime.signature import Signature, TensorSpec
@@ -236,8 +236,8 @@ def test_rank_prefers_the_fastest_beyond_timing_noise():
 def test_a_fallback_the_load_logs_needs_no_extra_session(monkeypatch):
     fd = sealed_memfd(tiny_mnn())
     sessions = []
-    monkeypatch.setattr(_mnn, "_detected", {})
-    monkeypatch.setattr(_mnn, "_session_backend", lambda *args: sessions.append(args))
+    monkeypatch.setattr(_mnn_diagnosis, "_detected", {})
+    monkeypatch.setattr(_mnn_diagnosis, "_session_backend", lambda *args: sessions.append(args))
     try:
         with pytest.raises(BackendUnavailable, match="Can't Find type=3 backend") as info:
             InProcessExecutor(fd_path(fd), OPENCL)
@@ -250,16 +250,16 @@ def test_detection_reads_both_the_log_and_the_session():
     fd = sealed_memfd(tiny_mnn())
     try:
         path = fd_path(fd)
-        _mnn._detected.clear()
-        actual, evidence = _mnn.detect_backend(path, OPENCL)
+        _mnn_diagnosis._detected.clear()
+        actual, evidence = _mnn_diagnosis.detect_backend(path, OPENCL)
         assert actual is Backend.CPU
         # Both signals: MNN's fallback line, and the forward type its session reports
         # (13 is MNN_FORWARD_CPU_EXTENSION: the CPU with AVX2).
         assert "Can't Find type=3 backend" in evidence
         assert "session reports forward type 13 (CPU)" in evidence
         logged = "Can't Find type=3 backend, use 0 instead\n"
-        assert _mnn.detect_backend(path, OPENCL, logged)[1].startswith("MNN log")
-        assert _mnn.detect_backend(path, CPU_1)[0] is Backend.CPU
+        assert _mnn_diagnosis.detect_backend(path, OPENCL, logged)[1].startswith("MNN log")
+        assert _mnn_diagnosis.detect_backend(path, CPU_1)[0] is Backend.CPU
         with pytest.raises(BackendUnavailable) as info:
             InProcessExecutor(path, OPENCL)
         assert info.value.actual is Backend.CPU

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import _mnn, _wire, _worker_main, fallback
+from runtime import _mnn_diagnosis as diagnosis
+from runtime import _wire, _worker_main, fallback
 from runtime import worker as worker_module
-from runtime._memfd import sealed_memfd
 from runtime._processes import child_env as _child_env
 from runtime.errors import (
     BackendUnavailable,
@@ -34,6 +34,7 @@ from runtime.errors import (
     ModelLoadError,
     WorkerCrashed,
 )
+from runtime.mnn_host import sealed_memfd
 from runtime.model import Isolation, Model
 from runtime.worker import Fault, WorkerExecutor
 from tests.runtime._model_helpers import (
@@ -405,7 +406,7 @@ def test_only_small_headers_are_cached(channels):
 
 @pytest.mark.parametrize("isolation", ["in_process", "worker"])
 def test_corrupt_model_bytes_fail_cleanly_on_every_candidate(isolation, monkeypatch):
-    monkeypatch.setattr(_mnn, "_detected", {})  # availability must be checked on these bytes
+    monkeypatch.setattr(diagnosis, "_detected", {})  # availability must be checked on these bytes
     monkeypatch.setattr(fallback, "_UNAVAILABLE", {})
     with pytest.raises(ModelFailed, match="no candidate config passed") as info:
         Model.from_bytes(os.urandom(4096), isolation=isolation)
