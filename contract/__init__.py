@@ -18,7 +18,10 @@ between its client and server, and hawkBit its device API in a module of its own
 - `reports`: report batch ids, timestamps, histograms and the outbox bounds;
 - `transport`: TLS and loopback rules and what a failed connection means;
 - `device_client`: the device API's client (the agent's, and the fleet simulator's);
-- `local_api`: where an agent's local socket is and how tensors travel on it.
+- `local_api`: where an agent's local socket is and how tensors travel on it;
+- `attribute_rules`: the canonical shape of device attributes and its checks;
+- `command_line`: the exit codes, one-line errors and help both `skiff` command
+  lines share.
 
 The latency histogram's layout is the runtime's (`runtime.histogram`): the runtime
 records it and may import nothing of Skiff, so both sides read it from there. The wire

@@ -47,7 +47,7 @@ from control_plane.telemetry.roller import MINUTE
 from runtime.histogram import BUCKETS_PER_DOUBLING, N_BUCKETS
 
 if TYPE_CHECKING:
-    from control_plane.api.server import App
+    from control_plane.app import App
     from control_plane.telemetry.roller import Deltas
 
 # `_created` series say when this process started counting: noise for these dashboards.

@@ -4,6 +4,11 @@ cheroot (CherryPy's WSGI server) carries it: threads, because every page reads t
 database with blocking calls, and its own port, so a slow page never holds up the gRPC
 event loop the devices depend on. TLS with the gRPC server's certificate whenever one is
 configured; plaintext only on loopback, as for gRPC.
+
+A plug-in of the control plane: `control_plane.serve` finds `start` through the
+`skiff.http` entry point (pyproject.toml) when asked for `--http`, so the control plane
+never imports this package and installs without it. Flask and Plotly load with this
+module, so an install without them fails `--http` before anything serves.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from cheroot.ssl.builtin import BuiltinSSLAdapter
 
 from contract import errors
 from contract.transport import host_of, is_loopback
+from dashboards.metrics import Metrics
+from dashboards.web.app import create_app
 
 if TYPE_CHECKING:
-    from control_plane.api.server import App
     from control_plane.api.throttle import Throttle
+    from control_plane.app import App
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +48,6 @@ class DashboardServer:
     """
 
     def __init__(self, app: App, address: str, *, throttle: Throttle | None = None) -> None:
-        from dashboards.metrics import Metrics
-        from dashboards.web.app import create_app
-
         config = app.config
         host, port = _split(address)
         self.tls = bool(config.tls_cert and config.tls_key)
@@ -90,3 +94,8 @@ class DashboardServer:
         self._server.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+
+
+def start(app: App, address: str) -> DashboardServer:
+    """Bind the dashboard for `app` to `address` (the `skiff.http` entry point's target)."""
+    return DashboardServer(app, address)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import datetime as dt
 import hashlib
-import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -101,15 +100,6 @@ def hash_chunks(chunks: Iterable[bytes], out: BinaryIO | None = None) -> BlobInf
 
 class BlobStore(abc.ABC):
     """A content-addressed store of immutable blobs keyed by their SHA-256."""
-
-    @abc.abstractmethod
-    def put_file(self, path: str | os.PathLike, *, sha256: str | None = None) -> BlobInfo:
-        """Store the file's bytes under key = its lowercase hex SHA-256.
-
-        Streams (never reads the whole file in memory). If ``sha256`` is given, the
-        computed digest must match or IntegrityError is raised and nothing is stored.
-        Idempotent: putting the same content twice is fine.
-        """
 
     @abc.abstractmethod
     def put_stream(self, chunks: Iterable[bytes]) -> BlobInfo:

@@ -21,7 +21,6 @@ from control_plane.blobs.base import (
     BlobInfo,
     BlobStore,
     StoredBlob,
-    check_expected,
     check_key,
     check_offset,
     hash_chunks,
@@ -60,11 +59,6 @@ class LocalBlobStore(BlobStore):
         ):
             raise InvalidArgument(f"unsupported local blob store URL {url!r}")
         return cls(unquote(parts.path))
-
-    def put_file(self, path: str | os.PathLike, *, sha256: str | None = None) -> BlobInfo:
-        """Store a file's bytes under their SHA-256, optionally checking an expected digest."""
-        check_expected(sha256)
-        return self._put(iter_file(open(path, "rb")), sha256)
 
     def put_stream(self, chunks: Iterable[bytes]) -> BlobInfo:
         """Store the concatenated chunks under their SHA-256."""

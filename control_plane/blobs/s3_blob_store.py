@@ -32,13 +32,10 @@ from control_plane.blobs.base import (
     BlobInfo,
     BlobStore,
     StoredBlob,
-    check_expected,
     check_key,
     check_offset,
     hash_chunks,
     is_key,
-    iter_file,
-    verify_digest,
 )
 
 _MIB = 1024 * 1024
@@ -103,14 +100,6 @@ class S3BlobStore(BlobStore):
         if unknown:
             raise InvalidArgument(f"unknown S3 blob store URL parameter(s): {', '.join(unknown)}")
         return cls(parts.netloc, parts.path, **{k: v or None for k, v in params.items()}, **kwargs)
-
-    def put_file(self, path: str | os.PathLike, *, sha256: str | None = None) -> BlobInfo:
-        """Hash the file, then upload it (managed multipart) under its SHA-256."""
-        check_expected(sha256)
-        info = hash_chunks(iter_file(open(path, "rb")))
-        verify_digest(sha256, info.key)
-        self._upload(path, info)
-        return info
 
     def put_stream(self, chunks: Iterable[bytes]) -> BlobInfo:
         """Spool the chunks to a local temp file while hashing, then upload it."""

@@ -42,7 +42,7 @@ def start_init(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_server(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the control plane until interrupted."""
-    from control_plane.api.server import serve
+    from control_plane.serve import serve
 
     serve(config=config, replica=args.replica)
     return None

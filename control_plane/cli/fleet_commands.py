@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from contract import errors
 from control_plane.api.roles import ROLES
 from control_plane.cli.connect import admin_client as _client
 from control_plane.cli.listing import add_limit_flag, limit_of, listed, say_more
-from control_plane.cli.rollout_watch import Goal
+from control_plane.cli.rollout_watch import POLL_S, Goal, poll_seconds, status_line, wait, watch
 from control_plane.fleet.attributes import parse_attr_flags
 from control_plane.rollouts.lifecycle import RolloutState, parse_duration, parse_stage_list
 from control_plane.settings import Config
@@ -222,8 +221,6 @@ def _add_wait_parser(rsub, common: Callable[..., None]) -> None:
 
 
 def _add_interval_flag(p: argparse.ArgumentParser) -> None:
-    from control_plane.cli.rollout_watch import POLL_S, poll_seconds
-
     p.add_argument(
         "--interval",
         type=poll_seconds,
@@ -264,27 +261,14 @@ def _ttl(text: str) -> int:
 
 
 def _offline_token(config: Config, *, role: str, name: str, ttl_s: int):
-    """Make a token in the database itself (whoever can write it is admin already).
-
-    The database must already hold Skiff's schema: a mistyped URL must not create a
-    new, empty database whose admin token the real server never sees.
-    """
+    """Make a token in the database itself (whoever can write it is admin already)."""
+    # Deferred: the server's modules and SQLAlchemy, for this one command only.
     from control_plane.api.admin_service import api_token_pb
-    from control_plane.api.auth import ApiTokens
-    from control_plane.api.server import db_description
-    from control_plane.store.sql_store import SqlStore
+    from control_plane.offline_token import create_offline_token
 
-    where = db_description(config.db)
-    sqlite_file = config.db.partition(":///")[2] if config.db.startswith("sqlite") else ""
-    if sqlite_file and not Path(sqlite_file).is_file():
-        raise errors.NotFound(f"no database at {where} (run `skiff init` or check --db)")
-    store = SqlStore(config.db, migrate=False)
-    try:
-        if not store.has_schema():
-            raise errors.NotFound(f"{where} holds no Skiff schema (start a server on it first)")
-        made = ApiTokens(store).create(role=role, name=name, ttl_s=ttl_s, actor=OFFLINE_ACTOR)
-    finally:
-        store.close()
+    made, where = create_offline_token(
+        config.db, role=role, name=name, ttl_s=ttl_s, actor=OFFLINE_ACTOR
+    )
     print(f"skiff: wrote token {made.record.id} into {where}", file=sys.stderr)
     return api_token_pb(made.record), made.secret
 
@@ -404,8 +388,6 @@ def start_rollout_show(*, config: Config, args: argparse.Namespace) -> Output:
     with _client(config) as client:
         rollout = client.get_rollout(args.id)
         if args.watch:
-            from control_plane.cli.rollout_watch import watch
-
             watch(
                 lambda: client.get_rollout(rollout.id),
                 out=sys.stdout,
@@ -418,8 +400,6 @@ def start_rollout_show(*, config: Config, args: argparse.Namespace) -> Output:
 
 def start_rollout_wait(*, config: Config, args: argparse.Namespace) -> Output:
     """Wait until a rollout reaches a stage or a state; prints it as it is then."""
-    from control_plane.cli.rollout_watch import status_line, wait
-
     goal = (
         Goal(stage=args.stage) if args.stage is not None else Goal(state=args.state or "completed")
     )

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from contract import errors
+from control_plane.views import listed  # noqa: F401 - the CLI's commands take it from here
 
 
 def add_limit_flag(parser: argparse.ArgumentParser, what: str) -> None:
@@ -31,13 +32,3 @@ def say_more(more: bool, what: str, limit: int | None) -> None:
     """Tell the user the list was cut short; on stderr, so stdout stays parseable."""
     if more:
         print(f"skiff: showing the first {limit} {what}; more exist", file=sys.stderr)
-
-
-def listed(key: str, items: list, *, more: bool = False) -> dict:
-    """Return the one JSON shape of every list the CLI prints (`ls --json`, `model show`).
-
-    An object: the items under their plural name (`devices`, `models`, `rollouts`,
-    `tokens`, `versions`), in the listing's order, and `more`, true when --limit left
-    some out. Scripts read `.devices[]`; a cut-short list says so in the document itself.
-    """
-    return {key: items, "more": more}

@@ -3,105 +3,44 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
-import os
 import re
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from contract import errors
-from control_plane.cli import (
-    agent_commands,
-    fleet_commands,
-    rollout_watch,
-    signing_commands,
-    sim_commands,
+from contract.command_line import (  # noqa: F401  (the exit codes are this module's API too)
+    EXIT_AUTH,
+    EXIT_BROKEN_PIPE,
+    EXIT_CONFLICT,
+    EXIT_ERROR,
+    EXIT_INTEGRITY,
+    EXIT_INVALID,
+    EXIT_NOT_CONVERGED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    HelpFormatter,
+    SkiffParser,
+    run_guarded,
 )
+from contract.command_line import EXIT_BY_ERROR as _SHARED_EXITS
+from control_plane.cli import fleet_commands, rollout_watch, signing_commands, sim_commands
 from control_plane.cli.golden_flags import add_golden_flags, add_push_flags
 from control_plane.cli.listing import add_limit_flag
 from control_plane.settings import SETTINGS, Setting, default_home, load_config
 
-# Exit codes, one per kind of failure, so scripts can tell them apart.
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2  # argparse's own
-EXIT_INVALID = 3
-EXIT_NOT_FOUND = 4
-EXIT_AUTH = 5
-EXIT_UNAVAILABLE = 6
-EXIT_CONFLICT = 7
-EXIT_INTEGRITY = 8
-EXIT_NOT_CONVERGED = agent_commands.EXIT_NOT_CONVERGED  # 9: `agent run --once`, `rollout wait`
-EXIT_BROKEN_PIPE = 141  # as a shell reports a command SIGPIPE ended: `skiff ... | head`
+# `rollout wait` that ran out of time ends as `agent run --once` that did not converge.
+EXIT_BY_ERROR = ((rollout_watch.WaitTimedOut, EXIT_NOT_CONVERGED), *_SHARED_EXITS)
 
-EXIT_BY_ERROR: tuple[tuple[type[errors.SkiffError], int], ...] = (
-    (agent_commands.NotConverged, EXIT_NOT_CONVERGED),
-    (agent_commands.UsageError, EXIT_USAGE),
-    (rollout_watch.WaitTimedOut, EXIT_NOT_CONVERGED),
-    (errors.InvalidArgument, EXIT_INVALID),
-    (errors.TooLarge, EXIT_INVALID),
-    (errors.NotFound, EXIT_NOT_FOUND),
-    (errors.Unauthenticated, EXIT_AUTH),
-    (errors.PermissionDenied, EXIT_AUTH),
-    (errors.Unavailable, EXIT_UNAVAILABLE),
-    (errors.AlreadyExists, EXIT_CONFLICT),
-    (errors.IntegrityError, EXIT_INTEGRITY),
-    (errors.FailedPrecondition, EXIT_CONFLICT),
-    (errors.OutOfRange, EXIT_INVALID),
-)
-
-
-# Options whose default --help must not print, whatever filled it in.
-_SECRET = re.compile(r"token|secret|password|passphrase", re.IGNORECASE)
-
-
-def _shown_default(action: argparse.Action) -> str | None:
-    """Return an option's default as `--help` shows it, or None when it has no real one.
-
-    None, "", [] and a flag's False are "not given", not defaults worth a word. A secret's
-    default (a token read from the environment, say) is never shown.
-    """
-    default = action.default
-    if not action.option_strings or default is None or default is argparse.SUPPRESS:
-        return None
-    if _SECRET.search(action.dest):
-        return None
-    if isinstance(default, bool) or default in ("", [], ()):
-        return None
-    return str(default)
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Help that ends each option with "(default: X)" where it has a real default.
-
-    One class for every parser (sub-parsers inherit it, see SkiffParser), so no parser
-    spells its defaults by hand; help that already says its default is left alone.
-    """
-
-    def _format_action(self, action: argparse.Action) -> str:
-        shown = _shown_default(action)
-        if not action.help and shown is not None:
-            action = copy.copy(action)  # argparse prints an option without help bare
-            action.help = f"(default: {shown.replace('%', '%%')})"
-        return super()._format_action(action)
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = (action.help or "").strip()
-        shown = _shown_default(action)
-        if shown is None or "default" in text.lower():
-            return text
-        # argparse expands %-formats in help: a default holding "%" must stay literal.
-        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
-
-
-class SkiffParser(argparse.ArgumentParser):
-    """An ArgumentParser whose help shows defaults; its sub-parsers are SkiffParsers too."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
+# Command groups found through entry points: the device side's `agent` and `infer`
+# (device_agent.cli), which control_plane may not import. Each is a callable(sub_parsers,
+# common) whose sub-parsers set `start`, the function that runs them (it reads its own
+# settings: a device-only install has no control_plane.settings).
+COMMAND_GROUP = "skiff.commands"
 
 
 def _setting_help(s: Setting) -> str:
@@ -213,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     fleet_commands.add_parsers(sub, _common)
     sim_commands.add_parsers(sub, _common)
-    agent_commands.add_parsers(sub, _common)
+    for plugin in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        plugin.load()(sub, _common)
 
     p = sub.add_parser("demo", help="run the end-to-end demo on a throwaway home")
     _common(p, json_flag=False, remote=False)
@@ -232,11 +172,15 @@ def _overrides(args: argparse.Namespace) -> dict:
 def _run(args: argparse.Namespace) -> int:
     from control_plane.cli import commands  # deferred: keeps `skiff --help` instant
 
-    config = load_config(args.home, _overrides(args))
-    name = f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_").replace("-", "_")
-    modules = (commands, fleet_commands, sim_commands, signing_commands, agent_commands)
-    module = next(m for m in modules if hasattr(m, name))
-    result = getattr(module, name)(config=config, args=args)
+    if getattr(args, "start", None) is not None:  # a COMMAND_GROUP command reads its own
+        result = args.start(args=args)
+    else:
+        config = load_config(args.home, _overrides(args))
+        name = f"start_{args.command}_{getattr(args, 'action', '')}".rstrip("_")
+        name = name.replace("-", "_")
+        modules = (commands, fleet_commands, sim_commands, signing_commands)
+        module = next(m for m in modules if hasattr(m, name))
+        result = getattr(module, name)(config=config, args=args)
     if result is not None:
         if getattr(args, "json", False):
             print(json.dumps(result[0], indent=2, sort_keys=True))
@@ -279,27 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Alembic says at INFO which of its plugins it set up, on every import: noise.
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
-    try:
-        return _run(args)
-    except errors.SkiffError as exc:
-        code = next((c for kind, c in EXIT_BY_ERROR if isinstance(exc, kind)), EXIT_ERROR)
-        print(f"skiff: error: {error_message(exc, args)}", file=sys.stderr)
-        return code
-    except BrokenPipeError:
-        # The reader went away (`skiff fleet ls | head`): end as quietly as `ls | head`
-        # does, and keep Python from complaining when it flushes stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
-    except OSError as exc:
-        print(
-            f"skiff: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
-            file=sys.stderr,
-        )
-        return EXIT_ERROR
-    except KeyboardInterrupt as exc:
-        if exc.args:  # what an interrupted command left behind (client.PushCancelled)
-            print(f"skiff: {exc}", file=sys.stderr)
-        return 130
+    return run_guarded(
+        lambda: _run(args), table=EXIT_BY_ERROR, message=lambda e: error_message(e, args)
+    )
 
 
 if __name__ == "__main__":

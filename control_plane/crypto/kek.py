@@ -23,7 +23,6 @@ import logging
 import os
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -33,6 +32,7 @@ from tink.proto import tink_pb2
 
 from contract import errors
 from control_plane.files import read_private_file, write_private_file
+from control_plane.store.base import WrappedKey  # what the store keeps of a wrapped key
 
 aead.register()
 
@@ -102,14 +102,6 @@ class _HideKmsBodies(logging.Filter):
 
 for _logger in ("botocore.endpoint", "botocore.parsers"):
     logging.getLogger(_logger).addFilter(_HideKmsBodies())
-
-
-@dataclass(frozen=True)
-class WrappedKey:
-    """A data key encrypted under the KEK named by `kek_id`."""
-
-    kek_id: str
-    ciphertext: bytes = field(repr=False)
 
 
 class KeyEncryptionKey(abc.ABC):

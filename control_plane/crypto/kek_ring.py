@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from contract import errors
-from control_plane.crypto.kek import KeyEncryptionKey, WrappedKey
+from control_plane.crypto.kek import KeyEncryptionKey
+from control_plane.store.base import WrappedKey
 
 
 @dataclass(frozen=True)

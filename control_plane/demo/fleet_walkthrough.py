@@ -24,10 +24,10 @@ from pathlib import Path
 from contract import errors
 from contract.transport import ClientTls
 from control_plane.api.client import AdminClient
-from control_plane.cli import fleet_views
 from control_plane.demo.demo_agents import DemoAgents
 from control_plane.sim.fleet import FleetSimulator
 from control_plane.sim.profile import parse_profile
+from control_plane.views import fleet_text as fleet_views
 from protos import fleet_pb2
 
 FLEET_SIZE = 300

@@ -21,8 +21,8 @@ from contract import errors
 from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.client import AdminClient
 from control_plane.api.trust import verify_version
-from control_plane.cli import views
 from control_plane.demo.third_party_models import THIRD_PARTY_MODELS, ThirdPartyModel, by_name
+from control_plane.views import registry_text as views
 from runtime import Model
 from runtime.golden import Golden
 

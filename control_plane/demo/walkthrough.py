@@ -22,10 +22,8 @@ from pathlib import Path
 
 from contract import errors
 from control_plane.api.client import AdminClient
-from control_plane.api.server import start_server
 from control_plane.api.transport import client_tls
 from control_plane.api.trust import verify_version
-from control_plane.cli import views
 from control_plane.demo import sample_models
 from control_plane.demo.device_walkthrough import show_infer, show_pipeline
 from control_plane.demo.fleet_walkthrough import (
@@ -41,7 +39,9 @@ from control_plane.demo.real_models_walkthrough import run_real_models_demo
 from control_plane.demo.sample_pipeline import activity_pipeline
 from control_plane.home import init_home, read_token
 from control_plane.pins import read_pins
+from control_plane.serve import start_server
 from control_plane.settings import CONFIG_FILE, load_config
+from control_plane.views import registry_text as views
 
 
 def _say(text: str) -> None:

@@ -35,10 +35,9 @@ import numpy as np
 from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, Verdict, judge, parse_rule
 from control_plane.rollouts.lifecycle import stage_number
 from control_plane.store.rollouts import RolloutRecord
-from control_plane.store.rollup_records import OUTSIDE, RollupStore
+from control_plane.store.rollup_records import BASELINE, CANDIDATE, OUTSIDE, RollupStore
 from control_plane.telemetry.classes import DeviceClass, class_values, parse_dimension
 from control_plane.telemetry.robust import DEFAULT_OUTLIERS, Devices
-from control_plane.telemetry.roller import BASELINE, CANDIDATE
 
 log = logging.getLogger(__name__)
 

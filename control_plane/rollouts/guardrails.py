@@ -15,7 +15,7 @@ A rule is `METRIC > THRESHOLD` (or `>=`), for example `p95_latency_ratio > 1.2` 
 The candidate cohort is the devices the rollout assigned its version, reporting it; the
 baseline cohort is the devices it selects but does not include yet, reporting what they
 are assigned without it; both by assignment, over the same window
-(control_plane.telemetry.roller.cohort_of). Each cohort holds every device's own rows.
+(control_plane.rollouts.resolver.Snapshot.cohort_of). Each cohort holds every device's own rows.
 
 Each rule ends in one of three verdicts:
 

@@ -5,11 +5,16 @@ with its selector compiled once, grouped by model and sorted in precedence order
 resolving one device is a few selector checks and hashes. The `Resolver` swaps in a new
 snapshot when the fleet revision moves (told by the change feed), so a Sync never reads
 rollouts from the database.
+
+The same snapshot places each telemetry report in a rollout's cohorts by assignment
+(`Snapshot.placements`): the roller (control_plane.telemetry.roller) asks, and adds the
+figures where it is told.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +28,9 @@ from control_plane.rollouts.lifecycle import (
     stage_limit,
 )
 from control_plane.store.rollouts import RolloutRecord, RolloutStore
+from control_plane.store.rollup_records import BASELINE, CANDIDATE, OUTSIDE
 from control_plane.telemetry.classes import Dimension, parse_dimension
+from control_plane.telemetry.roller import Placement
 
 
 @dataclass(frozen=True)
@@ -124,9 +131,105 @@ class Snapshot:
                 out[model] = d
         return out
 
+    def placements(
+        self,
+        model: str,
+        device_id: str,
+        attrs: Mapping,
+        version: int,
+        variant: str,
+        at: dt.datetime,
+    ) -> list[Placement]:
+        """Return where a report of `model` made `at` counts in each staged rollout of it.
+
+        The roller's question (control_plane.telemetry.roller.Cohorts): one placement per
+        active or paused rollout of the model that the report concerns (`cohort_of`).
+        """
+        out = []
+        for r in self._staged.get(model, ()):
+            cohort = self.cohort_of(r, device_id, attrs, version, variant, at)
+            if cohort is None:
+                continue
+            window = window_of(r.record, _slice_value(r, attrs), at)
+            out.append(Placement(r.record.id, cohort, _slice_class(r, attrs), window))
+        return out
+
+    def cohort_of(
+        self,
+        rollout: LiveRollout,
+        device_id: str,
+        attrs: Mapping,
+        version: int,
+        variant: str,
+        at: dt.datetime,
+    ) -> str | None:
+        """Return which cohort of a rollout a device's report of `version`, made `at`, is in.
+
+        By assignment, never by what the device says it runs: the **candidate** cohort is
+        the devices the control plane assigned the rollout's version under this rollout
+        (selected, in the current stage, their slice not rolled back, and no rollout of
+        higher precedence deciding for them) reporting that version; the **baseline** is
+        the devices the rollout selects but does not include (not in the stage yet, or
+        their slice rolled back) reporting what they are assigned without it. Anything
+        else a selected device reports, and any report of the rollout's version from
+        elsewhere, is OUTSIDE: stored and counted, never judged. None: the report has
+        nothing to do with the rollout.
+
+        The stage is the one in effect when the report was made (`LiveRollout.included_at`);
+        the rest of the assignment is today's.
+        """
+        record = rollout.record
+        reported = (version, variant)
+        if not rollout.selector.matches(attrs):
+            return OUTSIDE if reported == (record.version, record.variant) else None
+        if rollout.selects(attrs) and rollout.included_at(device_id, at):
+            desired = self.desired_model(record.model, device_id, attrs)
+            assigned = desired is not None and desired.rollout == record.id
+            if assigned and reported == (record.version, record.variant):
+                return CANDIDATE
+            return OUTSIDE
+        without = self.desired_model(record.model, device_id, attrs, excluding=record.id)
+        if without is not None and reported == (without.version, without.variant):
+            return BASELINE
+        return OUTSIDE
+
 
 def _flat(groups: dict[str, list[LiveRollout]]) -> list[LiveRollout]:
     return [r for group in groups.values() for r in group]
+
+
+def window_of(record: RolloutRecord, slice_value: str | None, at: dt.datetime) -> dt.datetime:
+    """Return the start of the window a report made `at` counts in, for guardrails.
+
+    The window is the current stage's, or the device's slice's since it was readmitted or
+    rolled back, whichever began last; a report from before it (late, or queued through
+    an outage) counts only in the whole rollout's figures, under the rollout's start.
+    """
+    start = window_start(record, slice_value)
+    return start if at >= start else record.created_at
+
+
+def window_start(record: RolloutRecord, slice_value: str | None) -> dt.datetime:
+    """Return when the window of a slice (or of the whole rollout, None) began."""
+    start = record.stage_started_at
+    state = record.slices.get(slice_value) if slice_value is not None else None
+    if state and state.get("since"):
+        start = max(start, dt.datetime.fromisoformat(state["since"]))
+    return start
+
+
+def _slice_value(rollout: LiveRollout, attrs) -> str | None:
+    spec = rollout.record.slice_by
+    return parse_dimension(spec).value(attrs) if spec else None
+
+
+def _slice_class(rollout: LiveRollout, attrs) -> str:
+    """Return the class a rollout's rows keep for a device: its slice attribute, or none."""
+    spec = rollout.record.slice_by
+    if not spec:
+        return "{}"
+    dim = parse_dimension(spec)
+    return json.dumps({dim.name: dim.value(attrs)}, ensure_ascii=False)
 
 
 class Resolver:

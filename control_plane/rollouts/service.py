@@ -80,7 +80,6 @@ DEFAULT_MIN_INFERENCES = 1000
 MAX_MIN_DEVICES = 10_000_000
 MAX_MIN_INFERENCES = 1 << 40
 GUARDRAIL = "guardrail"
-SLICE_STATES = ("active", "rolled_back")
 _VARIANT_CACHE = 1024  # versions are immutable: a variant's degraded flag never changes
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -270,26 +270,6 @@ class FleetSimulator:
                     f"{len(pending)} of {len(wanted)} devices have not {what} "
                     f"{model}:{version} ({variant}) after {timeout:g}s "
                     f"({_describe([by_id[i] for i in sorted(pending)[:3]])})"
-                ) from None
-
-    async def wait_until(
-        self, check: Callable[[], bool], *, timeout: float = 60.0, what: str = "the fleet"
-    ) -> None:
-        """Wait until `check()` holds; Unavailable naming `what` after `timeout`.
-
-        It looks again whenever a device syncs, installs, queues or sends a report.
-        """
-        deadline = time.monotonic() + timeout
-        while not check():
-            self._changed.clear()
-            left = deadline - time.monotonic()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(left, 0))
-            except TimeoutError:
-                if check():
-                    return
-                raise errors.Unavailable(
-                    f"timed out after {timeout:g}s waiting for {what}"
                 ) from None
 
     def sync_counts(self) -> dict[str, int]:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from contract import errors
-from control_plane.crypto.kek import WrappedKey
 
 
 @dataclass(frozen=True)
@@ -86,6 +85,18 @@ class ModelRecord:
     created_at: dt.datetime
     latest_version: int
     version_count: int
+
+
+@dataclass(frozen=True)
+class WrappedKey:
+    """A data key encrypted under the KEK named by `kek_id`, as the store keeps it.
+
+    Declared here, not beside the KEKs that make it: the store keeps what crypto hands
+    it and depends on nothing above it (crypto.kek returns and takes this record).
+    """
+
+    kek_id: str
+    ciphertext: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)

@@ -238,7 +238,9 @@ class PendingBatch:
 # Scope of the fleet-wide device rows (backend recommendations), and their one window.
 FLEET = ""
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-OUTSIDE = "outside"
+# The cohorts a rollout's rows are kept under: which one a report is in is the rollouts'
+# call (control_plane.rollouts.resolver.Snapshot.placements); its name is stored here.
+CANDIDATE, BASELINE, OUTSIDE = "candidate", "baseline", "outside"
 
 
 @dataclass(frozen=True)
@@ -579,16 +581,6 @@ def decode_many(blobs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndar
     at = np.repeat(offsets + 2 * n, n) + 8 * k
     count = np.ascontiguousarray(buf[at[:, None] + np.arange(8)]).view("<i8").ravel()
     return row.astype(np.intp), index, count.astype(np.float64)
-
-
-@dataclass(frozen=True)
-class RollupRecord:
-    """A stored rollup row."""
-
-    resolution_s: int
-    bucket_start: dt.datetime
-    key: RollupKey
-    aggregate: Aggregate
 
 
 class RollupStore(abc.ABC):

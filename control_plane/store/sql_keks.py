@@ -18,12 +18,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from contract import errors
-from control_plane.crypto.kek import WrappedKey
 from control_plane.store import orm
 from control_plane.store.base import (
     KekState,
     StaleKek,
     StoredDataKey,
+    WrappedKey,
 )
 from control_plane.store.sql_errors import sorted_db_error
 

@@ -43,7 +43,7 @@ from control_plane.store.rollup_records import (
     encode_buckets,
 )
 from control_plane.store.sql_fleet import aware
-from control_plane.store.sql_telemetry import _install, _stats
+from control_plane.store.sql_report_rows import install_record, stats_record
 from runtime.histogram import N_BUCKETS
 
 _CHUNK = 500  # keys per IN (...) list
@@ -110,10 +110,10 @@ class SqlRollupStore(RollupStore):
             for chunk in _chunks(keys):
                 in_chunk = tuple_(s.device_id, s.batch_id).in_(chunk)
                 for row in session.scalars(select(s).where(in_chunk)):
-                    stats[row.device_id, row.batch_id].append(_stats(row))
+                    stats[row.device_id, row.batch_id].append(stats_record(row))
                 in_chunk = tuple_(i.device_id, i.batch_id).in_(chunk)
                 for row in session.scalars(select(i).where(in_chunk)):
-                    installs[row.device_id, row.batch_id].append(_install(row))
+                    installs[row.device_id, row.batch_id].append(install_record(row))
             return [
                 PendingBatch(
                     r.device_id,

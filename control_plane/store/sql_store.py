@@ -12,7 +12,6 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from contract import errors
-from control_plane.crypto.kek import WrappedKey
 from control_plane.store import orm
 from control_plane.store.base import (
     ModelRecord,
@@ -20,6 +19,7 @@ from control_plane.store.base import (
     VariantRecord,
     VersionBuilder,
     VersionRecord,
+    WrappedKey,
 )
 from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade

@@ -15,13 +15,19 @@ from contract import errors
 from control_plane.store import orm
 from control_plane.store.report_records import (
     InstallRecord,
-    ModelStatsRecord,
     PeriodCheck,
     ReportBatch,
     StatsRow,
     TelemetryStore,
 )
 from control_plane.store.sql_fleet import aware
+from control_plane.store.sql_report_rows import (
+    batch_values,
+    install_record,
+    install_values,
+    stats_record,
+    stats_values,
+)
 
 _INSTALLS = orm.InstallReportRow.__table__
 
@@ -122,11 +128,11 @@ class SqlTelemetryStore(TelemetryStore):
                 if check is not None:
                     refused = _check_periods(session, pg, stored, known, check)
                     stored = [b for b in stored if (b.device_id, b.batch_id) not in refused]
-                stats = [_stats_values(b, s) for b in stored for s in b.models]
+                stats = [stats_values(b, s) for b in stored for s in b.models]
                 if stats:
                     (_copy_stats if pg else _insert_stats)(session, stats)
                 _note_offsets(session, stored)
-                installs = [_install_values(b, i) for b in stored for i in b.installs]
+                installs = [install_values(b, i) for b in stored for i in b.installs]
                 if installs:
                     session.execute(_INSTALLS.insert(), installs)
                 for b in stored:
@@ -150,7 +156,7 @@ class SqlTelemetryStore(TelemetryStore):
                 .order_by(r.at.desc(), r.id.desc())
                 .limit(limit)
             ).all()
-            return [_install(row) for row in rows]
+            return [install_record(row) for row in rows]
 
     def device_stats(
         self, device_id: str, *, since: dt.datetime, limit: int = 5000
@@ -168,7 +174,9 @@ class SqlTelemetryStore(TelemetryStore):
                 .limit(limit)
             ).all()
             rows.reverse()
-            return [StatsRow(aware(x.period_start), aware(x.period_end), _stats(x)) for x in rows]
+            return [
+                StatsRow(aware(x.period_start), aware(x.period_end), stats_record(x)) for x in rows
+            ]
 
 
 # PostgreSQL: statements whose text does not grow with the group. Long statements built
@@ -203,14 +211,14 @@ def _claim(session: Session, batches: Sequence[ReportBatch]) -> set[tuple[str, s
             sqlite.insert(table)
             .on_conflict_do_nothing(index_elements=["device_id", "batch_id"])
             .returning(table.c.device_id, table.c.batch_id),
-            [_batch_values(b) for b in batches],
+            [batch_values(b) for b in batches],
         )
     }
 
 
 def _claim_pg(session: Session, batches: Sequence[ReportBatch]) -> set[tuple[str, str]]:
     """`_claim` on PostgreSQL, in one statement of fixed text (columns as arrays)."""
-    rows = [_batch_values(b) for b in batches]
+    rows = [batch_values(b) for b in batches]
     columns = ("device_id", "batch_id", "received_at", "period_start", "period_end")
     params = {c: [r[c] for r in rows] for c in (*columns, "dropped_batches")}
     return {(row.device_id, row.batch_id) for row in session.execute(_CLAIM_PG, params)}
@@ -306,86 +314,6 @@ def _copy_stats(session: Session, rows: list[dict]) -> None:
                 )
     except psycopg.Error as exc:  # raw driver errors: wrapped as SQLAlchemy's, then sorted
         raise sa_exc.DBAPIError.instance(sql, None, exc, psycopg.Error) from exc
-
-
-def _batch_values(batch: ReportBatch) -> dict:
-    return {
-        "device_id": batch.device_id,
-        "batch_id": batch.batch_id,
-        "received_at": batch.received_at,
-        "period_start": batch.period_start,
-        "period_end": batch.period_end,
-        "dropped_batches": batch.dropped_batches,
-        "rolled": False,
-    }
-
-
-def _stats_values(batch: ReportBatch, s: ModelStatsRecord) -> dict:
-    return {
-        "device_id": batch.device_id,
-        "batch_id": batch.batch_id,
-        "period_start": batch.period_start,
-        "period_end": batch.period_end,
-        "model": s.model,
-        "version": s.version,
-        "variant": s.variant,
-        "config": s.config,
-        "inferences": s.inferences,
-        "errors": s.errors,
-        "crashes": len(s.crashes),
-        "fallbacks": len(s.fallbacks),
-        "pipeline_firings": s.pipeline_firings,
-        "latency": s.latency,
-        "events": {"crashes": list(s.crashes), "fallbacks": list(s.fallbacks)},
-    }
-
-
-def _stats(row: orm.ModelStatsRow) -> ModelStatsRecord:
-    events = row.events or {}
-    return ModelStatsRecord(
-        model=row.model,
-        version=row.version,
-        variant=row.variant,
-        config=row.config,
-        inferences=row.inferences,
-        errors=row.errors,
-        pipeline_firings=row.pipeline_firings,
-        latency=dict(row.latency),
-        crashes=tuple(events.get("crashes", ())),
-        fallbacks=tuple(events.get("fallbacks", ())),
-    )
-
-
-def _install_values(batch: ReportBatch, i: InstallRecord) -> dict:
-    return {
-        "device_id": batch.device_id,
-        "batch_id": batch.batch_id,
-        "at": i.at,
-        "model": i.model,
-        "version": i.version,
-        "variant": i.variant,
-        "rollout": i.rollout,
-        "result": i.result,
-        "reason": i.reason,
-        "config": i.config,
-        "timings": i.timings,
-        "probes": list(i.probes),
-    }
-
-
-def _install(row: orm.InstallReportRow) -> InstallRecord:
-    return InstallRecord(
-        at=aware(row.at),
-        model=row.model,
-        version=row.version,
-        variant=row.variant,
-        rollout=row.rollout,
-        result=row.result,
-        reason=row.reason,
-        config=row.config,
-        timings=dict(row.timings),
-        probes=tuple(row.probes),
-    )
 
 
 def _apply_install(session: Session, dialect, device_id: str, i: InstallRecord) -> None:

@@ -9,13 +9,15 @@ the rows and the batch's `rolled` flag change in one transaction, which fails as
 when another replica's roller took the batch first.
 
 For guardrails, the same stats are also added to rows of each live rollout they concern,
-by the cohort the device is in by *assignment* (`cohort_of`): the **candidate** cohort
-(devices assigned the rollout's version under it, reporting it) or the **baseline** cohort
-(devices it selects but does not include yet, reporting what they are assigned without
-it); anything else is **outside**: kept and counted, never judged. Guardrails judge each
-device's own figures (control_plane.telemetry.robust), so besides rows over time the
-roller keeps one row per device and backend config: per rollout, cohort and window
-(`window_of`), and fleet-wide per model version (backend recommendations).
+by the cohort the device is in by *assignment*: the **candidate** cohort (devices assigned
+the rollout's version under it, reporting it) or the **baseline** cohort (devices it
+selects but does not include yet, reporting what they are assigned without it); anything
+else is **outside**: kept and counted, never judged. Assignment is the rollouts' business,
+so they place each report (`Cohorts`, served by control_plane.rollouts.resolver) and the
+roller adds it where it is placed. Guardrails judge each device's own figures
+(control_plane.telemetry.robust), so besides rows over time the roller keeps one row per
+device and backend config: per rollout, cohort and guardrail window, and fleet-wide per
+model version (backend recommendations).
 
 A batch counts in the buckets its period ends in; install outcomes in the buckets of
 their own time.
@@ -25,18 +27,15 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from control_plane.rollouts.lifecycle import RolloutState
-from control_plane.rollouts.resolver import LiveRollout, Resolver, Snapshot
 from control_plane.store.fleet import FleetStore
 from control_plane.store.report_records import MAX_REPORT_AGE, ModelStatsRecord, ReportBatch
-from control_plane.store.rollouts import RolloutRecord
 from control_plane.store.rollup_records import (
     EPOCH,
     FLEET,
@@ -48,13 +47,12 @@ from control_plane.store.rollup_records import (
     RollupKey,
     RollupStore,
 )
-from control_plane.telemetry.classes import DeviceClass, parse_dimension
+from control_plane.telemetry.classes import DeviceClass
 
 log = logging.getLogger(__name__)
 
 MINUTE, HOUR, DAY = 60, 3600, 86_400
 RESOLUTIONS = (MINUTE, HOUR, DAY)
-CANDIDATE, BASELINE = "candidate", "baseline"
 BATCHES_PER_ROUND = 2000
 PRUNE_EVERY_S = 600.0
 # Batches this replica stored wait in memory for its roller (no re-read, no JSON
@@ -81,37 +79,6 @@ class Retention:
         return {MINUTE: self.minute, HOUR: self.hour, DAY: self.day}[resolution_s]
 
 
-def window_parts(
-    since: dt.datetime, now: dt.datetime, retention: Retention, *, strict: bool = False
-) -> list[tuple[int, dt.datetime, dt.datetime | None]]:
-    """Cover [since, now] with as few rollup rows as possible: (resolution, from, until).
-
-    Minutes up to the first whole hour, hours up to the first whole day, then days (a
-    bucket's row holds its data so far, so the current day's row reaches `now`). The
-    first minute is the one holding `since`, so up to a minute of data from before it
-    counts; with `strict`, the next one, so nothing from before it does (and a window
-    younger than a minute is empty). Where a resolution is past keeping, the next coarser
-    one starts at the bucket holding `since`.
-    """
-    parts: list[tuple[int, dt.datetime, dt.datetime | None]] = []
-    start = since
-    for res, coarser in ((MINUTE, HOUR), (HOUR, DAY)):
-        first = bucket_start(start, res)
-        if first < start and (strict or res != MINUTE):
-            first += dt.timedelta(seconds=res)
-        until = bucket_start(first, coarser)
-        if until < first:
-            until += dt.timedelta(seconds=coarser)
-        if start < now - retention.of(res):
-            start = bucket_start(start, coarser)  # gone at this resolution: take the whole
-            continue
-        if first < until:
-            parts.append((res, first, until))
-        start = until
-    parts.append((DAY, start, None))  # day-aligned: the end of the hours (or their start)
-    return parts
-
-
 def bucket_start(at: dt.datetime, resolution_s: int) -> dt.datetime:
     """Return the start of the `resolution_s` bucket holding `at` (aware UTC)."""
     seconds = int(at.timestamp()) // resolution_s * resolution_s
@@ -127,13 +94,52 @@ def utcnow() -> dt.datetime:
 Deltas = dict[tuple[int, dt.datetime, RollupKey], Aggregate]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one report counts in one live rollout's rows, as the rollouts place it."""
+
+    rollout: str  # the rollout's id
+    cohort: str  # CANDIDATE, BASELINE or OUTSIDE (store.rollup_records)
+    device_class: str  # the class its rows keep: {slice attribute: value} as JSON, or "{}"
+    window: dt.datetime  # the start of the guardrail window the report counts in
+
+
+class Placements(Protocol):
+    """The live rollouts at one fleet revision, as the roller asks about them."""
+
+    def placements(
+        self,
+        model: str,
+        device_id: str,
+        attrs: Mapping,
+        version: int,
+        variant: str,
+        at: dt.datetime,
+    ) -> Iterable[Placement]:
+        """Return where a device's report of `version`/`variant` of `model` made `at` counts."""
+        ...
+
+
+class Cohorts(Protocol):
+    """What the roller needs of the rollouts: the current live ones, to place reports.
+
+    Which cohort a report is in follows from assignment, which the rollouts own
+    (control_plane.rollouts.resolver.Resolver is what the server passes); telemetry only
+    adds the figures where it is told, so it depends on this shape, not on the rollouts.
+    """
+
+    def snapshot(self) -> Placements:
+        """Return the live rollouts after the latest change."""
+        ...
+
+
 class Roller:
     """Rolls up stored batches; safe to run on every replica at once."""
 
     def __init__(
         self,
         store: RollupStore | FleetStore,
-        resolver: Resolver,
+        resolver: Cohorts,
         device_class: DeviceClass,
         *,
         retention: Retention | None = None,
@@ -240,10 +246,6 @@ class Roller:
         now = self._clock()
         oldest = {res: now - self._retention.of(res) for res in RESOLUTIONS}
         snapshot = self._resolver.snapshot()
-        staged: dict[str, list[LiveRollout]] = {}
-        for r in snapshot.by_id.values():
-            if r.record.state in (RolloutState.ACTIVE, RolloutState.PAUSED):
-                staged.setdefault(r.record.model, []).append(r)
         deltas: Deltas = {}
         devices: dict[DeviceKey, DeviceDelta] = {}
 
@@ -282,86 +284,13 @@ class Roller:
                     add_device(
                         DeviceKey(FLEET, EPOCH, "", *dims, device), device_class, when, apply
                     )
-                for r in staged.get(item.model, ()):
-                    cohort = cohort_of(snapshot, r, device, attrs, item.version, item.variant, when)
-                    if cohort is None:
-                        continue
-                    sliced = _slice_class(r, attrs)
-                    if cohort != OUTSIDE:
+                placed = snapshot.placements(
+                    item.model, device, attrs, item.version, item.variant, when
+                )
+                for p in placed:
+                    if p.cohort != OUTSIDE:
                         # Rows over time, per cohort and slice: the rollout's charts.
-                        add(when, RollupKey(*dims, sliced, r.record.id, cohort), apply)
-                    window = window_of(r.record, _slice_value(r, attrs), when)
-                    key = DeviceKey(r.record.id, window, cohort, *dims, device)
-                    add_device(key, sliced, when, apply)
+                        add(when, RollupKey(*dims, p.device_class, p.rollout, p.cohort), apply)
+                    key = DeviceKey(p.rollout, p.window, p.cohort, *dims, device)
+                    add_device(key, p.device_class, when, apply)
         return deltas, devices
-
-
-def cohort_of(
-    snapshot: Snapshot,
-    rollout: LiveRollout,
-    device_id: str,
-    attrs: Mapping,
-    version: int,
-    variant: str,
-    at: dt.datetime,
-) -> str | None:
-    """Return which cohort of a rollout a device's report of `version`, made `at`, is in.
-
-    By assignment, never by what the device says it runs: the **candidate** cohort is the
-    devices the control plane assigned the rollout's version under this rollout (selected,
-    in the current stage, their slice not rolled back, and no rollout of higher precedence
-    deciding for them) reporting that version; the **baseline** is the devices the rollout
-    selects but does not include (not in the stage yet, or their slice rolled back)
-    reporting what they are assigned without it. Anything else a selected device reports,
-    and any report of the rollout's version from elsewhere, is OUTSIDE: stored and
-    counted, never judged. None: the report has nothing to do with the rollout.
-
-    The stage is the one in effect when the report was made (`LiveRollout.included_at`);
-    the rest of the assignment is today's.
-    """
-    record = rollout.record
-    reported = (version, variant)
-    if not rollout.selector.matches(attrs):
-        return OUTSIDE if reported == (record.version, record.variant) else None
-    if rollout.selects(attrs) and rollout.included_at(device_id, at):
-        desired = snapshot.desired_model(record.model, device_id, attrs)
-        assigned = desired is not None and desired.rollout == record.id
-        return CANDIDATE if assigned and reported == (record.version, record.variant) else OUTSIDE
-    without = snapshot.desired_model(record.model, device_id, attrs, excluding=record.id)
-    if without is not None and reported == (without.version, without.variant):
-        return BASELINE
-    return OUTSIDE
-
-
-def window_of(record: RolloutRecord, slice_value: str | None, at: dt.datetime) -> dt.datetime:
-    """Return the start of the window a report made `at` counts in, for guardrails.
-
-    The window is the current stage's, or the device's slice's since it was readmitted or
-    rolled back, whichever began last; a report from before it (late, or queued through
-    an outage) counts only in the whole rollout's figures, under the rollout's start.
-    """
-    start = window_start(record, slice_value)
-    return start if at >= start else record.created_at
-
-
-def window_start(record: RolloutRecord, slice_value: str | None) -> dt.datetime:
-    """Return when the window of a slice (or of the whole rollout, None) began."""
-    start = record.stage_started_at
-    state = record.slices.get(slice_value) if slice_value is not None else None
-    if state and state.get("since"):
-        start = max(start, dt.datetime.fromisoformat(state["since"]))
-    return start
-
-
-def _slice_value(rollout: LiveRollout, attrs) -> str | None:
-    spec = rollout.record.slice_by
-    return parse_dimension(spec).value(attrs) if spec else None
-
-
-def _slice_class(rollout: LiveRollout, attrs) -> str:
-    """Return the class a rollout's rows keep for a device: its slice attribute, or none."""
-    spec = rollout.record.slice_by
-    if not spec:
-        return "{}"
-    dim = parse_dimension(spec)
-    return json.dumps({dim.name: dim.value(attrs)}, ensure_ascii=False)

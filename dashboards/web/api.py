@@ -27,8 +27,8 @@ from __future__ import annotations
 import flask
 
 from contract import errors
-from control_plane.cli.fleet_views import rollout_dict
-from control_plane.cli.listing import listed
+from control_plane.views import listed
+from control_plane.views.fleet import rollout_dict
 from dashboards.web import data
 from dashboards.web.app import caller, sessions, skiff
 

@@ -20,8 +20,8 @@ import plotly
 from werkzeug.exceptions import HTTPException
 
 from contract import errors
-from control_plane.api.server import App
 from control_plane.api.throttle import Throttle, Throttled, client_key
+from control_plane.app import App
 from dashboards.metrics import Metrics
 from dashboards.web.auth import COOKIE, SESSION_TTL, Caller, Sessions
 

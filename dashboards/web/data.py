@@ -1,8 +1,8 @@
 """The documents the dashboard shows: one function each, shared by its pages and JSON API.
 
-Each returns what the matching CLI command prints with `--json` (the same renderers over
-the same messages), so a figure on a page, in `/api/v1/...` and in `skiff ... --json`
-is one number read once.
+Each returns what the matching CLI command prints with `--json`: control_plane.views'
+documents over the same messages (the dashboard never goes through the CLI), so a figure
+on a page, in `/api/v1/...` and in `skiff ... --json` is one number read once.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import collections
 from control_plane import paging
 from control_plane.api.admin_service import model_pb, version_pb
 from control_plane.api.fleet_convert import backends_pb
-from control_plane.api.server import App
-from control_plane.cli.fleet_views import backends_dict, device_dict, rollout_dict
-from control_plane.cli.views import model_dict, version_dict
+from control_plane.app import App
 from control_plane.registry import accuracy_bars
 from control_plane.registry.requests import validate_name
 from control_plane.rollouts.lifecycle import TRANSITIONS, Action, RolloutState, next_step
 from control_plane.rollouts.lifecycle import paused_text as lifecycle_paused_text
 from control_plane.telemetry import series
+from control_plane.views.fleet import backends_dict, device_dict, rollout_dict
+from control_plane.views.registry import model_dict, version_dict
 
 # The overview counts every device; past this many platforms the rest are "other", so a
 # fleet reporting made-up platforms cannot grow the page (or the metrics) without bound.

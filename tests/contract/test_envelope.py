@@ -13,7 +13,7 @@ import tink
 from tink import secret_key_access, streaming_aead
 
 from contract import errors
-from control_plane.crypto import (
+from contract.envelope import (
     SEGMENT_SIZE,
     ciphertext_size,
     decrypt_stream,

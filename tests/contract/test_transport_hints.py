@@ -20,8 +20,8 @@ from contract.transport import connect_hint, retry_helps
 from control_plane.api.client import AdminClient
 from control_plane.api.transport import client_tls
 from protos import device_pb2
+from tests.control_plane.cli.test_cli import skiff
 from tests.control_plane.helpers import start_control_plane
-from tests.control_plane.test_cli import skiff
 
 EXIT_INVALID, EXIT_UNAVAILABLE = 3, 6
 

@@ -19,11 +19,12 @@ import grpc
 from contract.pinned_keys import PinnedKeyRing
 from contract.transport import ClientTls, channel_credentials
 from control_plane.api.client import AdminClient
-from control_plane.api.server import App, ServerHandle, build_app, create_server
 from control_plane.api.transport import client_tls
+from control_plane.app import App, build_app
 from control_plane.home import init_home, read_token
 from control_plane.pins import read_pins
 from control_plane.registry.registry import Registry
+from control_plane.serve import ServerHandle, create_server
 from control_plane.settings import CONFIG_FILE, Config, load_config
 
 

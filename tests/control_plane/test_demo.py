@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from tests.control_plane.test_cli import SKIFF, skiff
+from tests.control_plane.cli.test_cli import SKIFF, skiff
 
 
 def test_demo_runs_the_whole_loop(tmp_path):

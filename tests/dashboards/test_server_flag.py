@@ -6,8 +6,8 @@ import signal
 
 import requests
 
+from tests.control_plane.cli.test_cli import skiff
 from tests.control_plane.helpers import spawn_server
-from tests.control_plane.test_cli import skiff
 
 
 def test_server_http_serves_the_dashboard_over_tls(tmp_path):

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from control_plane.cli.agent_commands import AGENT_ENV
 from control_plane.cli.main import build_parser
 from control_plane.settings import SETTINGS
+from device_agent.cli import AGENT_ENV
 
 SETTINGS_BY_ENV = {s.env: s for s in SETTINGS}
 # Built once: parse_args leaves the parser as it found it.

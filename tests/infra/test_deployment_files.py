@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from control_plane.cli.agent_commands import AGENT_ENV
 from control_plane.settings import SETTINGS
+from device_agent.cli import AGENT_ENV
 from tests.infra._commands import (
     check_env_names,
     check_env_values,

@@ -13,7 +13,7 @@ import boto3
 import pytest
 
 from contract import errors
-from control_plane.api.server import build_registry
+from control_plane.app import build_registry
 from control_plane.blobs import LocalBlobStore, S3BlobStore
 from control_plane.registry import gc
 from control_plane.store.sql_store import SqlStore

@@ -11,8 +11,8 @@ import pytest
 from control_plane.api.client import AdminClient
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, Watching
+from tests.control_plane.cli.test_cli import skiff
 from tests.control_plane.helpers import home_tls, spawn_server
-from tests.control_plane.test_cli import skiff
 
 pytestmark = pytest.mark.postgres
 

@@ -299,8 +299,8 @@ def test_a_degraded_rollout_from_before_the_flag_does_not_claim_it():
 
 
 def test_custom_attributes_are_shown_as_a_selector_writes_them():
-    from control_plane.cli.fleet_views import _attributes_text
     from control_plane.fleet.selector import parse_selector
+    from control_plane.views.fleet_text import _attributes_text
 
     shown = _attributes_text({"platform": "ios", "custom": {"tier": "gold"}})
     assert shown == "platform=ios, custom.tier=gold"

@@ -201,7 +201,8 @@ def test_fleet_ls_selects_with_the_rollout_evaluator(published, enroll_token):
 
 
 def test_state_survives_a_restart_mid_rollout(published, enroll_token):
-    from control_plane.api.server import build_app, create_server
+    from control_plane.app import build_app
+    from control_plane.serve import create_server
 
     cp = published
     device = Device.enroll(cp.address, enroll_token, ANDROID)

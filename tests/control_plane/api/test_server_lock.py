@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import pytest
 
 from contract import errors
-from control_plane.api.server import start_server
 from control_plane.home import init_home
+from control_plane.serve import start_server
 from control_plane.settings import load_config
+from tests.control_plane.cli.test_cli import skiff
 from tests.control_plane.helpers import spawn_server
-from tests.control_plane.test_cli import skiff
 
 EXIT_INVALID, EXIT_CONFLICT = 3, 7
 

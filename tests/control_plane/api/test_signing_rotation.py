@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from contract import errors
 from contract.assignment import AssignmentRejected, key_id_of, new_nonce, verify_sync
 from contract.pinned_keys import endorsement_body
-from control_plane.api.server import build_signing_keys
+from control_plane.app import build_signing_keys
 from control_plane.crypto import verify_manifest
 from protos import common_pb2, fleet_pb2
 from tests.control_plane.api.device_helpers import Device

@@ -16,11 +16,12 @@ from contract.device_client import DeviceCallError, DeviceConnection, open_chann
 from contract.key_wrap import DeviceKeyPair
 from contract.transport import ClientTls, channel_credentials, is_loopback
 from control_plane.api.client import AdminClient
-from control_plane.api.server import build_app, create_server
 from control_plane.api.transport import client_tls
+from control_plane.app import build_app
 from control_plane.crypto import tls as certs
 from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token
+from control_plane.serve import create_server
 from control_plane.settings import Config, load_config
 from protos import device_pb2
 from tests.control_plane.helpers import ControlPlane

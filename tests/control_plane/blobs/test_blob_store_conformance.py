@@ -14,7 +14,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from contract.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
+from contract.errors import InvalidArgument, NotFound, Unavailable
 from control_plane.blobs import (
     CHUNK_SIZE,
     BlobInfo,
@@ -111,45 +111,13 @@ def test_put_stream_round_trips_under_its_sha256(backend: Backend, size: int) ->
     assert backend.store.stat(info.key) == info
 
 
-@pytest.mark.parametrize("size", [10, 3 * MIB + 5])
-def test_put_file_round_trips_and_accepts_matching_digest(
-    backend: Backend, tmp_path: Path, size: int
-) -> None:
-    data = _data(size, seed=1)
-    src = tmp_path / "artifact.bin"
-    src.write_bytes(data)
-    info = backend.store.put_file(src, sha256=_sha(data))
-    assert info == BlobInfo(key=_sha(data), size=size)
-    assert b"".join(backend.store.open_read(info.key)) == data
-
-
-def test_put_is_idempotent(backend: Backend, tmp_path: Path) -> None:
+def test_put_is_idempotent(backend: Backend) -> None:
     data = _data(5000, seed=2)
-    src = tmp_path / "a.bin"
-    src.write_bytes(data)
-    first = backend.store.put_file(src)
+    first = backend.store.put_stream(_chunked(data, 1000))
     second = backend.store.put_stream(_chunked(data, 100))
     assert first == second
     assert list(backend.store.keys()) == [first.key]
     assert b"".join(backend.store.open_read(first.key)) == data
-
-
-def test_put_file_with_wrong_digest_stores_nothing(backend: Backend, tmp_path: Path) -> None:
-    data = _data(2 * MIB, seed=3)
-    src = tmp_path / "a.bin"
-    src.write_bytes(data)
-    with pytest.raises(IntegrityError, match="mismatch"):
-        backend.store.put_file(src, sha256=_sha(b"something else"))
-    assert not backend.store.exists(_sha(data))
-    assert backend.leftovers() == []
-
-
-def test_put_file_rejects_malformed_expected_digest(backend: Backend, tmp_path: Path) -> None:
-    src = tmp_path / "a.bin"
-    src.write_bytes(b"x")
-    with pytest.raises(InvalidArgument):
-        backend.store.put_file(src, sha256=_sha(b"x").upper())
-    assert backend.leftovers() == []
 
 
 def test_put_stream_failing_midway_leaves_nothing(backend: Backend) -> None:

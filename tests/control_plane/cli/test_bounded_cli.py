@@ -10,7 +10,7 @@ import pytest
 from contract.limits import MAX_NOTES
 from control_plane.blobs import LocalBlobStore
 from tests.control_plane.api.device_helpers import Device
-from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
+from tests.control_plane.cli.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
 
 @pytest.mark.parametrize(

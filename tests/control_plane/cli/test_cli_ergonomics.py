@@ -22,14 +22,14 @@ from control_plane.sim.display import render as render_sim
 from control_plane.sim.stats import FleetStats
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device
-from tests.control_plane.sim.conftest import cp, template_home  # noqa: F401
-from tests.control_plane.test_cli import (  # noqa: F401
+from tests.control_plane.cli.test_cli import (  # noqa: F401
     SKIFF,
     _error_line,
     model_file,
     server,
     skiff,
 )
+from tests.control_plane.sim.conftest import cp_holder, template_home  # noqa: F401
 
 LONG_ID = "dev_0123456789abcdef"
 
@@ -470,16 +470,16 @@ def test_rollout_show_watch_ends_quietly_on_ctrl_c(fleet, cli):
 # -- skiff sim: live progress on a terminal only -----------------------------------------------
 
 
-def _sim(cp, *args: str) -> list[str]:  # noqa: F811
+def _sim(cp, *args: str) -> list[str]:
     return ["sim", "--home", str(cp.config.home), "--server", cp.address, *args]
 
 
 def test_sim_draws_progress_on_a_terminal_and_stays_plain_when_piped(
-    cp,  # noqa: F811
+    cp_holder,  # noqa: F811
     monkeypatch,
     capsys,
 ):
-    cp = cp["cp"]
+    cp = cp_holder["cp"]
     assert main(_sim(cp, "--devices", "4", "--once")) == 0
     out, err = capsys.readouterr()
     assert err == ""  # not a terminal: no progress at all

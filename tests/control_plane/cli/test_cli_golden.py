@@ -10,7 +10,7 @@ import pytest
 
 from control_plane.demo.third_party_models import by_name
 from runtime.golden import Golden
-from tests.control_plane.test_cli import _error_line, server, skiff  # noqa: F401 - fixture
+from tests.control_plane.cli.test_cli import _error_line, server, skiff  # noqa: F401 - fixture
 
 EXIT_INVALID = 3  # the CLI's exit code for a refused request (cli/main.py)
 

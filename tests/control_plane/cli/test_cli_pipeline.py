@@ -7,7 +7,7 @@ import json
 import pytest
 
 from control_plane.demo.sample_pipeline import activity_pipeline
-from tests.control_plane.test_cli import (  # noqa: F401 - fixtures
+from tests.control_plane.cli.test_cli import (  # noqa: F401 - fixtures
     _error_line,
     model_file,
     server,

@@ -13,8 +13,8 @@ from contract import errors
 from control_plane.pins import pins_path
 from control_plane.settings import load_config
 from control_plane.store import orm
+from tests.control_plane.cli.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 from tests.control_plane.helpers import start_control_plane
-from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
 EXIT_CONFLICT, EXIT_INTEGRITY = 7, 8
 

@@ -8,8 +8,8 @@ import signal
 import pytest
 from cryptography import x509
 
+from tests.control_plane.cli.test_cli import skiff
 from tests.control_plane.helpers import spawn_server
-from tests.control_plane.test_cli import skiff
 
 
 def _error_line(result) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.control_plane.api.device_helpers import Device
-from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
+from tests.control_plane.cli.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
 
 def _address(running) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from tests.control_plane.api.device_helpers import Device
-from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
+from tests.control_plane.cli.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
 
 def test_rollout_words_and_refusals_from_the_command_line(server, model_file):  # noqa: F811

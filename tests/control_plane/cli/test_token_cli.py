@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from tests.control_plane.cli.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 from tests.control_plane.helpers import spawn_server
-from tests.control_plane.test_cli import _error_line, model_file, server, skiff  # noqa: F401
 
 
 def _make(env: dict, role: str, *extra: str) -> dict:

@@ -9,7 +9,7 @@ from contract import errors
 from control_plane.demo import sample_models
 from protos import admin_pb2
 from tests.control_plane.helpers import start_control_plane
-from tests.control_plane.test_registry_failures import _assert_nothing_stored, _stub
+from tests.control_plane.registry.test_registry_failures import _assert_nothing_stored, _stub
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +155,6 @@ def test_a_pull_the_client_refuses_releases_the_servers_thread(tmp_path, caplog)
             with pytest.raises(errors.SkiffError):
                 client.pull("det", 1, tmp_path / "out", pins=PinnedKeyRing.from_pems([stranger]))
     finally:
-        with caplog.at_level(logging.WARNING, logger="control_plane.api.server"):
+        with caplog.at_level(logging.WARNING, logger="control_plane.serve"):
             plane.stop()
     assert "handler threads still busy" not in caplog.text

@@ -17,14 +17,15 @@ import pytest
 
 from contract import errors
 from control_plane.api.client import AdminClient
-from control_plane.api.server import build_app, create_server, kek_rotation
+from control_plane.app import build_app, kek_rotation
 from control_plane.demo import sample_models
 from control_plane.home import read_token
 from control_plane.pins import read_pins
+from control_plane.serve import create_server
 from control_plane.settings import CONFIG_FILE, load_config
 from control_plane.store.sql_store import SqlStore
+from tests.control_plane.cli.test_cli import skiff
 from tests.control_plane.helpers import ControlPlane, spawn_server, start_control_plane, tls_of
-from tests.control_plane.test_cli import skiff
 
 MODELS = ("det", "cls", "seg")
 
@@ -250,7 +251,7 @@ def test_a_push_landing_after_the_last_batch_is_moved_before_the_switch(
 _KILLED_ROTATION = """
 import sys, threading
 from pathlib import Path
-from control_plane.api import server
+from control_plane import app as server
 from control_plane.settings import load_config
 
 home, target, point = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -25,7 +25,7 @@ from control_plane.registry.mnn_tools import ModelSignature, TensorSpec
 from tests.ci import on_ci
 
 MNN_VERSION = importlib.metadata.version("MNN")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TINY_SIGNATURE = ModelSignature(
     inputs=(TensorSpec("x", (1, 16), "float32"),),
     outputs=(TensorSpec("y", (1, 4), "float32"),),
@@ -308,7 +308,7 @@ def test_import_guard_blocks_the_phone_home_modules():
     script = textwrap.dedent(
         """
         import sys
-        from runtime._mnn import forbidden_loaded, install_import_guard
+        from runtime.mnn_host import forbidden_loaded, install_import_guard
         install_import_guard()
         import MNN
         for name in ("MNN.tools", "MNN.tools.utils.log", "aliyun.log"):

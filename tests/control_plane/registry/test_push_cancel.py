@@ -24,8 +24,8 @@ from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token
 from control_plane.settings import load_config
 from protos import admin_pb2, admin_pb2_grpc
+from tests.control_plane.cli.test_cli import SKIFF
 from tests.control_plane.helpers import spawn_server, start_control_plane, tls_of
-from tests.control_plane.test_cli import SKIFF
 
 BIG = 512 << 20  # a sparse file: seconds to upload, nothing to write to disk
 

@@ -20,8 +20,8 @@ from control_plane.registry.golden import AccuracyBar, GoldenRequest, refuse_deg
 from control_plane.registry.requests import PushRequest
 from protos import admin_pb2, admin_pb2_grpc, common_pb2
 from runtime.golden import Tolerance
+from tests.control_plane.cli.test_cli import _error_line, skiff
 from tests.control_plane.helpers import start_control_plane
-from tests.control_plane.test_cli import _error_line, skiff
 
 EXIT_INVALID, EXIT_CONFLICT = 3, 7  # cli/main.py
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.api.server import build_app, create_server
+from control_plane.app import build_app
 from control_plane.demo import sample_models
 from control_plane.home import read_token
+from control_plane.serve import create_server
 from control_plane.settings import load_config
 from tests.conftest import fresh_pg_database
 from tests.control_plane import helpers
@@ -87,8 +88,8 @@ def copy_home(template_home: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def cp(template_home, tmp_path):
-    """A control plane of its own; a dict, so a test that restarts it can swap it."""
+def cp_holder(template_home, tmp_path):
+    """A control plane of its own in a dict under "cp", so a test that restarts it can swap it."""
     holder = {"cp": serve(copy_home(template_home, tmp_path))}
     yield holder
     holder["cp"].stop()

@@ -47,8 +47,8 @@ def in_stage(sim: FleetSimulator, created, stage: int) -> set[str]:
     }
 
 
-def test_promote_reaches_exactly_the_devices_it_adds(cp):
-    cp = cp["cp"]
+def test_promote_reaches_exactly_the_devices_it_adds(cp_holder):
+    cp = cp_holder["cp"]
 
     async def scenario() -> None:
         async with FleetSimulator([cp.address], seed=1, options=FAST, tls=cp.tls) as sim:
@@ -79,8 +79,8 @@ def test_promote_reaches_exactly_the_devices_it_adds(cp):
     asyncio.run(scenario())
 
 
-def test_devices_reconnect_and_converge_after_a_server_restart(cp):
-    holder = cp
+def test_devices_reconnect_and_converge_after_a_server_restart(cp_holder):
+    holder = cp_holder
 
     async def scenario() -> None:
         async with FleetSimulator(
@@ -101,8 +101,8 @@ def test_devices_reconnect_and_converge_after_a_server_restart(cp):
     asyncio.run(scenario())
 
 
-def test_wait_synced_says_how_many_are_missing(cp):
-    cp = cp["cp"]
+def test_wait_synced_says_how_many_are_missing(cp_holder):
+    cp = cp_holder["cp"]
 
     async def scenario() -> None:
         async with FleetSimulator([cp.address], options=FAST, tls=cp.tls) as sim:

@@ -18,9 +18,9 @@ from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.sim import FleetSimulator, SimOptions
 from control_plane.sim.profile import parse_profile
 from protos import fleet_pb2
+from tests.control_plane.cli.test_cli import skiff
 from tests.control_plane.sim.conftest import MODEL, copy_home, serve, wait_for
 from tests.control_plane.sim.test_fleet import enrolled
-from tests.control_plane.test_cli import skiff
 
 FAST = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
 SLOW_SOC, FAST_SOC = "sm8450", "sm8650"

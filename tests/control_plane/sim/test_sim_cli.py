@@ -42,8 +42,8 @@ def rollout(cp, version: int, selector: str, stages=(100,), bake_s: int = 0):
         return client.create_rollout(request)
 
 
-def test_once_json_lists_every_device_with_what_the_server_wants(cp, capsys):
-    cp = cp["cp"]
+def test_once_json_lists_every_device_with_what_the_server_wants(cp_holder, capsys):
+    cp = cp_holder["cp"]
     rollout(cp, 1, "platform=android")
     rollout(cp, 2, "platform=ios")
     doc = run_json(capsys, sim(cp, "--devices", "40", "--seed", "7", "--once", "--json"))
@@ -76,8 +76,8 @@ def _attrs(device: dict) -> dict:
     return device["attributes"]
 
 
-def test_state_file_keeps_identities_and_grows_to_n(cp, capsys, tmp_path):
-    cp = cp["cp"]
+def test_state_file_keeps_identities_and_grows_to_n(cp_holder, capsys, tmp_path):
+    cp = cp_holder["cp"]
     state = tmp_path / "fleet.json"
     first = run_json(capsys, sim(cp, "--devices", "10", "--state", str(state), "--once", "--json"))
     assert stat.S_IMODE(state.stat().st_mode) == 0o600
@@ -101,8 +101,8 @@ def test_state_file_keeps_identities_and_grows_to_n(cp, capsys, tmp_path):
         assert len(client.list_devices()) == 15  # nobody enrolled twice
 
 
-def test_errors_are_one_line_with_exit_codes(cp, capsys, tmp_path):
-    cp = cp["cp"]
+def test_errors_are_one_line_with_exit_codes(cp_holder, capsys, tmp_path):
+    cp = cp_holder["cp"]
     code = main(sim(cp, "--devices", "3", "--enroll-token", "ske_wrong", "--once", "--json"))
     out, err = capsys.readouterr()
     assert (code, out) == (5, "")
@@ -127,8 +127,8 @@ def test_errors_are_one_line_with_exit_codes(cp, capsys, tmp_path):
     assert "must not be accessible by group or others" in capsys.readouterr().err
 
 
-def test_watching_fleet_converges_then_stops_cleanly_on_sigint(cp, tmp_path):
-    cp = cp["cp"]
+def test_watching_fleet_converges_then_stops_cleanly_on_sigint(cp_holder, tmp_path):
+    cp = cp_holder["cp"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "control_plane.cli", *sim(cp, "--devices", "25", "--json")],
         stdout=subprocess.PIPE,
@@ -158,8 +158,8 @@ def test_watching_fleet_converges_then_stops_cleanly_on_sigint(cp, tmp_path):
     assert all(d["installed"] == {MODEL: {"version": 1, "variant": "fp32"}} for d in chosen)
 
 
-def test_duration_run_ends_on_its_own_with_streams_open(cp, capsys):
-    cp = cp["cp"]
+def test_duration_run_ends_on_its_own_with_streams_open(cp_holder, capsys):
+    cp = cp_holder["cp"]
     rollout(cp, 2, "")
     started = time.monotonic()
     doc = run_json(capsys, sim(cp, "--devices", "6", "--duration", "1s", "--json"))
@@ -170,8 +170,8 @@ def test_duration_run_ends_on_its_own_with_streams_open(cp, capsys):
     assert summary["converged"] == {"det:2 (fp32)": {"desired": 6, "installed": 6}}
 
 
-def test_text_summary_shows_convergence_per_version(cp, capsys):
-    cp = cp["cp"]
+def test_text_summary_shows_convergence_per_version(cp_holder, capsys):
+    cp = cp_holder["cp"]
     rollout(cp, 1, "platform=ios")
     assert main(sim(cp, "--devices", "12", "--seed", "3", "--once")) == 0
     out = capsys.readouterr().out

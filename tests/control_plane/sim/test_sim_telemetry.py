@@ -80,8 +80,8 @@ def test_a_batch_is_what_an_agent_would_send():
     assert Load("dev_1", attrs, seed=0).batch({}, end - dt.timedelta(seconds=5), end, []) is None
 
 
-def test_the_control_plane_sees_the_slowed_slice(cp):
-    cp = cp["cp"]
+def test_the_control_plane_sees_the_slowed_slice(cp_holder):
+    cp = cp_holder["cp"]
     rules = [{"select": f"soc={SLOW_SOC}", "model": f"{MODEL}:2", "latency_x": 3.0}]
 
     async def scenario() -> dict:

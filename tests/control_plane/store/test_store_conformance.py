@@ -9,8 +9,7 @@ from dataclasses import replace
 import pytest
 
 from contract import errors
-from control_plane.crypto.kek import WrappedKey
-from control_plane.store.base import KekState, NewVersion, StaleKek, VariantRecord
+from control_plane.store.base import KekState, NewVersion, StaleKek, VariantRecord, WrappedKey
 from control_plane.store.migrate import alembic_config
 from control_plane.store.sql_store import SqlStore
 

@@ -1,22 +1,26 @@
-"""Assembles the control plane from a Config and serves it over gRPC.
+"""Serves an App: the gRPC server, the home's lock, and any HTTP front-end plugged in.
 
 One asyncio gRPC server carries every service: the device API's coroutines (thousands of
 idle Watch streams cost no threads) and the admin API's plain handlers, which grpc.aio
 runs in a thread pool. The loop runs in a thread of its own, so callers (the CLI, tests,
 the demo) drive the server with ordinary blocking calls.
+
+HTTP front-ends (the dashboard and /metrics) are plug-ins found through the `skiff.http`
+entry point group, so the control plane never imports them: a server installed without
+`skiff[dashboard]` runs gRPC alone and says which extra `--http` needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import functools
 import logging
 import signal
 import threading
-import time
+from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field, replace
+from importlib.metadata import entry_points
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,38 +28,18 @@ from grpc_reflection.v1alpha import reflection
 from sqlalchemy.engine import url as sa_url
 
 from contract import errors
+from contract.command_line import UsageError
 from control_plane.api.access import AccessInterceptor, check_table
 from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
 from control_plane.api.background import Periodic
 from control_plane.api.device_service import DeviceServicer
-from control_plane.api.fleet_service import FleetServicer, FleetView, RolloutOps, RolloutServicer
+from control_plane.api.fleet_service import FleetServicer, RolloutServicer
 from control_plane.api.health import HealthMonitor
-from control_plane.api.throttle import Throttle, enroll_throttle
 from control_plane.api.transport import check_listen, listen_credentials, listen_failure
-from control_plane.blobs import open_blob_store
-from control_plane.crypto import ManifestSigner, open_kek
-from control_plane.fleet.devices import Fleet
-from control_plane.fleet.writer import DeviceWriter
+from control_plane.app import App, build_app, kek_rotation
 from control_plane.home import HomeLock
-from control_plane.registry.kek_rotation import REWRAP_BATCH, KekRotation, Opener, open_keyring
-from control_plane.registry.mnn_sandbox import Sandbox
-from control_plane.registry.registry import Registry
-from control_plane.registry.signers import SigningKeys
-from control_plane.rollouts.changes import ChangeFeed
-from control_plane.rollouts.delivery import Delivery
-from control_plane.rollouts.guard import Guard
-from control_plane.rollouts.resolver import Resolver
-from control_plane.rollouts.service import Rollouts
-from control_plane.rollouts.watchers import Watchers
-from control_plane.settings import Config, write_config_file
-from control_plane.store.sql_store import SqlStore
-from control_plane.telemetry import Telemetry
-from control_plane.telemetry.catalog import Catalog
-from control_plane.telemetry.classes import parse_device_class
-from control_plane.telemetry.recommend import Recommendations
-from control_plane.telemetry.robust import check_robustness
-from control_plane.telemetry.roller import Retention, Roller
+from control_plane.settings import Config
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
 
@@ -83,161 +67,44 @@ SERVER_OPTIONS = [
     # and silently share its connections. Only replicas started on purpose share a port.
     ("grpc.so_reuseport", 0),
 ]
+# Where HTTP front-ends register: `start(app, address) -> HttpFrontEnd`, bound, not serving.
+HTTP_ENTRY_POINTS = "skiff.http"
+DASHBOARD_EXTRA = "skiff[dashboard]"
 
 
 def _options(*, reuse_port: bool) -> list[tuple[str, int]]:
     return [(k, int(reuse_port) if k == "grpc.so_reuseport" else v) for k, v in SERVER_OPTIONS]
 
 
-def kek_opener(config: Config) -> Opener:
-    """Return how this server opens KEK URLs: KMS only through its own KMS settings."""
-    return functools.partial(
-        open_kek, kms_endpoint=config.kms_endpoint, kms_region=config.kms_region
-    )
+class HttpFrontEnd(Protocol):
+    """What a `skiff.http` plug-in's start returns: bound to its port, serving on start()."""
+
+    port: int
+    url: str
+
+    def start(self) -> HttpFrontEnd: ...  # noqa: D102
+
+    def stop(self) -> None: ...  # noqa: D102
 
 
-def build_signing_keys(config: Config, store: SqlStore) -> SigningKeys:
-    """Return the shared signing-key chain; the home's key file is its root if it has none."""
-    keys = SigningKeys(
-        store,
-        keys_dir=config.home / "keys",
-        kms_endpoint=config.kms_endpoint,
-        kms_region=config.kms_region,
-        default_overlap_s=config.signing_overlap_s,
-    )
-    keys.register_root(ManifestSigner.load(config.signing_key), config.signing_key)
-    return keys
+def http_plugin(address: str) -> Callable[[App, str], HttpFrontEnd]:
+    """Return the `start` of the HTTP front-end plugged in under `skiff.http`.
 
-
-def build_registry(config: Config) -> Registry:
-    """Open the store, blob store and keys named by `config`."""
-    store = SqlStore(config.db)
-    return Registry(
-        store=store,
-        blobs=open_blob_store(config.blobs),
-        kek=open_keyring(store, kek_opener(config), kek=config.kek, keyring=config.kek_keyring),
-        signer=build_signing_keys(config, store),
-        max_model_bytes=config.max_model_bytes,
-        mnn_timeout_s=config.mnn_timeout_s,
-        max_concurrent_pushes=config.max_concurrent_pushes,
-        max_concurrent_uploads=config.max_concurrent_uploads,
-        sandbox=Sandbox.create(
-            memory_bytes=config.mnn_memory_limit_bytes,
-            cpu_seconds=config.mnn_cpu_limit_s or 2 * config.mnn_timeout_s,
-            user=config.mnn_user,
-        ),
-        gc_grace_s=config.gc_grace_s,
-    )
-
-
-def kek_rotation(
-    config: Config, registry: Registry, *, batch_size: int = REWRAP_BATCH
-) -> KekRotation:
-    """Return the KEK rotation RotateKek runs, recording each step in skiff.json."""
-    lock = threading.Lock()
-    current = config
-
-    def persist(active_url: str, keyring: tuple[str, ...]) -> None:
-        nonlocal current
-        with lock:
-            current = replace(current, kek=active_url, kek_keyring=keyring)
-            write_config_file(current)
-
-    return KekRotation(
-        registry.store,
-        registry.kek,
-        opener=kek_opener(config),
-        persist=persist,
-        batch_size=batch_size,
-    )
-
-
-@dataclass
-class App:
-    """Every part of a control plane, assembled once per process."""
-
-    config: Config
-    registry: Registry
-    fleet: Fleet
-    resolver: Resolver
-    rollouts: Rollouts
-    delivery: Delivery
-    feed: ChangeFeed
-    writer: DeviceWriter
-    watchers: Watchers
-    telemetry: Telemetry
-    roller: Roller
-    guard: Guard
-    recommendations: Recommendations
-    view: FleetView
-    ops: RolloutOps
-    # Bad enrollment tokens, per client address and overall (in memory, per replica).
-    enroll_throttle: Throttle = field(default_factory=enroll_throttle)
-
-    @property
-    def store(self) -> SqlStore:
-        """Return the one SQL store every part shares."""
-        return self.registry.store
-
-
-def build_app(config: Config, registry: Registry | None = None) -> App:
-    """Assemble the domain (no network yet)."""
-    device_class = parse_device_class(config.device_class)  # a bad setting fails first
-    check_robustness(config.guard_outliers, config.recommend_min_devices)
-    registry = registry or build_registry(config)
-    store = registry.store
-    resolver = Resolver(store)
-    fleet = Fleet(store, default_enroll_ttl_s=config.enroll_ttl_s)
-    feed = ChangeFeed(store)
-    watchers = Watchers(resolver=resolver, store=store)
-    # Order matters: the resolver must see a change before watchers recompute with it.
-    for subscriber in (resolver.invalidate, fleet.on_change, watchers.on_change):
-        feed.subscribe(subscriber)
-    delivery = Delivery(
-        store=store,
-        blobs=registry.blobs,
-        kek=lambda: registry.kek,
-        signer=registry.signer,
-        resolver=resolver,
-        assignment_ttl_s=config.assignment_ttl_s,
-        presign_ttl_s=config.presign_ttl_s,
-        clock=lambda: dt.datetime.now(dt.UTC),
-        monotonic=time.monotonic,
-    )
-    retention = Retention(
-        minute=dt.timedelta(hours=config.rollup_minute_retention_h),
-        hour=dt.timedelta(days=config.rollup_hour_retention_d),
-        day=dt.timedelta(days=config.rollup_day_retention_d),
-        raw=dt.timedelta(hours=config.telemetry_raw_retention_h),
-    )
-    roller = Roller(store, resolver, device_class, retention=retention)
-    rollouts = Rollouts(store, resolver, device_class=device_class)
-    writer = DeviceWriter(store, interval_s=config.device_flush_s)
-    telemetry = Telemetry(store, on_stored=roller.offer, catalog=Catalog(store))
-    guard = Guard(store, rollouts, device_class, outliers=config.guard_outliers)
-    view = FleetView(fleet, resolver, watchers, writer, telemetry)
-    return App(
-        config=config,
-        registry=registry,
-        fleet=fleet,
-        resolver=resolver,
-        rollouts=rollouts,
-        delivery=delivery,
-        feed=feed,
-        writer=writer,
-        watchers=watchers,
-        telemetry=telemetry,
-        roller=roller,
-        guard=guard,
-        recommendations=Recommendations(
-            store,
-            device_class,
-            min_devices=config.recommend_min_devices,
-            outliers=config.guard_outliers,
-        ),
-        view=view,
-        ops=RolloutOps(rollouts, view, guard),
-    )
+    Raises UsageError (exit 2) in one line naming the extra to install when no front-end
+    is installed, or when its own dependencies (Flask, Plotly, cheroot...) are missing.
+    """
+    found = sorted(entry_points(group=HTTP_ENTRY_POINTS), key=lambda e: e.name)
+    if not found:
+        raise UsageError(
+            f"--http {address}: this install has no dashboard; pip install '{DASHBOARD_EXTRA}'"
+        )
+    try:
+        return found[0].load()
+    except ImportError as exc:  # the plug-in's package is there, its dependencies are not
+        raise UsageError(
+            f"--http {address}: the dashboard needs {exc.name or 'its dependencies'}, "
+            f"which this install lacks; pip install '{DASHBOARD_EXTRA}'"
+        ) from None
 
 
 class _Scheduler:
@@ -266,8 +133,9 @@ class _Scheduler:
 class ServerHandle:
     """A started-on-demand asyncio gRPC server running on its own event-loop thread.
 
-    With an `http` address, also the dashboard and /metrics (dashboards.server). With
-    `reuse_port`, other processes may listen on the same address (replicas on purpose).
+    With an `http` address, also the HTTP front-end plugged in (the dashboard and
+    /metrics: see http_plugin). With `reuse_port`, other processes may listen on the same
+    address (replicas on purpose).
     """
 
     def __init__(self, app: App, address: str, *, http: str = "", reuse_port: bool = False) -> None:
@@ -278,11 +146,9 @@ class ServerHandle:
         # Decided before any thread starts, so a refused address leaves nothing running.
         credentials = listen_credentials(app.config, address)
         self.tls = credentials is not None
-        self.dashboard = None
+        self.dashboard: HttpFrontEnd | None = None
         if http:
-            from dashboards.server import DashboardServer  # Flask and Plotly only when asked
-
-            self.dashboard = DashboardServer(app, http)  # binds now: a taken port fails here
+            self.dashboard = http_plugin(http)(app, http)  # binds: a taken port fails here
         try:
             self._start_loop(address, credentials)
         except BaseException:
@@ -513,6 +379,9 @@ def start_server(
             "changes through it, and SQLite has no way to tell them"
         )
     listen_credentials(config, address)  # a refused address fails before the database opens
+    http = config.http if http is None else http
+    if http:
+        http_plugin(http)  # and so does a dashboard this install lacks
     lock = HomeLock(config.home, shared=replica).acquire()
     try:
         check_listen(address, reuse_port=replica)

@@ -1,4 +1,10 @@
-"""`skiff agent run` and `skiff agent status`: the device agent from the command line."""
+"""What `skiff agent run`, `skiff agent status` and `skiff infer` do, once parsed.
+
+Each `start_*` function takes the parsed arguments and returns what to print (a JSON
+body and its text) or None; failures are SkiffErrors, which contract.cli_exit turns
+into one line and an exit code. Everything heavy (the agent, numpy, gRPC) is imported
+inside the function that needs it, so `skiff --help` stays instant.
+"""
 
 from __future__ import annotations
 
@@ -10,137 +16,17 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from contract import errors
-from control_plane.settings import Config
+from contract.command_line import NotConverged, UsageError
 
 Output = tuple[object, object] | None
 
-# `agent run --once`: synced, but the device does not run its whole desired state (a
-# version failed its self-test or its download); the error line says which and why.
-EXIT_NOT_CONVERGED = 9
 # `skiff infer`: inputs and outputs travel in one local gRPC message each.
 MAX_INFER_BYTES = 60 << 20
-
-
-# The environment `skiff agent run` reads beyond the SKIFF_* settings (SKIFF_CA is one):
-# infra/systemd/skiff-agent.env.example lists each.
-AGENT_ENV = {
-    "SKIFF_AGENT_SERVER": "--server",
-    "SKIFF_ENROLL_TOKEN": "--enroll-token",
-    "SKIFF_REPORT_INTERVAL_S": "--report-interval",
-}
-
-
-class NotConverged(errors.SkiffError):
-    """The device synced but does not run its desired state."""
-
-
-class UsageError(errors.SkiffError):
-    """The command line cannot work as given (exit 2, as argparse's own refusals)."""
-
-
-def add_parsers(sub, common: Callable[..., None]) -> None:
-    """Add `skiff agent` to the `skiff` parser."""
-    agent = sub.add_parser("agent", help="the device agent: enroll, sync, install, serve")
-    asub = agent.add_subparsers(dest="action", required=True, metavar="ACTION")
-
-    p = asub.add_parser("run", help="run the agent (until SIGTERM, or once with --once)")
-    p.set_defaults(home=None, json=False)
-    p.add_argument(
-        "--server",
-        default=os.environ.get("SKIFF_AGENT_SERVER", ""),
-        metavar="HOST:PORT",
-        help="control plane (SKIFF_AGENT_SERVER); required",
-    )
-    p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
-    p.add_argument(
-        "--enroll-token",
-        default="",  # read from SKIFF_ENROLL_TOKEN at run time: --help must not print it
-        metavar="T",
-        help="enroll with this token (SKIFF_ENROLL_TOKEN keeps it out of the process list); "
-        "only the first start needs it",
-    )
-    p.add_argument(
-        "--attr",
-        action="append",
-        default=None,
-        metavar="KEY=VALUE",
-        help="a device attribute to report (repeatable; replaces the stored ones)",
-    )
-    p.add_argument("--once", action="store_true", help="sync and install once, then exit")
-    p.add_argument("--json-log", action="store_true", help="log JSON lines to stderr")
-    p.add_argument("--ca", dest="tls_ca", metavar="PEM", help="CA to verify the server")
-    p.add_argument(
-        "--report-interval",
-        type=_positive_seconds,
-        default=float(os.environ.get("SKIFF_REPORT_INTERVAL_S", "60")),
-        metavar="S",
-        help="seconds between telemetry reports (SKIFF_REPORT_INTERVAL_S; default 60)",
-    )
-    p.add_argument(
-        "--push-events-per-s",
-        type=_positive_rate,
-        default=None,
-        metavar="N",
-        help="events a second apps may push to one model (default 10,000; bursts of one full push)",
-    )
-    p.add_argument(
-        "--pipeline-runs-per-s",
-        type=_positive_rate,
-        default=None,
-        metavar="N",
-        help="model runs a second a model's pipeline firings may cost (default 500)",
-    )
-    p.add_argument(
-        "--max-subscribers",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="Subscribe streams open at once per model (default 16)",
-    )
-
-    p = asub.add_parser("status", help="show the agent's identity and installed models")
-    p.set_defaults(home=None)
-    p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p = sub.add_parser("infer", help="run a model through the local agent")
-    p.set_defaults(home=None)
-    p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("--input", type=Path, required=True, metavar="FILE.npz", help="named inputs")
-    p.add_argument("-o", "--output", type=Path, metavar="OUT.npz", help="write the outputs here")
-    p.add_argument("--timeout", type=_positive_seconds, default=60.0, metavar="S")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 86400:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 86400]")
-    return value
-
-
-def _positive_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1e9:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate in (0, 1e9] a second")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    if not (text.isascii() and text.isdecimal()) or not 1 <= int(text) <= 100_000:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 100000")
-    return int(text)
 
 
 class _JsonLines(logging.Formatter):
@@ -210,12 +96,12 @@ def _app_limits(args: argparse.Namespace):
     return AppLimits(**given)
 
 
-def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
+def start_agent_run(*, args: argparse.Namespace) -> Output:
     """Run the agent until SIGTERM/SIGINT, or sync once with --once."""
+    from contract.attribute_rules import parse_attr_flags
     from contract.transport import address_problem
-    from control_plane.api.transport import client_tls
-    from control_plane.fleet.attributes import parse_attr_flags
     from device_agent.agent import Agent
+    from device_agent.client_settings import client_tls
     from device_agent.state import StateDir
 
     if not args.server:
@@ -236,7 +122,7 @@ def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
     agent = Agent(
         StateDir(args.state),
         args.server,
-        tls=client_tls(config),
+        tls=client_tls(ca_flag=args.tls_ca),
         enroll_token=enroll_token,
         attributes=attributes,
         serve=not args.once,
@@ -270,7 +156,7 @@ def start_agent_run(*, config: Config, args: argparse.Namespace) -> Output:
     return None
 
 
-def start_agent_status(*, config: Config, args: argparse.Namespace) -> Output:
+def start_agent_status(*, args: argparse.Namespace) -> Output:
     """Show who the device is and what it runs, from the state directory alone."""
     from device_agent.status import read_status
 
@@ -306,7 +192,7 @@ def _status_text(body: dict) -> str:
     return "\n".join(lines)
 
 
-def start_infer(*, config: Config, args: argparse.Namespace) -> Output:
+def start_infer(*, args: argparse.Namespace) -> Output:
     """Run MODEL on the inputs in an .npz through the agent's local API."""
     import grpc
 
@@ -337,9 +223,7 @@ def start_infer(*, config: Config, args: argparse.Namespace) -> Output:
             raise _infer_error(exc) from None
     outputs = {t.name: to_array(t) for t in reply.outputs}
     if args.output is not None:
-        from control_plane.files import write_private_file
-
-        write_private_file(args.output, write_npz(outputs), replace=True)
+        _write_private(args.output, write_npz(outputs))
     body = {
         "model": reply.model,
         "version": reply.version,
@@ -383,3 +267,24 @@ def _infer_text(body: dict, outputs: dict) -> str:
     if body["output_file"]:
         lines.append(f"outputs written to {body['output_file']}")
     return "\n".join(lines)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`, mode 0600: a fresh temp file beside it, fsync, rename.
+
+    The temp file's name is mkstemp's, never a fixed one someone could plant a link at.
+    """
+    from device_agent.state import fsync_dir, write_all
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_dir(path.parent)
