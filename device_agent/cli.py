@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -213,38 +212,34 @@ def _operator_main() -> Callable[[list[str]], int] | None:
     return next(iter(found)).load() if found else None
 
 
-# `name[extras] >=1.0; marker` as a Requires-Dist line spells it.
-_REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?[^;]*(?:;(.*))?")
-_EXTRA = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
-
-
 def missing_requirements(extra: str) -> list[str]:
     """Return the distributions `extra` of skiff needs that are not installed.
 
     Extras that name skiff's own (`skiff[postgres,s3]`) are followed. Read from the
-    installed metadata, so it says what pip would install, in a few milliseconds.
+    installed metadata (parsed by `packaging`, as pip does), so it says what pip would
+    install, in a few milliseconds.
     """
     from importlib.metadata import PackageNotFoundError, distribution, requires
 
-    requirements = [_REQUIREMENT.fullmatch(r) for r in requires(DISTRIBUTION) or ()]
+    from packaging.requirements import Requirement
+
+    requirements = [Requirement(line) for line in requires(DISTRIBUTION) or ()]
     wanted, seen, missing = [extra], set(), []
     while wanted:
         current = wanted.pop()
         if current in seen:
             continue
         seen.add(current)
-        for found in filter(None, requirements):
-            name, extras, marker = found.groups()
-            tag = _EXTRA.search(marker or "")
-            if tag is None or tag.group(1) != current:
+        for req in requirements:
+            if req.marker is None or not req.marker.evaluate({"extra": current}):
                 continue
-            if name.lower() == DISTRIBUTION:
-                wanted += [e.strip() for e in (extras or "").split(",") if e.strip()]
+            if req.name.lower() == DISTRIBUTION:
+                wanted += sorted(req.extras)
                 continue
             try:
-                distribution(name)
+                distribution(req.name)
             except PackageNotFoundError:
-                missing.append(name)
+                missing.append(req.name)
     return missing
 
 

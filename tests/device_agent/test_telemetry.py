@@ -233,9 +233,12 @@ def test_reports_wait_out_a_control_plane_outage_then_land_once(cp, tmp_path):
                 holder["cp"].stop()
                 for _ in range(20):
                     assert (await asyncio.to_thread(infer, state)).version == 1
-                # Long enough for the Watch reconnects to back off several times over.
-                await asyncio.sleep(6)
-                assert len(a.outbox) >= 1 and not a.reachable
+                # Until the agent knows the control plane is gone and queues its reports
+                # (its Watch reconnects back off meanwhile), serving all along.
+                deadline = time.monotonic() + 60
+                while not (len(a.outbox) >= 1 and not a.reachable):
+                    assert time.monotonic() < deadline, "the agent never queued a report"
+                    await asyncio.sleep(0.1)
                 assert (await asyncio.to_thread(infer, state)).version == 1
                 holder["cp"] = await asyncio.to_thread(restart, holder["cp"])
                 deadline = time.monotonic() + 60
