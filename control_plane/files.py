@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from contextlib import suppress
 from pathlib import Path
@@ -41,22 +40,6 @@ def write_private_file(path: Path, data: bytes, *, replace: bool) -> None:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
     fsync_directory(path.parent)  # make the rename itself durable
-
-
-def read_private_file(path: Path) -> bytes:
-    """Read a key file, refusing one that group or others can access (like ssh does)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise errors.NotFound(f"key file {path} does not exist") from None
-    with os.fdopen(fd, "rb") as f:
-        mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # fstat: the file we read
-        if mode & 0o077:
-            raise errors.InvalidArgument(
-                f"key file {path} has mode {mode:04o}; it must not be accessible by group "
-                "or others (chmod 600)"
-            )
-        return f.read()
 
 
 def fsync_directory(directory: Path) -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 
 from contract import errors
-from contract.transport import ClientTls, host_of, is_loopback, pem_problem
+from contract.key_files import client_tls_files, read_file, read_private_file
+from contract.transport import ClientTls, host_of, is_loopback
 from control_plane.crypto import tls as certs
-from control_plane.files import read_private_file
 from control_plane.settings import Config
 
 
@@ -39,7 +39,7 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
     # any call (devices still present their bearer credential on every call).
     return grpc.ssl_server_credentials(
         [(key, chain)],
-        root_certificates=_read(config.tls_client_ca, "tls_client_ca"),
+        root_certificates=read_file(config.tls_client_ca, "tls_client_ca"),
         require_client_auth=True,
     )
 
@@ -121,19 +121,7 @@ def _bind_refusal(address: str, port: int, exc: OSError) -> errors.SkiffError:
 
 def client_tls(config: Config) -> ClientTls:
     """Return what the CLI trusts (tls_ca) and presents (tls_client_cert/key) to a server."""
-    if bool(config.tls_client_cert) != bool(config.tls_client_key):
-        raise errors.InvalidArgument("tls_client_cert and tls_client_key go together")
-    if config.tls_client_cert:
-        certs.check_key_pair(config.tls_client_cert, config.tls_client_key)
-    return ClientTls(
-        root_certificates=_read_ca(config.tls_ca) if config.tls_ca else None,
-        private_key=read_private_file(Path(config.tls_client_key))
-        if config.tls_client_key
-        else None,
-        certificate_chain=_read(config.tls_client_cert, "tls_client_cert")
-        if config.tls_client_cert
-        else None,
-    )
+    return client_tls_files(config.tls_ca, config.tls_client_cert, config.tls_client_key)
 
 
 def init_tls(config: Config, names: Iterable[str] = ()) -> Config:
@@ -162,18 +150,3 @@ def init_tls(config: Config, names: Iterable[str] = ()) -> Config:
         tls_key=str(paths.server_key),
         tls_ca=str(paths.ca_cert),
     )
-
-
-def _read_ca(path: str) -> bytes:
-    """Read the CA a client trusts, refusing what is not PEM (gRPC would only fail later)."""
-    data = _read(path, "the CA (--ca or SKIFF_CA)")
-    if problem := pem_problem(data):
-        raise errors.InvalidArgument(f"the CA {path} (--ca or SKIFF_CA) is {problem}")
-    return data
-
-
-def _read(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise errors.InvalidArgument(f"cannot read {what} {path}: {exc.strerror}") from None

@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from contract import errors
-from control_plane.files import read_private_file, write_private_file
+from contract.key_files import check_key_pair, load_certificate, read_private_file
+from control_plane.files import write_private_file
 
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 # The names every server certificate carries: clients on the same machine dial these.
@@ -162,7 +163,7 @@ def check_server_pair(
     `ca_path` (when given) did not sign.
     """
     now = now or dt.datetime.now(dt.UTC)
-    cert = check_key_pair(cert_path, key_path)
+    cert = check_key_pair(cert_path, key_path)[0]
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise errors.InvalidArgument(
             f"the TLS certificate {cert_path} is valid only from "
@@ -171,34 +172,9 @@ def check_server_pair(
         )
     if ca_path:
         try:
-            cert.verify_directly_issued_by(_load_cert(ca_path))
+            cert.verify_directly_issued_by(load_certificate(ca_path))
         except (ValueError, TypeError, InvalidSignature):
             raise errors.InvalidArgument(f"{cert_path} is not signed by the CA {ca_path}") from None
-
-
-def check_key_pair(cert_path: str, key_path: str) -> x509.Certificate:
-    """Return the certificate at `cert_path`, refusing a key at `key_path` not its own.
-
-    gRPC only says "Failed to create security handshaker" for a mismatched or unreadable
-    pair, so a server's and a client's pair are checked before they are used.
-    """
-    cert = _load_cert(cert_path)
-    try:
-        key = serialization.load_pem_private_key(read_private_file(Path(key_path)), None)
-    except (ValueError, TypeError) as exc:
-        raise errors.InvalidArgument(f"cannot read the TLS key {key_path}: {exc}") from None
-    if _public_der(key.public_key()) != _public_der(cert.public_key()):
-        raise errors.InvalidArgument(f"the TLS key {key_path} does not match {cert_path}")
-    return cert
-
-
-def _load_cert(path: str) -> x509.Certificate:
-    try:
-        return x509.load_pem_x509_certificate(Path(path).read_bytes())
-    except FileNotFoundError:
-        raise errors.NotFound(f"TLS certificate {path} does not exist") from None
-    except ValueError:
-        raise errors.InvalidArgument(f"{path} is not a PEM certificate") from None
 
 
 def _ca_certificate(key: ec.EllipticCurvePrivateKey, name: str) -> x509.Certificate:
@@ -239,12 +215,6 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),  # protected by file mode, like the other home keys
-    )
-
-
-def _public_der(public_key) -> bytes:
-    return public_key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
 
 
