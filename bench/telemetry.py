@@ -51,7 +51,7 @@ sys.path.insert(0, str(BENCH))
 import grpc  # noqa: E402
 from sync import pg_database, start_process, stop_process  # noqa: E402
 
-from contract.reports import new_batch_id  # noqa: E402
+from contract.report_batches import new_batch_id  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.home import read_token  # noqa: E402
 from control_plane.sim import FleetSimulator, SimOptions  # noqa: E402

@@ -19,7 +19,6 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from importlib.metadata import entry_points
 from typing import Protocol
 
 import grpc
@@ -29,6 +28,7 @@ from sqlalchemy.engine import url as sa_url
 
 from contract import errors
 from contract.command_line import UsageError
+from contract.extras import own_entry_points
 from control_plane.api.access import AccessInterceptor, check_table
 from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
@@ -68,7 +68,7 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 # Where HTTP front-ends register: `start(app, address) -> HttpFrontEnd`, bound, not serving.
-HTTP_ENTRY_POINTS = "skiff.http"
+HTTP_ENTRY_POINTS, DASHBOARD_PLUGIN = "skiff.http", "dashboard"
 DASHBOARD_EXTRA = "skiff[dashboard]"
 
 
@@ -93,17 +93,23 @@ def http_plugin(address: str) -> Callable[[App, str], HttpFrontEnd]:
     Raises UsageError (exit 2) in one line naming the extra to install when no front-end
     is installed, or when its own dependencies (Flask, Plotly, cheroot...) are missing.
     """
-    found = sorted(entry_points(group=HTTP_ENTRY_POINTS), key=lambda e: e.name)
-    if not found:
+    found = {e.name: e for e in own_entry_points(HTTP_ENTRY_POINTS)}
+    plugin = found.get(DASHBOARD_PLUGIN)
+    if plugin is None:
         raise UsageError(
             f"--http {address}: this install has no dashboard; pip install '{DASHBOARD_EXTRA}'"
         )
     try:
-        return found[0].load()
+        return plugin.load()
     except ImportError as exc:  # the plug-in's package is there, its dependencies are not
         raise UsageError(
             f"--http {address}: the dashboard needs {exc.name or 'its dependencies'}, "
             f"which this install lacks; pip install '{DASHBOARD_EXTRA}'"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - a broken install: one line, not a traceback
+        raise UsageError(
+            f"--http {address}: the dashboard ({plugin.value}) failed to load: "
+            f"{type(exc).__name__}: {exc}"
         ) from None
 
 

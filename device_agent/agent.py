@@ -37,7 +37,7 @@ from contract.assignment import (
     new_nonce,
     verify_sync,
 )
-from contract.attributes import attributes_pb
+from contract.attribute_messages import attributes_pb
 from contract.device_client import DeviceCallError, DeviceConnection, backoff_s, open_channel
 from contract.key_wrap import DeviceKeyPair, KeyUnwrapError
 from contract.pinned_keys import PinnedKeyRing
@@ -45,7 +45,7 @@ from contract.server_clock import ServerClock, skew_notice, skewed
 from contract.transport import ClientTls, is_plaintext
 from device_agent.clock_reading import load_reading, save_reading
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
-from device_agent.limits import AppLimits
+from device_agent.local_quotas import AppLimits
 from device_agent.pipelines import Pipelines
 from device_agent.report_outbox import (
     Collector,

@@ -22,11 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contract.command_line import EXIT_OK, EXIT_USAGE, SkiffParser, run_guarded
+from contract.extras import DISTRIBUTION, SERVER_EXTRA, operator_refusal, own_entry_points
 
 DEVICE_COMMANDS = frozenset({"agent", "infer"})
-# The operator's command line, and the extra of this distribution that it needs.
+# The operator's command line (control_plane.cli) and its commands: a typo of a device
+# command is not told to install the server (tests check the list against its parser).
 OPERATOR_GROUP, OPERATOR = "skiff.cli", "operator"
-DISTRIBUTION, SERVER_EXTRA = "skiff", "server"
+OPERATOR_COMMANDS = frozenset(
+    {"init", "server", "model", "key", "gc", "token", "fleet", "rollout", "sim", "demo"}
+)
 
 # The environment `skiff agent run` reads beyond the SKIFF_* settings (SKIFF_CA is one):
 # infra/systemd/skiff-agent.env.example lists each.
@@ -158,17 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] and argv[0] in DEVICE_COMMANDS:
         return run_device_command(argv)
-    operator = _operator_main()
-    if operator is not None:
+    command = argv[0] if argv[:1] and not argv[0].startswith("-") else None
+    refusal = operator_refusal(command or "--help")
+    if refusal is None and (operator := _operator_main()) is not None:
         return operator(argv)
-    if argv[:1] and not argv[0].startswith("-"):
-        print(
-            f"skiff: 'skiff {argv[0]}' is an operator command, and this install has the "
-            f"device side only: pip install '{DISTRIBUTION}[{SERVER_EXTRA}]'",
-            file=sys.stderr,
-        )
+    if refusal is not None and command in OPERATOR_COMMANDS:
+        print(refusal, file=sys.stderr)
         return EXIT_USAGE
-    # `skiff`, `skiff --help`: the device side's help, saying where the rest is.
+    # `skiff`, `skiff --help`, a typo: the device side's help, saying where the rest is.
     epilog = (
         "Operator commands (model, rollout, fleet, server, ...) need the server side: "
         f"pip install '{DISTRIBUTION}[{SERVER_EXTRA}]'"
@@ -200,47 +201,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _operator_main() -> Callable[[list[str]], int] | None:
-    """Return the operator's `main`, or None when this install lacks the server extra."""
-    from importlib.metadata import PackageNotFoundError, entry_points
-
-    try:
-        if missing_requirements(SERVER_EXTRA):
-            return None
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return None
-    found = entry_points(group=OPERATOR_GROUP, name=OPERATOR)
-    return next(iter(found)).load() if found else None
-
-
-def missing_requirements(extra: str) -> list[str]:
-    """Return the distributions `extra` of skiff needs that are not installed.
-
-    Extras that name skiff's own (`skiff[postgres,s3]`) are followed. Read from the
-    installed metadata (parsed by `packaging`, as pip does), so it says what pip would
-    install, in a few milliseconds.
-    """
-    from importlib.metadata import PackageNotFoundError, distribution, requires
-
-    from packaging.requirements import Requirement
-
-    requirements = [Requirement(line) for line in requires(DISTRIBUTION) or ()]
-    wanted, seen, missing = [extra], set(), []
-    while wanted:
-        current = wanted.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        for req in requirements:
-            if req.marker is None or not req.marker.evaluate({"extra": current}):
-                continue
-            if req.name.lower() == DISTRIBUTION:
-                wanted += sorted(req.extras)
-                continue
-            try:
-                distribution(req.name)
-            except PackageNotFoundError:
-                missing.append(req.name)
-    return missing
+    """Return the operator's `main` (skiff's own "skiff.cli" entry point), if installed."""
+    found = own_entry_points(OPERATOR_GROUP, OPERATOR)
+    return found[0].load() if found else None
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def _agent_errors() -> Iterator[None]:
 
 def _app_limits(args: argparse.Namespace):
     """Return the local API's bounds from the flags given (None: the defaults)."""
-    from device_agent.limits import AppLimits
+    from device_agent.local_quotas import AppLimits
 
     given = {
         "events_per_s": args.push_events_per_s,

@@ -5,7 +5,7 @@ mode 0660 inside the agent's 0700 state directory: who may call is who may reach
 socket (the agent's user, or its group once an operator opens the directory to it).
 Every request is checked before it reaches the runtime: a malformed tensor is an
 INVALID_ARGUMENT naming the problem, never a crash of the agent. What apps ask of a
-model's pipeline is bounded (`device_agent.limits`): a push over its rate, or a
+model's pipeline is bounded (`device_agent.local_quotas`): a push over its rate, or a
 subscriber over the count, is RESOURCE_EXHAUSTED naming the limit, a push's with when to
 retry (also as gRPC's `grpc-retry-pushback-ms` trailer), and nothing of it is done.
 """
@@ -33,7 +33,7 @@ from contract.local_api import (
     to_tensor,
 )
 from contract.local_api import socket_path as local_socket_path
-from device_agent.limits import Overloaded, pushback_ms
+from device_agent.local_quotas import Overloaded, pushback_ms
 from device_agent.pipelines import Closed, EventsRejected, NoPipeline, Pipelines, Result
 from device_agent.report_outbox import Collector
 from device_agent.serving import NotServing, Serving

@@ -22,7 +22,7 @@ A push whose caller gave up before it was applied is not applied; one the caller
 up on while its model runs completes: a retry after DEADLINE_EXCEEDED may apply a batch
 twice (at-least-once).
 
-What apps may ask of a model in all is bounded as well (`device_agent.limits`): events
+What apps may ask of a model in all is bounded as well (`device_agent.local_quotas`): events
 and model runs a second, and open subscriptions. `admit` lets a push in or refuses it
 whole (Overloaded) before it queues for the model.
 """
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from device_agent.limits import MAX_EVENTS, AppLimits, Overloaded, RateLimits
+from device_agent.local_quotas import MAX_EVENTS, AppLimits, Overloaded, RateLimits
 from device_agent.report_outbox import Collector
 from device_agent.serving import NotServing, Serving
 from device_agent.state import one_line

@@ -34,7 +34,7 @@ from pathlib import Path
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from contract.limits import strip_control
-from contract.reports import (
+from contract.report_batches import (
     MAX_QUEUE_AGE_S,
     MAX_QUEUE_BYTES,
     MAX_TEXT,

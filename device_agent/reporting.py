@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from contract.device_client import DeviceCallError
-from contract.reports import FLUSH_ON_STOP_S
+from contract.report_batches import FLUSH_ON_STOP_S
 from device_agent.report_outbox import Collector, Outbox, install_batch
 from protos import device_pb2
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from contract import errors
-from contract.attributes import attributes_pb
+from contract.attribute_messages import attributes_pb
 from contract.pinned_keys import PinnedKeyRing
 from contract.transport import (
     ClientTls,

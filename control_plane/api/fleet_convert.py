@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from contract.attributes import (  # noqa: F401 - re-exported for the API layer
+from contract.attribute_messages import (  # noqa: F401 - re-exported for the API layer
     attributes_dict,
     attributes_pb,
     timestamp,

@@ -7,7 +7,6 @@ import json
 import logging
 import re
 import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 
 from contract import errors
@@ -28,6 +27,7 @@ from contract.command_line import (  # noqa: F401  (the exit codes are this modu
     run_guarded,
 )
 from contract.command_line import EXIT_BY_ERROR as _SHARED_EXITS
+from contract.extras import operator_refusal, own_entry_points
 from control_plane.cli import fleet_commands, rollout_watch, signing_commands, sim_commands
 from control_plane.cli.golden_flags import add_golden_flags, add_push_flags
 from control_plane.cli.listing import add_limit_flag
@@ -41,6 +41,8 @@ EXIT_BY_ERROR = ((rollout_watch.WaitTimedOut, EXIT_NOT_CONVERGED), *_SHARED_EXIT
 # common) whose sub-parsers set `start`, the function that runs them (it reads its own
 # settings: a device-only install has no control_plane.settings).
 COMMAND_GROUP = "skiff.commands"
+# The commands that group adds (the device side's): they need nothing of the server extra.
+_DEVICE_GROUPS = frozenset({"agent", "infer"})
 
 
 def _setting_help(s: Setting) -> str:
@@ -152,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fleet_commands.add_parsers(sub, _common)
     sim_commands.add_parsers(sub, _common)
-    for plugin in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+    for plugin in own_entry_points(COMMAND_GROUP):
         plugin.load()(sub, _common)
 
     p = sub.add_parser("demo", help="run the end-to-end demo on a throwaway home")
@@ -214,7 +216,14 @@ def error_message(exc: errors.SkiffError, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `skiff` console script."""
+    """Entry point of the operator's `skiff` (the console script's, and `python -m`'s)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Run as `python -m control_plane.cli` on a device-only install: one line, before a
+    # command fails halfway for want of SQLAlchemy (init would have written keys).
+    command = argv[0] if argv[:1] and not argv[0].startswith("-") else "--help"
+    if command not in _DEVICE_GROUPS and (refusal := operator_refusal(command)):
+        print(refusal, file=sys.stderr)
+        return EXIT_USAGE
     args = build_parser().parse_args(argv)  # GRPC_VERBOSITY: see control_plane/cli/__init__
     logging.basicConfig(
         level=logging.INFO if args.command in ("server", "demo") else logging.WARNING,

@@ -33,7 +33,7 @@ from contract.device_client import (
     open_channel,
 )
 from contract.key_wrap import DeviceKeyPair
-from contract.reports import FLUSH_ON_STOP_S, MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
+from contract.report_batches import FLUSH_ON_STOP_S, MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
 from contract.transport import ClientTls
 from control_plane.api.fleet_convert import attributes_pb
 from control_plane.sim.artifacts import ArtifactCache

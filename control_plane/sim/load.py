@@ -34,7 +34,7 @@ from statistics import NormalDist
 import numpy as np
 
 from contract import errors
-from contract.reports import histogram_pb, new_batch_id, timestamp
+from contract.report_batches import histogram_pb, new_batch_id, timestamp
 from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.requests import parse_ref
 from protos import device_pb2

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from contract.reports import MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
+from contract.report_batches import MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
 from protos import device_pb2
 
 

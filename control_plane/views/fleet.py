@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from contract.attributes import attributes_dict as wire_attributes
+from contract.attribute_messages import attributes_dict as wire_attributes
 from protos import fleet_pb2
 
 
@@ -23,7 +23,7 @@ def iso_or_none(ts) -> str | None:
 def attributes_dict(msg) -> dict:
     """Return the attributes of a DeviceAttributes message as documents show them.
 
-    The wire's own reading (contract.attributes), tidied for people and diffs: no empty
+    The wire's own reading (contract.attribute_messages), tidied for people and diffs: no empty
     tag set, tags and custom keys sorted.
     """
     raw = wire_attributes(msg)

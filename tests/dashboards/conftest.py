@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import requests
 
-from contract.reports import histogram_pb, new_batch_id, timestamp
+from contract.report_batches import histogram_pb, new_batch_id, timestamp
 from control_plane.demo import sample_models
 from control_plane.demo.sample_pipeline import activity_pipeline
 from control_plane.telemetry import series

@@ -40,7 +40,7 @@ def test_the_control_plane_runs_without_importing_the_dashboard():
     ],
 )
 def test_http_without_the_dashboard_names_the_extra(monkeypatch, plugins, says):
-    monkeypatch.setattr(serve, "entry_points", lambda group: plugins)
+    monkeypatch.setattr(serve, "own_entry_points", lambda group: plugins)
     with pytest.raises(UsageError) as raised:
         serve.http_plugin("127.0.0.1:8080")
     message = str(raised.value)
@@ -67,3 +67,14 @@ def test_server_http_without_flask_fails_in_one_line_before_serving(tmp_path):
         "lacks; pip install 'skiff[dashboard]'"
     )
     assert "Traceback" not in done.stderr
+
+
+def test_a_dashboard_that_fails_to_load_for_another_reason_is_one_line(monkeypatch, tmp_path):
+    (tmp_path / "skiff_broken_dashboard.py").write_text("raise RuntimeError('half-installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = [EntryPoint("dashboard", "skiff_broken_dashboard:start", serve.HTTP_ENTRY_POINTS)]
+    monkeypatch.setattr(serve, "own_entry_points", lambda group: broken)
+    with pytest.raises(UsageError) as raised:
+        serve.http_plugin("127.0.0.1:8080")
+    message = str(raised.value)
+    assert "failed to load: RuntimeError: half-installed" in message and "\n" not in message

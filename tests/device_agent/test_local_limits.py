@@ -20,8 +20,8 @@ import pytest
 
 from control_plane.demo import sample_models
 from control_plane.demo.sample_pipeline import activity_pipeline
-from device_agent.limits import AppLimits
 from device_agent.local_api import AgentServicer, socket_path, start_local_api
+from device_agent.local_quotas import AppLimits
 from device_agent.pipelines import Pipelines
 from device_agent.report_outbox import Collector
 from device_agent.serving import Serving

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from device_agent import pipelines
-from device_agent.limits import AppLimits, Overloaded, TokenBucket
+from device_agent.local_quotas import AppLimits, Overloaded, TokenBucket
 from device_agent.pipelines import (
     MAX_EVENTS,
     Closed,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -82,6 +83,16 @@ def test_every_skiff_variable_named_in_infra_is_a_setting():
 def test_image_runs_the_server_by_default():
     assert IMAGE_ARGV[:2] == ["skiff", "server"]
     _fail_on(check_skiff_argv(IMAGE_ARGV[1:], "infra/Dockerfile"))
+
+
+def test_server_installs_name_the_server_extra():
+    # Plain `skiff` is the device side only: a server image or unit installed without
+    # [server] lacks the database, the health service and the operator commands.
+    text = (INFRA / "Dockerfile").read_text()
+    pip = [line for line in text.splitlines() if re.search(r"\bpip (wheel|install)\b", line)]
+    assert len(pip) == 2 and all("[server]" in line for line in pip), pip
+    unit = (INFRA / "systemd" / "skiff-server.service").read_text()
+    assert "checkout[server]" in unit
 
 
 def test_compose_file():

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from contract.device_client import DeviceCallError
-from contract.reports import new_batch_id, timestamp
+from contract.report_batches import new_batch_id, timestamp
 from protos import device_pb2
 from tests.control_plane.api.device_helpers import Device
 

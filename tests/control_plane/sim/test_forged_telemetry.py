@@ -12,7 +12,7 @@ import datetime as dt
 
 import numpy as np
 
-from contract.reports import histogram_pb, new_batch_id, timestamp
+from contract.report_batches import histogram_pb, new_batch_id, timestamp
 from control_plane.rollouts.lifecycle import bucket, stage_limit
 from protos import device_pb2
 from runtime.histogram import LatencyHistogram

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import text
 
 from contract.device_client import DeviceCallError, backoff_s
-from contract.reports import new_batch_id
+from contract.report_batches import new_batch_id
 from control_plane.sim import FleetSimulator, SimOptions
 from control_plane.sim.load import Load
 from control_plane.sim.outbox import ReportQueue

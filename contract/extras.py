@@ -1,0 +1,102 @@
+"""Which of skiff's parts this install holds, read from its installed metadata.
+
+One `pyproject.toml`, two installs: `pip install skiff` is the device side, and
+`skiff[server]` adds what the control plane and the operator's commands need. The parts
+reach each other through skiff's own entry points ("skiff.cli", "skiff.commands",
+"skiff.http") rather than imports, and only skiff's own count: another installed package
+registering the same group can neither take over a command nor the dashboard, nor break
+them.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points
+
+DISTRIBUTION = "skiff"
+SERVER_EXTRA = "server"
+
+
+def own_entry_points(group: str, name: str | None = None) -> list[EntryPoint]:
+    """Return skiff's own entry points of `group` (and `name`), sorted by name."""
+    found = entry_points(group=group) if name is None else entry_points(group=group, name=name)
+    mine = [e for e in found if e.dist is not None and e.dist.name.lower() == DISTRIBUTION]
+    return sorted(mine, key=lambda e: e.name)
+
+
+def missing_requirements(extra: str, *, nested: bool = False) -> list[str]:
+    """Return what `extra` of skiff requires that is not installed (or too old).
+
+    Only the extra's own requirements, unless `nested` (then the extras it names of skiff,
+    `skiff[postgres,s3]`, too). Read from the installed metadata with `packaging`, as pip
+    does; PackageNotFoundError when skiff itself is not installed (a bare checkout).
+    """
+    from importlib.metadata import distribution, requires, version
+
+    from packaging.requirements import Requirement
+
+    requirements = [Requirement(line) for line in requires(DISTRIBUTION) or ()]
+    wanted, seen, missing = [extra], set(), []
+    while wanted:
+        current = wanted.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for req in requirements:
+            marker = req.marker
+            # Of this extra: its marker holds with it and not without any extra.
+            if marker is None or not marker.evaluate({"extra": current}):
+                continue
+            if marker.evaluate({"extra": ""}):
+                continue
+            if req.name.lower() == DISTRIBUTION:
+                if nested:
+                    wanted += sorted(req.extras)
+                continue
+            try:
+                distribution(req.name)
+                ok = req.specifier.contains(version(req.name), prereleases=True)
+            except PackageNotFoundError:
+                ok = False
+            if not ok and req.name not in missing:
+                missing.append(req.name)
+    return missing
+
+
+def operator_refusal(command: str) -> str | None:
+    """Return the one line that refuses `skiff COMMAND` here, or None if it can run.
+
+    The operator's commands need the server extra's own requirements; the extras it
+    includes (postgres, s3, dashboard, convert) are checked where they are used.
+    """
+    try:
+        missing = missing_requirements(SERVER_EXTRA)
+    except PackageNotFoundError:
+        return None  # a bare checkout: nothing installed to judge by
+    if not missing:
+        return None
+    where = (
+        "this install has the device side only"
+        if _server_only_missing(missing)
+        else f"this install lacks {', '.join(missing)}"
+    )
+    return (
+        f"skiff: 'skiff {command}' is an operator command, and {where}: "
+        f"pip install '{DISTRIBUTION}[{SERVER_EXTRA}]'"
+    )
+
+
+def _server_only_missing(missing: list[str]) -> bool:
+    """Tell whether nothing of the server extra's own requirements is installed."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    own = {
+        r.name
+        for r in map(Requirement, requires(DISTRIBUTION) or ())
+        if r.marker is not None
+        and r.marker.evaluate({"extra": SERVER_EXTRA})
+        and not r.marker.evaluate({"extra": ""})
+        and r.name.lower() != DISTRIBUTION
+    }
+    return own <= set(missing)
