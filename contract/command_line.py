@@ -144,3 +144,36 @@ class SkiffParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """Give a top-level parser `--version`: the installed skiff's version and which parts.
+
+    Read only when asked (metadata and `packaging` cost ~50 ms, every command would pay).
+    """
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print the version and the installed sides"
+    )
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """Return `skiff X.Y.Z (device side)` or `(device and server sides)`, from metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from contract.extras import DISTRIBUTION, SERVER_EXTRA, missing_requirements
+
+    try:
+        number = version(DISTRIBUTION)
+        sides = "device side" if missing_requirements(SERVER_EXTRA) else "device and server sides"
+    except PackageNotFoundError:
+        return f"{DISTRIBUTION} (not installed: run from a checkout)"
+    return f"{DISTRIBUTION} {number} ({sides})"

@@ -21,7 +21,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from contract.command_line import EXIT_OK, EXIT_USAGE, SkiffParser, run_guarded
+from contract.command_line import (
+    EXIT_OK,
+    EXIT_USAGE,
+    SkiffParser,
+    add_version_flag,
+    run_guarded,
+)
 from contract.extras import DISTRIBUTION, SERVER_EXTRA, operator_refusal, own_entry_points
 
 DEVICE_COMMANDS = frozenset({"agent", "infer"})
@@ -152,6 +158,7 @@ def _positive_int(text: str) -> int:
 def build_parser(*, epilog: str | None = None) -> argparse.ArgumentParser:
     """Return the device side's own parser: `skiff agent ...` and `skiff infer`."""
     parser = SkiffParser(prog="skiff", description="Run the Skiff device agent.", epilog=epilog)
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_parsers(sub)
     return parser

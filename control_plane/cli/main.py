@@ -24,6 +24,7 @@ from contract.command_line import (  # noqa: F401  (the exit codes are this modu
     EXIT_USAGE,
     HelpFormatter,
     SkiffParser,
+    add_version_flag,
     run_guarded,
 )
 from contract.command_line import EXIT_BY_ERROR as _SHARED_EXITS
@@ -72,6 +73,7 @@ def _common(
 def build_parser() -> argparse.ArgumentParser:
     """Return the full argument parser."""
     parser = SkiffParser(prog="skiff", description="Ship MNN models to fleets.")
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("init", help="create the embedded default in the home folder")

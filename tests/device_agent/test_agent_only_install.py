@@ -106,6 +106,8 @@ def test_an_operator_command_names_the_extra_in_one_line(device):
     ]
     helped = device.skiff("--help")
     assert helped.returncode == 0 and "agent" in helped.stdout and "skiff[server]" in helped.stdout
+    version = device.skiff("--version")
+    assert version.returncode == 0 and version.stdout.strip().endswith("(device side)")
 
 
 def test_the_device_side_enrolls_installs_self_tests_and_serves(cp, device, tmp_path):

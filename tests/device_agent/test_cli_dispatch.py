@@ -40,3 +40,17 @@ def test_bare_skiff_on_a_device_shows_the_device_help_naming_the_extra(device_on
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "agent" in out and "pip install 'skiff[server]'" in out
+
+
+def test_version_says_which_sides_are_installed(monkeypatch, capsys):
+    import contract.extras
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip().endswith("(device and server sides)")
+    monkeypatch.setattr(contract.extras, "missing_requirements", lambda extra: ["sqlalchemy"])
+    monkeypatch.setattr(cli, "operator_refusal", lambda command: REFUSAL)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.strip().endswith("(device side)")
