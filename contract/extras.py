@@ -10,10 +10,13 @@ them.
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points
 
 DISTRIBUTION = "skiff"
 SERVER_EXTRA = "server"
+# The device side's own commands (device_agent.cli): they need nothing of the server.
+DEVICE_COMMANDS = frozenset({"agent", "infer"})
 
 
 def own_entry_points(group: str, name: str | None = None) -> list[EntryPoint]:
@@ -28,38 +31,10 @@ def missing_requirements(extra: str, *, nested: bool = False) -> list[str]:
 
     Only the extra's own requirements, unless `nested` (then the extras it names of skiff,
     `skiff[postgres,s3]`, too). Read from the installed metadata with `packaging`, as pip
-    does; PackageNotFoundError when skiff itself is not installed (a bare checkout).
+    does, once per process (`skiff` and the operator's command line both ask);
+    PackageNotFoundError when skiff itself is not installed (a bare checkout).
     """
-    from importlib.metadata import distribution, requires, version
-
-    from packaging.requirements import Requirement
-
-    requirements = [Requirement(line) for line in requires(DISTRIBUTION) or ()]
-    wanted, seen, missing = [extra], set(), []
-    while wanted:
-        current = wanted.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        for req in requirements:
-            marker = req.marker
-            # Of this extra: its marker holds with it and not without any extra.
-            if marker is None or not marker.evaluate({"extra": current}):
-                continue
-            if marker.evaluate({"extra": ""}):
-                continue
-            if req.name.lower() == DISTRIBUTION:
-                if nested:
-                    wanted += sorted(req.extras)
-                continue
-            try:
-                distribution(req.name)
-                ok = req.specifier.contains(version(req.name), prereleases=True)
-            except PackageNotFoundError:
-                ok = False
-            if not ok and req.name not in missing:
-                missing.append(req.name)
-    return missing
+    return list(_missing(extra, nested))
 
 
 def operator_refusal(command: str) -> str | None:
@@ -74,9 +49,10 @@ def operator_refusal(command: str) -> str | None:
         return None  # a bare checkout: nothing installed to judge by
     if not missing:
         return None
+    own = {r.name for r in _requirements() if _of_extra(r, SERVER_EXTRA)} - {DISTRIBUTION}
     where = (
         "this install has the device side only"
-        if _server_only_missing(missing)
+        if own <= set(missing)
         else f"this install lacks {', '.join(missing)}"
     )
     return (
@@ -85,18 +61,48 @@ def operator_refusal(command: str) -> str | None:
     )
 
 
-def _server_only_missing(missing: list[str]) -> bool:
-    """Tell whether nothing of the server extra's own requirements is installed."""
+@functools.cache
+def _requirements() -> tuple:
+    """Return skiff's installed requirements, parsed (packaging.requirements.Requirement)."""
     from importlib.metadata import requires
 
     from packaging.requirements import Requirement
 
-    own = {
-        r.name
-        for r in map(Requirement, requires(DISTRIBUTION) or ())
-        if r.marker is not None
-        and r.marker.evaluate({"extra": SERVER_EXTRA})
-        and not r.marker.evaluate({"extra": ""})
-        and r.name.lower() != DISTRIBUTION
-    }
-    return own <= set(missing)
+    return tuple(Requirement(line) for line in requires(DISTRIBUTION) or ())
+
+
+def _of_extra(req, extra: str) -> bool:
+    """Tell whether `req` is `extra`'s own: its marker holds with it, not without any."""
+    marker = req.marker
+    return (
+        marker is not None
+        and marker.evaluate({"extra": extra})
+        and not marker.evaluate({"extra": ""})
+    )
+
+
+@functools.cache
+def _missing(extra: str, nested: bool) -> tuple[str, ...]:
+    from importlib.metadata import distribution, version
+
+    wanted, seen, missing = [extra], set(), []
+    while wanted:
+        current = wanted.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for req in _requirements():
+            if not _of_extra(req, current):
+                continue
+            if req.name.lower() == DISTRIBUTION:
+                if nested:
+                    wanted += sorted(req.extras)
+                continue
+            try:
+                distribution(req.name)
+                ok = req.specifier.contains(version(req.name), prereleases=True)
+            except PackageNotFoundError:
+                ok = False
+            if not ok and req.name not in missing:
+                missing.append(req.name)
+    return tuple(missing)

@@ -28,9 +28,14 @@ from contract.command_line import (
     add_version_flag,
     run_guarded,
 )
-from contract.extras import DISTRIBUTION, SERVER_EXTRA, operator_refusal, own_entry_points
+from contract.extras import (
+    DEVICE_COMMANDS,
+    DISTRIBUTION,
+    SERVER_EXTRA,
+    operator_refusal,
+    own_entry_points,
+)
 
-DEVICE_COMMANDS = frozenset({"agent", "infer"})
 # The operator's command line (control_plane.cli) and its commands: a typo of a device
 # command is not told to install the server (tests check the list against its parser).
 OPERATOR_GROUP, OPERATOR = "skiff.cli", "operator"

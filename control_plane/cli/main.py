@@ -28,7 +28,7 @@ from contract.command_line import (  # noqa: F401  (the exit codes are this modu
     run_guarded,
 )
 from contract.command_line import EXIT_BY_ERROR as _SHARED_EXITS
-from contract.extras import operator_refusal, own_entry_points
+from contract.extras import DEVICE_COMMANDS, operator_refusal, own_entry_points
 from control_plane.cli import fleet_commands, rollout_watch, signing_commands, sim_commands
 from control_plane.cli.golden_flags import add_golden_flags, add_push_flags
 from control_plane.cli.listing import add_limit_flag
@@ -42,8 +42,6 @@ EXIT_BY_ERROR = ((rollout_watch.WaitTimedOut, EXIT_NOT_CONVERGED), *_SHARED_EXIT
 # common) whose sub-parsers set `start`, the function that runs them (it reads its own
 # settings: a device-only install has no control_plane.settings).
 COMMAND_GROUP = "skiff.commands"
-# The commands that group adds (the device side's): they need nothing of the server extra.
-_DEVICE_GROUPS = frozenset({"agent", "infer"})
 
 
 def _setting_help(s: Setting) -> str:
@@ -223,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     # Run as `python -m control_plane.cli` on a device-only install: one line, before a
     # command fails halfway for want of SQLAlchemy (init would have written keys).
     command = argv[0] if argv[:1] and not argv[0].startswith("-") else "--help"
-    if command not in _DEVICE_GROUPS and (refusal := operator_refusal(command)):
+    if command not in DEVICE_COMMANDS and (refusal := operator_refusal(command)):
         print(refusal, file=sys.stderr)
         return EXIT_USAGE
     args = build_parser().parse_args(argv)  # GRPC_VERBOSITY: see control_plane/cli/__init__

@@ -31,6 +31,12 @@ def fake_install(monkeypatch):
     monkeypatch.setattr(metadata, "requires", lambda name: list(REQUIRES))
     monkeypatch.setattr(metadata, "distribution", distribution)
     monkeypatch.setattr(metadata, "version", lambda name: INSTALLED[name])
+    # Read once per process: forget this install's metadata, and then the fake one.
+    for cached in (extras._requirements, extras._missing):
+        cached.cache_clear()
+    yield
+    for cached in (extras._requirements, extras._missing):
+        cached.cache_clear()
 
 
 def test_only_the_extras_own_requirements_and_versions_count(fake_install):
@@ -47,6 +53,7 @@ def test_the_refusal_names_what_is_missing(fake_install):
         "numpy: pip install 'skiff[server]'"
     )
     INSTALLED.pop("rich")
+    extras._missing.cache_clear()  # another install, as far as the metadata says
     try:
         assert "this install has the device side only" in extras.operator_refusal("model")
     finally:
