@@ -1,16 +1,19 @@
-"""Reading key and certificate files the same careful way on a device and on a server.
+"""Key, certificate and other private files, handled one careful way on both sides.
 
 A private key readable by group or others is refused (as ssh does), a CA that is not PEM
 is refused when it is read (gRPC would only fail every handshake later), and a client
 certificate is checked against its key before use (gRPC says only "Failed to create
 security handshaker" for a mismatched pair). The agent's `--ca` and client pair and the
-operator's CLI settings go through the same functions, so they fail in the same words.
+operator's CLI settings go through the same functions, so they fail in the same words. A
+private file is written 0600 beside its place under a fresh name, fsynced and renamed.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
+from contextlib import suppress
 from pathlib import Path
 
 from contract import errors
@@ -87,3 +90,37 @@ def client_tls_files(ca: str, cert: str, key: str) -> ClientTls:
         private_key=private_key,
         certificate_chain=read_file(cert, "tls_client_cert") if cert else None,
     )
+
+
+def write_private_file(path: Path, data: bytes, *, replace: bool) -> None:
+    """Write `data` to `path` atomically with mode 0600 (temp file, fsync, rename).
+
+    With ``replace=False`` the rename is a hard link, which fails if `path` exists,
+    so two racing creators cannot overwrite each other's key.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:  # mkstemp creates it 0600 whatever the umask
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise errors.AlreadyExists(f"{path} already exists") from None
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_directory(path.parent)  # make the rename itself durable
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or link inside `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import errors
+from contract.key_files import write_private_file
 from contract.pinned_keys import PinnedKeyRing
 from control_plane.api.auth import ADMIN, hash_token, new_token
 from control_plane.api.transport import init_tls
 from control_plane.blobs.local_blob_store import LocalBlobStore
 from control_plane.crypto import LocalKek, ManifestSigner
-from control_plane.files import write_private_file
 from control_plane.pins import write_pins
 from control_plane.settings import CONFIG_FILE, TOKEN_FILE, Config, write_config_file
 

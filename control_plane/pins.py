@@ -11,9 +11,8 @@ import json
 from pathlib import Path
 
 from contract import errors
-from contract.key_files import read_private_file
+from contract.key_files import read_private_file, write_private_file
 from contract.pinned_keys import PinnedKeyRing
-from control_plane.files import write_private_file
 
 PINS_FILE = Path("keys") / "signing_pins.json"
 SCHEMA = "skiff.signing-pins/v1"

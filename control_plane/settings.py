@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import errors
-from control_plane.files import write_private_file
+from contract.key_files import write_private_file
 
 CONFIG_FILE = "skiff.json"
 TOKEN_FILE = "admin.token"

@@ -16,12 +16,11 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 from contract import errors
 from contract.command_line import NotConverged, UsageError
+from contract.key_files import write_private_file
 
 Output = tuple[object, object] | None
 
@@ -223,7 +222,7 @@ def start_infer(*, args: argparse.Namespace) -> Output:
             raise _infer_error(exc) from None
     outputs = {t.name: to_array(t) for t in reply.outputs}
     if args.output is not None:
-        _write_private(args.output, write_npz(outputs))
+        write_private_file(args.output, write_npz(outputs), replace=True)
     body = {
         "model": reply.model,
         "version": reply.version,
@@ -267,24 +266,3 @@ def _infer_text(body: dict, outputs: dict) -> str:
     if body["output_file"]:
         lines.append(f"outputs written to {body['output_file']}")
     return "\n".join(lines)
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Replace `path` with `data`, mode 0600: a fresh temp file beside it, fsync, rename.
-
-    The temp file's name is mkstemp's, never a fixed one someone could plant a link at.
-    """
-    from device_agent.state import fsync_dir, write_all
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        try:
-            write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    fsync_dir(path.parent)

@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from contract.errors import InvalidArgument, NotFound, Unavailable
+from contract.key_files import fsync_directory
 from control_plane.blobs.base import (
     BlobInfo,
     BlobStore,
@@ -28,7 +29,6 @@ from control_plane.blobs.base import (
     iter_file,
     verify_digest,
 )
-from control_plane.files import fsync_directory
 
 _TMP_DIR = ".tmp"
 _DIR_MODE = 0o700

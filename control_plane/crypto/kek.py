@@ -31,8 +31,7 @@ from tink import aead, cleartext_keyset_handle
 from tink.proto import tink_pb2
 
 from contract import errors
-from contract.key_files import read_private_file
-from control_plane.files import write_private_file
+from contract.key_files import read_private_file, write_private_file
 from control_plane.store.base import WrappedKey  # what the store keeps of a wrapped key
 
 aead.register()

@@ -30,8 +30,7 @@ from contract.assignment import (
     load_public_key,
     signature_valid,
 )
-from contract.key_files import read_private_file
-from control_plane.files import write_private_file
+from contract.key_files import read_private_file, write_private_file
 
 _BAD_SIGNATURE = "manifest signature does not verify"
 

@@ -24,8 +24,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from contract import errors
-from contract.key_files import check_key_pair, load_certificate, read_private_file
-from control_plane.files import write_private_file
+from contract.key_files import (
+    check_key_pair,
+    load_certificate,
+    read_private_file,
+    write_private_file,
+)
 
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 # The names every server certificate carries: clients on the same machine dial these.

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import errors
-from contract.key_files import read_private_file
-from control_plane.files import write_private_file
+from contract.key_files import read_private_file, write_private_file
 from control_plane.fleet.attributes import normalize_attributes
 
 SCHEMA = "skiff.sim-state/v1"
