@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import faulthandler
 import logging
 import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from functools import partial
 from typing import Protocol
 
 import grpc
@@ -32,7 +34,7 @@ from contract.extras import own_entry_points
 from control_plane.api.access import AccessInterceptor, check_table
 from control_plane.api.admin_service import AdminServicer
 from control_plane.api.auth import ApiTokens, Authenticator, no_admin_hint
-from control_plane.api.background import Periodic
+from control_plane.api.background import Periodic, stop_all
 from control_plane.api.device_service import DeviceServicer
 from control_plane.api.fleet_service import FleetServicer, RolloutServicer
 from control_plane.api.health import HealthMonitor
@@ -113,29 +115,6 @@ def http_plugin(address: str) -> Callable[[App, str], HttpFrontEnd]:
         ) from None
 
 
-class _Scheduler:
-    """Advances rollouts whose stage has baked, every `interval_s` (safe on every replica)."""
-
-    def __init__(self, app: App, interval_s: float) -> None:
-        self._rollouts, self._guard, self._interval = app.rollouts, app.guard, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="skiff-scheduler", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self._rollouts.advance_due(ready=self._guard.ready)
-            except errors.SkiffError as exc:
-                log.warning("rollout scheduler: %s", exc)
-
-
 class ServerHandle:
     """A started-on-demand asyncio gRPC server running on its own event-loop thread.
 
@@ -169,7 +148,6 @@ class ServerHandle:
         )
         self._thread.start()
         self._pool = futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="skiff-rpc")
-        self._scheduler = _Scheduler(self.app, self.app.config.scheduler_interval_s)
         self._stopped = threading.Event()
         self._server, self.port = self._call(self._build(address, credentials))
         self._background = _background(self.app, self._publish_health)
@@ -217,7 +195,6 @@ class ServerHandle:
         self.app.writer.start()
         self._call(self.app.watchers.start())
         self._call(self._server.start())
-        self._scheduler.start()
         for task in self._background:
             task.start()
         if self.dashboard is not None:
@@ -250,9 +227,7 @@ class ServerHandle:
         if not self._stopped.is_set():
             if self.dashboard is not None:
                 self.dashboard.stop()
-            for task in self._background:
-                task.stop()
-            self._scheduler.stop()
+            stop_all(self._background)
             self._call(self._server.stop(grace), timeout=None)
             self._call(self.app.watchers.stop())
             self.app.writer.close()
@@ -288,6 +263,13 @@ def _background(app: App, publish_health) -> list[Periodic]:
         Periodic("health", app.config.health_interval_s, monitor.check),
         Periodic("rollup", app.config.rollup_interval_s, app.roller.tick),
         Periodic("guardrails", app.config.guard_interval_s, app.guard.check),
+        # Advances rollouts whose stage has baked (safe on every replica).
+        Periodic(
+            "rollout scheduler",
+            app.config.scheduler_interval_s,
+            partial(app.rollouts.advance_due, ready=app.guard.ready),
+            at_once=False,
+        ),
     ]
     if app.config.gc_interval_s > 0:
         # Safe on every replica at once (registry/gc.py); each sweep lists the whole store.
@@ -413,6 +395,11 @@ def start_server(
     return server, port
 
 
+# In-flight calls get STOP_GRACE_S to finish after SIGTERM; everything else STOP_LIMIT_S more.
+STOP_GRACE_S = 10
+STOP_LIMIT_S = 15
+
+
 def serve(*, config: Config, replica: bool = False) -> None:
     """Run the server until SIGINT/SIGTERM, then drain in-flight calls."""
     # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
@@ -427,5 +414,9 @@ def serve(*, config: Config, replica: bool = False) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=10)
+    # A stop that hangs (a handler thread that never returns, a grpc shutdown stuck on a
+    # cancelled stream) must not leave a server that ignores SIGTERM: past the limit, the
+    # stacks of every thread go to the log, for the report, and the process exits 1.
+    faulthandler.dump_traceback_later(STOP_GRACE_S + STOP_LIMIT_S, exit=True)
+    server.stop(grace=STOP_GRACE_S)
     server.app.store.close()

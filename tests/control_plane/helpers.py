@@ -8,6 +8,7 @@ carries the CA along (see Address).
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -118,6 +119,23 @@ def copy_home(source: Path, target: Path) -> None:
     shutil.copytree(source, target)
     config = target / CONFIG_FILE
     config.write_text(config.read_text().replace(str(source), str(target)))
+
+
+def stop_server(proc: subprocess.Popen, log: Path | None = None) -> int:
+    """SIGTERM a spawned server and return its exit status; a hung one fails with its log.
+
+    The server exits 1 with every thread's stack in its log once its stop runs past its
+    own limit (serve.STOP_GRACE_S + STOP_LIMIT_S), so the wait here only covers a loaded
+    machine being slow to run it.
+    """
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        text = log.read_text() if log is not None else "(no log kept)"
+        raise AssertionError(f"the server ignored SIGTERM for 60 s; its log:\n{text}") from None
 
 
 def spawn_server(

@@ -25,7 +25,7 @@ from control_plane.home import init_home, read_token
 from control_plane.settings import load_config
 from protos import admin_pb2, admin_pb2_grpc
 from tests.control_plane.cli.test_cli import SKIFF
-from tests.control_plane.helpers import spawn_server, start_control_plane, tls_of
+from tests.control_plane.helpers import spawn_server, start_control_plane, stop_server, tls_of
 
 BIG = 512 << 20  # a sparse file: seconds to upload, nothing to write to disk
 
@@ -74,9 +74,9 @@ def test_ctrl_c_mid_upload_says_so_and_stores_nothing(tmp_path):
         with AdminClient(address, read_token(home), tls_of(address)) as client:
             assert client.list_models() == []  # no version
     finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=30) == 0
+        status = stop_server(server, log)
     text = log.read_text()
+    assert status == 0, text
     assert "Traceback" not in text and "never retrieved" not in text, text
     after_start = text.split("listening on port", 1)[1].splitlines()[1:]
     assert len(after_start) == 1, text
