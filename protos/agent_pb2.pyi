@@ -427,3 +427,156 @@ class PipelineResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PipelineResult: _TypeAlias = PipelineResult  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user" or "assistant"."""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class GenerateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    prompt: _builtins.str
+    """Either a raw prompt, completed as it is, or chat messages, rendered with the model's
+    chat template (the assistant's turn opened).
+    """
+    max_new_tokens: _builtins.int
+    """0: 256."""
+    temperature: _builtins.float
+    """0: greedy. Otherwise the logits are divided by it, cut to top_k (0: no cut) and
+    top_p (0: 1.0), and a token is drawn with a generator seeded by `seed` (unset: a
+    fresh seed).
+    """
+    top_k: _builtins.int
+    top_p: _builtins.float
+    seed: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Generation ends before the first of these; their text is not sent."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        max_new_tokens: _builtins.int = ...,
+        temperature: _builtins.float = ...,
+        top_k: _builtins.int = ...,
+        top_p: _builtins.float = ...,
+        seed: _builtins.int | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "max_new_tokens", b"max_new_tokens", "messages", b"messages", "model", b"model", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+
+Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class GenerateSummary(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_IN_FIELD_NUMBER: _builtins.int
+    TOKENS_OUT_FIELD_NUMBER: _builtins.int
+    TTFT_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    tokens_in: _builtins.int
+    tokens_out: _builtins.int
+    ttft_ms: _builtins.float
+    """Request start to the first generated token."""
+    prefill_tokens_per_s: _builtins.float
+    """Prompt tokens per second of prefill; generated tokens after the first per second."""
+    decode_tokens_per_s: _builtins.float
+    stop_reason: _builtins.str
+    """"eos", "stop_string", "max_tokens", "context" or "cancelled"."""
+    version: _builtins.int
+    """What served it."""
+    variant: _builtins.str
+    config: _builtins.str
+    def __init__(
+        self,
+        *,
+        tokens_in: _builtins.int = ...,
+        tokens_out: _builtins.int = ...,
+        ttft_ms: _builtins.float = ...,
+        prefill_tokens_per_s: _builtins.float = ...,
+        decode_tokens_per_s: _builtins.float = ...,
+        stop_reason: _builtins.str = ...,
+        version: _builtins.int = ...,
+        variant: _builtins.str = ...,
+        config: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "decode_tokens_per_s", b"decode_tokens_per_s", "prefill_tokens_per_s", b"prefill_tokens_per_s", "stop_reason", b"stop_reason", "tokens_in", b"tokens_in", "tokens_out", b"tokens_out", "ttft_ms", b"ttft_ms", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateSummary: _TypeAlias = GenerateSummary  # noqa: Y015
+
+@_typing.final
+class GenerateReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """New text since the previous reply (may be empty on the last one)."""
+    @_builtins.property
+    def summary(self) -> Global___GenerateSummary:
+        """Set on the last reply only."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        summary: Global___GenerateSummary | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateReply: _TypeAlias = GenerateReply  # noqa: Y015

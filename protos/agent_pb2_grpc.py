@@ -54,6 +54,11 @@ class AgentServiceStub:
                 request_serializer=protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=protos_dot_agent__pb2.PipelineResult.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/skiff.agent.v1.AgentService/Generate',
+                request_serializer=protos_dot_agent__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_agent__pb2.GenerateReply.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -93,6 +98,18 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Generates text with a language model's serving version, streamed as it comes: text
+        deltas, then one last reply with the summary. A caller that cancels stops the
+        generation within a token or two. INVALID_ARGUMENT: an empty or too long prompt,
+        chat messages for a model without a chat template, bad sampling; FAILED_PRECONDITION:
+        the model is not a language model; RESOURCE_EXHAUSTED: more requests are waiting
+        than the model's small queue holds; NOT_FOUND: not installed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +132,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=protos_dot_agent__pb2.SubscribeRequest.FromString,
                     response_serializer=protos_dot_agent__pb2.PipelineResult.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=protos_dot_agent__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_agent__pb2.GenerateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +247,33 @@ class AgentService:
             '/skiff.agent.v1.AgentService/Subscribe',
             protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
             protos_dot_agent__pb2.PipelineResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skiff.agent.v1.AgentService/Generate',
+            protos_dot_agent__pb2.GenerateRequest.SerializeToString,
+            protos_dot_agent__pb2.GenerateReply.FromString,
             options,
             channel_credentials,
             insecure,

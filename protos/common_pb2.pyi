@@ -59,25 +59,81 @@ class ModelSignature(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     MNN_VERSION_FIELD_NUMBER: _builtins.int
+    LLM_FIELD_NUMBER: _builtins.int
     mnn_version: _builtins.str
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
     @_builtins.property
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
+    @_builtins.property
+    def llm(self) -> Global___LlmSignature:
+        """Set for a language model (an MNN-LLM bundle): what it is and what it needs."""
+
     def __init__(
         self,
         *,
         inputs: _abc.Iterable[Global___TensorSpec] | None = ...,
         outputs: _abc.Iterable[Global___TensorSpec] | None = ...,
         mnn_version: _builtins.str = ...,
+        llm: Global___LlmSignature | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["llm", b"llm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "mnn_version", b"mnn_version", "outputs", b"outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "llm", b"llm", "mnn_version", b"mnn_version", "outputs", b"outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelSignature: _TypeAlias = ModelSignature  # noqa: Y015
+
+@_typing.final
+class LlmSignature(_message.Message):
+    """A language model variant: an MNN-LLM bundle (graph, weights, tokenizer, configs)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARCHITECTURE_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    DISK_MB_FIELD_NUMBER: _builtins.int
+    architecture: _builtins.str
+    """The GGUF's architecture: "llama" (SmolLM, TinyLlama, Qwen2-style biases) or "gemma3"."""
+    vocab_size: _builtins.int
+    context_length: _builtins.int
+    """The longest prompt plus generation the bundle is built for, in tokens."""
+    layers: _builtins.int
+    hidden_size: _builtins.int
+    chat_template: _builtins.bool
+    """Whether it carries a chat template (an instruct model); without one, prompts are
+    completed as they are.
+    """
+    memory_mb: _builtins.int
+    """What a device needs to run this variant: peak memory measured while it generated
+    the golden prompts in the push's child, and the bundle's size on disk.
+    """
+    disk_mb: _builtins.int
+    def __init__(
+        self,
+        *,
+        architecture: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
+        context_length: _builtins.int = ...,
+        layers: _builtins.int = ...,
+        hidden_size: _builtins.int = ...,
+        chat_template: _builtins.bool = ...,
+        memory_mb: _builtins.int = ...,
+        disk_mb: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "chat_template", b"chat_template", "context_length", b"context_length", "disk_mb", b"disk_mb", "hidden_size", b"hidden_size", "layers", b"layers", "memory_mb", b"memory_mb", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LlmSignature: _TypeAlias = LlmSignature  # noqa: Y015
 
 @_typing.final
 class Variant(_message.Message):
@@ -174,6 +230,10 @@ class VariantAccuracy(_message.Message):
     MIN_COSINE_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     RELATIVE_ERROR_FIELD_NUMBER: _builtins.int
+    TOP1_AGREEMENT_FIELD_NUMBER: _builtins.int
+    MEAN_KL_FIELD_NUMBER: _builtins.int
+    MIN_TOP1_FIELD_NUMBER: _builtins.int
+    POSITIONS_FIELD_NUMBER: _builtins.int
     cosine: _builtins.float
     """The worst over all outputs."""
     max_abs_error: _builtins.float
@@ -183,6 +243,15 @@ class VariantAccuracy(_message.Message):
     """
     relative_error: _builtins.float
     """The worst over all outputs."""
+    top1_agreement: _builtins.float
+    """A language model variant, teacher-forced on the reference's greedy continuations of
+    the golden prompts: the share of positions whose top token is the reference's, the
+    mean KL divergence (nats) from the reference's next-token distribution, the bar the
+    agreement was held to, and how many positions were scored.
+    """
+    mean_kl: _builtins.float
+    min_top1: _builtins.float
+    positions: _builtins.int
     @_builtins.property
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___OutputAccuracy]: ...
     def __init__(
@@ -193,10 +262,14 @@ class VariantAccuracy(_message.Message):
         min_cosine: _builtins.float = ...,
         outputs: _abc.Iterable[Global___OutputAccuracy] | None = ...,
         relative_error: _builtins.float = ...,
+        top1_agreement: _builtins.float = ...,
+        mean_kl: _builtins.float = ...,
+        min_top1: _builtins.float = ...,
+        positions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cosine", b"cosine", "max_abs_error", b"max_abs_error", "min_cosine", b"min_cosine", "outputs", b"outputs", "relative_error", b"relative_error"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cosine", b"cosine", "max_abs_error", b"max_abs_error", "mean_kl", b"mean_kl", "min_cosine", b"min_cosine", "min_top1", b"min_top1", "outputs", b"outputs", "positions", b"positions", "relative_error", b"relative_error", "top1_agreement", b"top1_agreement"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

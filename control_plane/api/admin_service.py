@@ -50,10 +50,12 @@ def _timestamp(value) -> Timestamp:
 
 def signature_pb(sig: dict) -> common_pb2.ModelSignature:
     """Convert a stored signature dict to its message."""
+    llm = sig.get("llm")
     return common_pb2.ModelSignature(
         inputs=[common_pb2.TensorSpec(**t) for t in sig.get("inputs", [])],
         outputs=[common_pb2.TensorSpec(**t) for t in sig.get("outputs", [])],
         mnn_version=sig.get("mnn_version", ""),
+        llm=common_pb2.LlmSignature(**llm) if llm else None,
     )
 
 

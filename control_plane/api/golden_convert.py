@@ -37,6 +37,10 @@ def accuracy_pb(figures: dict[str, Any]) -> common_pb2.VariantAccuracy | None:
             )
             for o in figures.get("outputs", [])
         ],
+        top1_agreement=_number(figures.get("top1_agreement"), 0.0),
+        mean_kl=_number(figures.get("mean_kl"), float("inf")) if "mean_kl" in figures else 0.0,
+        min_top1=_number(figures.get("min_top1"), 0.0),
+        positions=int(figures.get("positions", 0)),
     )
 
 

@@ -6,10 +6,12 @@ import argparse
 import math
 from pathlib import Path
 
+from contract.command_line import UsageError
 from control_plane.registry.contract import (
     BASE_VARIANT,
     DEFAULT_MIN_COSINE,
     DERIVED_VARIANTS,
+    LLM_VARIANTS,
     unknown_variants,
 )
 
@@ -29,7 +31,8 @@ def add_push_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="V[,V...]",
         help=f"variants to derive beside {BASE_VARIANT}, a comma list "
-        f"({', '.join(DERIVED_VARIANTS)}), as in --variant int8,fp16 (repeatable)",
+        f"({', '.join(DERIVED_VARIANTS)}), as in --variant int8,fp16 (repeatable); for a "
+        f"GGUF language model the bundles to build ({', '.join(LLM_VARIANTS)}; default q4)",
     )
     p.add_argument(
         "--allow-duplicate",
@@ -53,7 +56,7 @@ def variant_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",")]
     if not all(names):
         raise argparse.ArgumentTypeError(f"{text!r}: a comma list of variants, as in int8,fp16")
-    unknown = [name for name in names if name not in DERIVED_VARIANTS]
+    unknown = [name for name in names if name not in (*DERIVED_VARIANTS, *LLM_VARIANTS)]
     if unknown:
         raise argparse.ArgumentTypeError(unknown_variants(unknown))
     return names
@@ -67,6 +70,13 @@ def add_golden_flags(p: argparse.ArgumentParser) -> None:
         metavar="INPUTS.npz",
         help="golden inputs: an .npz of arrays named after the model's inputs "
         "(default: seeded random inputs built from the signature)",
+    )
+    p.add_argument(
+        "--golden-prompts",
+        type=Path,
+        metavar="PROMPTS.jsonl",
+        help='a GGUF language model\'s golden prompts: {"prompt": TEXT} per line (default: a '
+        "few short factual prompts); each variant is scored on the reference's answers",
     )
     p.add_argument(
         "--input-shape",
@@ -101,8 +111,10 @@ def add_golden_flags(p: argparse.ArgumentParser) -> None:
 
 def golden_options(args: argparse.Namespace) -> dict:
     """Return the keyword arguments AdminClient.push takes for these flags."""
+    if args.golden and args.golden_prompts:
+        raise UsageError("--golden is for tensor models, --golden-prompts for GGUF: not both")
     return {
-        "golden": args.golden,
+        "golden": args.golden or args.golden_prompts,
         "input_shapes": dict(args.input_shape),
         "input_ranges": dict(args.input_range),
         "min_cosine": args.min_cosine,

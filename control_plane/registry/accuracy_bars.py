@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "COSINE",
     "RELATIVE_ERROR",
+    "TOP1",
     "Bar",
     "bars",
     "degraded_label",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 COSINE, RELATIVE_ERROR = "cosine", "relative_error"
+# A language model variant's one bar: teacher-forced top-1 agreement with the reference.
+TOP1 = "top1_agreement"
 
 
 def max_relative_error(min_cosine: float) -> float:
@@ -52,6 +55,10 @@ class Bar:
 
     def text(self) -> str:
         """Say it in a few words: "relative error 0.312 above 0.141 on output 'y'"."""
+        if self.name == TOP1:
+            verdict = ">=" if self.passed else "below"
+            value, limit = _pair(self.value, self.limit, self.passed, "f", 3)
+            return f"top-1 agreement {value} {verdict} {limit}"
         if self.name == COSINE:
             verdict = ">=" if self.passed else "below"
             value, limit = _pair(self.value, self.limit, self.passed, "f", 4)
@@ -80,6 +87,10 @@ def bars(figures: Any) -> tuple[Bar, ...]:
     `figures` is a mapping or a message with `cosine`, `relative_error`, `min_cosine` and
     `outputs` (each with `name`, `cosine`, `relative_error`).
     """
+    min_top1 = _number(_get(figures, "min_top1"), 0.0)
+    if min_top1:  # a language model variant
+        agreement = _number(_get(figures, TOP1), 0.0)
+        return (Bar(TOP1, agreement, min_top1, agreement >= min_top1),)
     min_cosine = _number(_get(figures, "min_cosine"), 0.0)
     if not min_cosine:  # fp32 itself, or a version from before the bars
         return ()

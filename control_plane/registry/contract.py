@@ -10,6 +10,11 @@ from __future__ import annotations
 BASE_VARIANT = "fp32"
 # The variants a push may derive from it (`--variant`), weight-quantised or half precision.
 DERIVED_VARIANTS = ("fp16", "int8", "int4")
+# A language model (a GGUF push) is stored only as the bundles it asks for, each weight-quantised
+# block-wise (q4: int4, q8: int8) or in half precision; q4 when none is named. Its reference is
+# an fp32 forward pass of the GGUF's own weights, kept nowhere but in the push's numbers.
+LLM_VARIANTS = ("q4", "q8", "fp16")
+LLM_DEFAULT_VARIANTS = ("q4",)
 # The manifest format a version's signature covers (control_plane.registry.registry).
 MANIFEST_SCHEMA = "skiff.manifest/v1"
 # A derived variant's outputs must reach this cosine similarity with fp32's unless the
@@ -22,7 +27,24 @@ MAX_GOLDEN_UPLOAD = 64 << 20
 def unknown_variants(unknown: list[str]) -> str:
     """Say which names are not variants a push can derive, and which are (CLI and server)."""
     allowed = ", ".join(DERIVED_VARIANTS)
+    llm = ", ".join(LLM_VARIANTS)
     if BASE_VARIANT in unknown:
         return f"{BASE_VARIANT} is always kept (the model as pushed): --variant derives {allowed}"
     names = ", ".join(repr(v)[:40] for v in unknown)
-    return f"unknown variant {names}: --variant derives {allowed} (a comma list: int8,fp16)"
+    return (
+        f"unknown variant {names}: --variant derives {allowed} (a comma list: int8,fp16); "
+        f"for a GGUF language model {llm}"
+    )
+
+
+def misplaced_variants(fmt: str, variants: tuple[str, ...]) -> str | None:
+    """Say why variants do not fit a source format (MNN variants for a GGUF, or the reverse)."""
+    if fmt == "gguf":
+        wrong = [v for v in variants if v not in LLM_VARIANTS]
+        kind, allowed = "a GGUF language model", LLM_VARIANTS
+    else:
+        wrong = [v for v in variants if v not in DERIVED_VARIANTS]
+        kind, allowed = f"an {fmt.upper()} model", DERIVED_VARIANTS
+    if not wrong:
+        return None
+    return f"variant {', '.join(wrong)} does not apply to {kind}: it derives {', '.join(allowed)}"

@@ -132,7 +132,7 @@ def inspect_model(
     """
     _require_content(fd)
     args = ["--model-fd", str(fd)]
-    result = _run_worker("inspect", args, (fd,), timeout, "not a valid MNN model", sandbox)
+    result = run_worker("inspect", args, (fd,), timeout, "not a valid MNN model", sandbox)
     return ModelSignature.from_dict(result["signature"])
 
 
@@ -202,7 +202,7 @@ def run_golden(
             os.pwrite(recipe_fd, recipe.encode(), 0)
             argv += ["--recipe-fd", str(recipe_fd), "--built-fd", str(built)]
             fds += [recipe_fd, built]
-        result = _run_worker("golden", argv, tuple(fds), timeout, prefix, sandbox)
+        result = run_worker("golden", argv, tuple(fds), timeout, prefix, sandbox)
         outputs = _read_arrays(out, prefix, "outputs")
         order = [str(spec["name"]) for spec in result["outputs"]]
         if sorted(order) != sorted(outputs):
@@ -238,13 +238,21 @@ def _read_arrays(fd: int, prefix: str, what: str) -> dict[str, np.ndarray]:
 
 
 def sniff_format(fd: int) -> str:
-    """Return "onnx" or "mnn" judging by the content of `fd`, without moving its offset."""
+    """Return "onnx", "mnn" or "gguf" judging by the content of `fd`, without moving its offset.
+
+    A GGUF (a language model) starts with its magic; the child that converts it checks
+    the rest of its header.
+    """
     size = _require_content(fd)
+    if os.pread(fd, 4, 0) == b"GGUF":
+        return "gguf"
     if _looks_like_onnx(fd, size):
         return "onnx"
     if _looks_like_mnn(fd, size):
         return "mnn"
-    raise errors.InvalidModel("unrecognised model format: neither an ONNX nor an MNN model")
+    raise errors.InvalidModel(
+        "unrecognised model format: neither an ONNX, an MNN nor a GGUF model"
+    )
 
 
 def _convert(
@@ -254,7 +262,7 @@ def _convert(
     dst = os.memfd_create(f"skiff-{op}", os.MFD_CLOEXEC)
     try:
         argv = ["--src-fd", str(src_fd), "--dst-fd", str(dst), *extra]
-        _run_worker(op, argv, (src_fd, dst), timeout, prefix, sandbox)
+        run_worker(op, argv, (src_fd, dst), timeout, prefix, sandbox)
         if not _looks_like_mnn(dst, os.fstat(dst).st_size):
             raise errors.InvalidModel(f"{prefix}: the converter's output is not an MNN model")
     except BaseException:
@@ -263,7 +271,7 @@ def _convert(
     return dst
 
 
-def _run_worker(
+def run_worker(
     op: str,
     args: list[str],
     fds: tuple[int, ...],

@@ -96,6 +96,16 @@ def _preload(op: str) -> None:
         import runtime.engine  # noqa: F401
         import runtime.golden  # noqa: F401
         import runtime.npz  # noqa: F401
+    if op == "llm":
+        import encodings.ascii  # noqa: F401 - /proc/self/status is read as ASCII
+        import importlib.resources  # noqa: F401 - MNN.llm reads its package data
+        import mmap  # noqa: F401
+
+        import gguf  # noqa: F401 - imported lazily by the GGUF reader
+
+        import control_plane.registry.llm.build  # noqa: F401 - numpy, MNN.expr, MNN.llm
+        import runtime.hardening  # noqa: F401
+        import runtime.mnn_host  # noqa: F401
     if op not in ("inspect", "golden"):
         import _tools  # noqa: F401
 
@@ -412,11 +422,24 @@ def _flush_all() -> None:
         pass
 
 
+def _llm(args: argparse.Namespace) -> dict[str, Any]:
+    """Convert a GGUF into one bundle per variant and score each against the reference."""
+    from control_plane.registry.llm.build import build
+
+    recipe = json.loads(os.pread(args.recipe_fd, os.fstat(args.recipe_fd).st_size, 0))
+    outputs = {}
+    for item in (args.bundle_fds or "").split(","):
+        name, _, fd = item.partition("=")
+        outputs[name] = int(fd)
+    return build(fd_path(args.src_fd), recipe, outputs, args.outputs_fd)
+
+
 _OPS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "inspect": _inspect,
     "golden": _golden,
     "convert": _convert,
     "variant": _variant,
+    "llm": _llm,
 }
 
 
@@ -433,6 +456,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe-fd", type=int, help="golden op: JSON hints; build inputs")
     parser.add_argument("--built-fd", type=int, help="golden op: .npz of built inputs, written")
     parser.add_argument("--variant", choices=sorted(VARIANT_FLAGS))
+    parser.add_argument("--bundle-fds", help="llm op: NAME=FD,... a memfd per variant's bundle")
     parser.add_argument("--memory-limit", type=int, required=True, help="RLIMIT_AS, bytes")
     parser.add_argument("--cpu-limit", type=int, required=True, help="RLIMIT_CPU, seconds")
     parser.add_argument("--uid", type=int, help="user to switch to (when started as root)")

@@ -34,8 +34,13 @@ from control_plane.crypto import (
     new_data_key,
 )
 from control_plane.crypto.kek_ring import KekRing
-from control_plane.registry import evaluation, gc, mnn_tools, upload_spool
-from control_plane.registry.contract import BASE_VARIANT, MANIFEST_SCHEMA
+from control_plane.registry import evaluation, gc, llm_tools, mnn_tools, upload_spool
+from control_plane.registry.contract import (
+    BASE_VARIANT,
+    LLM_DEFAULT_VARIANTS,
+    MANIFEST_SCHEMA,
+    misplaced_variants,
+)
 from control_plane.registry.duplicates import refuse_duplicate
 from control_plane.registry.mnn_sandbox import Sandbox
 from control_plane.registry.requests import (
@@ -156,7 +161,18 @@ class Registry:
         stored: list[str] = []
         with self._push_slots, contextlib.ExitStack() as stack:
             try:
-                fmt, fds = self._plaintext_variants(upload.fd, extra, stack)
+                fmt = mnn_tools.sniff_format(upload.fd)
+                if (wrong := misplaced_variants(fmt, extra)) is not None:
+                    raise errors.InvalidArgument(wrong)
+                if fmt == "gguf":
+                    built = llm_tools.build_from_gguf(
+                        upload.fd, extra or LLM_DEFAULT_VARIANTS, request, **self._mnn_limits()
+                    )
+                    stack.enter_context(built)
+                    return self._store_version(
+                        request, fmt, built.fds, stored, abandoned, judged=built
+                    )
+                fds = self._plaintext_variants(fmt, upload.fd, extra, stack)
                 return self._store_version(request, fmt, fds, stored, abandoned)
             except BaseException:
                 self._delete_blobs(stored)
@@ -178,10 +194,9 @@ class Registry:
         return latest.number
 
     def _plaintext_variants(
-        self, upload_fd: int, extra: tuple[str, ...], stack: contextlib.ExitStack
-    ) -> tuple[str, dict[str, int]]:
-        """Return the source format and a memfd per variant (fp32 first)."""
-        fmt = mnn_tools.sniff_format(upload_fd)
+        self, fmt: str, upload_fd: int, extra: tuple[str, ...], stack: contextlib.ExitStack
+    ) -> dict[str, int]:
+        """Return a memfd per variant of an ONNX or MNN upload (fp32 first)."""
         base = upload_fd
         if fmt == "onnx":
             base = mnn_tools.convert_onnx(upload_fd, **self._mnn_limits())
@@ -190,7 +205,7 @@ class Registry:
         for name in extra:
             fds[name] = mnn_tools.make_variant(base, name, **self._mnn_limits())
             stack.callback(os.close, fds[name])
-        return fmt, fds
+        return fds
 
     def _mnn_limits(self) -> dict:
         """Keyword arguments that bound every MNN child of a push."""
@@ -203,8 +218,16 @@ class Registry:
         fds: dict[str, int],
         stored: list[str],
         abandoned: Callable[[], bool],
+        *,
+        judged: llm_tools.LlmBuild | None = None,
     ) -> VersionRecord:
+        """Encrypt and store every variant in `fds` (the base first), then add the version.
+
+        `judged`: a language model's build, whose child already scored its variants
+        against the reference; otherwise golden inputs are run here, beside encryption.
+        """
         uid, data_key = uuid.uuid4().hex, new_data_key()
+        base = next(iter(fds))
         first_write = time.monotonic()
         # MNN inspects and runs each variant in child processes while this thread encrypts
         # and stores: the two dominate a push, and neither needs the other's result until
@@ -213,22 +236,24 @@ class Registry:
             ThreadPoolExecutor(INSPECT_WORKERS, thread_name_prefix="skiff-inspect") as pool,
             ThreadPoolExecutor(1, thread_name_prefix="skiff-golden") as coordinator,
         ):
-            judged = coordinator.submit(
-                evaluation.evaluate,
-                fds,
-                BASE_VARIANT,
-                request.golden,
-                pool=pool,
-                limits=self._mnn_limits(),
-            )
+            running = None
+            if judged is None:
+                running = coordinator.submit(
+                    evaluation.evaluate,
+                    fds,
+                    BASE_VARIANT,
+                    request.golden,
+                    pool=pool,
+                    limits=self._mnn_limits(),
+                )
             segments: dict[str, bytes] = {}
             sealed = [
                 self._encrypt_variant(uid, n, fd, data_key, stored, segments)
                 for n, fd in fds.items()
             ]
-            found = judged.result()
+            found = running.result() if running is not None else judged.evaluation
         signatures = found.signatures
-        pipeline = _fitted_pipeline(request, signatures[BASE_VARIANT])
+        pipeline = _fitted_pipeline(request, signatures[base])
         variants = tuple(
             replace(
                 v,
@@ -258,10 +283,15 @@ class Registry:
                 "created_at": created_at.isoformat(),
                 "source_format": fmt,
                 "source_sha256": request.sha256,  # what was pushed: duplicates are refused
-                "signature": signatures[BASE_VARIANT],
+                "signature": signatures[base],
                 "variants": {v.name: _manifest_variant(uid, v, segments[v.name]) for v in variants},
                 "golden": golden_blob,
             }
+            if judged is not None:
+                # What kind of model, and what each variant needs of a device to fit it.
+                manifest["llm"] = judged.llm
+                for name, needs in judged.requirements.items():
+                    manifest["variants"][name]["requirements"] = needs
             if pipeline is not None:
                 manifest["pipeline"] = pipeline
             signed = self.signer.sign(manifest)
@@ -271,7 +301,7 @@ class Registry:
                 created_by=request.actor,
                 notes=request.notes,
                 source_format=fmt,
-                signature=signatures[BASE_VARIANT],
+                signature=signatures[base],
                 variants=variants,
                 data_key=wrapped,
                 manifest=signed.body,

@@ -20,7 +20,7 @@ from contract.limits import (  # noqa: F401 - re-exported: the names' old home
     check_text,
 )
 from control_plane.registry import upload_spool
-from control_plane.registry.contract import DERIVED_VARIANTS, unknown_variants
+from control_plane.registry.contract import DERIVED_VARIANTS, LLM_VARIANTS, unknown_variants
 from control_plane.registry.golden import GoldenRequest
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
 
 def _validate_variants(variants: Iterable[str]) -> tuple[str, ...]:
     chosen = tuple(dict.fromkeys(variants))
-    unknown = [v for v in chosen if v not in DERIVED_VARIANTS]
+    unknown = [v for v in chosen if v not in (*DERIVED_VARIANTS, *LLM_VARIANTS)]
     if unknown:
         raise errors.InvalidArgument(unknown_variants(unknown))
     return chosen

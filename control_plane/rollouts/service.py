@@ -169,12 +169,11 @@ class Rollouts:
             raise errors.InvalidArgument(f"bake must be between 0s and {MAX_BAKE_S}s")
         if not -MAX_PRIORITY <= spec.priority <= MAX_PRIORITY:
             raise errors.InvalidArgument(f"priority must be within ±{MAX_PRIORITY}")
-        variant = spec.variant or BASE_VARIANT
         validate_name(spec.model)
         if not 1 <= spec.version <= MAX_VERSION:
             raise errors.InvalidArgument(f"version must be 1 to {MAX_VERSION}")
-        if not VARIANT_NAME.fullmatch(variant):
-            raise errors.InvalidArgument(f"invalid variant {variant!r:.40}")
+        if spec.variant and not VARIANT_NAME.fullmatch(spec.variant):
+            raise errors.InvalidArgument(f"invalid variant {spec.variant!r:.40}")
         parsed = parse_rules(spec.halt_rules)  # position and reason
         rules = tuple(str(r) for r in parsed)
         compared = [r.metric for r in parsed if r.metric in BASELINE_METRICS]
@@ -200,6 +199,11 @@ class Rollouts:
                 f"min inferences must be between 0 and {MAX_MIN_INFERENCES}"
             )
         version = self._store.get_version(spec.model, spec.version)  # NotFound names it
+        # fp32 is every tensor model's base; a language model has only the bundles it
+        # was pushed with, its first one (q4 unless the push named others) the default.
+        variant = spec.variant or (
+            BASE_VARIANT if version.variant(BASE_VARIANT) else version.variants[0].name
+        )
         found = version.variant(variant)
         if found is None:
             have = ", ".join(v.name for v in version.variants)

@@ -45,6 +45,8 @@ def version_dict(v: common_pb2.ModelVersion) -> dict:
         variant["segment_size"] = msg.segment_size
         if not msg.HasField("accuracy"):
             variant["accuracy"] = None
+        elif msg.accuracy.min_top1:
+            variant["accuracy"]["positions"] = msg.accuracy.positions
         variant.update(accuracy_bars.variant_status(msg.degraded, msg.accuracy))
     if v.HasField("golden"):
         for key in ("ciphertext_size", "plaintext_size", "segment_size"):
@@ -70,8 +72,16 @@ def pipeline(v: common_pb2.ModelVersion) -> dict | None:
     return pipeline if isinstance(pipeline, dict) else None
 
 
+_LLM_INTS = ("vocab_size", "context_length", "layers", "hidden_size", "memory_mb", "disk_mb")
+
+
 def _int_shapes(body: dict, signature: common_pb2.ModelSignature) -> None:
     """Put shapes back as JSON numbers (protobuf's JSON writes int64 as strings)."""
+    if signature.HasField("llm"):
+        for key in _LLM_INTS:
+            body["llm"][key] = getattr(signature.llm, key)
+    else:
+        body.pop("llm", None)
     for kind in ("inputs", "outputs"):
         for spec, msg in zip(body.get(kind, []), getattr(signature, kind), strict=True):
             spec["shape"] = list(msg.shape)

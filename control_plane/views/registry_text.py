@@ -44,6 +44,13 @@ def version_text(v: common_pb2.ModelVersion, *, signed_by: str = "", unverified:
         f"  outputs   {_tensors(v.signature.outputs)}",
         f"  manifest  {signature}",
     ]
+    if v.signature.HasField("llm"):
+        llm = v.signature.llm
+        template = "a chat template" if llm.chat_template else "no chat template (completion)"
+        lines[4:6] = [
+            f"  llm       {llm.architecture}, {llm.layers} layers, hidden {llm.hidden_size}, "
+            f"vocab {llm.vocab_size:,}, context {llm.context_length:,} tokens, {template}"
+        ]
     if v.notes:
         lines.insert(2, f"  notes     {v.notes}")
     if v.HasField("golden"):
@@ -60,6 +67,12 @@ def version_text(v: common_pb2.ModelVersion, *, signed_by: str = "", unverified:
             f"    {var.name:<5} {var.plaintext_size:>12,} B  sha256 {var.plaintext_sha256[:16]}…"
             f"  encrypted {var.ciphertext_size:,} B{_accuracy(var)}"
         )
+        if var.signature.HasField("llm"):
+            needs = var.signature.llm
+            lines.append(
+                f"          fits a device with {needs.memory_mb:,} MB of memory and "
+                f"{needs.disk_mb:,} MB of disk (MNN {var.signature.mnn_version})"
+            )
         if var.HasField("accuracy") and len(var.accuracy.outputs) > 1:
             for out in var.accuracy.outputs:
                 lines.append(
@@ -75,6 +88,11 @@ def _accuracy(var: common_pb2.Variant) -> str:
         return ""
     a = var.accuracy
     verdict = f"  {accuracy_bars.degraded_label(a)}" if var.degraded else ""
+    if a.min_top1:
+        return (
+            f"  vs reference: top-1 agreement {a.top1_agreement:.3f} (bar {a.min_top1:.2f}), "
+            f"mean KL {a.mean_kl:.3g} over {a.positions} positions{verdict}"
+        )
     return (
         f"  vs fp32: cosine {a.cosine:.4f}, relative error {a.relative_error:.3g}, "
         f"max abs error {a.max_abs_error:.3g}{verdict}"

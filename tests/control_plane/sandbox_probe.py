@@ -1,6 +1,6 @@
 """Stand-in for the MNN worker in tests: confines itself the same way, then tries to escape.
 
-`mnn_tools._run_worker` starts it exactly as it starts the real worker (same environment,
+`mnn_tools.run_worker` starts it exactly as it starts the real worker (same environment,
 directory, descriptors and limit flags) when a test points ``WORKER_MODULE`` here. It
 reports what a hostile converter would find instead of converting anything.
 """

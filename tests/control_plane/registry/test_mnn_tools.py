@@ -295,8 +295,8 @@ def test_crash_outcome_names_the_signal_and_last_words():
 def test_worker_uses_the_native_converter_and_loads_no_phone_home_module(memfd, tiny_mnn):
     src, dst, model = memfd(sample_models.tiny_mlp_onnx()), memfd(b""), memfd(tiny_mnn)
     argv = ["--src-fd", str(src), "--dst-fd", str(dst)]
-    converted = mnn_tools._run_worker("convert", argv, (src, dst), 60, "p")
-    inspected = mnn_tools._run_worker("inspect", ["--model-fd", str(model)], (model,), 60, "p")
+    converted = mnn_tools.run_worker("convert", argv, (src, dst), 60, "p")
+    inspected = mnn_tools.run_worker("inspect", ["--model-fd", str(model)], (model,), 60, "p")
     assert "_tools" in converted["native_modules"]
     assert "MNN" in inspected["native_modules"]
     for payload in (converted, inspected):

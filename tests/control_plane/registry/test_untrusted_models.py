@@ -167,7 +167,7 @@ def test_the_mnn_child_is_confined(tmp_path, monkeypatch):
     os.write(model, b"model bytes")
     try:
         args = ["--model-fd", str(model), "--secret", str(secret)]
-        payload = mnn_tools._run_worker("probe", args, (model,), 60, "probe", sandbox)
+        payload = mnn_tools.run_worker("probe", args, (model,), 60, "probe", sandbox)
     finally:
         os.close(model)
     found, confinement = payload["findings"], payload["confinement"]

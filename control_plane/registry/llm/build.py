@@ -1,0 +1,203 @@
+"""The worker's ``llm`` op: GGUF -> one MNN-LLM bundle per variant, each judged.
+
+Runs inside the registry's confined MNN child (`control_plane.registry.mnn_worker`). Every
+bundle file is written through a symlink to its own memfd, in the child's private working
+directory, so the converter's outputs never reach a disk; each bundle then leaves as the
+canonical tar (`runtime.llm.bundle`) in the memfd the parent gave for it.
+
+The reference is an independent fp32 numpy forward pass of the GGUF's own weights
+(`reference.Reference`): it writes a greedy continuation of each golden prompt, and each
+variant, loaded with MNN-LLM exactly as a device loads it, is teacher-forced on those
+continuations and scored (`runtime.llm.scoring`). What a device needs to fit a variant is
+measured here too: the bundle's size, and the peak memory while it generated, plus the
+KV cache a full context adds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from contract import errors
+from control_plane.registry.llm.convert import convert_gguf
+from control_plane.registry.llm.gguf_source import GgufModel, open_gguf
+from control_plane.registry.llm.reference import Reference
+from runtime.llm.bundle import BUNDLE_FILES, write_bundle_fds
+from runtime.llm.scoring import score
+from runtime.llm.session import LlmSession, Sampling
+
+__all__ = ["GOLDEN_SCHEMA", "build"]
+
+GOLDEN_SCHEMA = "skiff.llm-golden/v1"
+_MiB = 1 << 20
+
+
+def build(
+    src_path: str, recipe: Mapping[str, Any], outputs: Mapping[str, int], golden_fd: int
+) -> dict[str, Any]:
+    """Convert, judge and pack every variant; write the golden generations to `golden_fd`."""
+    model = open_gguf(src_path)
+    reference = Reference(model)
+    chat = bool(model.tokenizer.chat_template)
+    defaults = recipe["default_prompts"]["chat" if chat else "completion"]
+    prompts = [str(p) for p in (recipe["prompts"] or defaults)]
+    new_tokens = int(recipe["new_tokens"])
+    golden: dict[str, Any] = {
+        "schema": GOLDEN_SCHEMA,
+        "new_tokens": new_tokens,
+        "prompts": [],
+        "variants": {},
+    }
+    scored: dict[str, Any] = {}
+    for name in recipe["variants"]:
+        # Absolute: the converter changes the working directory while it runs.
+        with _memfd_bundle_dir(Path.cwd() / f"bundle-{name}") as (directory, fds):
+            started = time.perf_counter()
+            convert_gguf(model, directory, variant=name, block=int(recipe["block"]))
+            converted = time.perf_counter() - started
+            files = _written(directory, fds)
+            with LlmSession(files, threads=1) as session:
+                if not golden["prompts"]:
+                    golden["prompts"] = _reference_answers(session, reference, prompts, new_tokens)
+                scored[name] = _judge(session, model, reference, golden["prompts"], new_tokens)
+            golden["variants"][name] = {
+                "greedy": scored[name].pop("greedy"),  # token ids: what the self-test checks
+                "texts": scored[name].pop("texts"),  # the same, for people
+                "top1_agreement": scored[name]["top1_agreement"],
+            }
+            write_bundle_fds(files, outputs[name])
+            scored[name]["convert_s"] = converted
+            scored[name]["disk_mb"] = _ceil_mb(sum(os.fstat(fd).st_size for fd in files.values()))
+            scored[name]["memory_mb"] += scored[name]["disk_mb"]  # the memfds hold the bundle
+    os.pwrite(golden_fd, json.dumps(golden, ensure_ascii=False).encode(), 0)
+    import MNN
+
+    return {"llm": _describe(model), "variants": scored, "mnn_version": MNN.version()}
+
+
+@contextlib.contextmanager
+def _memfd_bundle_dir(directory: Path) -> Iterator[tuple[Path, dict[str, int]]]:
+    """Yield a directory whose every bundle file name is a symlink to its own memfd."""
+    directory.mkdir(mode=0o700)
+    fds: dict[str, int] = {}
+    try:
+        for name in sorted(BUNDLE_FILES):
+            fds[name] = os.memfd_create(f"skiff-llm-{name}", os.MFD_CLOEXEC)
+            os.symlink(f"/proc/self/fd/{fds[name]}", directory / name)
+        yield directory, fds
+    finally:
+        for entry in directory.iterdir():
+            entry.unlink()
+        directory.rmdir()
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _written(directory: Path, fds: Mapping[str, int]) -> dict[str, int]:
+    """Return the bundle's files: the memfds written; refuse anything that reached the disk."""
+    for entry in directory.iterdir():
+        if not entry.is_symlink():
+            raise errors.InvalidModel(
+                f"the converter wrote {entry.name} to disk instead of memory: refused"
+            )
+    return {name: fd for name, fd in fds.items() if os.fstat(fd).st_size > 0}
+
+
+def _reference_answers(
+    session: LlmSession, reference: Reference, prompts: list[str], new_tokens: int
+) -> list[dict[str, Any]]:
+    """Tokenize each prompt as a device will (its chat template, if any); answer greedily."""
+    answers = []
+    for text in prompts:
+        chat = session.info.chat_template is not None
+        rendered = (
+            session.apply_chat_template([{"role": "user", "content": text}]) if chat else text
+        )
+        ids = session.encode(rendered)
+        continuation = reference.greedy(ids, new_tokens)
+        # Up to its end of turn: what follows a stop token is noise nobody is served.
+        ends = [i for i, t in enumerate(continuation) if t in session.stop_token_ids]
+        if ends:
+            continuation = continuation[: ends[0] + 1]
+        answers.append({"text": text, "chat": chat, "ids": ids, "reference": continuation})
+    return answers
+
+
+def _judge(
+    session: LlmSession,
+    model: GgufModel,
+    reference: Reference,
+    answers: list[dict[str, Any]],
+    new_tokens: int,
+) -> dict[str, Any]:
+    """Score the variant, teacher-forced, and record its own greedy answers and memory."""
+    before = _rss_kb()
+    _reset_peak()
+    candidate, expected, greedy, texts = [], [], [], []
+    for answer in answers:
+        ids, continuation = answer["ids"], answer["reference"]
+        candidate.append(session.logits(ids, continuation))
+        full = reference.logits(ids + continuation[:-1])
+        expected.append(full[len(ids) - 1 :])
+        deltas = list(session.generate(ids, max_new_tokens=new_tokens, sampling=Sampling()))
+        greedy.append(list(deltas[-1].summary.output_ids))
+        texts.append("".join(d.text for d in deltas))
+    agreement = score(np.concatenate(candidate), np.concatenate(expected))
+    peak = max(_peak_kb() - before, 0) * 1024
+    return {
+        "top1_agreement": agreement.top1,
+        "mean_kl": agreement.mean_kl,
+        "positions": agreement.n,
+        "greedy": greedy,
+        "texts": texts,
+        "memory_mb": _ceil_mb(peak + _kv_cache_bytes(model, session.context_length)),
+    }
+
+
+def _kv_cache_bytes(model: GgufModel, context_length: int) -> int:
+    """Return what a full context's KV cache adds to the short golden runs (fp16 K and V)."""
+    return 2 * model.n_layers * model.kv_heads * model.head_dim * 2 * context_length
+
+
+def _describe(model: GgufModel) -> dict[str, Any]:
+    return {
+        "architecture": model.arch,
+        "vocab_size": model.vocab,
+        "context_length": model.context_length,
+        "layers": model.n_layers,
+        "hidden_size": model.hidden,
+        "chat_template": bool(model.tokenizer.chat_template),
+    }
+
+
+def _ceil_mb(n: int) -> int:
+    return -(-n // _MiB)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _rss_kb() -> int:
+    return _status_kb("VmRSS")
+
+
+def _peak_kb() -> int:
+    return _status_kb("VmHWM")
+
+
+def _reset_peak() -> None:
+    """Reset the peak RSS to the current one (Linux >= 4.0), so a variant is measured alone."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
