@@ -106,11 +106,11 @@ class GgufModel:
         return "blk.0.attn_q.bias" in self._tensors
 
     def is_sliding(self, layer: int) -> bool:
-        """True for gemma3's local layers: every sixth layer (5, 11, ...) is global."""
+        """Tell whether `layer` is one of gemma3's local layers (every sixth one is global)."""
         return self.arch == "gemma3" and (layer + 1) % 6 != 0
 
     def has(self, name: str) -> bool:
-        """True when the file holds a tensor of this name."""
+        """Tell whether the file holds a tensor of this name."""
         return name in self._tensors
 
     def tensor(self, name: str) -> np.ndarray:
@@ -190,7 +190,11 @@ def open_gguf(path: str | os.PathLike[str]) -> GgufModel:
     tensors = {t.name: t for t in reader.tensors}
     _check_tensor_data(reader, size)
     fields = {k: _value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    return _build(fields, tensors, reader)
+    model = _build(fields, tensors, reader)
+    # The reader keeps a few numpy views per vocabulary entry: ~500 MB for Gemma 3's 262k
+    # tokens, all copied into `fields` by now. Only the tensors' views are still needed.
+    reader.fields.clear()
+    return model
 
 
 def _check_header(f: Any, size: int) -> None:
@@ -414,7 +418,7 @@ def _tokenizer(fields: dict[str, Any]) -> Tokenizer:
 
 
 def _layer_tensors(model: GgufModel) -> dict[str, tuple[int, ...]]:
-    """The tensors every layer needs, with their [out, in] shapes."""
+    """List the tensors every layer needs, with their [out, in] shapes."""
     h, q, kv, f = (
         model.hidden,
         model.heads * model.head_dim,

@@ -12,7 +12,8 @@ from contract import errors
 from control_plane.registry.llm.convert import convert_gguf
 from control_plane.registry.llm.gguf_source import open_gguf
 from control_plane.registry.llm.reference import Reference
-from tests.control_plane.registry.llm.tiny_gguf import write_tiny_gguf
+from tests.control_plane.registry.llm.spm import spm_encode
+from tests.control_plane.registry.llm.tiny_gguf import write_tiny_gemma3, write_tiny_gguf
 
 IDS = [40, 70, 80, 81, 90, 100, 3, 4, 120, 200]
 
@@ -41,6 +42,27 @@ def test_bundle_matches_reference(tiny_gguf: Path, tmp_path: Path, variant: str)
         # embeddings travel as bf16: ~0.4% relative error on the inputs
         np.testing.assert_allclose(got, ref, atol=0.02 * np.abs(ref).max())
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= (1.0 if variant == "fp32" else 0.8)
+
+
+def test_tiny_gemma3_tokenizer_and_graph(tmp_path: Path) -> None:
+    """The ``.mtok`` tokenizer and the gemma3 graph, past the (8-token) sliding window."""
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_gemma3(path)
+    model = open_gguf(path)
+    info = convert_gguf(model, tmp_path / "fp32", variant="fp32")
+    assert "tokenizer.mtok" in info.files
+    import MNN.llm as llm
+
+    m = llm.create(str(tmp_path / "fp32" / "config.json"))
+    m.load()
+    for text in ("the cat", "That cat in the\n  hat é ü<start_of_turn>at", " an  ant"):
+        assert m.tokenizer_encode(text) == spm_encode(model.tokenizer, text), text
+    del m
+    ids = spm_encode(model.tokenizer, "the cat sat on the mat in the hat then ran")
+    assert len(ids) > 2 * model.sliding_window
+    ref = Reference(model).logits(ids)
+    got = _bundle_logits(tmp_path / "fp32" / "config.json", ids)
+    np.testing.assert_allclose(got, ref, atol=0.02 * np.abs(ref).max())
 
 
 def test_memfd_path_opens(tiny_gguf: Path) -> None:
