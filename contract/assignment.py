@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -139,6 +139,11 @@ class VerifiedModel:
     # The backend config the fleet found fastest on this device's class (advisory: not
     # signed; tried first, and served only if it passes the golden check here).
     recommended_config: str = ""
+    # A language model's description (architecture, vocabulary, context, chat template)
+    # as the manifest signs it: the artifact is an MNN-LLM bundle (a tar). None otherwise.
+    llm: dict | None = None
+    # What the variant needs of a device (memory_mb, disk_mb, mnn), as signed; {} if unsaid.
+    requirements: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -283,7 +288,18 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         pipeline=_pipeline(m.model, manifest.get("pipeline")),
         segment_sha256=_segments(m.model, variant, a.ciphertext_size),
         recommended_config=m.recommended_config[:MAX_CONFIG_KEY],
+        llm=_signed_dict(m.model, "llm", manifest.get("llm")),
+        requirements=_signed_dict(m.model, "requirements", variant.get("requirements")) or {},
     )
+
+
+def _signed_dict(model: str, key: str, value) -> dict | None:
+    """Return a signed manifest entry that must be an object (None when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise AssignmentRejected(f"{model}: manifest {key} is not an object")
+    return value
 
 
 def _segments(model: str, variant: dict, size: int) -> bytes:

@@ -16,7 +16,7 @@ from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points
 DISTRIBUTION = "skiff"
 SERVER_EXTRA = "server"
 # The device side's own commands (device_agent.cli): they need nothing of the server.
-DEVICE_COMMANDS = frozenset({"agent", "infer"})
+DEVICE_COMMANDS = frozenset({"agent", "infer", "generate"})
 
 
 def own_entry_points(group: str, name: str | None = None) -> list[EntryPoint]:

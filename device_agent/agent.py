@@ -44,7 +44,9 @@ from contract.pinned_keys import PinnedKeyRing
 from contract.server_clock import ServerClock, skew_notice, skewed
 from contract.transport import ClientTls, is_plaintext
 from device_agent.clock_reading import load_reading, save_reading
+from device_agent.device_facts import detected, with_detected
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
+from device_agent.llm_serving import LlmServing
 from device_agent.local_quotas import AppLimits
 from device_agent.pipelines import Pipelines
 from device_agent.report_outbox import (
@@ -129,6 +131,7 @@ class Agent:
         self.collector = Collector(self.server_clock)
         self.serving: Serving | None = None
         self.pipelines: Pipelines | None = None
+        self.llm_serving: LlmServing | None = None
         self.reachable = False
         self._sync_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -167,6 +170,7 @@ class Agent:
             raise AgentError(f"telemetry queue: {exc}") from None
         if self._serve:
             self.serving = Serving(self.collector, self._failing)
+            self.llm_serving = LlmServing(self.collector, self._failing)
             self.pipelines = Pipelines(self.serving, self.collector, limits=self._app_limits)
         self.reporter = Reporter(
             outbox,
@@ -176,7 +180,7 @@ class Agent:
             collect_events=self.serving.collect_events if self.serving else None,
             reached=self._reached,
         )
-        on_activated = self.pipelines.activate if self.pipelines else None
+        on_activated = self._activate if self.pipelines else None
         self.installer = Installer(self.state, self._unwrap, on_activated)
         return self
 
@@ -187,6 +191,7 @@ class Agent:
         """Stop serving, close the channel and let go of the state directory."""
         if self.serving is not None:
             await asyncio.to_thread(self.serving.close)
+            await asyncio.to_thread(self.llm_serving.close)
         if self.reporter is not None:
             self.reporter.outbox.close()
             self.reporter = None
@@ -221,7 +226,7 @@ class Agent:
         conn = self._connection()
         try:
             reply = await conn.enroll(
-                self._enroll_token, attributes_pb(attributes), keys.public_keyset()
+                self._enroll_token, attributes_pb(self._reported(attributes)), keys.public_keyset()
             )
         except DeviceCallError as exc:
             if exc.code in AUTH_CODES or exc.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -280,6 +285,10 @@ class Agent:
         except OSError as exc:
             log.warning("cannot record the sync state: %s", exc.strerror or exc)
 
+    def _reported(self, attributes: dict) -> dict:
+        """Return the operator's attributes over what this device detects (device fit)."""
+        return with_detected(attributes, detected(self.state.path, self.state.artifacts))
+
     async def _sync(self, last_revision: int) -> SyncOutcome:
         installed = [
             device_pb2.InstalledModel(model=name, version=v, variant=variant)
@@ -288,7 +297,10 @@ class Agent:
         nonce = new_nonce()
         sent = self.server_clock.monotonic()
         response = await self._conn.sync(
-            attributes_pb(self.identity.attributes), installed, last_revision, nonce=nonce
+            attributes_pb(self._reported(self.identity.attributes)),
+            installed,
+            last_revision,
+            nonce=nonce,
         )
         received = self.server_clock.monotonic()
         self.reachable = True
@@ -325,6 +337,7 @@ class Agent:
             if self.serving is not None:
                 self.pipelines.drop(name)
                 await asyncio.to_thread(self.serving.drop, name)
+                await asyncio.to_thread(self.llm_serving.drop, name)
         assigned = set()
         for m in assignment.models.values():
             assigned.add(m.ciphertext_sha256)
@@ -371,7 +384,9 @@ class Agent:
         if self.serving is not None:
             from device_agent.local_api import AgentServicer, start_local_api
 
-            servicer = AgentServicer(self.serving, self.status, self.pipelines)
+            servicer = AgentServicer(
+                self.serving, self.status, self.pipelines, llm_serving=self.llm_serving
+            )
             api, _ = await start_local_api(self.state.path, servicer)
             self._spawn(self._load_installed())
         tasks = [
@@ -409,7 +424,7 @@ class Agent:
                 pointers = {
                     name: p["active"]
                     for name, p in self.installer.pointers().items()
-                    if p.get("active") and not _same_slot(self.serving.serving(name), p["active"])
+                    if p.get("active") and not _same_slot(self._served(name), p["active"])
                 }
             except AgentError as exc:
                 log.error("cannot read the installed models: %s", exc)
@@ -441,13 +456,30 @@ class Agent:
             self.serving.loading(name, False)
             await self._roll_back_locked(name, reason, slot.get("uid"))
             return
-        await asyncio.to_thread(self.pipelines.activate, name, slot, model)
+        await asyncio.to_thread(self._activate, name, slot, model)
+
+    def _activate(self, name: str, slot: dict, model) -> None:
+        """Serve a loaded version: a language model by Generate, any other by Infer.
+
+        A model that changes kind between versions leaves the other kind's serving.
+        """
+        if slot.get("kind") == "llm":
+            self.pipelines.drop(name)
+            self.serving.drop(name)
+            self.llm_serving.put(name, slot, model)
+        else:
+            self.llm_serving.drop(name)
+            self.pipelines.activate(name, slot, model)
+
+    def _served(self, name: str) -> dict | None:
+        """Return the pointer slot serving `name` now, whatever its kind (None: none)."""
+        return self.serving.serving(name) or self.llm_serving.serving(name)
 
     async def _retry_load(self, name: str, uid: str) -> None:
         await asyncio.sleep(LOAD_RETRY_S)
         async with self._sync_lock:
             slot = (self.installer.pointer(name) or {}).get("active")
-            if slot and slot["uid"] == uid and not _same_slot(self.serving.serving(name), slot):
+            if slot and slot["uid"] == uid and not _same_slot(self._served(name), slot):
                 await self._serve_slot(name, slot)
 
     def _failing(self, name: str, uid: str, reason: str) -> None:
@@ -477,7 +509,9 @@ class Agent:
         from device_agent.status import read_status
 
         body = read_status(self.state.path)
-        live = self.serving.status() if self.serving is not None else {}
+        live = {}
+        if self.serving is not None:
+            live = {**self.llm_serving.status(), **self.serving.status()}
         counts = self.collector.totals()
         msg = agent_pb2.StatusResponse(
             device_id=body["device_id"],

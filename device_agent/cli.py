@@ -133,6 +133,35 @@ def add_parsers(sub, common: Callable[..., None] | None = None) -> None:
     p.add_argument("--timeout", type=_positive_seconds, default=60.0, metavar="S")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser(
+        "generate",
+        help="generate text with a language model through the local agent, streamed",
+    )
+    p.set_defaults(home=None, start=commands.start_generate)
+    p.add_argument("--state", type=Path, required=True, metavar="DIR", help="agent state")
+    p.add_argument("model", metavar="MODEL")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="a raw prompt, completed as it is")
+    source.add_argument(
+        "--messages",
+        type=Path,
+        metavar="FILE.json",
+        help='chat messages: a JSON list of {"role": "system"|"user"|"assistant", '
+        '"content": TEXT}, rendered with the model\'s chat template',
+    )
+    p.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--seed", type=int, metavar="N", help="for reproducible sampling")
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop before it (repeatable)"
+    )
+    p.add_argument("--timeout", type=_positive_seconds, default=600.0, metavar="S")
+    p.add_argument(
+        "--json", action="store_true", help="print one document at the end: text and summary"
+    )
+
 
 def _positive_seconds(text: str) -> float:
     try:

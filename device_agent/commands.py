@@ -1,4 +1,4 @@
-"""What `skiff agent run`, `skiff agent status` and `skiff infer` do, once parsed.
+"""What `skiff agent run`, `skiff agent status`, `skiff infer` and `skiff generate` do.
 
 Each `start_*` function takes the parsed arguments and returns what to print (a JSON
 body and its text) or None; failures are SkiffErrors, which contract.cli_exit turns
@@ -239,6 +239,131 @@ def start_infer(*, args: argparse.Namespace) -> Output:
     return body, _infer_text(body, outputs)
 
 
+# `skiff generate --messages`: a chat, not a document.
+MAX_MESSAGES_BYTES = 1 << 20
+
+
+def start_generate(*, args: argparse.Namespace) -> Output:
+    """Stream MODEL's answer to a prompt or chat through the agent's local API.
+
+    The text goes to stdout as it comes and the summary to stderr; with --json, one
+    document at the end. Ctrl-C stops the generation on the device too.
+    """
+    import grpc
+
+    from protos import agent_pb2, agent_pb2_grpc
+
+    path = _agent_socket(args.state)
+    request = agent_pb2.GenerateRequest(
+        model=args.model,
+        prompt=args.prompt or "",
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop=args.stop,
+    )
+    if args.seed is not None:
+        if not 0 <= args.seed < 1 << 64:
+            raise UsageError(f"--seed {args.seed}: use 0 to 2**64-1")
+        request.seed = args.seed
+    if args.messages is not None:
+        request.messages.extend(
+            agent_pb2.ChatMessage(role=m["role"], content=m["content"])
+            for m in _read_messages(args.messages)
+        )
+    text, summary = [], None
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        stream = agent_pb2_grpc.AgentServiceStub(channel).Generate(request, timeout=args.timeout)
+        try:
+            for reply in stream:
+                text.append(reply.text)
+                if not args.json and reply.text:
+                    sys.stdout.write(reply.text)
+                    sys.stdout.flush()
+                if reply.HasField("summary"):
+                    summary = reply.summary
+        except grpc.RpcError as exc:
+            if not args.json and text:
+                print(file=sys.stdout, flush=True)  # end the partial line
+            raise _infer_error(exc) from None
+        except KeyboardInterrupt:
+            stream.cancel()  # the agent stops generating within a token or two
+            raise
+    body = {"model": args.model, "text": "".join(text), "summary": _summary_json(summary)}
+    if args.json:
+        return body, None
+    print(flush=True)
+    print(_summary_text(args.model, body["summary"]), file=sys.stderr)
+    return None
+
+
+def _agent_socket(state: os.PathLike) -> os.PathLike:
+    from device_agent.local_api import socket_path
+    from device_agent.state import AgentError
+
+    try:
+        path = socket_path(state)
+    except AgentError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
+    if not path.exists():
+        raise errors.Unavailable(f"no agent is serving {state} (no socket {path})")
+    return path
+
+
+def _read_messages(path) -> list[dict]:
+    """Read --messages: a JSON list of {"role", "content"} objects (the agent checks roles)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MESSAGES_BYTES + 1)
+    except OSError as exc:
+        raise errors.InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+    if len(data) > MAX_MESSAGES_BYTES:
+        raise errors.InvalidArgument(f"{path}: over {MAX_MESSAGES_BYTES >> 20} MiB of messages")
+    try:
+        messages = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.InvalidArgument(f"{path} is not JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise errors.InvalidArgument(f"{path}: a non-empty JSON list of messages is expected")
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or set(m) != {"role", "content"}
+            or not all(isinstance(v, str) for v in m.values())
+        ):
+            raise errors.InvalidArgument(
+                f'{path}: message {i} must be {{"role": TEXT, "content": TEXT}}'
+            )
+    return messages
+
+
+def _summary_json(summary) -> dict | None:
+    if summary is None:
+        return None
+    return {
+        "version": summary.version,
+        "variant": summary.variant,
+        "config": summary.config,
+        "tokens_in": summary.tokens_in,
+        "tokens_out": summary.tokens_out,
+        "ttft_ms": round(summary.ttft_ms, 2),
+        "prefill_tokens_per_s": round(summary.prefill_tokens_per_s, 1),
+        "decode_tokens_per_s": round(summary.decode_tokens_per_s, 1),
+        "stop_reason": summary.stop_reason,
+    }
+
+
+def _summary_text(model: str, s: dict | None) -> str:
+    if s is None:
+        return f"{model}: the agent ended the stream without a summary"
+    return (
+        f"{model} v{s['version']} ({s['variant']}) on {s['config']}: "
+        f"{s['tokens_in']} tokens in, {s['tokens_out']} out ({s['stop_reason']}); "
+        f"first token {s['ttft_ms']:.0f} ms, {s['decode_tokens_per_s']:.1f} tokens/s"
+    )
+
+
 def _infer_error(exc) -> errors.SkiffError:
     import grpc
 
@@ -247,6 +372,8 @@ def _infer_error(exc) -> errors.SkiffError:
         grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
         grpc.StatusCode.NOT_FOUND: errors.NotFound,
         grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
+        grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: errors.Busy,
     }
     if code == grpc.StatusCode.UNAVAILABLE and "connect" in message.lower():
         return errors.Unavailable(f"the agent does not answer: {message}")

@@ -30,9 +30,11 @@ from contract.assignment import GoldenArtifact, VerifiedModel
 from contract.device_client import DeviceConnection
 from contract.envelope import decrypt_stream
 from contract.limits import MODEL_NAME  # a network name becomes a path
+from device_agent import llm_install
 from device_agent.download import DiskFull, Downloads, IntegrityFailure
 from device_agent.state import (
     AgentError,
+    SelfTestFailed,
     StateDir,
     fsync_dir,
     one_line,
@@ -47,10 +49,6 @@ POINTER_SCHEMA = "skiff.install-pointer/v1"
 
 _SLOT = (("version", int), ("variant", str), ("uid", str), ("artifact", str))
 _SLOT_KEYS = {"active": _SLOT, "previous": _SLOT, "failed": (*_SLOT, ("reason", str))}
-
-
-class SelfTestFailed(AgentError):
-    """The version does not load or does not reproduce its golden outputs here."""
 
 
 @dataclass
@@ -113,6 +111,8 @@ def _slot(m: VerifiedModel, config: str, probes: list[dict]) -> dict:
         },
         "degraded": m.degraded,
         "pipeline": m.pipeline,
+        # "llm": an MNN-LLM bundle (a tar), served by Generate; absent: a tensor model.
+        "kind": "llm" if m.llm is not None else "model",
         "config": config,
         "probes": probes,
         "activated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -291,11 +291,20 @@ class Installer:
     def load(self, model: str, slot: dict):
         """Decrypt an installed version in memory and load it on its recorded config.
 
-        Returns a `runtime.Model` running in a worker process (the caller closes it).
+        Returns a `runtime.Model` running in a worker process, or for a language model a
+        `runtime.llm.LlmWorker` (the caller closes it).
         """
         from runtime import Model  # deferred: `skiff agent status` never needs the runtime
 
         key = self._unwrap(base64.b64decode(slot["wrapped_data_key"]), slot["uid"])
+        if slot.get("kind") == "llm":
+            return llm_install.load_bundle(
+                self.artifact_path(slot["artifact"]),
+                key,
+                slot["associated_data"].encode(),
+                slot["plaintext_sha256"],
+                slot["plaintext_size"],
+            )
         plain = decrypt_artifact(
             self.artifact_path(slot["artifact"]),
             key,
@@ -371,6 +380,10 @@ class Installer:
         )
 
         key = self._unwrap(m.wrapped_data_key, m.uid)
+        if m.llm is not None:
+            golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
+            worker = llm_install.self_test(m, self.artifact_path(m.ciphertext_sha256), key, golden)
+            return worker, llm_install.CONFIG, []
         plain = decrypt_artifact(
             self.artifact_path(m.ciphertext_sha256),
             key,

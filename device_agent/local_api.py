@@ -33,6 +33,12 @@ from contract.local_api import (
     to_tensor,
 )
 from contract.local_api import socket_path as local_socket_path
+from device_agent.llm_serving import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Busy,
+    GenerateRequest,
+    LlmServing,
+)
 from device_agent.local_quotas import Overloaded, pushback_ms
 from device_agent.pipelines import Closed, EventsRejected, NoPipeline, Pipelines, Result
 from device_agent.report_outbox import Collector
@@ -43,6 +49,11 @@ from protos import agent_pb2, agent_pb2_grpc
 log = logging.getLogger("skiff.agent")
 
 PUSH_THREADS = 2
+GENERATE_THREADS = 4
+# What one Generate may ask: a prompt (or chat) of this many characters, this many tokens.
+MAX_PROMPT_CHARS = 256 << 10
+MAX_MESSAGES = 256
+MAX_NEW_TOKENS = 8192
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -65,9 +76,17 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         serving: Serving,
         status: Callable[[], agent_pb2.StatusResponse],
         pipelines: Pipelines | None = None,
+        *,
+        llm_serving: LlmServing | None = None,
     ) -> None:
         self._serving, self._status = serving, status
         self._pipelines = pipelines or Pipelines(serving, Collector())
+        self._llm = llm_serving or LlmServing(Collector())
+        # A generation streams for seconds: it gets threads of its own (one runs per model;
+        # the rest wait their turn in LlmServing's queue, holding a thread each).
+        self._generate_pool = ThreadPoolExecutor(
+            GENERATE_THREADS, thread_name_prefix="skiff-generate"
+        )
         # Pushes run their model once per firing: they get threads of their own, so a
         # burst of them never holds up Infer (asyncio's default pool).
         self._push_pool = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="skiff-push")
@@ -75,6 +94,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def close(self) -> None:
         """Let go of the push threads (after the server stopped: no push is left to run)."""
         self._push_pool.shutdown(wait=False, cancel_futures=True)
+        self._generate_pool.shutdown(wait=False, cancel_futures=True)
 
     async def Infer(self, request, context):  # noqa: D102, N802
         from runtime import (
@@ -87,6 +107,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        if self._llm.serving(request.model) is not None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{request.model} is a language model: call Generate, not Infer",
+            )
         if len(request.inputs) > MAX_TENSORS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_TENSORS} inputs")
         inputs = {}
@@ -187,6 +212,114 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 yield result_pb(result, dropped)
         finally:
             self._pipelines.unsubscribe(sub)
+
+    async def Generate(self, request, context):  # noqa: D102, N802
+        from runtime import DeadlineExceeded, InvalidInput, RuntimeFailure, WorkerCrashed
+
+        name = request.model
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        if self._llm.serving(name) is None:
+            if self._serving.serving(name) is not None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{name} is not a language model: call Infer, not Generate",
+                )
+            loading = self._serving.is_loading(name)
+            code = grpc.StatusCode.UNAVAILABLE if loading else grpc.StatusCode.NOT_FOUND
+            what = "is still loading" if loading else "is not installed on this device"
+            await context.abort(code, f"model {name!r:.64} {what}")
+        try:
+            wanted = generate_request(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        stop = threading.Event()  # the caller went away: the generation ends at once
+        context.add_done_callback(lambda _: stop.set())
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def run() -> None:
+            try:
+                for item in self._llm.generate(name, wanted, stop.is_set):
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the handler to answer
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        loop.run_in_executor(self._generate_pool, run)
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                text, summary, info = item
+                if summary is None:
+                    if text:
+                        yield agent_pb2.GenerateReply(text=text)
+                    continue
+                yield agent_pb2.GenerateReply(text=text, summary=summary_pb(summary, info))
+        except NotServing as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except Busy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except InvalidInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, one_line(exc, 500))
+        except DeadlineExceeded as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, one_line(exc, 500))
+        except WorkerCrashed as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, one_line(exc, 500))
+        except RuntimeFailure as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, one_line(exc, 500))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - never UNKNOWN, never the agent down
+            log.error("Generate %s failed: %s: %s", name[:64], type(exc).__name__, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        finally:
+            stop.set()
+
+
+def generate_request(request: agent_pb2.GenerateRequest) -> GenerateRequest:
+    """Check a Generate request's shape; ValueError names what is wrong.
+
+    The runtime checks the rest (sampling values, the prompt against the context).
+    """
+    if bool(request.prompt) == bool(request.messages):
+        raise ValueError("give a prompt or chat messages (exactly one of them)")
+    if len(request.prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(
+            f"the prompt has {len(request.prompt):,} characters (at most {MAX_PROMPT_CHARS:,})"
+        )
+    if len(request.messages) > MAX_MESSAGES:
+        raise ValueError(f"{len(request.messages)} chat messages (at most {MAX_MESSAGES})")
+    if sum(len(m.content) for m in request.messages) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the chat messages have more than {MAX_PROMPT_CHARS:,} characters")
+    if not 0 <= request.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must be 0 (the default) to {MAX_NEW_TOKENS}")
+    return GenerateRequest(
+        prompt=request.prompt,
+        messages=[{"role": m.role, "content": m.content} for m in request.messages],
+        max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p or 1.0,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=list(request.stop),
+    )
+
+
+def summary_pb(summary, info: dict) -> agent_pb2.GenerateSummary:
+    """Return a generation's summary (runtime.llm.Summary) as its message."""
+    return agent_pb2.GenerateSummary(
+        tokens_in=summary.tokens_in,
+        tokens_out=summary.tokens_out,
+        ttft_ms=summary.ttft_s * 1000,
+        prefill_tokens_per_s=summary.prefill_tps,
+        decode_tokens_per_s=summary.decode_tps,
+        stop_reason=summary.stop_reason.value,
+        version=info["version"],
+        variant=info["variant"],
+        config=info.get("config") or "",
+    )
 
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT

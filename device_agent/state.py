@@ -37,6 +37,10 @@ class AgentError(Exception):
     """The agent cannot go on; the message says why in one line."""
 
 
+class SelfTestFailed(AgentError):
+    """The version does not load or does not reproduce its golden outputs here."""
+
+
 class StateLocked(AgentError):
     """Another agent holds the state directory."""
 

@@ -250,9 +250,7 @@ def sniff_format(fd: int) -> str:
         return "onnx"
     if _looks_like_mnn(fd, size):
         return "mnn"
-    raise errors.InvalidModel(
-        "unrecognised model format: neither an ONNX, an MNN nor a GGUF model"
-    )
+    raise errors.InvalidModel("unrecognised model format: neither an ONNX, an MNN nor a GGUF model")
 
 
 def _convert(
