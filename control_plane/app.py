@@ -137,7 +137,7 @@ def build_app(config: Config, registry: Registry | None = None) -> App:
     check_robustness(config.guard_outliers, config.recommend_min_devices)
     registry = registry or build_registry(config)
     store = registry.store
-    resolver = Resolver(store)
+    resolver = Resolver(store, needs=registry.variant_needs)
     fleet = Fleet(store, default_enroll_ttl_s=config.enroll_ttl_s)
     feed = ChangeFeed(store)
     watchers = Watchers(resolver=resolver, store=store)

@@ -681,17 +681,45 @@ Global___RolloutHealth: _TypeAlias = RolloutHealth  # noqa: Y015
 class RolloutCounts(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class IneligibleReasonsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SELECTED_FIELD_NUMBER: _builtins.int
     IN_STAGE_FIELD_NUMBER: _builtins.int
     SYNCED_FIELD_NUMBER: _builtins.int
     INSTALLED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    INELIGIBLE_FIELD_NUMBER: _builtins.int
+    INELIGIBLE_REASONS_FIELD_NUMBER: _builtins.int
     selected: _builtins.int
     in_stage: _builtins.int
     synced: _builtins.int
     installed: _builtins.int
     failed: _builtins.int
     """Devices whose last report says this version failed to install or was rolled back."""
+    ineligible: _builtins.int
+    """Selected devices that cannot run the variant (memory, disk, engine version): not
+    assigned it, they keep what they would have had; how many for each reason.
+    """
+    @_builtins.property
+    def ineligible_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
         self,
         *,
@@ -700,10 +728,12 @@ class RolloutCounts(_message.Message):
         synced: _builtins.int = ...,
         installed: _builtins.int = ...,
         failed: _builtins.int = ...,
+        ineligible: _builtins.int = ...,
+        ineligible_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "in_stage", b"in_stage", "installed", b"installed", "selected", b"selected", "synced", b"synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "in_stage", b"in_stage", "ineligible", b"ineligible", "ineligible_reasons", b"ineligible_reasons", "installed", b"installed", "selected", b"selected", "synced", b"synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,7 @@ import contextlib
 import datetime as dt
 import functools
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -470,6 +471,20 @@ class Registry:
             data_key, ciphertext, associated_data=associated_data(record.uid, chosen.name)
         )
         return record, chosen, plaintext
+
+    def variant_needs(self, name: str, number: int, variant: str) -> dict:
+        """Return what a variant needs of a device, as its signed manifest says ({}: nothing).
+
+        A version that is gone (or unreadable) needs nothing here: its rollout fails
+        elsewhere, not in device fit.
+        """
+        try:
+            manifest = json.loads(self.store.get_version(name, number).manifest)
+        except (errors.NotFound, ValueError):
+            return {}
+        entry = manifest.get("variants", {}).get(variant, {})
+        needs = entry.get("requirements") if isinstance(entry, dict) else None
+        return needs if isinstance(needs, dict) else {}
 
     def golden(self, name: str, number: int | None) -> tuple[VersionRecord, bytes]:
         """Return a version and its decrypted golden data (runtime.golden's .npz)."""

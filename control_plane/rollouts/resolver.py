@@ -16,10 +16,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from control_plane.fleet.selector import Selector, parse_selector
+from control_plane.rollouts.fit import misfit
 from control_plane.rollouts.lifecycle import (
     BUCKETS,
     LIVE_STATES,
@@ -57,6 +58,8 @@ class LiveRollout:
     # Slices a guardrail (or an operator) rolled back: their devices are not selected.
     slice_dimension: Dimension | None = None
     excluded: frozenset[str] = frozenset()
+    # What the variant needs of a device (control_plane.rollouts.fit); {}: nothing.
+    needs: Mapping = field(default_factory=dict, compare=False)
 
     def selects(self, attrs: Mapping) -> bool:
         """Return whether the rollout applies to a device with these attributes."""
@@ -65,6 +68,10 @@ class LiveRollout:
         return (
             self.slice_dimension is None or self.slice_dimension.value(attrs) not in self.excluded
         )
+
+    def misfit(self, attrs: Mapping) -> tuple[str, str] | None:
+        """Return why a selected device cannot run the variant (None: it fits)."""
+        return misfit(self.needs, attrs) if self.needs else None
 
     def includes(self, device_id: str) -> bool:
         """Return whether the current stage includes this (selected) device."""
@@ -114,11 +121,18 @@ class Snapshot:
 
         With `excluding`, as if that rollout were not there.
         """
+        # A rollout whose variant the device cannot run is passed over: the device keeps
+        # what it would have had without it.
         for r in self._staged.get(model, ()):
-            if r.record.id != excluding and r.selects(attrs) and r.includes(device_id):
+            if (
+                r.record.id != excluding
+                and r.selects(attrs)
+                and r.includes(device_id)
+                and r.misfit(attrs) is None
+            ):
                 return r.desired
         for r in self._done.get(model, ()):
-            if r.record.id != excluding and r.selects(attrs):
+            if r.record.id != excluding and r.selects(attrs) and r.misfit(attrs) is None:
                 return r.desired
         return None
 
@@ -235,8 +249,13 @@ def _slice_class(rollout: LiveRollout, attrs) -> str:
 class Resolver:
     """Keeps the current snapshot; reloads it lazily after the change feed says so."""
 
-    def __init__(self, store: RolloutStore) -> None:
+    def __init__(
+        self, store: RolloutStore, needs: Callable[[str, int, str], Mapping] | None = None
+    ) -> None:
+        """`needs(model, version, variant)` says what a variant needs of a device."""
         self._store = store
+        self._needs = needs or (lambda *_: {})
+        self._needs_cache: dict[tuple[str, int, str], Mapping] = {}  # versions are immutable
         self._lock = threading.Lock()
         self._reload_lock = threading.Lock()
         self._compiled: dict[str, Selector] = {}
@@ -283,6 +302,10 @@ class Resolver:
         dimension = None
         if excluded and record.slice_by:
             dimension = parse_dimension(record.slice_by)
+        key = (record.model, record.version, record.variant)
+        needs = self._needs_cache.get(key)
+        if needs is None:
+            needs = self._needs_cache[key] = self._needs(*key)
         return LiveRollout(
             record,
             selector,
@@ -290,4 +313,5 @@ class Resolver:
             Desired(record.version, record.variant, record.id),
             dimension,
             excluded,
+            needs,
         )

@@ -11,7 +11,7 @@ import datetime as dt
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contract import errors
 from contract.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
@@ -92,6 +92,9 @@ class Counts:
     synced: int
     installed: int
     failed: int = 0  # devices whose telemetry says this version failed or was rolled back
+    # Selected devices that cannot run the variant (control_plane.rollouts.fit), by reason.
+    ineligible: int = 0
+    ineligible_reasons: dict[str, int] = field(default_factory=dict)
 
 
 def utcnow() -> dt.datetime:
@@ -470,14 +473,19 @@ class Rollouts:
         """Count selected, in-stage, synced, installed and failed live devices for one rollout."""
         snapshot = self._resolver.snapshot()
         selector = parse_selector(record.selector)
+        live = snapshot.by_id.get(record.id)
         selected = in_stage = 0
+        reasons: dict[str, int] = {}
         for device_id, attrs in self._store.live_device_attributes():
             if not selector.matches(attrs):
                 continue
             selected += 1
+            if live is not None and (unfit := live.misfit(attrs)) is not None:
+                reasons[unfit[0]] = reasons.get(unfit[0], 0) + 1
+                continue
             desired = snapshot.desired_model(record.model, device_id, attrs)
             in_stage += desired is not None and desired.rollout == record.id
         synced, installed, failed = self._store.count_model_states(
             record.model, record.version, record.variant
         )
-        return Counts(selected, in_stage, synced, installed, failed)
+        return Counts(selected, in_stage, synced, installed, failed, sum(reasons.values()), reasons)

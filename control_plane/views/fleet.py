@@ -157,6 +157,8 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
             "synced": r.counts.synced,
             "installed": r.counts.installed,
             "failed": r.counts.failed,
+            "ineligible": r.counts.ineligible,
+            "ineligible_reasons": dict(sorted(r.counts.ineligible_reasons.items())),
         },
         "guardrails": {
             "halt_rules": list(r.halt_rules),

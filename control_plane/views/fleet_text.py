@@ -265,7 +265,7 @@ def rollout_text(r: fleet_pb2.Rollout) -> str:
         f"  stage     {stage_text(r.stage, r.stages)}   {_stages(r)}  bake {r.bake_s}s"
         f"  priority {r.priority}",
         f"  devices   selected {c.selected}  in stage {c.in_stage}  synced {c.synced}"
-        f"  installed {c.installed}  failed {c.failed}",
+        f"  installed {c.installed}  failed {c.failed}{_ineligible(c)}",
         *_health_lines(r),
         "  audit",
     ]
@@ -330,3 +330,11 @@ def backends_text(name: str, version: int, classes) -> str:
             )
     lines.append("  * recommended")
     return "\n".join(lines)
+
+
+def _ineligible(c) -> str:
+    """Say how many selected devices cannot run the variant, and why ("" when none)."""
+    if not c.ineligible:
+        return ""
+    why = ", ".join(f"{reason} {n}" for reason, n in sorted(c.ineligible_reasons.items()))
+    return f"  ineligible {c.ineligible} ({why})"
