@@ -35,6 +35,7 @@ from control_plane.demo.fleet_walkthrough import (
     FleetDemo,
     run_fleet_demo,
 )
+from control_plane.demo.llm_walkthrough import run_llm_demo
 from control_plane.demo.real_models_walkthrough import run_real_models_demo
 from control_plane.demo.sample_pipeline import activity_pipeline
 from control_plane.home import init_home, read_token
@@ -92,6 +93,13 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
             _summary(address, config.home, old, new, demo.figures, time.monotonic() - started)
             if real_models:
                 run_real_models_demo(client, read_pins(config.home), work, _say)
+                run_llm_demo(
+                    client,
+                    address,
+                    Path(config.tls_ca) if config.tls_ca else None,
+                    config.home / "agents",
+                    _say,
+                )
     finally:
         server.stop(grace=2)
         server.app.store.close()
