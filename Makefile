@@ -70,6 +70,7 @@ bench: install
 	$(BIN)/python bench/agent.py --quick
 	$(BIN)/python bench/telemetry.py --quick
 	$(BIN)/python bench/variant_accuracy.py
+	$(BIN)/python bench/llm.py --quick
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME) .pytest_cache .ruff_cache

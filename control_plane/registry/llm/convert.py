@@ -112,7 +112,7 @@ def _write_graph(model: GgufModel, out_dir: Path, variant: str, block: int, say:
         outputs = build_graph(model, lambda i, n: say("graph", i / n))
         MNN.expr.save(outputs, _fd_path(raw))
         del outputs
-        _release_freed_memory()  # the fp32 constants, before the converter loads its copy
+        release_freed_memory()  # the fp32 constants, before the converter loads its copy
         say("saved", 1.0)
         with _private_cwd():
             _tools.mnnconvert(
@@ -129,7 +129,7 @@ def _write_graph(model: GgufModel, out_dir: Path, variant: str, block: int, say:
                 ]
             )
             os.ftruncate(raw, 0)  # free the fp32 graph before the second pass
-            _release_freed_memory()
+            release_freed_memory()
             if os.fstat(fused).st_size == 0:
                 raise errors.InvalidModel("MNN's converter could not materialise the graph")
             say("convert", 0.5)
@@ -161,7 +161,7 @@ def _write_graph(model: GgufModel, out_dir: Path, variant: str, block: int, say:
         os.close(fused)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand memory freed by Python and MNN back to the system (glibc keeps it otherwise).
 
     The converter then starts from a small resident set instead of stacking its own copy
