@@ -151,9 +151,9 @@ def add_parsers(sub, common: Callable[..., None] | None = None) -> None:
     )
     p.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K")
+    p.add_argument("--top-k", type=_top_k, default=0, metavar="K", help="0: no cut")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--seed", type=int, metavar="N", help="for reproducible sampling")
+    p.add_argument("--seed", type=_seed, metavar="N", help="for reproducible sampling")
     p.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop before it (repeatable)"
     )
@@ -161,6 +161,18 @@ def add_parsers(sub, common: Callable[..., None] | None = None) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one document at the end: text and summary"
     )
+
+
+def _top_k(text: str) -> int:
+    if not (text.isascii() and text.isdecimal()) or int(text) > 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to {1 << 20}")
+    return int(text)
+
+
+def _seed(text: str) -> int:
+    if not (text.isascii() and text.isdecimal()) or int(text) >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 0 to 2**64-1")
+    return int(text)
 
 
 def _positive_seconds(text: str) -> float:

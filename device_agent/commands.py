@@ -264,8 +264,6 @@ def start_generate(*, args: argparse.Namespace) -> Output:
         stop=args.stop,
     )
     if args.seed is not None:
-        if not 0 <= args.seed < 1 << 64:
-            raise UsageError(f"--seed {args.seed}: use 0 to 2**64-1")
         request.seed = args.seed
     if args.messages is not None:
         request.messages.extend(
@@ -324,6 +322,8 @@ def _read_messages(path) -> list[dict]:
         messages = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise errors.InvalidArgument(f"{path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise errors.InvalidArgument(f"{path}: JSON nested too deep for messages") from None
     if not isinstance(messages, list) or not messages:
         raise errors.InvalidArgument(f"{path}: a non-empty JSON list of messages is expected")
     for i, m in enumerate(messages):

@@ -6,7 +6,7 @@ version it was built with: control_plane.rollouts.fit). The agent detects:
 - `ram_mb`: the machine's memory (MemTotal);
 - `custom.disk_free_mb`: what Skiff may use in the state directory's file system: its
   free space plus what Skiff's own artifacts there take (an installed version must not
-  stop fitting because it is installed), rounded down to 64 MB so the figure does not
+  stop fitting because it is installed), rounded down to 16 MB so the figure does not
   move with every log line;
 - `custom.mnn`: the MNN engine's major.minor.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 __all__ = ["detected", "with_detected"]
 
 _MiB = 1 << 20
-_DISK_STEP_MB = 64
+_DISK_STEP_MB = 16
 
 
 def detected(state_dir: Path, artifacts: Path) -> dict:

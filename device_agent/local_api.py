@@ -49,7 +49,6 @@ from protos import agent_pb2, agent_pb2_grpc
 log = logging.getLogger("skiff.agent")
 
 PUSH_THREADS = 2
-GENERATE_THREADS = 4
 # What one Generate may ask: a prompt (or chat) of this many characters, this many tokens.
 MAX_PROMPT_CHARS = 256 << 10
 MAX_MESSAGES = 256
@@ -82,11 +81,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self._serving, self._status = serving, status
         self._pipelines = pipelines or Pipelines(serving, Collector())
         self._llm = llm_serving or LlmServing(Collector())
-        # A generation streams for seconds: it gets threads of its own (one runs per model;
-        # the rest wait their turn in LlmServing's queue, holding a thread each).
-        self._generate_pool = ThreadPoolExecutor(
-            GENERATE_THREADS, thread_name_prefix="skiff-generate"
-        )
+
         # Pushes run their model once per firing: they get threads of their own, so a
         # burst of them never holds up Infer (asyncio's default pool).
         self._push_pool = ThreadPoolExecutor(PUSH_THREADS, thread_name_prefix="skiff-push")
@@ -94,7 +89,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def close(self) -> None:
         """Let go of the push threads (after the server stopped: no push is left to run)."""
         self._push_pool.shutdown(wait=False, cancel_futures=True)
-        self._generate_pool.shutdown(wait=False, cancel_futures=True)
 
     async def Infer(self, request, context):  # noqa: D102, N802
         from runtime import (
@@ -246,7 +240,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             except BaseException as exc:  # noqa: BLE001 - handed to the handler to answer
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
 
-        loop.run_in_executor(self._generate_pool, run)
+        # A thread of its own, not a pool's: a generation streams for seconds, and a pool
+        # full of queued ones would keep a model with an empty queue waiting (and keep
+        # the refusal of a full queue from being immediate). LlmServing bounds them: one
+        # running and QUEUE waiting per model, the rest refused at once.
+        threading.Thread(target=run, name="skiff-generate", daemon=True).start()
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):

@@ -99,14 +99,15 @@ def parse_golden_prompts(data: bytes) -> list[str] | None:
             f"golden prompts take {len(data):,} bytes (limit {MAX_PROMPTS_BYTES:,})"
         )
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark is no prompt
     except UnicodeDecodeError as exc:
         raise errors.InvalidArgument(
             f"golden prompts are not UTF-8 (byte {exc.start}): a JSONL file of "
             '{"prompt": TEXT} lines'
         ) from None
     prompts: list[str] = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # JSONL lines end at "\n" only: a prompt may hold U+2028 and the like, unescaped.
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

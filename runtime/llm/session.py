@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import codecs
 import enum
+import functools
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -45,6 +47,9 @@ __all__ = [
 
 MAX_NEW_TOKENS = 1 << 16  # beyond any context MNN-LLM serves on a device
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
+# What a prompt may hold before it is tokenized (see LlmSession.encode).
+MAX_BYTES_PER_TOKEN = 16
+MAX_RUN = 2048
 MAX_TEMPERATURE, MAX_TOP_K = 100.0, 1 << 20
 _ROLES = ("system", "user", "assistant")
 _PRECISIONS = ("low", "normal", "high")
@@ -209,9 +214,26 @@ class LlmSession:
     # ------------------------------------------------------------ text
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize raw text (no chat template); refuse empty or non-str text."""
+        """Tokenize raw text (no chat template); refuse what the tokenizer cannot take.
+
+        Empty or non-str text, text far longer than the context could hold (a token is
+        rarely more than MAX_BYTES_PER_TOKEN bytes), and a run of more than MAX_RUN
+        characters without whitespace: MNN-LLM's BPE takes quadratic time on such a run
+        (8,000 letters: 1.6 s) and crashes on longer ones (16,383 "é": SIGSEGV).
+        """
         if not isinstance(text, str) or not text:
             raise InvalidInput("prompt must be a non-empty string")
+        limit = self.context_length * MAX_BYTES_PER_TOKEN
+        if len(text) > limit:
+            raise InvalidInput(
+                f"the prompt has {len(text):,} characters: more than a context of "
+                f"{self.context_length} tokens holds (at most {limit:,})"
+            )
+        run = _longest_run(text)
+        if run > MAX_RUN:
+            raise InvalidInput(
+                f"the prompt has {run:,} characters in a row without a space (at most {MAX_RUN:,})"
+            )
         return list(self._engine.encode(text))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
@@ -234,6 +256,14 @@ class LlmSession:
                 raise InvalidInput(f"message {i}: role must be one of {_ROLES}")
             if not isinstance(message["content"], str):
                 raise InvalidInput(f"message {i}: content must be a string")
+            # The template's own turn markers inside a message would forge turns (a
+            # "user" message that closes itself and opens a "system" one).
+            for marker in _turn_markers(self.info.chat_template):
+                if marker in message["content"]:
+                    raise InvalidInput(
+                        f"message {i}: its content holds the chat template's marker "
+                        f"{marker!r}: a message cannot open or close turns"
+                    )
         return self._engine.render_chat([dict(m) for m in messages])
 
     # ------------------------------------------------------------ generation
@@ -589,3 +619,19 @@ def _stop_tokens(files: Mapping[str, int], info: BundleInfo, engine: MnnEngine) 
         if len(ids) == 1:
             stops.add(ids[0])
     return stops
+
+
+def _longest_run(text: str) -> int:
+    """Return the length of the longest stretch of `text` without whitespace."""
+    return max((len(word) for word in text.split()), default=0)
+
+
+# Special-token markers as chat templates write them: <|im_start|>, <start_of_turn>,
+# [INST], <|eot_id|>...
+_MARKER = re.compile(r"<\|[^|<>\s]{1,40}\|>|<(?:start|end)_of_turn>|\[/?INST\]|</?s>")
+
+
+@functools.lru_cache(maxsize=8)
+def _turn_markers(template: str) -> tuple[str, ...]:
+    """Return the special-token markers a chat template writes literally."""
+    return tuple(sorted(set(_MARKER.findall(template))))

@@ -133,6 +133,12 @@ def _reference_answers(
             session.apply_chat_template([{"role": "user", "content": text}]) if chat else text
         )
         ids = session.encode(rendered)
+        if len(ids) + new_tokens > session.context_length:
+            raise errors.InvalidArgument(
+                f"golden prompt {text[:40]!r} is {len(ids)} tokens: with the "
+                f"{new_tokens}-token answer it does not fit the {session.context_length}-token "
+                "context"
+            )
         continuation = reference.greedy(ids, new_tokens)
         # Up to its end of turn: what follows a stop token is noise nobody is served.
         ends = [i for i, t in enumerate(continuation) if t in session.stop_token_ids]

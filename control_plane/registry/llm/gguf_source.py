@@ -49,6 +49,7 @@ MAX_STRING_BYTES = 1 << 20  # one key, token or chat template
 MAX_TENSOR_ELEMENTS = 1 << 31  # one tensor; Gemma 3's embedding is 168M elements
 MAX_LAYERS = 256
 MAX_VOCAB = 1 << 19
+MAX_METADATA_ITEMS = 3 * MAX_VOCAB  # all arrays together (Gemma 3: 786k)
 MAX_HIDDEN = 1 << 14
 MAX_CONTEXT = 1 << 22
 
@@ -210,6 +211,7 @@ def _check_header(f: Any, size: int) -> None:
         raise errors.InvalidModel(f"GGUF declares {n_tensors} tensors (limit {MAX_TENSOR_COUNT})")
     if n_kv > MAX_KV_COUNT:
         raise errors.InvalidModel(f"GGUF declares {n_kv} metadata entries (limit {MAX_KV_COUNT})")
+    items = 0
     for _ in range(n_kv):
         pos.string()
         vtype = pos.u32()
@@ -217,6 +219,14 @@ def _check_header(f: Any, size: int) -> None:
             etype, count = pos.u32(), pos.u64()
             if count > MAX_ARRAY_LEN:
                 raise errors.InvalidModel(f"GGUF metadata array of {count} items is too long")
+            # Tokens, their scores and types, and merges: a few arrays of a vocabulary's
+            # length. More (a million empty strings in many arrays) is only there to make
+            # the reader spend minutes and gigabytes.
+            items += count
+            if items > MAX_METADATA_ITEMS:
+                raise errors.InvalidModel(
+                    f"GGUF metadata arrays hold over {MAX_METADATA_ITEMS:,} items in all"
+                )
             if etype == _STRING:
                 for _ in range(count):
                     pos.string()
@@ -329,8 +339,8 @@ def _build(fields: dict[str, Any], tensors: dict[str, Any], reader: Any) -> Gguf
         value = fields.get(f"{arch}.{key}", default)
         if value is None:
             raise errors.InvalidModel(f"GGUF lacks {arch}.{key}")
-        if isinstance(value, list) or not lo <= value <= hi:
-            raise errors.InvalidModel(f"GGUF {arch}.{key} = {value!r} is out of range")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+            raise errors.InvalidModel(f"GGUF {arch}.{key} = {value!r:.40} is out of range")
         return value
 
     hidden = int(num("embedding_length"))
@@ -396,8 +406,8 @@ def _tokenizer(fields: dict[str, Any]) -> Tokenizer:
         value = fields.get(key)
         if value is None:
             return None
-        if not 0 <= int(value) < len(tokens):
-            raise errors.InvalidModel(f"GGUF {key} = {value} is not a token")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
+            raise errors.InvalidModel(f"GGUF {key} = {value!r:.40} is not a token")
         return int(value)
 
     template = fields.get("tokenizer.chat_template")

@@ -183,3 +183,43 @@ def test_a_rollout_of_a_language_model_defaults_to_its_first_bundle(cp, tiny):
     )
     refused = skiff("rollout", "create", "tiny-llm:1", "--variant", "fp32", env=cp.env, check=False)
     assert "has no variant 'fp32'" in _error_line(refused), refused.stderr
+
+
+def test_golden_prompts_in_any_valid_jsonl_are_read_and_too_long_ones_refused(cp, tiny, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    # A byte-order mark, and U+2028 inside a prompt (JSON allows it unescaped).
+    prompts.write_bytes('\ufeff{"prompt": "one\u2028two"}\n{"prompt": "three"}\n'.encode())
+    pushed = skiff(
+        "model",
+        "push",
+        str(tiny),
+        "--name",
+        "jsonl",
+        "--golden-prompts",
+        str(prompts),
+        "--variant",
+        "q8",
+        "--json",
+        env=cp.env,
+    )
+    assert json.loads(pushed.stdout)["version"] == 1
+    _, golden = cp.registry.golden("jsonl", 1)
+    assert [p["text"] for p in json.loads(golden)["prompts"]] == ["one\u2028two", "three"]
+
+    prompts.write_text(json.dumps({"prompt": "é" * 1999}) + "\n")  # ~4,000 byte tokens
+    refused = skiff(
+        "model",
+        "push",
+        str(tiny),
+        "--name",
+        "long",
+        "--golden-prompts",
+        str(prompts),
+        "--variant",
+        "q8",
+        env=cp.env,
+        check=False,
+    )
+    assert refused.returncode == EXIT_INVALID, refused.stderr
+    assert "does not fit the" in _error_line(refused) and "context" in _error_line(refused)
+    assert _versions(cp, "long") == 0 and not _orphans(cp)

@@ -97,3 +97,20 @@ def test_absurd_counts_refused(tiny_gguf: Path, tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(errors.InvalidModel, match="tensors"):
         open_gguf(path)
+
+
+def test_metadata_arrays_past_what_a_vocabulary_needs_are_refused_before_parsing(tmp_path: Path):
+    # Two arrays of a million empty strings: 15 MB that made the reader spend 37 s and
+    # 3 GB before it found the file wanting. The header walk now refuses it first (the
+    # message is the walk's: the reader never ran).
+    import struct
+
+    path = tmp_path / "arrays.gguf"
+    with path.open("wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 2))
+        for key in (b"junk.a", b"junk.b"):
+            f.write(struct.pack("<Q", len(key)) + key)
+            f.write(struct.pack("<IIQ", 9, 8, 1_000_000))  # array of strings
+            f.write(b"\0" * 8 * 1_000_000)  # each of length 0
+    with pytest.raises(errors.InvalidModel, match="metadata arrays hold over"):
+        open_gguf(path)
