@@ -231,6 +231,11 @@ class WorkerExecutor:
             self._stop(graceful=isinstance(exc, RuntimeFailure))  # no-op if reaped already
             raise
 
+    def _child(self) -> tuple[str, list[str], tuple[int, ...], dict[str, str]]:
+        """Return the child's module, its own arguments, the fds it inherits, its env."""
+        fds = (self._model_fd,)
+        return "runtime._worker_main", ["--model-fd", str(self._model_fd)], fds, child_env()
+
     def _spawn(self) -> None:
         """Start the worker process, connected by a fresh socketpair and log memfd."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -238,16 +243,17 @@ class WorkerExecutor:
         # Shared with the worker's stdout and stderr: appending, they keep writing at the
         # end after `_trim_log` shortens the file, instead of past a hole.
         fcntl.fcntl(log_fd, fcntl.F_SETFL, fcntl.fcntl(log_fd, fcntl.F_GETFL) | os.O_APPEND)
-        argv = [sys.executable, "-m", "runtime._worker_main", "--parent-pid", str(os.getpid())]
-        argv += ["--sock-fd", str(child.fileno()), "--model-fd", str(self._model_fd)]
+        module, extra, fds, env = self._child()
+        argv = [sys.executable, "-m", module, "--parent-pid", str(os.getpid())]
+        argv += ["--sock-fd", str(child.fileno()), *extra]
         if self._fault is not None:
             argv += ["--fault", self._fault.arg()]
         options = {
             "stdin": subprocess.DEVNULL,
             "stdout": log_fd,
             "stderr": log_fd,
-            "pass_fds": (child.fileno(), self._model_fd),
-            "env": child_env(),
+            "pass_fds": (child.fileno(), *fds),
+            "env": env,
             "start_new_session": True,  # Ctrl-C in the app's terminal is not for us
         }
         try:

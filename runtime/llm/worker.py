@@ -30,15 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import mmap
 import os
 import shutil
-import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -47,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-import runtime._processes as _processes
 import runtime._wire as _wire
 from runtime._processes import child_env
 from runtime._stdio import memfd
@@ -315,35 +310,13 @@ class _LlmProcess(WorkerExecutor):
 
     # ------------------------------------------------------------ lifecycle
 
-    def _spawn(self) -> None:
-        """Start the child with the socket, the cancel flag and the bundle's memfds."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        log_fd = memfd("skiff-llm-worker-log")
-        # Appending, like WorkerExecutor's log: writes stay at the end after a trim.
-        fcntl.fcntl(log_fd, fcntl.F_SETFL, fcntl.fcntl(log_fd, fcntl.F_GETFL) | os.O_APPEND)
+    def _child(self) -> tuple[str, list[str], tuple[int, ...], dict[str, str]]:
+        """Return the LLM child: the cancel flag and the bundle's memfds, its own TMPDIR."""
         for stale in os.listdir(self._tmp):  # left by a child that was killed
             shutil.rmtree(os.path.join(self._tmp, stale), ignore_errors=True)
-        argv = [sys.executable, "-m", "runtime.llm._worker_main", "--parent-pid", str(os.getpid())]
-        argv += ["--sock-fd", str(child.fileno()), "--cancel-fd", str(self._flag_fd)]
-        if self._fault is not None:
-            argv += ["--fault", self._fault.arg()]
-        options = {
-            "stdin": subprocess.DEVNULL,
-            "stdout": log_fd,
-            "stderr": log_fd,
-            "pass_fds": (child.fileno(), self._flag_fd, *self._files.values()),
-            "env": {**child_env(), "TMPDIR": self._tmp},
-            "start_new_session": True,  # Ctrl-C in the app's terminal is not for us
-        }
-        try:
-            self._proc = _processes.spawn(argv, options)
-        except BaseException:
-            parent.close()
-            os.close(log_fd)
-            raise
-        finally:
-            child.close()
-        self._channel, self._log_fd = _wire.Channel(parent), log_fd
+        fds = (self._flag_fd, *self._files.values())
+        env = {**child_env(), "TMPDIR": self._tmp}
+        return "runtime.llm._worker_main", ["--cancel-fd", str(self._flag_fd)], fds, env
 
     def _load(self) -> None:
         """Have the fresh child load the bundle; raise as `LlmSession` does."""

@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct q4 bundle, loaded from sealed memfds with MNN-LLM."""
+"""The real SmolLM2-135M-Instruct fp16 bundle, loaded from sealed memfds with MNN-LLM."""
 
 from __future__ import annotations
 

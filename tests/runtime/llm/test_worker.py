@@ -1,4 +1,4 @@
-"""`LlmWorker`: the real SmolLM2 q4 bundle served from a child process that may crash."""
+"""`LlmWorker`: the real SmolLM2 fp16 bundle served from a child process that may crash."""
 
 from __future__ import annotations
 
