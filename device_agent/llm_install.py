@@ -126,17 +126,21 @@ def _decrypt_bundle(
                 yield chunk
 
     chunks = plaintext()
+    files: dict[str, int] = {}
     try:
         files = read_bundle_tar(chunks)
         for _ in chunks:  # the tar's end padding: every byte counts toward the digest
             pass
+        if size != plaintext_size or digest.hexdigest() != plaintext_sha256:
+            raise IntegrityFailure(
+                f"artifact {path.name[:12]}: plaintext does not match its digest"
+            )
     except IntegrityFailure:
+        close_files(files)
         raise
     except InvalidBundle as exc:
         raise SelfTestFailed(f"self-test failed: {one_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - Tink raises its own errors for bad segments
-        raise IntegrityFailure(f"artifact {path.name[:12]} does not decrypt: {exc}") from None
-    if size != plaintext_size or digest.hexdigest() != plaintext_sha256:
         close_files(files)
-        raise IntegrityFailure(f"artifact {path.name[:12]}: plaintext does not match its digest")
+        raise IntegrityFailure(f"artifact {path.name[:12]} does not decrypt: {exc}") from None
     return files
