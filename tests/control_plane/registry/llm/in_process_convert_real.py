@@ -1,7 +1,7 @@
 """SmolLM2 end to end: convert the real GGUF, load with MNN-LLM, answer, agree with the reference.
 
 SmolLM2-135M-Instruct is llama with a byte-level BPE tokenizer and a chat template; Gemma 3
-has its own file (`test_convert_gemma3`). About 30 s here.
+has its own file (`in_process_convert_gemma3`). About 30 s here.
 """
 
 from __future__ import annotations
