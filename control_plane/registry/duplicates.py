@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from contract import errors
-from control_plane.registry.contract import BASE_VARIANT
+from control_plane.registry.contract import BASE_VARIANT, LLM_DEFAULT_VARIANTS
 from control_plane.registry.requests import PushRequest
 from control_plane.store.base import VersionRecord
 
@@ -23,9 +23,15 @@ def refuse_duplicate(latest: VersionRecord, request: PushRequest, sha256: str) -
     if request.allow_duplicate or not sha256:
         return
     manifest = _manifest(latest)
+    # The same bytes are the same format: a language model keeps only the bundles asked
+    # for (q4 when none is), any other model fp32 and its derived variants.
+    if latest.source_format == "gguf":
+        asked = set(request.variants or LLM_DEFAULT_VARIANTS)
+    else:
+        asked = {BASE_VARIANT, *request.variants}
     same = (
         source_sha256(latest, manifest) == sha256.lower()
-        and {v.name for v in latest.variants} == {BASE_VARIANT, *request.variants}
+        and {v.name for v in latest.variants} == asked
         and request.pipeline is None
         and not manifest.get("pipeline")
     )

@@ -223,3 +223,15 @@ def test_golden_prompts_in_any_valid_jsonl_are_read_and_too_long_ones_refused(cp
     assert refused.returncode == EXIT_INVALID, refused.stderr
     assert "does not fit the" in _error_line(refused) and "context" in _error_line(refused)
     assert _versions(cp, "long") == 0 and not _orphans(cp)
+
+
+def test_the_same_gguf_pushed_again_is_refused_unless_allowed(cp, tiny):
+    first = skiff("model", "push", str(tiny), "--name", "again", "--variant", "q8", env=cp.env)
+    assert first.returncode == 0
+    again = skiff(
+        "model", "push", str(tiny), "--name", "again", "--variant", "q8", env=cp.env, check=False
+    )
+    assert again.returncode == 7, again.stderr
+    assert "has the same bytes and variants as again:1" in _error_line(again)
+    other = skiff("model", "push", str(tiny), "--name", "again", "--variant", "fp16", env=cp.env)
+    assert other.returncode == 0 and _versions(cp, "again") == 2
