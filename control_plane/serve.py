@@ -405,14 +405,16 @@ def serve(*, config: Config, replica: bool = False) -> None:
     # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
     forbid_core_dumps()
     server, port = start_server(config=config, replica=replica)
+    # Before "listening" is printed: whoever waits for that line may stop us at once, and
+    # a SIGTERM before the handler is in place would kill the server without its drain.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     host = config.grpc.rsplit(":", 1)[0]
     transport = "TLS" if server.tls else "plaintext, this machine only"
     print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
     if server.dashboard is not None:
         print(f"dashboard and /metrics at {server.dashboard.url}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     # A stop that hangs (a handler thread that never returns, a grpc shutdown stuck on a
     # cancelled stream) must not leave a server that ignores SIGTERM: past the limit, the
