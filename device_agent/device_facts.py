@@ -16,6 +16,7 @@ pose as a smaller phone.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import shutil
@@ -39,11 +40,8 @@ def detected(state_dir: Path, artifacts: Path) -> dict:
         custom["disk_free_mb"] = str(free // _MiB // _DISK_STEP_MB * _DISK_STEP_MB)
     except OSError:
         pass
-    try:
-        major, minor, *_ = importlib.metadata.version("MNN").split(".")
-        custom["mnn"] = f"{int(major)}.{int(minor)}"
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        pass
+    if mnn := _mnn_version():
+        custom["mnn"] = mnn
     if custom:
         out["custom"] = custom
     return out
@@ -56,6 +54,16 @@ def with_detected(operator: dict, found: dict) -> dict:
     if custom:
         merged["custom"] = custom
     return merged
+
+
+@functools.cache
+def _mnn_version() -> str:
+    """Return the installed MNN's major.minor ("" if unknown): read once, it cannot change."""
+    try:
+        major, minor, *_ = importlib.metadata.version("MNN").split(".")
+        return f"{int(major)}.{int(minor)}"
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return ""
 
 
 def _mem_total_mb() -> int | None:

