@@ -383,7 +383,7 @@ class Installer:
         if m.llm is not None:
             golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
             worker = llm_install.self_test(m, self.artifact_path(m.ciphertext_sha256), key, golden)
-            return worker, llm_install.CONFIG, []
+            return worker, worker.config.key, []
         plain = decrypt_artifact(
             self.artifact_path(m.ciphertext_sha256),
             key,

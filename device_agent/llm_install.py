@@ -25,12 +25,10 @@ from contract.envelope import decrypt_stream
 from device_agent.download import IntegrityFailure
 from device_agent.state import AgentError, SelfTestFailed, one_line
 
-__all__ = ["AGREEMENT_SLACK", "CONFIG", "load_bundle", "self_test", "threads"]
+__all__ = ["AGREEMENT_SLACK", "load_bundle", "self_test", "threads"]
 
 # How far below the registry's figure this device's agreement may fall.
 AGREEMENT_SLACK = 0.1
-# The config a language model serves on (MNN-LLM on the CPU; its threads below).
-CONFIG = "cpu/llm"
 MAX_GOLDEN_BYTES = 8 << 20
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +55,7 @@ class _Loaded:
 
     worker: object  # runtime.llm.LlmWorker
     info: dict
+    name: str = ""
     users: int = 0
     retired: bool = False
 
@@ -81,12 +81,9 @@ class LlmServing:
         self,
         collector: Collector,
         on_failure: Callable[[str, str, str], None] | None = None,
-        *,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._collector = collector
         self._on_failure = on_failure
-        self._clock = clock
         self._lock = threading.Lock()
         self._models: dict[str, _Model] = {}
 
@@ -94,7 +91,7 @@ class LlmServing:
 
     def put(self, name: str, info: dict, worker) -> None:
         """Serve `worker` (now owned here) for `name`, from the next generation on."""
-        loaded = _Loaded(worker, info)
+        loaded = _Loaded(worker, info, name)
         with self._lock:
             model = self._models.get(name)
             if model is None:
@@ -219,41 +216,68 @@ class LlmServing:
     ) -> Iterator[tuple[str, object, dict]]:
         from runtime import WorkerCrashed
 
-        started = self._clock()
+        summary = None
         try:
             for delta in stream:
+                summary = delta.summary or summary
                 yield delta.text, delta.summary, loaded.info
         except WorkerCrashed as exc:
-            self._crashed(name, model, loaded, str(exc))
+            self._count(loaded, None, ok=False)
+            self._crashed(name, model, loaded, exc)
+            raise
+        except GeneratorExit:  # the caller went away (its stream was closed)
+            self._count(loaded, summary, ok=True, gone=True)
             raise
         except Exception:
-            self._count(name, loaded, started, ok=False)
+            self._count(loaded, summary, ok=False)
             raise
         with self._lock:
             model.crashes_in_row = 0
-        self._count(name, loaded, started, ok=True)
+        self._count(loaded, summary, ok=True)
 
-    def _count(self, name: str, loaded: _Loaded, started: float, *, ok: bool) -> None:
-        """Count the generation as one inference of its version (its latency: the whole)."""
+    def _count(self, loaded: _Loaded, summary, *, ok: bool, gone: bool = False) -> None:
+        """Count one generation of its version: tokens, time to first token, decode speed.
+
+        A generation's latency sample is its decode time per token after the first (see
+        device.proto ModelStats); one the caller left before it ended is a cancellation.
+        """
+        from runtime.llm import StopReason
+
+        figures: dict = {}
+        if summary is not None:
+            figures = {
+                "tokens_in": summary.tokens_in,
+                "tokens_out": summary.tokens_out,
+                "ttft_ns": _ns(summary.ttft_s) if summary.tokens_out else None,
+                "token_ns": _ns(1 / summary.decode_tps) if summary.decode_tps > 0 else None,
+            }
+        cancelled = gone and (summary is None or summary.stop_reason is StopReason.CANCELLED)
+        cancelled = cancelled or (
+            summary is not None and summary.stop_reason is StopReason.CANCELLED
+        )
+        self._collector.generation(_key(loaded), ok=ok, cancelled=cancelled, **figures)
+
+    def _crashed(self, name: str, model: _Model, loaded: _Loaded, exc) -> None:
         info = loaded.info
-        key = (name, info["version"], info["variant"], info.get("config") or "llm")
-        self._collector.inference(key, _ns(self._clock() - started), ok)
-
-    def _crashed(self, name: str, model: _Model, loaded: _Loaded, reason: str) -> None:
+        self._collector.events(_key(loaded), [exc.event], [])
         with self._lock:
             model.crashes_in_row += 1
             fail = model.crashes_in_row >= ROLLBACK_CRASHES and not model.failing
             model.failing = model.failing or fail
-        log.warning("%s v%d worker crashed: %s", name, loaded.info["version"], reason)
+        log.warning("%s v%d worker crashed: %s", name, info["version"], exc)
         if fail and self._on_failure is not None:
-            self._on_failure(
-                name, loaded.info["uid"], f"crashed {ROLLBACK_CRASHES} times: {reason}"
-            )
+            self._on_failure(name, info["uid"], f"crashed {ROLLBACK_CRASHES} times: {exc}")
 
     def status(self) -> dict[str, dict]:
         """Return what serves per language model (for the agent's status)."""
         with self._lock:
             return {name: dict(m.loaded.info) for name, m in self._models.items()}
+
+
+def _key(loaded: _Loaded) -> tuple[str, int, str, str]:
+    """Return what a generation is counted under: model, version, variant, config."""
+    info = loaded.info
+    return (loaded.name, info["version"], info["variant"], info.get("config", ""))
 
 
 def _ns(seconds: float) -> int:

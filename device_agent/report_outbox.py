@@ -233,6 +233,11 @@ class _Stats:
     pipeline_firings: int = 0
     crashes: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
+    # Language models: time to first token, tokens, cancelled generations.
+    ttft: LatencyHistogram = field(default_factory=LatencyHistogram)
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cancellations: int = 0
 
 
 class Collector:
@@ -278,6 +283,39 @@ class Collector:
                 entry.errors += 1
                 total[1] += 1
 
+    def generation(
+        self,
+        key: tuple[str, int, str, str],
+        *,
+        ok: bool,
+        tokens_in: int = 0,
+        tokens_out: int = 0,
+        ttft_ns: int | None = None,
+        token_ns: int | None = None,
+        cancelled: bool = False,
+    ) -> None:
+        """Count one generation of a language model (device.proto ModelStats).
+
+        Its latency sample is `token_ns`, the decode time per token after the first (None
+        for a generation of one token or none); `ttft_ns` its time to first token.
+        """
+        with self._lock:
+            entry = self._entry(key)
+            entry.inferences += 1
+            total = self._totals.setdefault(key[0], [0, 0])
+            total[0] += 1
+            entry.tokens_in += tokens_in
+            entry.tokens_out += tokens_out
+            entry.cancellations += cancelled
+            if not ok:
+                entry.errors += 1
+                total[1] += 1
+                return
+            if ttft_ns is not None:
+                entry.ttft.record_ns(ttft_ns)
+            if token_ns is not None:
+                entry.histogram.record_ns(token_ns)
+
     def firings(self, key: tuple[str, int, str, str], n: int) -> None:
         """Count pipeline firings that ran the model."""
         with self._lock:
@@ -317,20 +355,24 @@ class Collector:
             return timestamp(min(max(self.clock.of_wall_time(t), start), end))
 
         for (model, version, variant, config), s in sorted(stats.items()):
-            batch.models.append(
-                device_pb2.ModelStats(
-                    model=model,
-                    version=version,
-                    variant=variant,
-                    config=config,
-                    latency=histogram_pb(s.histogram),
-                    inferences=s.inferences,
-                    errors=s.errors,
-                    pipeline_firings=s.pipeline_firings,
-                    crashes=[_crash_pb(c, within(c.time)) for c in s.crashes[-MAX_EVENTS:]],
-                    fallbacks=[_fallback_pb(f, within(f.time)) for f in s.fallbacks[-MAX_EVENTS:]],
-                )
+            stats_pb = device_pb2.ModelStats(
+                model=model,
+                version=version,
+                variant=variant,
+                config=config,
+                latency=histogram_pb(s.histogram),
+                inferences=s.inferences,
+                errors=s.errors,
+                pipeline_firings=s.pipeline_firings,
+                crashes=[_crash_pb(c, within(c.time)) for c in s.crashes[-MAX_EVENTS:]],
+                fallbacks=[_fallback_pb(f, within(f.time)) for f in s.fallbacks[-MAX_EVENTS:]],
+                tokens_in=s.tokens_in,
+                tokens_out=s.tokens_out,
+                cancellations=s.cancellations,
             )
+            if s.ttft.count:
+                stats_pb.ttft.CopyFrom(histogram_pb(s.ttft))
+            batch.models.append(stats_pb)
         return batch
 
 

@@ -674,6 +674,10 @@ class ModelStats(_message.Message):
     CRASHES_FIELD_NUMBER: _builtins.int
     FALLBACKS_FIELD_NUMBER: _builtins.int
     PIPELINE_FIRINGS_FIELD_NUMBER: _builtins.int
+    TTFT_FIELD_NUMBER: _builtins.int
+    TOKENS_IN_FIELD_NUMBER: _builtins.int
+    TOKENS_OUT_FIELD_NUMBER: _builtins.int
+    CANCELLATIONS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -682,12 +686,25 @@ class ModelStats(_message.Message):
     errors: _builtins.int
     """Requests that failed (invalid input excluded: that is the caller's fault)."""
     pipeline_firings: _builtins.int
+    tokens_in: _builtins.int
+    """Prompt tokens prefilled and tokens generated."""
+    tokens_out: _builtins.int
+    cancellations: _builtins.int
+    """Generations stopped because their caller went away (counted in `inferences`)."""
     @_builtins.property
     def latency(self) -> Global___LatencyHistogram: ...
     @_builtins.property
     def crashes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CrashReport]: ...
     @_builtins.property
     def fallbacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___FallbackReport]: ...
+    @_builtins.property
+    def ttft(self) -> Global___LatencyHistogram:
+        """Language models (an MNN-LLM bundle): `inferences` counts generations, and `latency`
+        holds each generation's decode time per generated token after the first (so its
+        reciprocal is decode tokens per second; a generation of one token adds no sample).
+        Time to first token per generation (the prompt's prefill and one sample).
+        """
+
     def __init__(
         self,
         *,
@@ -701,10 +718,14 @@ class ModelStats(_message.Message):
         crashes: _abc.Iterable[Global___CrashReport] | None = ...,
         fallbacks: _abc.Iterable[Global___FallbackReport] | None = ...,
         pipeline_firings: _builtins.int = ...,
+        ttft: Global___LatencyHistogram | None = ...,
+        tokens_in: _builtins.int = ...,
+        tokens_out: _builtins.int = ...,
+        cancellations: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency", "ttft", b"ttft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "crashes", b"crashes", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "latency", b"latency", "model", b"model", "pipeline_firings", b"pipeline_firings", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancellations", b"cancellations", "config", b"config", "crashes", b"crashes", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "latency", b"latency", "model", b"model", "pipeline_firings", b"pipeline_firings", "tokens_in", b"tokens_in", "tokens_out", b"tokens_out", "ttft", b"ttft", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

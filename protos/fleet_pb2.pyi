@@ -487,6 +487,13 @@ class CohortFigures(_message.Message):
     P99_US_FIELD_NUMBER: _builtins.int
     CRASH_SIGNALS_FIELD_NUMBER: _builtins.int
     DEVICES_WITH_FIELD_NUMBER: _builtins.int
+    DECODE_TPS_FIELD_NUMBER: _builtins.int
+    TTFT_P50_MS_FIELD_NUMBER: _builtins.int
+    TTFT_P95_MS_FIELD_NUMBER: _builtins.int
+    TTFT_COUNT_FIELD_NUMBER: _builtins.int
+    TOKENS_IN_FIELD_NUMBER: _builtins.int
+    TOKENS_OUT_FIELD_NUMBER: _builtins.int
+    CANCELLATIONS_FIELD_NUMBER: _builtins.int
     devices: _builtins.int
     inferences: _builtins.int
     errors: _builtins.int
@@ -497,6 +504,16 @@ class CohortFigures(_message.Message):
     p50_us: _builtins.float
     p95_us: _builtins.float
     p99_us: _builtins.float
+    decode_tps: _builtins.float
+    """A language model's (set only for one): decode tokens per second of the median
+    generation, time to first token, tokens, and generations their caller cancelled.
+    """
+    ttft_p50_ms: _builtins.float
+    ttft_p95_ms: _builtins.float
+    ttft_count: _builtins.int
+    tokens_in: _builtins.int
+    tokens_out: _builtins.int
+    cancellations: _builtins.int
     @_builtins.property
     def crash_signals(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
@@ -518,23 +535,42 @@ class CohortFigures(_message.Message):
         p99_us: _builtins.float | None = ...,
         crash_signals: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         devices_with: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        decode_tps: _builtins.float | None = ...,
+        ttft_p50_ms: _builtins.float | None = ...,
+        ttft_p95_ms: _builtins.float | None = ...,
+        ttft_count: _builtins.int = ...,
+        tokens_in: _builtins.int = ...,
+        tokens_out: _builtins.int = ...,
+        cancellations: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_decode_tps", b"_decode_tps", "_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "_ttft_p50_ms", b"_ttft_p50_ms", "_ttft_p95_ms", b"_ttft_p95_ms", "decode_tps", b"decode_tps", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "crash_signals", b"crash_signals", "crashes", b"crashes", "devices", b"devices", "devices_with", b"devices_with", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "install_failures", b"install_failures", "installs", b"installs", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_decode_tps", b"_decode_tps", "_p50_us", b"_p50_us", "_p95_us", b"_p95_us", "_p99_us", b"_p99_us", "_ttft_p50_ms", b"_ttft_p50_ms", "_ttft_p95_ms", b"_ttft_p95_ms", "cancellations", b"cancellations", "crash_signals", b"crash_signals", "crashes", b"crashes", "decode_tps", b"decode_tps", "devices", b"devices", "devices_with", b"devices_with", "errors", b"errors", "fallbacks", b"fallbacks", "inferences", b"inferences", "install_failures", b"install_failures", "installs", b"installs", "p50_us", b"p50_us", "p95_us", b"p95_us", "p99_us", b"p99_us", "tokens_in", b"tokens_in", "tokens_out", b"tokens_out", "ttft_count", b"ttft_count", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__decode_tps: _TypeAlias = _typing.Literal["decode_tps"]  # noqa: Y015
+    _WhichOneofArgType__decode_tps: _TypeAlias = _typing.Literal["_decode_tps", b"_decode_tps"]  # noqa: Y015
     _WhichOneofReturnType__p50_us: _TypeAlias = _typing.Literal["p50_us"]  # noqa: Y015
     _WhichOneofArgType__p50_us: _TypeAlias = _typing.Literal["_p50_us", b"_p50_us"]  # noqa: Y015
     _WhichOneofReturnType__p95_us: _TypeAlias = _typing.Literal["p95_us"]  # noqa: Y015
     _WhichOneofArgType__p95_us: _TypeAlias = _typing.Literal["_p95_us", b"_p95_us"]  # noqa: Y015
     _WhichOneofReturnType__p99_us: _TypeAlias = _typing.Literal["p99_us"]  # noqa: Y015
     _WhichOneofArgType__p99_us: _TypeAlias = _typing.Literal["_p99_us", b"_p99_us"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_p50_ms: _TypeAlias = _typing.Literal["ttft_p50_ms"]  # noqa: Y015
+    _WhichOneofArgType__ttft_p50_ms: _TypeAlias = _typing.Literal["_ttft_p50_ms", b"_ttft_p50_ms"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_p95_ms: _TypeAlias = _typing.Literal["ttft_p95_ms"]  # noqa: Y015
+    _WhichOneofArgType__ttft_p95_ms: _TypeAlias = _typing.Literal["_ttft_p95_ms", b"_ttft_p95_ms"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__decode_tps) -> _WhichOneofReturnType__decode_tps | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__p50_us) -> _WhichOneofReturnType__p50_us | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__p95_us) -> _WhichOneofReturnType__p95_us | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__p99_us) -> _WhichOneofReturnType__p99_us | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_p50_ms) -> _WhichOneofReturnType__ttft_p50_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_p95_ms) -> _WhichOneofReturnType__ttft_p95_ms | None: ...
 
 Global___CohortFigures: _TypeAlias = CohortFigures  # noqa: Y015
 

@@ -158,6 +158,12 @@ def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
     latency = histogram_dict(msg.latency, f"{what} latency")
     if failed > inferences or latency["count"] > inferences:
         raise errors.InvalidArgument(f"{what}: more errors or timed samples than inferences")
+    ttft = histogram_dict(msg.ttft, f"{what} ttft") if msg.HasField("ttft") else {}
+    cancellations = _count(msg.cancellations, f"{what} cancellations")
+    if ttft.get("count", 0) > inferences or cancellations > inferences:
+        raise errors.InvalidArgument(
+            f"{what}: more first tokens timed or generations cancelled than inferences"
+        )
     _version(msg.model, msg.version, msg.variant, "model stats")
     if len(msg.crashes) > MAX_EVENTS or len(msg.fallbacks) > MAX_EVENTS:
         raise errors.InvalidArgument(f"{what}: at most {MAX_EVENTS} crashes and fallbacks each")
@@ -191,6 +197,10 @@ def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
         latency=latency,
         crashes=crashes,
         fallbacks=fallbacks,
+        ttft=ttft,
+        tokens_in=_count(msg.tokens_in, f"{what} tokens_in"),
+        tokens_out=_count(msg.tokens_out, f"{what} tokens_out"),
+        cancellations=cancellations,
     )
 
 

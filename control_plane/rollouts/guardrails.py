@@ -11,6 +11,11 @@ A rule is `METRIC > THRESHOLD` (or `>=`), for example `p95_latency_ratio > 1.2` 
         the candidate's crash rate over the baseline's
     install_failure_rate
         failed or rolled-back installs of the candidate version, per install outcome
+    decode_tps_ratio (a language model; halts when it falls: `decode_tps_ratio < 0.9`)
+        the candidate's decode tokens per second over the baseline's, at the median
+        generation: the reciprocal of the decode-time-per-token p50 ratio, judged as it is
+    ttft_p95_ratio (a language model)
+        the candidate's p95 time to first token over the baseline's
 
 The candidate cohort is the devices the rollout assigned its version, reporting it; the
 baseline cohort is the devices it selects but does not include yet, reporting what they
@@ -52,7 +57,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from contract import errors
-from control_plane.store.rollup_records import Aggregate, DeviceRollup
+from control_plane.store.rollup_records import Aggregate, DeviceRollup, llm_figures
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
     Devices,
@@ -69,17 +74,25 @@ MAX_RULES = 16
 MAX_RULE_TEXT = 200
 LATENCY_METRICS = {"p50_latency_ratio": 0.5, "p95_latency_ratio": 0.95, "p99_latency_ratio": 0.99}
 RATE_METRICS = {"crash_rate": "crashes", "error_rate": "errors", "fallback_rate": "fallbacks"}
+# A language model's: decode speed (its latency histogram is decode time per token) and
+# time to first token (its second histogram).
+LLM_METRICS = {"decode_tps_ratio": 0.5, "ttft_p95_ratio": 0.95}
 METRICS = (
     *LATENCY_METRICS,
     *RATE_METRICS,
     "crash_rate_ratio",
     "install_failure_rate",
+    *LLM_METRICS,
 )
+# Metrics that halt when they fall (the rest halt when they rise).
+FALLING_METRICS = frozenset({"decode_tps_ratio"})
 PASS, FAIL, INSUFFICIENT = "pass", "fail", "insufficient"
 # Rules that need a baseline cohort (devices selected but not in the stage yet).
-BASELINE_METRICS = frozenset({*LATENCY_METRICS, "crash_rate_ratio"})
+BASELINE_METRICS = frozenset({*LATENCY_METRICS, "crash_rate_ratio", *LLM_METRICS})
 
-_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>>=|>)|(?P<num>[0-9.eE+-]+))")
+_TOKEN = re.compile(
+    r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>>=|>|<=|<)|(?P<num>[0-9.eE+-]+))"
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,12 @@ class HaltRule:
 
     def breaks(self, value: float) -> bool:
         """Return whether `value` breaks the rule."""
-        return value >= self.threshold if self.op == ">=" else value > self.threshold
+        return {
+            ">": value > self.threshold,
+            ">=": value >= self.threshold,
+            "<": value < self.threshold,
+            "<=": value <= self.threshold,
+        }[self.op]
 
 
 def _refuse(text: str, pos: int, reason: str) -> errors.InvalidArgument:
@@ -118,9 +136,17 @@ def parse_rule(text: str) -> HaltRule:
         )
     pos = m.end()
     m = _TOKEN.match(text, pos)
+    falling = metric in FALLING_METRICS
+    wanted = "'<' or '<='" if falling else "'>' or '>='"
     if m is None or m.group("op") is None:
         at = pos + len(text[pos:]) - len(text[pos:].lstrip())
-        raise _refuse(text, at, "expected '>' or '>=' (rules say when to halt)")
+        raise _refuse(text, at, f"expected {wanted} (rules say when to halt)")
+    if m.group("op").startswith("<") != falling:
+        raise _refuse(
+            text,
+            m.start("op"),
+            f"{metric} halts when it {'falls' if falling else 'rises'}: use {wanted}",
+        )
     op, pos = m.group("op"), m.end()
     m = _TOKEN.match(text, pos)
     at = pos + len(text[pos:]) - len(text[pos:].lstrip())
@@ -176,6 +202,15 @@ class Cohort:
         """Return everything the cohort's devices reported, as reported (not capped)."""
         return self.members.pooled()
 
+    def _llm_figures(self) -> dict:
+        a = self.aggregate
+        counts = {k: getattr(a, k) for k in ("tokens_in", "tokens_out", "cancellations")}
+        return {**llm_figures(a), **counts}
+
+    def ttft(self) -> Cohort:
+        """Return the cohort with time to first token as its latency (a language model)."""
+        return Cohort(self.members.ttft())
+
     def figures(self) -> dict:
         """Return the cohort's figures, JSON-able (evidence, CLI, dashboard)."""
         a = self.aggregate
@@ -193,6 +228,7 @@ class Cohort:
                 for kind in ("crashes", "errors", "fallbacks", "install_failures")
             },
             **{f"p{p}_us": a.quantile_us(p / 100) for p in (50, 95, 99)},
+            **(self._llm_figures() if a.ttft is not None or a.tokens_out else {}),
         }
 
 
@@ -327,7 +363,13 @@ def judge(
         value = c_rate / b_rate if b_rate else (math.inf if c_rate else 1.0)
         verdict = _verdict(rule, name, value, c_low / b_high, c_rate, b_rate, sample)
         return _spread(verdict, candidate, "crashes", k)
-    q = LATENCY_METRICS[rule.metric]
+    if rule.metric == "ttft_p95_ratio":
+        candidate, baseline = candidate.ttft(), baseline.ttft()
+        unit = "first tokens"
+    else:
+        unit = "timed generations" if rule.metric == "decode_tps_ratio" else "inferences"
+    q = LATENCY_METRICS.get(rule.metric) or LLM_METRICS[rule.metric]
+    invert = rule.metric in FALLING_METRICS
     (c_weights, b_weights), configs = quantile_weights([candidate.members, baseline.members], q, k)
     sample["left_out"] = _left_out(candidate, c_weights) | _left_out(
         baseline, b_weights, "baseline"
@@ -338,7 +380,7 @@ def judge(
         ("candidate", candidate, judged_c),
         ("baseline", baseline, judged_b),
     ):
-        lacking = short(who, cohort, judged.aggregate.latency_count, "inferences", min_inferences)
+        lacking = short(who, cohort, judged.aggregate.latency_count, unit, min_inferences)
         if lacking:
             return lacking
     # Both cohorts' margins widened by how much the baseline's devices differ among
@@ -361,20 +403,40 @@ def judge(
             how = "of each device's own"
             figures = (math.exp(d.log_ratio), own_bound, d.candidate_us, d.baseline_us)
             sample["left_out"] = d.left_out
-    verdict = _verdict(rule, name, *figures, sample)
-    head = f"{rule.metric} {figures[0]:.4g}"
-    detail = verdict.detail.replace(head, f"{head} ({how} p{round(q * 100)})", 1)
+    # A falling metric (tokens per second) is the reciprocal of the latency ratio judged:
+    # its bound is the reciprocal of the latency bound most favourable to the candidate.
+    reading = _tokens_per_s if invert else (lambda x: x)
+    verdict = _verdict(
+        rule,
+        name,
+        *(reading(x) for x in figures[:2]),
+        *(_us_to_tps(x) if invert else x for x in figures[2:]),
+        sample,
+    )
+    head = f"{rule.metric} {reading(figures[0]):.4g}"
+    of = f"p{round(q * 100)}" if not invert else "the median generation"
+    detail = verdict.detail.replace(head, f"{head} ({how} {of})", 1)
     verdict = replace(verdict, detail=detail)
     if verdict.status != FAIL:
         return verdict
     if how == "of all inferences":
         seen = sum(
-            rule.breaks(latency_ratio(_own(candidate, i), judged_b, q, configs)[0])
+            rule.breaks(reading(latency_ratio(_own(candidate, i), judged_b, q, configs)[0]))
             for i in range(candidate.devices)
         )
     else:
-        seen = sum(rule.breaks(math.exp(x)) for x in per_device.slower.values())
+        seen = sum(rule.breaks(reading(math.exp(x))) for x in per_device.slower.values())
     return _spread(verdict, candidate, "", k, seen=seen, what="is that much slower")
+
+
+def _tokens_per_s(latency_ratio: float) -> float:
+    """Return the tokens-per-second ratio of a time-per-token ratio."""
+    return 1 / latency_ratio if latency_ratio > 0 else math.inf
+
+
+def _us_to_tps(us: float | None) -> float | None:
+    """Return tokens per second of a time per token in microseconds."""
+    return 1e6 / us if us else None
 
 
 def _own(cohort: Cohort, position: int) -> Pooled:
@@ -469,8 +531,9 @@ def _spread(
 
 def _verdict(rule, name, value, bound, candidate, baseline, sample) -> Verdict:
     failed = rule.breaks(bound)
+    least = "at most" if rule.op.startswith("<") else "at least"
     detail = (
-        f"{rule.metric} {value:.4g}, at least {bound:.4g} within the margin: "
+        f"{rule.metric} {value:.4g}, {least} {bound:.4g} within the margin: "
         + ("breaks" if failed else "keeps")
         + f" {rule.op} {rule.threshold:g}"
     )

@@ -19,7 +19,7 @@ from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.accuracy_bars import failed_bars
 from control_plane.registry.contract import BASE_VARIANT
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
-from control_plane.rollouts.guardrails import BASELINE_METRICS, parse_rules
+from control_plane.rollouts.guardrails import BASELINE_METRICS, LLM_METRICS, parse_rules
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
     MAX_PRIORITY,
@@ -212,6 +212,12 @@ class Rollouts:
             have = ", ".join(v.name for v in version.variants)
             raise errors.NotFound(
                 f"{spec.model}:{spec.version} has no variant {variant!r} (it has {have})"
+            )
+        llm_rules = [r.metric for r in parsed if r.metric in LLM_METRICS]
+        if llm_rules and "llm" not in version.signature:
+            raise errors.InvalidArgument(
+                f"{llm_rules[0]} judges a language model's tokens, and {spec.model}:"
+                f"{spec.version} is not one (use the latency rules, e.g. p95_latency_ratio>1.2)"
             )
         evidence = {}
         if found.degraded:

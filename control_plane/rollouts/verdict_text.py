@@ -30,6 +30,8 @@ _SUBJECTS = {
     "fallback_rate": "the fallback rate",
     "install_failure_rate": "the install failure rate",
     "crash_rate_ratio": "the crash rate",
+    "decode_tps_ratio": "decode speed (tokens/s, median generation)",
+    "ttft_p95_ratio": "p95 time to first token",
 }
 
 
@@ -48,16 +50,21 @@ def verdict_sentence(verdict: Verdict) -> str:
     if verdict.status == INSUFFICIENT or verdict.value is None and verdict.bound is None:
         return f"{subject}: not judged yet ({verdict.detail}): {verdict.status}"
     value, bound = _figure(rule, verdict.value), _figure(rule, verdict.bound)
-    limit = f"{'at or above' if rule.op == '>=' else 'above'} {_threshold(rule)}"
+    falling = rule.op.startswith("<")
+    side = {">": "above", ">=": "at or above", "<": "below", "<=": "at or below"}[rule.op]
+    limit = f"{side} {_threshold(rule)}"
+    least, could = ("at most", "high") if falling else ("at least", "low")
     sure = f"with {confidence_text()} confidence"
     if verdict.status == FAIL:
-        return f"{subject} is {value}; {sure} it is at least {bound}, {limit}: fail"
+        return f"{subject} is {value}; {sure} it is {least} {bound}, {limit}: fail"
     bound_breaks = verdict.bound is None or rule.breaks(verdict.bound)
     if bound_breaks:  # passed only because too few devices show it
         _, _, few = verdict.detail.partition(", but ")
-        return f"{subject} is {value}, {limit} {sure} (at least {bound}), but {few}: pass"
+        return f"{subject} is {value}, {limit} {sure} ({least} {bound}), but {few}: pass"
     if verdict.value is None or rule.breaks(verdict.value):
-        return f"{subject} is {value}, {limit}, but not {sure}: it may be as low as {bound}: pass"
+        return (
+            f"{subject} is {value}, {limit}, but not {sure}: it may be as {could} as {bound}: pass"
+        )
     return f"{subject} is {value}; a halt needs it {limit} {sure}: pass"
 
 
@@ -67,7 +74,10 @@ def _subject(rule: HaltRule, detail: str) -> str:
         if "of each device's own" in detail:
             return f"{q} latency (each device's own)"
         return f"{q} latency"
-    return _SUBJECTS.get(rule.metric, rule.metric)
+    subject = _SUBJECTS.get(rule.metric, rule.metric)
+    if "of each device's own" in detail:
+        return f"{subject} (each device's own)"
+    return subject
 
 
 def _is_ratio(rule: HaltRule) -> bool:

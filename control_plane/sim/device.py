@@ -81,6 +81,8 @@ class SimDevice:
         self.revision = 0
         self.desired: dict[str, VerifiedModel] = {}
         self.installed: dict[str, tuple[int, str]] = {}
+        # The installed models that are language models (their manifests say so).
+        self.llm_models: set[str] = set()
         # When this device first received / installed each target (time.monotonic()).
         self.synced_at: dict[Target, float] = {}
         self.installed_at: dict[Target, float] = {}
@@ -175,6 +177,7 @@ class SimDevice:
         changed = False
         for name in [m for m in self.installed if m not in assignment.models]:
             del self.installed[name]  # no longer assigned: the agent removes it
+            self.llm_models.discard(name)
             changed = True
         for m in assignment.models.values():
             if self.installed.get(m.model) == (m.version, m.variant):
@@ -184,6 +187,10 @@ class SimDevice:
             key = self._keys.unwrap(m.wrapped_data_key, device_id=self.id, version_uid=m.uid)
             await self._cache.check(self._conn, m, key)
             self.installed[m.model] = (m.version, m.variant)
+            if m.llm is not None:
+                self.llm_models.add(m.model)
+            else:
+                self.llm_models.discard(m.model)
             self.installed_at.setdefault((m.model, m.version, m.variant), time.monotonic())
             changed = True
         if changed:
@@ -250,6 +257,7 @@ class SimDevice:
             dt.datetime.fromtimestamp(start, dt.UTC),
             dt.datetime.fromtimestamp(end, dt.UTC),
             injections,
+            self.llm_models,
         )
         if batch is None:
             return None

@@ -10,7 +10,12 @@ choice to have something to see:
 * its latency is log-normal around a median set by its SoC (a stable draw per SoC),
   its backend config (GPU configs faster) and a per-device factor (a stable draw per
   device), with a spread of `SPREAD` per sample;
-* errors and crashes happen at small base rates.
+* errors and crashes happen at small base rates;
+* a language model (its manifest says so) reports generations instead, as the agent
+  does (device.proto ModelStats): each generation's decode time per token (log-normal
+  around a median set by the SoC's decode speed, `LLM_TPS`, and the same per-device
+  factor), its time to first token (the prompt's prefill at `PREFILL_X` times the decode
+  speed, plus one token), tokens in and out, and a few cancelled by their caller.
 
 A profile's `inject` rules change that for a slice of the fleet running one version:
 
@@ -18,8 +23,10 @@ A profile's `inject` rules change that for a slice of the fleet running one vers
                 {"select": "device_model~Moto*", "model": "ctr:2", "crash_rate": 0.01}]}
 
 `select` is a fleet selector (`control_plane.fleet.selector`), `model` a NAME:VERSION;
-`latency_x` multiplies latency, `crash_rate` and `error_rate` are per inference. Every
-rule that matches applies (factors multiply, rates add).
+`latency_x` multiplies latency (a language model's time per token and to the first
+token), `decode_x` a language model's decode tokens per second (0.6: 40% slower
+decoding), `crash_rate` and `error_rate` are per inference. Every rule that matches
+applies (factors multiply, rates add).
 """
 
 from __future__ import annotations
@@ -47,8 +54,14 @@ BASE_ERROR_RATE = 1e-4
 BASE_CRASH_RATE = 1e-5
 MAX_CRASH_REPORTS = 20  # per model and batch, as the agent caps them
 CONFIGS = {"CPU/normal/t4/mem-normal": 1.0, "OPENCL/low/t4/mem-normal": 0.55}
+# Language models: MNN-LLM on the CPU, as the agent serves them.
+LLM_CONFIG = "CPU/low/t4/mem-low"
+LLM_TPS = (15.0, 120.0)  # a SoC's median decode tokens/s for a small model: log-uniform
+LLM_SPREAD = 0.08  # sigma of log(time per token) between generations of one device
+PREFILL_X = 8.0  # prefill tokens/s over decode tokens/s
+LLM_CANCEL_RATE = 0.02
 _NORMAL = NormalDist()
-_INJECT_KEYS = {"select", "model", "latency_x", "crash_rate", "error_rate"}
+_INJECT_KEYS = {"select", "model", "latency_x", "decode_x", "crash_rate", "error_rate"}
 
 __all__ = ["Injection", "Load", "parse_injections"]
 
@@ -63,6 +76,7 @@ class Injection:
     latency_x: float = 1.0
     crash_rate: float = 0.0
     error_rate: float = 0.0
+    decode_x: float = 1.0
 
     def applies(self, attributes: Mapping, model: str, version: int) -> bool:
         """Return whether a device with `attributes` running `model:version` shows it."""
@@ -91,7 +105,8 @@ def parse_injections(raw: object) -> tuple[Injection, ...]:
         latency_x = _number(rule.get("latency_x", 1.0), f"{where}.latency_x", 0.01, 1000)
         crash = _number(rule.get("crash_rate", 0.0), f"{where}.crash_rate", 0, 1)
         error = _number(rule.get("error_rate", 0.0), f"{where}.error_rate", 0, 1)
-        out.append(Injection(selector, model, version, latency_x, crash, error))
+        decode_x = _number(rule.get("decode_x", 1.0), f"{where}.decode_x", 0.01, 1000)
+        out.append(Injection(selector, model, version, latency_x, crash, error, decode_x))
     return tuple(out)
 
 
@@ -136,14 +151,26 @@ class Load:
         model_x = 0.5 + 2 * _unit("model", model)  # models differ in size
         return self._soc_us * self._device_x * CONFIGS[self.config] * model_x * x
 
+    def decode_tps(self, model: str, version: int, injections: Sequence[Injection]) -> float:
+        """Return this device's median decode tokens/s for a language model's version."""
+        hits = [i for i in injections if i.applies(self._attributes, model, version)]
+        low, high = LLM_TPS
+        soc_tps = low * (high / low) ** _unit("soc-tps", self._attributes.get("soc", "unknown"))
+        x = math.prod(i.decode_x for i in hits) / math.prod(i.latency_x for i in hits)
+        return soc_tps / self._device_x * x
+
     def batch(
         self,
         installed: Mapping[str, tuple[int, str]],
         start: dt.datetime,
         end: dt.datetime,
         injections: Sequence[Injection],
+        llm: frozenset[str] | set[str] = frozenset(),
     ) -> device_pb2.ReportRequest | None:
-        """Return the batch this device reports for [start, end), or None if idle."""
+        """Return the batch this device reports for [start, end), or None if idle.
+
+        Models named in `llm` are language models (they report generations).
+        """
         seconds = (end - start).total_seconds()
         batch = device_pb2.ReportRequest(
             batch_id=new_batch_id(), period_start=timestamp(start), period_end=timestamp(end)
@@ -157,32 +184,63 @@ class Load:
             crash_rate = min(1.0, BASE_CRASH_RATE + sum(i.crash_rate for i in hits))
             errors_n = int(self._rng.binomial(n, error_rate))
             crashes_n = int(self._rng.binomial(n, crash_rate))
-            median = self.median_us(model, version, injections)
-            samples = LatencyHistogram()
-            samples.record_many_ns(
-                self._rng.lognormal(math.log(median * 1000), SPREAD, n - errors_n).astype(np.int64)
-            )
-            stats = device_pb2.ModelStats(
-                model=model,
-                version=version,
-                variant=variant,
-                config=self.config,
-                latency=histogram_pb(samples),
-                inferences=n,
-                errors=errors_n,
-            )
+            if model in llm:
+                stats = self._generations(model, version, variant, n, errors_n, hits, injections)
+            else:
+                median = self.median_us(model, version, injections)
+                samples = LatencyHistogram()
+                samples.record_many_ns(
+                    self._rng.lognormal(math.log(median * 1000), SPREAD, n - errors_n).astype(
+                        np.int64
+                    )
+                )
+                stats = device_pb2.ModelStats(
+                    model=model,
+                    version=version,
+                    variant=variant,
+                    config=self.config,
+                    latency=histogram_pb(samples),
+                    inferences=n,
+                    errors=errors_n,
+                )
             for k in range(min(crashes_n, MAX_CRASH_REPORTS)):
                 at = start + (end - start) * ((k + 1) / (crashes_n + 1))
                 stats.crashes.append(
                     device_pb2.CrashReport(
                         at=timestamp(at),
-                        config=self.config,
+                        config=stats.config,
                         reason="simulated crash",
                         signal="SIGSEGV",
                     )
                 )
             batch.models.append(stats)
         return batch if batch.models else None
+
+    def _generations(self, model, version, variant, n, errors_n, hits, injections):
+        """Return a language model's stats: `n` generations, `errors_n` of them failed."""
+        rng, ok = self._rng, n - errors_n
+        tps = self.decode_tps(model, version, injections)
+        tokens_in = 16 + rng.poisson(40, ok)
+        tokens_out = 1 + rng.poisson(60, ok)
+        token_ns = rng.lognormal(math.log(1e9 / tps), LLM_SPREAD, ok)
+        prefill_ns = tokens_in * 1e9 / (tps * PREFILL_X) * math.prod(i.latency_x for i in hits)
+        ttft_ns = (prefill_ns + token_ns) * rng.lognormal(0, LLM_SPREAD, ok)
+        decode, ttft = LatencyHistogram(), LatencyHistogram()
+        decode.record_many_ns(token_ns[tokens_out > 1].astype(np.int64))
+        ttft.record_many_ns(ttft_ns.astype(np.int64))
+        return device_pb2.ModelStats(
+            model=model,
+            version=version,
+            variant=variant,
+            config=LLM_CONFIG,
+            latency=histogram_pb(decode),
+            ttft=histogram_pb(ttft),
+            inferences=n,
+            errors=errors_n,
+            tokens_in=int(tokens_in.sum()),
+            tokens_out=int(tokens_out.sum()),
+            cancellations=int(rng.binomial(ok, LLM_CANCEL_RATE)),
+        )
 
 
 def _normal(u: float) -> float:

@@ -420,6 +420,15 @@ class RollupRow(Base):
     latency_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+    # Language models (rollup_records.Aggregate): tokens, cancellations, time to first token.
+    tokens_in: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_out: Mapped[int] = mapped_column(BigInteger, default=0)
+    cancellations: Mapped[int] = mapped_column(BigInteger, default=0)
+    ttft_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    ttft_sum_ns: Mapped[int] = mapped_column(BigInteger, default=0)
+    ttft_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    ttft_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    ttft_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
 
 
 class DeviceRollupRow(Base):
@@ -473,6 +482,15 @@ class DeviceRollupRow(Base):
     latency_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+    # Language models (rollup_records.Aggregate): tokens, cancellations, time to first token.
+    tokens_in: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_out: Mapped[int] = mapped_column(BigInteger, default=0)
+    cancellations: Mapped[int] = mapped_column(BigInteger, default=0)
+    ttft_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    ttft_sum_ns: Mapped[int] = mapped_column(BigInteger, default=0)
+    ttft_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    ttft_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    ttft_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
 
 
 class ReportPeriodRow(Base):

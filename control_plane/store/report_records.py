@@ -27,6 +27,13 @@ class ModelStatsRecord:
     latency: dict  # runtime.LatencyHistogram.to_dict()
     crashes: tuple[dict, ...] = ()
     fallbacks: tuple[dict, ...] = ()
+    # Language models only (device.proto ModelStats): `latency` is then decode time per
+    # token; these are time to first token (a histogram, {} when none), tokens prefilled
+    # and generated, and generations their caller cancelled.
+    ttft: dict = field(default_factory=dict)
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cancellations: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import json
 import math
 import signal
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -33,7 +33,13 @@ COUNTERS = (
     "installs_activated",
     "installs_failed",
     "installs_rolled_back",
+    # Language models (device.proto ModelStats): tokens prefilled and generated, and
+    # generations their caller cancelled.
+    "tokens_in",
+    "tokens_out",
+    "cancellations",
 )
+INSTALL_COUNTERS = ("installs_activated", "installs_failed", "installs_rolled_back")
 _INSTALL_COUNTER = {
     "activated": "installs_activated",
     "failed": "installs_failed",
@@ -94,7 +100,12 @@ def decode_buckets(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class Aggregate:
-    """Counters, crash signals and a latency histogram of some devices over some time."""
+    """Counters, crash signals and a latency histogram of some devices over some time.
+
+    For a language model, the latency histogram is decode time per token, and `ttft`
+    holds time to first token: an aggregate of its own that holds only that histogram
+    (None until a first token is timed), so every quantile reading applies to it as is.
+    """
 
     inferences: int = 0
     errors: int = 0
@@ -104,12 +115,16 @@ class Aggregate:
     installs_activated: int = 0
     installs_failed: int = 0
     installs_rolled_back: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cancellations: int = 0
     crash_signals: collections.Counter = field(default_factory=collections.Counter)
     buckets: np.ndarray = field(default_factory=lambda: np.zeros(N_BUCKETS, np.int64))
     latency_count: int = 0
     latency_sum_ns: int = 0
     latency_min_ns: int | None = None
     latency_max_ns: int | None = None
+    ttft: Aggregate | None = None
 
     def add_stats(self, s: ModelStatsRecord) -> None:
         """Add one model stats entry of a telemetry batch."""
@@ -118,8 +133,18 @@ class Aggregate:
         self.crashes += len(s.crashes)
         self.fallbacks += len(s.fallbacks)
         self.pipeline_firings += s.pipeline_firings
+        self.tokens_in += s.tokens_in
+        self.tokens_out += s.tokens_out
+        self.cancellations += s.cancellations
         self.crash_signals.update(crash_kind(c) for c in s.crashes)
-        h = s.latency
+        self.add_histogram(s.latency)
+        if s.ttft.get("count"):
+            if self.ttft is None:
+                self.ttft = Aggregate()
+            self.ttft.add_histogram(s.ttft)
+
+    def add_histogram(self, h: dict) -> None:
+        """Add a histogram (runtime.LatencyHistogram.to_dict() data) to the latency one."""
         if h.get("scheme") != SCHEME or not h.get("count"):
             return
         pairs = h["buckets"]  # canonical: unique indexes, each count below 2**40
@@ -152,6 +177,10 @@ class Aggregate:
                 other.latency_min_ns,
                 other.latency_max_ns,
             )
+        if other.ttft is not None and other.ttft.latency_count:
+            if self.ttft is None:
+                self.ttft = Aggregate()
+            self.ttft.merge(other.ttft)
 
     def _add_latency(self, count: int, sum_ns: int, low: int | None, high: int | None) -> None:
         self.latency_count += count
@@ -163,6 +192,16 @@ class Aggregate:
             self.latency_max_ns = (
                 high if self.latency_max_ns is None else max(self.latency_max_ns, high)
             )
+
+    def histogram_only(self) -> Aggregate | None:
+        """Return the latency histogram alone, as an aggregate (None when empty)."""
+        if not self.latency_count:
+            return None
+        out = Aggregate(buckets=self.buckets)
+        out._add_latency(
+            self.latency_count, self.latency_sum_ns, self.latency_min_ns, self.latency_max_ns
+        )
+        return out
 
     @property
     def installs(self) -> int:
@@ -190,7 +229,29 @@ class Aggregate:
         out["latency_count"] = self.latency_count
         for p in (50, 95, 99):
             out[f"p{p}_us"] = self.quantile_us(p / 100)
+        if self.ttft is not None or self.tokens_out:
+            out.update(llm_figures(self))
         return out
+
+
+def llm_figures(agg: Aggregate) -> dict:
+    """Return a language model's figures: decode tokens/s (median generation), TTFT in ms.
+
+    Decode tokens per second is the reciprocal of the median decode time per token (a
+    monotone map, so it is the median generation's speed, read off the same histogram).
+    """
+    p50 = agg.quantile_us(0.5)
+    ttft = agg.ttft if agg.ttft is not None else Aggregate()
+    return {
+        "decode_tps": 1e6 / p50 if p50 else None,
+        "ttft_p50_ms": _ms(ttft.quantile_us(0.5)),
+        "ttft_p95_ms": _ms(ttft.quantile_us(0.95)),
+        "ttft_count": ttft.latency_count,
+    }
+
+
+def _ms(us: float | None) -> float | None:
+    return None if us is None else us / 1000
 
 
 @dataclass(frozen=True)
@@ -318,6 +379,8 @@ class DeviceRollup:
     latency_max_ns: int | None
     index: np.ndarray
     counts: np.ndarray
+    # A language model's time to first token (Aggregate.ttft); None when none was timed.
+    ttft: Aggregate | None = None
 
     @classmethod
     def of(
@@ -344,7 +407,12 @@ class DeviceRollup:
             latency_max_ns=aggregate.latency_max_ns,
             index=index.astype("<u2"),
             counts=aggregate.buckets[index].astype("<i8"),
+            ttft=aggregate.ttft,
         )
+
+    def histogram(self) -> Aggregate | None:
+        """Return the row's latency histogram alone, as an aggregate (None when empty)."""
+        return self.aggregate().histogram_only()
 
     def aggregate(self) -> Aggregate:
         """Return the row as a (dense) aggregate."""
@@ -355,6 +423,9 @@ class DeviceRollup:
                 self.latency_count, self.latency_sum_ns, self.latency_min_ns, self.latency_max_ns
             )
             agg.buckets[self.index.astype(np.intp)] = self.counts
+        if self.ttft is not None and self.ttft.latency_count:
+            agg.ttft = Aggregate()
+            agg.ttft.merge(self.ttft)
         return agg
 
 
@@ -390,6 +461,9 @@ class DeviceTable:
     hist_index: np.ndarray  # intp
     hist_count: np.ndarray  # float64
     scope: str = ""
+    # A language model's time to first token, row for row: a table of the same rows whose
+    # latency columns and histograms are TTFT's (see `ttft_view`); None when no row has any.
+    ttft: DeviceTable | None = None
 
     def __len__(self) -> int:
         return len(self.window)
@@ -398,7 +472,7 @@ class DeviceTable:
     def from_rows(cls, rows: Sequence[DeviceRollup]) -> DeviceTable:
         """Return rows (as the store returns them one by one) as a table."""
         sizes = [len(r.index) for r in rows]
-        return cls(
+        table = cls(
             scope=rows[0].key.scope if rows else "",
             window=np.array([r.key.window.timestamp() for r in rows], np.float64),
             cohort=_objects(r.key.cohort for r in rows),
@@ -422,6 +496,28 @@ class DeviceTable:
             hist_index=np.concatenate([r.index for r in rows] or [_NO_INDEX]).astype(np.intp),
             hist_count=np.concatenate([r.counts for r in rows] or [_NO_COUNT]).astype(np.float64),
         )
+        if not any(r.ttft is not None and r.ttft.latency_count for r in rows):
+            return table
+        ttft = cls.from_rows([DeviceRollup.of(r.key, r.ttft or Aggregate()) for r in rows])
+        return table.with_ttft(ttft)
+
+    def with_ttft(self, source: DeviceTable) -> DeviceTable:
+        """Return this table with `source`'s latency as its time to first token.
+
+        `source` holds the same rows in the same order.
+        """
+        view = replace(
+            self,
+            latency_count=source.latency_count,
+            latency_sum_ns=source.latency_sum_ns,
+            latency_min_ns=source.latency_min_ns,
+            latency_max_ns=source.latency_max_ns,
+            hist_row=source.hist_row,
+            hist_index=source.hist_index,
+            hist_count=source.hist_count,
+            ttft=None,
+        )
+        return replace(self, ttft=view)
 
     @functools.cached_property
     def device_code(self) -> np.ndarray:
@@ -476,6 +572,7 @@ class DeviceTable:
             hist_index=self.hist_index[mask][order],
             hist_count=self.hist_count[mask][order],
             scope=self.scope,
+            ttft=self.ttft.take(rows) if self.ttft is not None else None,
         )
 
     def concat(self, other: DeviceTable) -> DeviceTable:
@@ -489,11 +586,38 @@ class DeviceTable:
             hist_index=np.concatenate([self.hist_index, other.hist_index]),
             hist_count=np.concatenate([self.hist_count, other.hist_count]),
             scope=self.scope,
+            ttft=(
+                None
+                if self.ttft is None and other.ttft is None
+                else self.ttft_view().concat(other.ttft_view())
+            ),
+        )
+
+    def ttft_view(self) -> DeviceTable:
+        """Return the same rows with time to first token as their latency.
+
+        robust.Devices then judges it as it judges latency; rows without any hold an
+        empty histogram.
+        """
+        if self.ttft is not None:
+            return self.ttft
+        none = np.full(len(self), np.nan)
+        return replace(
+            self,
+            latency_count=np.zeros(len(self)),
+            latency_sum_ns=np.zeros(len(self)),
+            latency_min_ns=none,
+            latency_max_ns=none,
+            hist_row=_NO_INDEX,
+            hist_index=_NO_INDEX,
+            hist_count=_NO_COUNT,
+            ttft=None,
         )
 
     def rows(self) -> list[DeviceRollup]:
         """Return the table as rows (for a few; tests and small reads)."""
         out = []
+        ttft = self.ttft.rows() if self.ttft is not None else None
         for i in range(len(self)):
             mine = slice(self._hist_start[i], self._hist_start[i + 1])
             low, high = self.latency_min_ns[i], self.latency_max_ns[i]
@@ -520,6 +644,7 @@ class DeviceTable:
                     latency_max_ns=None if math.isnan(high) else int(high),
                     index=self.hist_index[mine].astype("<u2"),
                     counts=self.hist_count[mine].astype("<i8"),
+                    ttft=ttft[i].histogram() if ttft is not None else None,
                 )
             )
         return out

@@ -42,13 +42,28 @@ def stats_values(batch: ReportBatch, s: ModelStatsRecord) -> dict:
         "fallbacks": len(s.fallbacks),
         "pipeline_firings": s.pipeline_firings,
         "latency": s.latency,
-        "events": {"crashes": list(s.crashes), "fallbacks": list(s.fallbacks)},
+        "events": _events(s),
     }
+
+
+def _events(s: ModelStatsRecord) -> dict:
+    # A language model's figures ride in the events document: no column for what most
+    # models never report.
+    events: dict = {"crashes": list(s.crashes), "fallbacks": list(s.fallbacks)}
+    if s.ttft or s.tokens_in or s.tokens_out or s.cancellations:
+        events["llm"] = {
+            "ttft": s.ttft,
+            "tokens_in": s.tokens_in,
+            "tokens_out": s.tokens_out,
+            "cancellations": s.cancellations,
+        }
+    return events
 
 
 def stats_record(row: orm.ModelStatsRow) -> ModelStatsRecord:
     """Return the record a telemetry_model_stats row holds."""
     events = row.events or {}
+    llm = events.get("llm") or {}
     return ModelStatsRecord(
         model=row.model,
         version=row.version,
@@ -60,6 +75,10 @@ def stats_record(row: orm.ModelStatsRow) -> ModelStatsRecord:
         latency=dict(row.latency),
         crashes=tuple(events.get("crashes", ())),
         fallbacks=tuple(events.get("fallbacks", ())),
+        ttft=dict(llm.get("ttft") or {}),
+        tokens_in=int(llm.get("tokens_in", 0)),
+        tokens_out=int(llm.get("tokens_out", 0)),
+        cancellations=int(llm.get("cancellations", 0)),
     )
 
 

@@ -47,6 +47,8 @@ from control_plane.store.sql_report_rows import install_record, stats_record
 from runtime.histogram import N_BUCKETS
 
 _CHUNK = 500  # keys per IN (...) list
+# A language model's time to first token: a second histogram on the same rows.
+TTFT_COLUMNS = ("ttft_count", "ttft_sum_ns", "ttft_min_ns", "ttft_max_ns", "ttft_buckets")
 # Rollers on several replicas take turns on this transaction-scoped advisory lock.
 _ROLLER_LOCK = 0x534B4946  # "SKIF"
 _R = orm.RollupRow.__table__
@@ -58,6 +60,7 @@ _MERGED = (
     "latency_min_ns",
     "latency_max_ns",
     "latency_buckets",
+    *TTFT_COLUMNS,
 )
 _UPDATE = (
     _R.update()
@@ -252,7 +255,7 @@ class SqlRollupStore(RollupStore):
                 values = row[8 : 8 + n_counters]
                 for name, value in zip(COUNTERS, values, strict=True):
                     setattr(agg, name, getattr(agg, name) + value)
-                signals, count, sum_ns, low, high, blob = row[8 + n_counters :]
+                signals, count, sum_ns, low, high, blob = row[8 + n_counters : 14 + n_counters]
                 if signals:
                     agg.crash_signals.update(signals)
                 if count:
@@ -260,6 +263,11 @@ class SqlRollupStore(RollupStore):
                     index, counts = decode_buckets(blob)
                     parts[g][0].append(index)
                     parts[g][1].append(counts)
+                ttft = _stored_ttft(row[14 + n_counters :])
+                if ttft is not None:
+                    if agg.ttft is None:
+                        agg.ttft = Aggregate()
+                    agg.ttft.merge(ttft)
         for g, (indexes, counts) in parts.items():
             if indexes:
                 merged[g].buckets = _sum_sparse(indexes, counts)
@@ -328,7 +336,27 @@ def _values(agg: Aggregate) -> dict:
         latency_max_ns=agg.latency_max_ns,
         latency_buckets=encode_buckets(agg.buckets),
     )
+    ttft = agg.ttft if agg.ttft is not None else Aggregate()
+    out.update(
+        ttft_count=clamp(ttft.latency_count),
+        ttft_sum_ns=clamp(ttft.latency_sum_ns),
+        ttft_min_ns=ttft.latency_min_ns,
+        ttft_max_ns=ttft.latency_max_ns,
+        ttft_buckets=encode_buckets(ttft.buckets),
+    )
     return out
+
+
+def _stored_ttft(values) -> Aggregate | None:
+    """Return the time to first token a row stores (`TTFT_COLUMNS`), None when none."""
+    count, sum_ns, low, high, blob = values
+    if not count:
+        return None
+    agg = Aggregate()
+    agg._add_latency(count, sum_ns, low, high)
+    index, counts = decode_buckets(blob)
+    agg.buckets[index.astype(np.intp)] = counts
+    return agg
 
 
 def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggregate]) -> None:
@@ -345,7 +373,8 @@ def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggreg
         ).all()
         for row in rows:
             agg = Aggregate(**dict(zip(COUNTERS, row[3 : 3 + len(COUNTERS)], strict=True)))
-            signals, count, sum_ns, low, high, blob = row[3 + len(COUNTERS) :]
+            signals, count, sum_ns, low, high, blob = row[3 + len(COUNTERS) : 9 + len(COUNTERS)]
+            agg.ttft = _stored_ttft(row[9 + len(COUNTERS) :])
             agg.crash_signals.update(signals or {})
             if count:
                 agg._add_latency(count, sum_ns, low, high)
@@ -461,7 +490,7 @@ def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
     signals = col("crash_signals")
     signals[:] = [json.loads(v) if v and v != "{}" else {} for v in signals]
     hist_row, hist_index, hist_count = decode_many(columns.get("latency_buckets", ()))
-    return DeviceTable(
+    table = DeviceTable(
         scope=scope,
         window=seconds("window_start"),
         cohort=col("cohort"),
@@ -483,6 +512,21 @@ def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
         hist_index=hist_index,
         hist_count=hist_count,
     )
+    ttft_count = col("ttft_count", np.float64)
+    if not ttft_count.any():
+        return table
+    hist_row, hist_index, hist_count = decode_many(columns["ttft_buckets"])
+    source = replace(
+        table,
+        latency_count=ttft_count,
+        latency_sum_ns=col("ttft_sum_ns", np.float64),
+        latency_min_ns=nullable("ttft_min_ns"),
+        latency_max_ns=nullable("ttft_max_ns"),
+        hist_row=hist_row,
+        hist_index=hist_index,
+        hist_count=hist_count,
+    )
+    return table.with_ttft(source)
 
 
 def _device_rollup(row) -> DeviceRollup:
@@ -506,6 +550,7 @@ def _device_rollup(row) -> DeviceRollup:
         latency_max_ns=values["latency_max_ns"],
         index=index,
         counts=counts,
+        ttft=_stored_ttft([values[name] for name in TTFT_COLUMNS]),
     )
 
 

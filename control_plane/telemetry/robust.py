@@ -29,7 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from contract import errors
-from control_plane.store.rollup_records import COUNTERS, Aggregate, DeviceRollup, DeviceTable
+from control_plane.store.rollup_records import (
+    COUNTERS,
+    INSTALL_COUNTERS,
+    Aggregate,
+    DeviceRollup,
+    DeviceTable,
+)
 from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
 CAP_FACTOR = 4.0
@@ -88,7 +94,7 @@ class Devices:
         if counter == "latency_count":
             values = self.latency_count
         elif counter == "install_outcomes":
-            values = self.counters[:, _COUNTER["installs_activated"] :].sum(axis=1)
+            values = self.counters[:, [_COUNTER[name] for name in INSTALL_COUNTERS]].sum(axis=1)
         elif counter == "install_failures":
             values = (
                 self.counters[:, _COUNTER["installs_failed"]]
@@ -136,7 +142,13 @@ class Devices:
             for signals in self.table.crash_signals[self.positions[scale > 0]]:
                 if signals:
                     agg.crash_signals.update(signals)
+        if self.table.ttft is not None:
+            agg.ttft = self.ttft().pooled(weights, config).histogram_only()
         return agg
+
+    def ttft(self) -> Devices:
+        """Return the same devices with time to first token as their latency."""
+        return Devices(self.table.ttft_view(), self.positions)
 
     def configs_with_devices(self, at_least: int) -> list[str]:
         """Return the configs at least `at_least` devices ran (with timed inferences)."""

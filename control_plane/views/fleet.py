@@ -170,6 +170,9 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
     }
 
 
+_LLM_COUNTS = ("ttft_count", "tokens_in", "tokens_out", "cancellations")
+
+
 def _cohort_dict(c: fleet_pb2.CohortFigures) -> dict:
     out = {
         name: getattr(c, name)
@@ -187,6 +190,13 @@ def _cohort_dict(c: fleet_pb2.CohortFigures) -> dict:
         out[name] = getattr(c, name) if c.HasField(name) else None
     out["crash_signals"] = dict(sorted(c.crash_signals.items()))
     out["devices_with"] = dict(sorted(c.devices_with.items()))
+    if c.HasField("decode_tps") or c.ttft_count or c.tokens_out:
+        out["llm"] = {
+            "decode_tps": c.decode_tps if c.HasField("decode_tps") else None,
+            "ttft_p50_ms": c.ttft_p50_ms if c.HasField("ttft_p50_ms") else None,
+            "ttft_p95_ms": c.ttft_p95_ms if c.HasField("ttft_p95_ms") else None,
+            **{k: getattr(c, k) for k in _LLM_COUNTS},
+        }
     return out
 
 

@@ -146,6 +146,8 @@ def _health_lines(r: fleet_pb2.Rollout) -> list[str]:
             f"  inferences {c.inferences}/{b.inferences}  p95 {p95(c)}/{p95(b)} us"
             f"  crashes {c.crashes}/{b.crashes}"
         )
+        if c.ttft_count or b.ttft_count or c.tokens_out or b.tokens_out:
+            lines.append(f"    {'':<24} {'':<11} {_llm_pair(c, b)}")
         for v in s.rules:
             lines.append(f"      {v.rule:<26} {v.sentence or f'{v.detail}: {v.status}'}")
     if h.outside_reports:
@@ -154,6 +156,21 @@ def _health_lines(r: fleet_pb2.Rollout) -> list[str]:
             " devices (not what they were assigned: kept, never judged)"
         )
     return lines
+
+
+def _llm_pair(c: fleet_pb2.CohortFigures, b: fleet_pb2.CohortFigures) -> str:
+    """Say a language model's figures, candidate/baseline: decode speed, TTFT, tokens."""
+
+    def tps(x):
+        return f"{x.decode_tps:,.1f}" if x.HasField("decode_tps") else "-"
+
+    def ttft(x):
+        return f"{x.ttft_p95_ms:,.0f}" if x.HasField("ttft_p95_ms") else "-"
+
+    return (
+        f"decode {tps(c)}/{tps(b)} tokens/s  ttft p95 {ttft(c)}/{ttft(b)} ms"
+        f"  tokens out {c.tokens_out}/{b.tokens_out}  cancelled {c.cancellations}/{b.cancellations}"
+    )
 
 
 def _stages(r: fleet_pb2.Rollout) -> str:

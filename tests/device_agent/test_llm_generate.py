@@ -112,7 +112,7 @@ def test_skiff_generate_streams_the_answer_the_registry_recorded(cp, daemon, tmp
     assert recorded["prompts"][0]["text"] == question
     assert shown.stdout == recorded["variants"]["q8"]["texts"][0] + "\n", shown
     assert "France" in shown.stdout
-    assert f"{MODEL} v1 (q8) on cpu/llm:" in shown.stderr and "tokens/s" in shown.stderr
+    assert f"{MODEL} v1 (q8) on CPU/low/t" in shown.stderr and "tokens/s" in shown.stderr
 
     as_json = skiff(
         "generate",

@@ -14,6 +14,16 @@ import pytest
 from device_agent.llm_serving import QUEUE, Busy, GenerateRequest, LlmServing
 from device_agent.report_outbox import Collector
 from device_agent.serving import ROLLBACK_CRASHES, NotServing
+from runtime.llm import StopReason, Summary
+
+DONE = Summary(
+    tokens_in=3,
+    tokens_out=5,
+    ttft_s=0.02,
+    prefill_tps=150.0,
+    decode_tps=40.0,
+    stop_reason=StopReason.MAX_TOKENS,
+)
 
 
 @dataclass
@@ -48,14 +58,14 @@ class FakeWorker:
             config = BackendConfig(Backend.CPU, "low", 1, "low")
             raise WorkerCrashed(CrashEvent(config=config, reason="signal", signal="SIGSEGV"))
         yield _Delta(self.name)
-        yield _Delta("", summary="done")
+        yield _Delta("", summary=DONE)
 
     def close(self):
         self.closed = True
 
 
 def _info(version: int) -> dict:
-    return {"version": version, "variant": "q4", "uid": f"u{version}", "config": "cpu/llm"}
+    return {"version": version, "variant": "q4", "uid": f"u{version}", "config": "CPU/low/t4/mem-low"}
 
 
 def _run(serving: LlmServing, out: list, name: str = "m") -> threading.Thread:
@@ -112,7 +122,7 @@ def test_beyond_the_queue_a_request_is_refused_at_once():
     gate.set()
     for t in threads:
         t.join(30)
-    assert all(out and out[-1][1] == "done" for out in outs)
+    assert all(out and out[-1][1] is DONE for out in outs)
 
 
 def test_a_waiting_caller_that_gives_up_leaves_the_queue():
@@ -151,3 +161,35 @@ def test_an_unknown_or_dropped_model_is_not_served():
     serving.put("m", _info(1), worker)
     serving.drop("m")
     assert worker.closed and serving.serving("m") is None
+
+
+def test_each_generation_reports_tokens_first_token_time_and_decode_speed():
+    collector = Collector()
+    serving = LlmServing(collector)
+    serving.put("m", _info(1), FakeWorker("w"))
+    for _ in range(2):
+        assert list(serving.generate("m", GenerateRequest(prompt="x"), lambda: False))
+    # A caller that leaves mid-stream: its generation is counted as cancelled.
+    stream = serving.generate("m", GenerateRequest(prompt="x"), lambda: False)
+    next(stream)
+    stream.close()
+    (stats,) = collector.cut().models
+    assert (stats.model, stats.version, stats.variant, stats.config) == ("m", 1, "q4", "CPU/low/t4/mem-low")
+    assert stats.inferences == 3 and stats.errors == 0 and stats.cancellations == 1
+    assert (stats.tokens_in, stats.tokens_out) == (6, 10)  # the cancelled one had no summary
+    assert stats.ttft.count == 2 and stats.ttft.min_ns == 20_000_000
+    # Latency is decode time per token: 1/40 s.
+    assert stats.latency.count == 2 and stats.latency.min_ns == 25_000_000
+
+
+def test_a_crash_is_reported_with_its_signal():
+    collector = Collector()
+    serving = LlmServing(collector)
+    serving.put("m", _info(1), FakeWorker("w", crash=True))
+    from runtime.errors import WorkerCrashed
+
+    with pytest.raises(WorkerCrashed):
+        list(serving.generate("m", GenerateRequest(prompt="x"), lambda: False))
+    (stats,) = collector.cut().models
+    assert stats.inferences == 1 and stats.errors == 1
+    assert [c.signal for c in stats.crashes] == ["SIGSEGV"]

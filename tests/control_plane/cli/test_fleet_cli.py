@@ -127,6 +127,7 @@ def test_fleet_cli_bad_input(server):  # noqa: F811
         (["--halt", "crash_rate>0.1", "--min-devices", "-1"], "min devices"),
         # No baseline by assignment when every selected device is in the first stage.
         (["--halt", "p95_latency_ratio>1.2"], "a first stage of 100% leaves none"),
+        (["--halt", "decode_tps_ratio>0.9"], "decode_tps_ratio halts when it falls: use '<'"),
     ]:
         halt = skiff("rollout", "create", "kws:1", *args, env=env, check=False)
         line = _error_line(halt)
@@ -138,3 +139,23 @@ def test_fleet_cli_bad_input(server):  # noqa: F811
     assert attr.returncode == 3 and "oops" in _error_line(attr)
     no_kind = skiff("token", "create", env=env, check=False)
     assert no_kind.returncode == 2
+
+
+def test_token_rules_are_refused_for_a_model_that_is_not_a_language_model(server, model_file):  # noqa: F811
+    env = server["env"]
+    skiff("model", "push", str(model_file), "--name", "spotter", env=env)
+    halt = skiff(
+        "rollout",
+        "create",
+        "spotter:1",
+        "--halt",
+        "decode_tps_ratio<0.9",
+        "--stages",
+        "10,100",
+        env=env,
+        check=False,
+    )
+    assert halt.returncode == 3 and halt.stdout == ""
+    assert "decode_tps_ratio judges a language model's tokens, and spotter:1 is not one" in (
+        _error_line(halt)
+    )

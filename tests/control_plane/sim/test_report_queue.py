@@ -37,8 +37,8 @@ class Recorded(Load):
         super().__init__(*args)
         self.periods: list[tuple[dt.datetime, dt.datetime, device_pb2.ReportRequest | None]] = []
 
-    def batch(self, installed, start, end, injections):
-        made = super().batch(installed, start, end, injections)
+    def batch(self, installed, start, end, injections, llm=frozenset()):
+        made = super().batch(installed, start, end, injections, llm)
         self.periods.append((start, end, made))
         return made
 

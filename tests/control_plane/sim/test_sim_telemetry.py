@@ -41,6 +41,7 @@ def profile(**extra) -> dict:
         ([{"select": "", "model": f"{MODEL}:2", "latency_x": 0}], "latency_x must be a number"),
         ([{"select": "", "model": f"{MODEL}:2", "crash_rate": 2}], "crash_rate must be a number"),
         ([{"select": "", "model": f"{MODEL}:2", "slow": 1}], "unknown key slow"),
+        ([{"select": "", "model": f"{MODEL}:2", "decode_x": -1}], "decode_x must be a number"),
     ],
 )
 def test_a_bad_inject_rule_is_named(rules, fragment):
@@ -110,6 +111,45 @@ def test_the_control_plane_sees_the_slowed_slice(cp_holder):
         base = load.median_us(MODEL, 2, [])
         factor = 3.0 if socs[device] == SLOW_SOC else 1.0
         assert measured / base == pytest.approx(factor, rel=0.1), (socs[device], measured, base)
+
+
+def _histogram(msg) -> LatencyHistogram:
+    return LatencyHistogram.from_dict(
+        {
+            "scheme": msg.scheme,
+            "count": msg.count,
+            "sum_ns": msg.sum_ns,
+            "min_ns": msg.min_ns,
+            "max_ns": msg.max_ns,
+            "buckets": list(zip(msg.bucket_index, msg.bucket_count, strict=True)),
+        }
+    )
+
+
+def test_a_language_model_reports_generations_with_its_decode_slowed_where_injected():
+    attrs = {"platform": "android", "soc": SLOW_SOC}
+    (rule,) = parse_injections([{"select": f"soc={SLOW_SOC}", "model": "chat:2", "decode_x": 0.5}])
+    end = dt.datetime.now(dt.UTC)
+    period = (end - dt.timedelta(seconds=5), end)
+    load = Load("dev_1", attrs, seed=0, requests_per_s=400)
+    (stats,) = load.batch({"chat": (2, "q4")}, *period, [rule], {"chat"}).models
+    assert stats.config == "CPU/low/t4/mem-low" and 1_700 < stats.inferences < 2_300
+    ok = stats.inferences - stats.errors
+    assert stats.ttft.count == ok and 0 < stats.cancellations < 0.05 * ok
+    assert stats.tokens_out > 50 * ok and stats.tokens_in > 40 * ok
+    decode = _histogram(stats.latency)  # time per token
+    tps = 1e6 / decode.quantile(0.5)
+    assert tps == pytest.approx(load.decode_tps("chat", 2, [rule]), rel=0.05)
+    assert load.decode_tps("chat", 2, [rule]) == pytest.approx(0.5 * load.decode_tps("chat", 2, []))
+    # TTFT: the prompt's prefill at PREFILL_X times the decode speed, and one token.
+    assert _histogram(stats.ttft).quantile(0.5) > decode.quantile(0.5)
+    # The same device on another version, or a tensor model, is untouched.
+    (other,) = load.batch({"chat": (1, "q4")}, *period, [rule], {"chat"}).models
+    assert 1e6 / _histogram(other.latency).quantile(0.5) == pytest.approx(
+        load.decode_tps("chat", 1, []), rel=0.05
+    )
+    (tensor,) = load.batch({"det": (2, "fp32")}, *period, [rule]).models
+    assert not tensor.HasField("ttft") and tensor.tokens_out == 0
 
 
 def test_a_profile_of_faults_alone_applies_them_to_the_default_fleet(tmp_path):
