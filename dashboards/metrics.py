@@ -7,7 +7,9 @@ Two kinds, each with bounded label sets:
 - counters and a latency histogram this replica adds to as its roller merges device
   reports (sum them over replicas: each batch is rolled by exactly one), fleet-wide by
   model, version, variant, backend config and device class, and per rollout by cohort
-  (candidate or baseline) and slice, the figures guardrails judge;
+  (candidate or baseline) and slice, the figures guardrails judge (for a language model,
+  the latency histogram is decode time per token; its time to first token is
+  `skiff_llm_ttft_seconds`, its tokens `skiff_tokens_in`/`skiff_tokens_out`);
 - and per rollout the slices guardrails or operators rolled back.
 
 Devices say what they run and what they are, so label values come from outside. Label
@@ -67,10 +69,21 @@ OTHER = "other"
 LE_DOUBLINGS = tuple(range(3, 25))
 _LE_INDEX = np.array([d * BUCKETS_PER_DOUBLING + 1 for d in LE_DOUBLINGS])
 LE_SECONDS = tuple((2**d) / 1e6 for d in LE_DOUBLINGS)
-COUNTED = ("inferences", "errors", "crashes", "fallbacks", "pipeline_firings")
+# A language model's generations count as inferences, and its latency is decode time per
+# token; its tokens, cancellations and time to first token have series of their own.
+COUNTED = (
+    "inferences",
+    "errors",
+    "crashes",
+    "fallbacks",
+    "pipeline_firings",
+    "tokens_in",
+    "tokens_out",
+    "cancellations",
+)
 LABELS = ("model", "version", "variant", "config", "device_class")
 ROLLOUT_LABELS = ("rollout", "cohort", "slice")
-ROLLOUT_COUNTED = ("inferences", "errors", "crashes", "fallbacks")
+ROLLOUT_COUNTED = ("inferences", "errors", "crashes", "fallbacks", "tokens_out")
 
 
 class _Latency:
@@ -141,6 +154,14 @@ class Metrics:
             f"Inference latency of a rollout's cohort and slice, {by}.",
             ROLLOUT_LABELS,
         )
+        self._ttft = _Latency(
+            "skiff_llm_ttft_seconds", f"A language model's time to first token {by}.", LABELS
+        )
+        self._rollout_ttft = _Latency(
+            "skiff_rollout_llm_ttft_seconds",
+            f"Time to first token of a rollout's cohort and slice, {by}.",
+            ROLLOUT_LABELS,
+        )
         self._cache: tuple[float, list] = (float("-inf"), [])
         self.registry.register(_ScrapeCollector(self))
         app.roller.observe(self.on_rolled)
@@ -205,6 +226,8 @@ class Metrics:
                         counter.labels(*labels).inc(value)
                 if agg.latency_count:
                     (self._rollout_latency if key.rollout else self._latency).add(labels, agg)
+                if agg.ttft is not None and agg.ttft.latency_count:
+                    (self._rollout_ttft if key.rollout else self._ttft).add(labels, agg.ttft)
 
     def render(self) -> tuple[bytes, str]:
         """Return the exposition text and its content type."""
@@ -215,11 +238,15 @@ class Metrics:
         with self._lock:
             at, families = self._cache
             if time.monotonic() - at < SCRAPE_CACHE_S:
-                return [*families, self._latency.family(), self._rollout_latency.family()]
+                return [*families, *self._histograms()]
         families = _fleet_families(self._app) + _rollout_families(self._app)
         with self._lock:
             self._cache = (time.monotonic(), families)
-            return [*families, self._latency.family(), self._rollout_latency.family()]
+            return [*families, *self._histograms()]
+
+    def _histograms(self) -> list:
+        kept = (self._latency, self._rollout_latency, self._ttft, self._rollout_ttft)
+        return [h.family() for h in kept if h.buckets or h in kept[:2]]
 
 
 class _ScrapeCollector:

@@ -5,7 +5,8 @@ the registry converts it without torch and prints each variant's agreement with 
 reference and what a device needs to fit it. Two Android agents enroll: one as the
 machine it is, one posing (`--attr ram_mb=128`) as a phone too small for the bundle. The
 q8 rollout reaches the first, which streams an answer through its local API's Generate;
-the second is left out and counted as ineligible.
+the second is left out and counted as ineligible. Last, a second version goes to
+simulated phones guarded by its tokens per second (`llm_fleet_walkthrough`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from contract.transport import ClientTls
 from control_plane.api.client import AdminClient
 from control_plane.demo.demo_agents import DemoAgents
+from control_plane.demo.llm_fleet_walkthrough import run_llm_fleet_demo
 from control_plane.demo.third_party_llms import SMOLLM2
 from protos import agent_pb2, fleet_pb2
 
@@ -32,6 +35,7 @@ QUESTION = "What is the capital of France?"
 def run_llm_demo(
     client: AdminClient,
     address: str,
+    tls: ClientTls,
     ca: Path | None,
     agents_root: Path,
     say: Callable[[str], None],
@@ -95,4 +99,16 @@ def run_llm_demo(
             )
             figures["llm_decode_tokens_per_s"] = round(summary.decode_tokens_per_s, 1)
             figures["llm_ttft_ms"] = round(summary.ttft_ms, 1)
+    client.transition_rollout(rollout.id, "promote", "the phones' baseline")
+    say(f"\n== a second version of {MODEL}: the same GGUF, its q4 bundle alone")
+    again = client.push(
+        SMOLLM2.part_paths()[0],
+        name=MODEL,
+        variants=("q4",),
+        allow_duplicate=True,
+        notes="demo: the next release",
+    )
+    figures |= run_llm_fleet_demo(
+        client, address, tls, model=MODEL, old=version.version, new=again.version, say=say
+    )
     return figures

@@ -96,6 +96,7 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
                 run_llm_demo(
                     client,
                     address,
+                    tls,
                     Path(config.tls_ca) if config.tls_ca else None,
                     config.home / "agents",
                     _say,

@@ -223,8 +223,9 @@ class Load:
         tokens_in = 16 + rng.poisson(40, ok)
         tokens_out = 1 + rng.poisson(60, ok)
         token_ns = rng.lognormal(math.log(1e9 / tps), LLM_SPREAD, ok)
-        prefill_ns = tokens_in * 1e9 / (tps * PREFILL_X) * math.prod(i.latency_x for i in hits)
-        ttft_ns = (prefill_ns + token_ns) * rng.lognormal(0, LLM_SPREAD, ok)
+        # Prefill runs at its own speed: `decode_x` slows decoding alone.
+        prefill_tps = tps * PREFILL_X / math.prod(i.decode_x for i in hits)
+        ttft_ns = (tokens_in * 1e9 / prefill_tps + token_ns) * rng.lognormal(0, LLM_SPREAD, ok)
         decode, ttft = LatencyHistogram(), LatencyHistogram()
         decode.record_many_ns(token_ns[tokens_out > 1].astype(np.int64))
         ttft.record_many_ns(ttft_ns.astype(np.int64))

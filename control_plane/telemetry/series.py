@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from contract import errors
-from control_plane.store.rollup_records import Aggregate, RollupKey, RollupStore
+from control_plane.store.rollup_records import Aggregate, RollupKey, RollupStore, llm_figures
 from control_plane.telemetry.classes import class_values
 from control_plane.telemetry.roller import HOUR, MINUTE, bucket_start, utcnow
 
@@ -62,6 +62,13 @@ def point(at: dt.datetime, agg: Aggregate) -> dict:
         "p50_us": agg.quantile_us(0.50),
         "p95_us": agg.quantile_us(0.95),
         "p99_us": agg.quantile_us(0.99),
+        # A language model's (its latency is decode time per token): tokens per second of
+        # the median generation, time to first token, tokens generated.
+        **(
+            {**llm_figures(agg), "tokens_out": agg.tokens_out}
+            if agg.ttft is not None or agg.tokens_out
+            else {}
+        ),
     }
 
 

@@ -76,4 +76,15 @@
   if (crash) {
     Plotly.newPlot(crash, traces("crash_rate"), layout("Crash rate", "crashes per inference"), config);
   }
+  // A language model's own figures: decode speed and time to first token.
+  var llm = doc.series.some(function (s) {
+    return s.points.some(function (p) { return p.decode_tps !== undefined; });
+  });
+  [["chart-decode", "decode_tps", "Decode speed (median generation)", "tokens/s"],
+   ["chart-ttft", "ttft_p95_ms", "Time to first token p95", "ms"]].forEach(function (c) {
+    var div = document.getElementById(c[0]);
+    if (!div) { return; }
+    if (!llm) { div.remove(); return; }
+    Plotly.newPlot(div, traces(c[1]), layout(c[2], c[3]), config);
+  });
 }());

@@ -1,0 +1,152 @@
+"""`skiff demo --real-models`: a language model's rollout halted by its tokens per second.
+
+A new SmolLM2 version (its q4 bundle) goes to simulated Android phones already running
+the first one, guarded by `decode_tps_ratio<0.9` and `ttft_p95_ratio>1.2` and sliced by
+SoC. The simulator makes the new version decode 40% slower on one SoC (`decode_x` 0.6);
+the guard rolls that SoC back on its own by the figures the phones report (decode time
+per token and time to first token of each generation), while the other SoCs go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from importlib import resources
+
+from contract import errors
+from contract.transport import ClientTls
+from control_plane.api.client import AdminClient
+from control_plane.sim.fleet import FleetSimulator
+from control_plane.sim.profile import parse_profile
+from control_plane.views import fleet_text
+from protos import fleet_pb2
+
+__all__ = ["run_llm_fleet_demo"]
+
+FLEET_SIZE = 150
+SELECTOR = "platform=android"
+SLOW_SOC = "sm8550"
+DECODE_X = 0.6
+HALT = ("decode_tps_ratio<0.9", "ttft_p95_ratio>1.2")
+BAKE_S = 15
+
+
+def run_llm_fleet_demo(
+    client: AdminClient,
+    address: str,
+    tls: ClientTls,
+    *,
+    model: str,
+    old: int,
+    new: int,
+    say: Callable[[str], None],
+) -> dict:
+    """Roll `model:new` out to simulated phones on `model:old`; return the figures."""
+    return asyncio.run(_demo(client, address, tls, model=model, old=old, new=new, say=say))
+
+
+def _profile(model: str, version: int):
+    doc = json.loads(
+        resources.files("control_plane.sim").joinpath("default_profile.json").read_text()
+    )
+    rule = {"select": f"soc={SLOW_SOC}", "model": f"{model}:{version}", "decode_x": DECODE_X}
+    doc["inject"] = [rule]
+    return parse_profile(doc, source="demo profile")
+
+
+async def _demo(client, address, tls, *, model, old, new, say) -> dict:
+    def call(fn, *args, **kwargs):
+        return asyncio.to_thread(fn, *args, **kwargs)
+
+    figures: dict = {}
+    token = (await call(client.create_enrollment_token, uses=FLEET_SIZE)).token
+    profile = _profile(model, new)
+    async with FleetSimulator([address], seed=11, tls=tls, profile=profile) as sim:
+        started = time.monotonic()
+        await sim.enroll(FLEET_SIZE, token)
+        await sim.sync_all()
+        sim.watch_all()
+        phones = [d for d in sim.devices if d.identity.attributes.get("platform") == "android"]
+        await _until(sim, lambda: all(d.installed.get(model, (0,))[0] == old for d in phones))
+        say(
+            f"\n== {len(phones)} simulated Android phones (of {FLEET_SIZE} devices) run "
+            f"{model}:{old} ({time.monotonic() - started:.1f}s); each reports its generations"
+        )
+        sim.report_all(1.0, requests_per_s=10)
+        rollout = await call(
+            client.create_rollout,
+            fleet_pb2.CreateRolloutRequest(
+                model=model,
+                version=new,
+                variant="q4",
+                selector=SELECTOR,
+                stages=[30, 100],
+                bake_s=BAKE_S,
+                halt=list(HALT),
+                min_devices=3,
+                min_inferences=300,
+                slice_by="soc",
+                reason="demo: guarded by tokens per second",
+            ),
+        )
+        say(
+            f"== rollout {rollout.id}: {model}:{new} (q4) to `{SELECTOR}` in stages 30%, 100%,"
+            f" halted by {', '.join(HALT)}, sliced by soc\n"
+            f"   the simulator makes {model}:{new} decode {1 / DECODE_X:.2g}x slower on "
+            f"{SLOW_SOC} (decode_x {DECODE_X})"
+        )
+        started = time.monotonic()
+        shown = await _follow(call, client, rollout.id, started, figures, say)
+        await sim.stop_reporting()
+        figures["llm_guard_state"] = shown.state
+
+        def settled(d) -> bool:
+            if d.identity.attributes.get("platform") != "android":
+                return True
+            want = old if d.identity.attributes.get("soc") == SLOW_SOC else new
+            return d.installed.get(model, (0,))[0] == want
+
+        await _until(sim, lambda: all(settled(d) for d in sim.devices))
+        say(f"   every {SLOW_SOC} phone is back on {model}:{old}; the other SoCs run {model}:{new}")
+        say("\n" + fleet_text.rollout_text(shown))
+    return figures
+
+
+async def _follow(call, client, rollout_id, started, figures, say):
+    """Print the rollout's audit as it happens, until it completes or stops."""
+    seen, deadline = 0, time.monotonic() + 240
+    while True:
+        shown = await call(client.get_rollout, rollout_id)
+        for e in shown.audit[seen:]:
+            what = f"{e.slice}: " if e.slice else ""
+            say(
+                f"   {time.monotonic() - started:5.1f}s  {e.actor:<10} {e.action:<15} "
+                f"{what}{e.reason or e.to_state}"
+            )
+            if e.action == "slice_rollback":
+                figures["llm_guard_rollback_s"] = round(time.monotonic() - started, 1)
+                evidence = json.loads(e.evidence_json) if e.evidence_json else {}
+                c, b = evidence.get("candidate", {}), evidence.get("baseline", {})
+                if c.get("decode_tps") and b.get("decode_tps"):
+                    figures["llm_guard_tps_ratio"] = round(c["decode_tps"] / b["decode_tps"], 3)
+                    say(
+                        f"           evidence: {c['decode_tps']:.1f} tokens/s on "
+                        f"{c['devices']} candidate phones vs {b['decode_tps']:.1f} on "
+                        f"{b['devices']} baseline ones"
+                    )
+        seen = len(shown.audit)
+        if shown.state in ("completed", "paused", "rolled_back"):
+            return shown
+        if time.monotonic() > deadline:
+            raise errors.Unavailable(f"the guarded rollout did not finish in 240s: {shown.state}")
+        await asyncio.sleep(0.5)
+
+
+async def _until(sim: FleetSimulator, done: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise errors.Unavailable(f"the simulated phones did not converge in {timeout}s")
+        await asyncio.sleep(0.2)
