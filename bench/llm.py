@@ -146,7 +146,9 @@ def compare_serving(tar: Path, rounds: int) -> dict:
     session = LlmSession(files, threads=1)
     worker = LlmWorker(files, threads=1)
     llm = LlmServing(Collector())
-    llm.put("llm", {"version": 1, "variant": "q4", "uid": "u", "config": "CPU/low/t4/mem-low"}, worker)
+    llm.put(
+        "llm", {"version": 1, "variant": "q4", "uid": "u", "config": "CPU/low/t4/mem-low"}, worker
+    )
     servicer = AgentServicer(Serving(Collector()), agent_pb2.StatusResponse, llm_serving=llm)
     state = Path(tempfile.mkdtemp(prefix="skiff-bench-"))
     loop = asyncio.new_event_loop()

@@ -65,7 +65,12 @@ class FakeWorker:
 
 
 def _info(version: int) -> dict:
-    return {"version": version, "variant": "q4", "uid": f"u{version}", "config": "CPU/low/t4/mem-low"}
+    return {
+        "version": version,
+        "variant": "q4",
+        "uid": f"u{version}",
+        "config": "CPU/low/t4/mem-low",
+    }
 
 
 def _run(serving: LlmServing, out: list, name: str = "m") -> threading.Thread:
@@ -174,7 +179,12 @@ def test_each_generation_reports_tokens_first_token_time_and_decode_speed():
     next(stream)
     stream.close()
     (stats,) = collector.cut().models
-    assert (stats.model, stats.version, stats.variant, stats.config) == ("m", 1, "q4", "CPU/low/t4/mem-low")
+    assert (stats.model, stats.version, stats.variant, stats.config) == (
+        "m",
+        1,
+        "q4",
+        "CPU/low/t4/mem-low",
+    )
     assert stats.inferences == 3 and stats.errors == 0 and stats.cancellations == 1
     assert (stats.tokens_in, stats.tokens_out) == (6, 10)  # the cancelled one had no summary
     assert stats.ttft.count == 2 and stats.ttft.min_ns == 20_000_000
