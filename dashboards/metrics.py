@@ -246,7 +246,7 @@ class Metrics:
 
     def _histograms(self) -> list:
         kept = (self._latency, self._rollout_latency, self._ttft, self._rollout_ttft)
-        return [h.family() for h in kept if h.buckets or h in kept[:2]]
+        return [h.family() for h in kept]
 
 
 class _ScrapeCollector:

@@ -295,21 +295,33 @@ class ListDevicesRequest(_message.Message):
     SELECTOR_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    FIT_MODEL_FIELD_NUMBER: _builtins.int
+    FIT_VERSION_FIELD_NUMBER: _builtins.int
+    FIT_VARIANT_FIELD_NUMBER: _builtins.int
     selector: _builtins.str
     page_size: _builtins.int
     """0 = the server's default page size; larger values are capped."""
     page_token: _builtins.str
     """From the previous response's next_page_token; empty = first page."""
+    fit_model: _builtins.str
+    """Fit preview: with a model version (and variant; empty = the one a rollout would
+    ship), the response says which listed devices could not run it (device fit).
+    """
+    fit_version: _builtins.int
+    fit_variant: _builtins.str
     def __init__(
         self,
         *,
         selector: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        fit_model: _builtins.str = ...,
+        fit_version: _builtins.int = ...,
+        fit_variant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "selector", b"selector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fit_model", b"fit_model", "fit_variant", b"fit_variant", "fit_version", b"fit_version", "page_size", b"page_size", "page_token", b"page_token", "selector", b"selector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -319,27 +331,84 @@ Global___ListDevicesRequest: _TypeAlias = ListDevicesRequest  # noqa: Y015
 class ListDevicesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MisfitsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___DeviceMisfit: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___DeviceMisfit | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     DEVICES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    MISFITS_FIELD_NUMBER: _builtins.int
+    FIT_VARIANT_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Empty on the last page."""
+    fit_variant: _builtins.str
+    """The variant previewed (the one named, or the default a rollout would ship)."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]:
         """By device id."""
+
+    @_builtins.property
+    def misfits(self) -> _containers.MessageMap[_builtins.str, Global___DeviceMisfit]:
+        """With a fit preview: the listed devices that could not run the version, by id."""
 
     def __init__(
         self,
         *,
         devices: _abc.Iterable[Global___Device] | None = ...,
         next_page_token: _builtins.str = ...,
+        misfits: _abc.Mapping[_builtins.str, Global___DeviceMisfit] | None = ...,
+        fit_variant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "fit_variant", b"fit_variant", "misfits", b"misfits", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListDevicesResponse: _TypeAlias = ListDevicesResponse  # noqa: Y015
+
+@_typing.final
+class DeviceMisfit(_message.Message):
+    """Why a device does not fit a variant (control_plane.rollouts.fit)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """"memory", "disk" or "engine"."""
+    detail: _builtins.str
+    """e.g. "needs 504 MB of memory, the device has 128"."""
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeviceMisfit: _TypeAlias = DeviceMisfit  # noqa: Y015
 
 @_typing.final
 class GetDeviceRequest(_message.Message):

@@ -239,21 +239,34 @@ class AdminClient:
         return list(self.devices_page(selector, limit).devices)
 
     def devices_page(
-        self, selector: str = "", limit: int | None = None
+        self,
+        selector: str = "",
+        limit: int | None = None,
+        *,
+        fit: tuple[str, int, str] | None = None,
     ) -> fleet_pb2.ListDevicesResponse:
         """Return up to `limit` devices (None: all) as one response, reading page by page.
 
-        Its next_page_token is set when more devices exist beyond `limit`.
+        Its next_page_token is set when more devices exist beyond `limit`. With `fit`
+        (model, version, variant; "" = the default), it also says which devices could not
+        run that variant (`misfits`).
         """
         merged = fleet_pb2.ListDevicesResponse()
+        model, version, variant = fit or ("", 0, "")
         while True:
             request = fleet_pb2.ListDevicesRequest(
                 selector=selector,
                 page_size=_page_size(limit, len(merged.devices)),
                 page_token=merged.next_page_token,
+                fit_model=model,
+                fit_version=version,
+                fit_variant=variant,
             )
             page = self._unary(self._fleet.ListDevices, request)
             merged.devices.extend(page.devices)
+            for device_id, why in page.misfits.items():
+                merged.misfits[device_id].CopyFrom(why)
+            merged.fit_variant = page.fit_variant
             merged.next_page_token = page.next_page_token
             if not page.next_page_token or _full(limit, len(merged.devices)):
                 return merged

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import re
 
 from contract import errors
+from contract.attribute_messages import attributes_dict as wire_attributes
 from control_plane import paging
 from control_plane.api.access import caller
 from control_plane.api.fleet_convert import (
@@ -22,7 +24,9 @@ from control_plane.api.telemetry_convert import install_pb, latency_pb
 from control_plane.fleet.devices import Fleet, validate_device_id
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.id_prefix import only_match
+from control_plane.registry.contract import default_variant, variant_needs
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
+from control_plane.rollouts.fit import misfit
 from control_plane.rollouts.guard import Guard
 from control_plane.rollouts.lifecycle import stage_index
 from control_plane.rollouts.resolver import Resolver, Snapshot
@@ -151,8 +155,38 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):
     @mapped
     def ListDevices(self, request, context):  # noqa: D102, N802
         _actor()
+        preview = self._fit_preview(request) if request.fit_model else None
         devices, token = self._view.page(request.selector, request.page_size, request.page_token)
-        return fleet_pb2.ListDevicesResponse(devices=devices, next_page_token=token)
+        response = fleet_pb2.ListDevicesResponse(devices=devices, next_page_token=token)
+        if preview is not None:
+            variant, needs = preview
+            response.fit_variant = variant
+            for d in devices:
+                found = misfit(needs, wire_attributes(d.attributes))
+                if found is not None:
+                    response.misfits[d.id].reason, response.misfits[d.id].detail = found
+        return response
+
+    def _fit_preview(self, request) -> tuple[str, dict]:
+        """Return the variant a fit preview is of, and what it needs of a device."""
+        validate_name(request.fit_model)
+        if not 1 <= request.fit_version <= MAX_VERSION:
+            raise errors.InvalidArgument(f"fit version must be 1 to {MAX_VERSION}")
+        if request.fit_variant and not VARIANT_NAME.fullmatch(request.fit_variant):
+            raise errors.InvalidArgument(f"invalid variant {request.fit_variant!r:.40}")
+        record = self._registry.get_version(request.fit_model, request.fit_version)
+        have = [v.name for v in record.variants]
+        variant = request.fit_variant or default_variant(have)
+        if variant not in have:
+            raise errors.NotFound(
+                f"{request.fit_model}:{request.fit_version} has no variant {variant!r} "
+                f"(it has {', '.join(have)})"
+            )
+        try:
+            manifest = json.loads(record.manifest)
+        except ValueError:
+            manifest = {}
+        return variant, variant_needs(manifest if isinstance(manifest, dict) else {}, variant)
 
     @mapped
     def GetDevice(self, request, context):  # noqa: D102, N802

@@ -93,6 +93,18 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
         metavar="EXPR",
         help="e.g. platform=android,tags=beta; @tags=internal matches attested values only",
     )
+    p.add_argument(
+        "--fit",
+        default="",
+        metavar="MODEL:VERSION",
+        help="preview device fit: which devices could run that version (see --variant)",
+    )
+    p.add_argument(
+        "--variant",
+        default="",
+        metavar="NAME",
+        help="with --fit: the variant (default: the one a rollout would ship)",
+    )
     add_limit_flag(p, "devices, by id")
     p = fsub.add_parser("show", help="show one device")
     common(p)
@@ -310,13 +322,29 @@ def _enrollment_token(config: Config, args: argparse.Namespace) -> Output:
 def start_fleet_ls(*, config: Config, args: argparse.Namespace) -> Output:
     """List devices (all those the selector picks, page by page, unless --limit)."""
     limit = limit_of(args)
+    fit = None
+    if args.fit:
+        from control_plane.registry.requests import parse_ref
+
+        model, version = parse_ref(args.fit)
+        if version is None:
+            raise errors.InvalidArgument(f"--fit {args.fit!r}: give MODEL:VERSION")
+        fit = (model, version, args.variant)
+    elif args.variant:
+        raise errors.InvalidArgument("--variant previews fit: give --fit MODEL:VERSION too")
     with _client(config) as client:
-        page = client.devices_page(args.select, limit)
+        page = client.devices_page(args.select, limit, fit=fit)
     more = bool(page.next_page_token)
     say_more(more, "devices", limit)
     devices = list(page.devices)
     body = listed("devices", [views.device_dict(d) for d in devices], more=more)
-    return body, views.devices_table(devices)
+    if fit is None:
+        return body, views.devices_table(devices)
+    previewed = f"{fit[0]}:{fit[1]} ({page.fit_variant})"
+    body["fit"] = views.fit_dict(previewed, devices, page.misfits)
+    for item in body["devices"]:
+        item["fit"] = views.device_fit(page.misfits.get(item["id"]))
+    return body, views.devices_table(devices, misfits=page.misfits, previewed=previewed)
 
 
 def start_fleet_show(*, config: Config, args: argparse.Namespace) -> Output:

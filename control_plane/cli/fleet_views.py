@@ -11,6 +11,8 @@ from control_plane.views.fleet import (  # noqa: F401 - re-exported for the CLI'
     attributes_dict,
     backends_dict,
     device_dict,
+    device_fit,
+    fit_dict,
     install_dict,
     iso_or_none,
     latency_dict,

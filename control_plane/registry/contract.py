@@ -6,6 +6,8 @@ numpy and the MNN tooling just to know them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # Every version has this variant: the model as published (converted to MNN), in fp32.
 BASE_VARIANT = "fp32"
 # The variants a push may derive from it (`--variant`), weight-quantised or half precision.
@@ -48,3 +50,19 @@ def misplaced_variants(fmt: str, variants: tuple[str, ...]) -> str | None:
     if not wrong:
         return None
     return f"variant {', '.join(wrong)} does not apply to {kind}: it derives {', '.join(allowed)}"
+
+
+def default_variant(variants: list[str]) -> str:
+    """Return the variant a rollout ships when it names none.
+
+    fp32 (every tensor model's base) if the version has it, else its first (a language
+    model's first bundle).
+    """
+    return BASE_VARIANT if BASE_VARIANT in variants else variants[0]
+
+
+def variant_needs(manifest: Mapping, variant: str) -> dict:
+    """Return what a variant needs of a device, as a version's manifest says ({}: nothing)."""
+    entry = (manifest.get("variants") or {}).get(variant)
+    needs = entry.get("requirements") if isinstance(entry, Mapping) else None
+    return dict(needs) if isinstance(needs, Mapping) else {}

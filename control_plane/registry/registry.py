@@ -41,6 +41,7 @@ from control_plane.registry.contract import (
     LLM_DEFAULT_VARIANTS,
     MANIFEST_SCHEMA,
     misplaced_variants,
+    variant_needs,
 )
 from control_plane.registry.duplicates import refuse_duplicate
 from control_plane.registry.mnn_sandbox import Sandbox
@@ -482,9 +483,7 @@ class Registry:
             manifest = json.loads(self.store.get_version(name, number).manifest)
         except (errors.NotFound, ValueError):
             return {}
-        entry = manifest.get("variants", {}).get(variant, {})
-        needs = entry.get("requirements") if isinstance(entry, dict) else None
-        return needs if isinstance(needs, dict) else {}
+        return variant_needs(manifest, variant) if isinstance(manifest, dict) else {}
 
     def golden(self, name: str, number: int | None) -> tuple[VersionRecord, bytes]:
         """Return a version and its decrypted golden data (runtime.golden's .npz)."""

@@ -17,7 +17,7 @@ from contract import errors
 from contract.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
 from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.accuracy_bars import failed_bars
-from control_plane.registry.contract import BASE_VARIANT
+from control_plane.registry.contract import default_variant
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.rollouts.guardrails import BASELINE_METRICS, LLM_METRICS, parse_rules
 from control_plane.rollouts.lifecycle import (
@@ -204,9 +204,7 @@ class Rollouts:
         version = self._store.get_version(spec.model, spec.version)  # NotFound names it
         # fp32 is every tensor model's base; a language model has only the bundles it
         # was pushed with, its first one (q4 unless the push named others) the default.
-        variant = spec.variant or (
-            BASE_VARIANT if version.variant(BASE_VARIANT) else version.variants[0].name
-        )
+        variant = spec.variant or default_variant([v.name for v in version.variants])
         found = version.variant(variant)
         if found is None:
             have = ", ".join(v.name for v in version.variants)

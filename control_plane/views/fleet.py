@@ -71,6 +71,28 @@ def device_dict(d: fleet_pb2.Device, *, telemetry: bool = False) -> dict:
     return body
 
 
+def device_fit(why) -> dict:
+    """Return one device's fit (a DeviceMisfit, or None when it fits), JSON-able."""
+    if why is None:
+        return {"fits": True, "reason": None, "detail": None}
+    return {"fits": False, "reason": why.reason, "detail": why.detail}
+
+
+def fit_dict(previewed: str, devices, misfits) -> dict:
+    """Return a fit preview's totals: how many listed devices fit, and why the rest do not."""
+    reasons: dict[str, int] = {}
+    for d in devices:
+        why = misfits.get(d.id)
+        if why is not None:
+            reasons[why.reason] = reasons.get(why.reason, 0) + 1
+    return {
+        "version": previewed,
+        "fits": len(devices) - sum(reasons.values()),
+        "ineligible": sum(reasons.values()),
+        "ineligible_reasons": dict(sorted(reasons.items())),
+    }
+
+
 def install_dict(i) -> dict:
     """JSON-ready form of one reported install outcome."""
     return {

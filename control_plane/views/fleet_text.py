@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from control_plane.rollouts.lifecycle import paused_text as paused_words
-from control_plane.views.fleet import device_dict, iso_or_none
+from control_plane.views.fleet import device_dict, fit_dict, iso_or_none
 from protos import fleet_pb2
 
 if TYPE_CHECKING:
@@ -21,19 +21,23 @@ def _models(states: dict) -> str:
     return ", ".join(f"{m}:{s['version']}" for m, s in states.items()) or "-"
 
 
-def devices_table(devices: list[fleet_pb2.Device]) -> Table | str:
-    """Render devices as a table."""
+def devices_table(
+    devices: list[fleet_pb2.Device], *, misfits=None, previewed: str = ""
+) -> Table | str:
+    """Render devices as a table; with a fit preview (`misfits`), a FIT column and totals."""
     if not devices:
         return "no devices match"
+    from rich.console import Group
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
-    for col in ("ID", "PLATFORM", "MODEL", "SOC", "REGION", "ONLINE", "DESIRED", "INSTALLED"):
+    columns = ["ID", "PLATFORM", "MODEL", "SOC", "REGION", "ONLINE", "DESIRED", "INSTALLED"]
+    for col in columns + (["FIT"] if misfits is not None else []):
         table.add_column(col)
     for d in devices:
         body = device_dict(d)
         a = body["attributes"]
-        table.add_row(
+        row = [
             d.id,
             a.get("platform", "-"),
             a.get("device_model", "-"),
@@ -42,8 +46,19 @@ def devices_table(devices: list[fleet_pb2.Device]) -> Table | str:
             "revoked" if d.revoked else ("yes" if d.online else "no"),
             _models(body["desired"]),
             _models(body["installed"]),
-        )
-    return table
+        ]
+        if misfits is not None:
+            why = misfits.get(d.id)
+            row.append("fits" if why is None else f"no: {why.detail}")
+        table.add_row(*row)
+    if misfits is None:
+        return table
+    totals = fit_dict(previewed, devices, misfits)
+    reasons = ", ".join(f"{k} {n}" for k, n in totals["ineligible_reasons"].items())
+    line = f"{previewed}: {totals['fits']} of {len(devices)} listed devices fit"
+    if totals["ineligible"]:
+        line += f"; ineligible {totals['ineligible']} ({reasons})"
+    return Group(table, line)
 
 
 def device_text(d: fleet_pb2.Device) -> str:

@@ -7,7 +7,9 @@ reporting once it is done, so the figures the tests read stand still. Meanwhile 
 model is pushed with derived variants (int8 held to a bar it misses, kept degraded),
 notes and a pipeline, and one more device enrolls with attributes its token attests
 (and one that means harm: `<script>`). Last, WIDE boards of as many device classes
-report that model once each, so its version page draws a fleet of 40 classes.
+report that model once each, so its version page draws a fleet of 40 classes, and
+phones report generations of a language model (a tiny GGUF's q8 bundle): its decode
+speed, time to first token and tokens.
 """
 
 from __future__ import annotations
@@ -235,6 +237,55 @@ def _report_wide(cp: ControlPlane) -> None:
     wait_for(rolled_up, 30, "the boards' reports to be rolled up")
 
 
+# The language model (a tiny GGUF) and the phones that report its generations.
+LLM_MODEL, LLM_PHONES, LLM_CONFIG = "chat", 3, "CPU/low/t4/mem-low"
+
+
+def _report_llm(cp: ControlPlane, folder: Path) -> None:
+    """Push a tiny GGUF as LLM_MODEL, and have LLM_PHONES report its generations."""
+    from tests.control_plane.registry.llm.tiny_gguf import write_tiny_gguf
+
+    gguf = folder / "chat.gguf"
+    write_tiny_gguf(gguf)
+    with cp.client() as client:
+        client.push(gguf, name=LLM_MODEL, variants=("q8",))
+        token = client.create_enrollment_token(uses=LLM_PHONES).token
+    rng = np.random.default_rng(3)
+    for _ in range(LLM_PHONES):
+        phone = Device.enroll(cp.address, token, {"platform": "android", "soc": "sm8650"})
+        decode, first = LatencyHistogram(), LatencyHistogram()
+        decode.record_many_ns(rng.lognormal(np.log(1e9 / 50), 0.05, 40))  # 50 tokens/s
+        first.record_many_ns(rng.lognormal(np.log(0.2e9), 0.05, 40))  # 200 ms
+        stats = device_pb2.ModelStats(
+            model=LLM_MODEL,
+            version=1,
+            variant="q8",
+            config=LLM_CONFIG,
+            inferences=40,
+            latency=histogram_pb(decode),
+            ttft=histogram_pb(first),
+            tokens_in=40 * 30,
+            tokens_out=40 * 64,
+            cancellations=1,
+        )
+        enrolled = cp.app.fleet.get(phone.id).enrolled_at
+        phone.report(
+            device_pb2.ReportRequest(
+                batch_id=new_batch_id(),
+                period_start=timestamp(enrolled),
+                period_end=timestamp(dt.datetime.now(dt.UTC)),
+                models=[stats],
+            )
+        )
+
+    def rolled_up() -> bool:
+        cp.app.roller.roll()
+        charted = series.version_series(cp.app.store, LLM_MODEL, 1, hours=1)
+        return sum(p.get("tokens_out", 0) for s in charted for p in s.points) == 3 * 40 * 64
+
+    wait_for(rolled_up, 30, "the phones' generations to be rolled up")
+
+
 def _installs(i: int, start: dt.datetime, end: dt.datetime) -> list[device_pb2.InstallReport]:
     """A board's install outcomes of VARIANTS_MODEL:1: activated, every 4th after a failure
     whose reason (device-reported text) carries markup."""
@@ -291,6 +342,7 @@ def site(template_home, tmp_path_factory):  # noqa: F811 - pytest's fixture inje
         if failed:
             raise failed[0]
         _report_wide(cp)
+        _report_llm(cp, home.parent)
         yield site
     finally:
         site.stop.set()

@@ -24,7 +24,15 @@ from control_plane.registry import accuracy_bars
 from dashboards.web.auth import COOKIE
 from tests.ci import on_ci
 from tests.control_plane.sim.test_guardrails import FAST_SOC, SLOW_SOC
-from tests.dashboards.conftest import ARTIFACTS, HOSTILE, OS, VARIANTS_MODEL, WIDE, Site
+from tests.dashboards.conftest import (
+    ARTIFACTS,
+    HOSTILE,
+    LLM_MODEL,
+    OS,
+    VARIANTS_MODEL,
+    WIDE,
+    Site,
+)
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 # On CI a missing browser fails the tests (make test installs it); elsewhere it skips.
@@ -647,3 +655,26 @@ def test_the_overview_shows_each_versions_health(browser, site):
             p95s = [p["p95_us"] for p in points if p["p95_us"] is not None]
             assert min(p95s) <= p95 <= max(p95s)
     assert doc["versions"][0]["inferences"] > 0 or doc["versions"][1]["inferences"] > 0
+
+
+def test_a_language_models_version_page_draws_its_decode_speed_and_first_token_time(browser, site):
+    _sign_in(browser, site, f"models/{LLM_MODEL}/1")
+    _open(browser, site, f"models/{LLM_MODEL}/1", "version-llm")
+    auth = {"Authorization": f"Bearer {site.cp.token}"}
+    charts = (
+        site.http()
+        .get(site.url + f"api/v1/models/{LLM_MODEL}/1/series", headers=auth)
+        .json()["series"]
+    )
+    points = [p for s in charts for p in s["points"]]
+    assert sum(p["tokens_out"] for p in points) == 3 * 40 * 64
+    for p in points:  # reported at 50 tokens/s and 200 ms to the first token
+        assert 45 < p["decode_tps"] < 55 and 180 < p["ttft_p95_ms"] < 240
+    for chart, title in (("#chart-decode", "Decode speed"), ("#chart-ttft", "first token")):
+        WebDriverWait(browser, 15).until(
+            EC.presence_of_element_located((By.CSS_SELECTOR, f"{chart} .main-svg"))
+        )
+        assert title in _text(browser, chart)
+    # A model that is not a language model draws neither.
+    _open(browser, site, "models/det/2", "version-not-llm")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#chart-decode, #chart-ttft")

@@ -14,7 +14,7 @@ import pytest
 
 from control_plane.rollouts.fit import DISK, ENGINE, MEMORY, misfit
 from tests.control_plane.api.device_helpers import Device
-from tests.control_plane.cli.test_cli import skiff
+from tests.control_plane.cli.test_cli import _error_line, skiff
 from tests.control_plane.helpers import start_control_plane
 from tests.control_plane.registry.llm.tiny_gguf import write_tiny_gguf
 
@@ -60,6 +60,37 @@ def test_a_device_that_cannot_fit_is_not_assigned_and_is_counted(tmp_path):
         small = Device.enroll(cp.address, token, {**android, "ram_mb": 1})
         big = Device.enroll(cp.address, token, {**android, "ram_mb": 8192})
         old_engine = Device.enroll(cp.address, token, {**android, "custom": {"mnn": "3.5"}})
+        # Previewed before any rollout: `fleet ls --select ... --fit`.
+        preview = json.loads(
+            skiff(
+                "fleet", "ls", "--select", "platform=android", "--fit", "tiny:1", "--json", env=env
+            ).stdout
+        )
+        assert preview["fit"] == {
+            "version": "tiny:1 (q8)",
+            "fits": 1,
+            "ineligible": 2,
+            "ineligible_reasons": {"engine": 1, "memory": 1},
+        }
+        fits = {d["id"]: d["fit"] for d in preview["devices"]}
+        assert fits[big.id] == {"fits": True, "reason": None, "detail": None}
+        assert (
+            fits[small.id]["reason"] == "memory"
+            and "the device has 1" in (fits[small.id]["detail"])
+        )
+        assert fits[old_engine.id]["detail"].endswith("the device runs MNN 3.5")
+        text = skiff("fleet", "ls", "--fit", "tiny:1", "--variant", "q8", env=env).stdout
+        assert "FIT" in text and "tiny:1 (q8): 1 of 3 listed devices fit" in text
+        assert "ineligible 2 (engine 1, memory 1)" in text
+        for args, code, fragment in [
+            (["--fit", "tiny"], 3, "give MODEL:VERSION"),
+            (["--variant", "q8"], 3, "give --fit MODEL:VERSION too"),
+            (["--fit", "tiny:1", "--variant", "q2"], 4, "has no variant 'q2' (it has q8)"),
+            (["--fit", "nope:1"], 4, "nope"),
+        ]:
+            bad = skiff("fleet", "ls", *args, env=env, check=False)
+            assert bad.returncode == code and fragment in _error_line(bad), (args, bad.stderr)
+            assert bad.stdout == ""
         skiff("rollout", "create", "tiny:1", "--select", "platform=android", env=env)
 
         assert list(big.sync().models) == ["tiny"]
