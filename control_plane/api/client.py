@@ -356,6 +356,7 @@ class AdminClient:
         allow_degraded: bool = False,
         pipeline: str | Mapping | None = None,
         allow_duplicate: bool = False,
+        filename: str | None = None,
     ) -> common_pb2.ModelVersion:
         """Stream a model file (and golden inputs, if given) to the registry.
 
@@ -364,7 +365,8 @@ class AdminClient:
         default) is the bar derived variants must reach, unless `allow_degraded`.
         `pipeline` is the version's event pipeline (`runtime.pipeline`: JSON text or data).
         A file whose bytes are the model's latest version's is refused (FailedPrecondition,
-        before it is uploaded) unless `allow_duplicate`.
+        before it is uploaded) unless `allow_duplicate`. `filename` is the name the
+        registry is told (default: the path's).
         """
         path = Path(path)
         try:
@@ -376,7 +378,7 @@ class AdminClient:
             name=name,
             notes=notes,
             variants=list(variants),
-            filename=path.name,
+            filename=filename or path.name,
             size=size,
             sha256=digest,
             golden_size=len(golden_data),

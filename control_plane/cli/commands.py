@@ -6,6 +6,10 @@ Each start_* function returns (json_value, text) for the CLI to print, or None.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from contract import errors
 from control_plane.api.transfer import read_pipeline
@@ -51,20 +55,48 @@ def start_server(*, config: Config, args: argparse.Namespace) -> Output:
 def start_model_push(*, config: Config, args: argparse.Namespace) -> Output:
     """Upload a model file as the next version."""
     pipeline = read_pipeline(args.pipeline) if args.pipeline is not None else None
-    bar = ProgressBar(f"push {args.file.name}", after="  - server validating with MNN")
-    with _client(config) as client:
-        try:
-            version = client.push(
-                args.file,
-                name=args.name,
-                notes=args.notes,
-                progress=bar,
-                pipeline=pipeline,
-                **push_options(args),
-            )
-        finally:  # a failed or cancelled push's message starts on a line of its own
-            bar.finish()
+    with contextlib.ExitStack() as stack:
+        path, filename = args.file, None
+        if args.file.is_dir():  # an MNN-LLM bundle, as MNN's exporter writes it
+            path, filename = stack.enter_context(_bundle_tar(args.file))
+        bar = ProgressBar(f"push {filename or args.file.name}", after="  - server validating")
+        with _client(config) as client:
+            try:
+                version = client.push(
+                    path,
+                    name=args.name,
+                    notes=args.notes,
+                    progress=bar,
+                    pipeline=pipeline,
+                    filename=filename,
+                    **push_options(args),
+                )
+            finally:  # a failed or cancelled push's message starts on a line of its own
+                bar.finish()
     return views.version_dict(version), push_text(version)
+
+
+@contextlib.contextmanager
+def _bundle_tar(directory: Path) -> Iterator[tuple[Path, str]]:
+    """Pack a bundle directory into the canonical tar, in memory; yield its path and name.
+
+    A memfd, not a file: the bundle is plaintext, and a copy of it has no business on
+    disk. It holds the whole bundle in memory while the push runs.
+    """
+    from runtime.llm.bundle import InvalidBundle, write_bundle_tar
+
+    fd = os.memfd_create("skiff-bundle", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "wb", closefd=False) as out:
+            try:
+                write_bundle_tar(directory, out)
+            except InvalidBundle as exc:
+                raise errors.InvalidArgument(f"{directory}: {exc}") from None
+            except OSError as exc:
+                raise errors.InvalidArgument(f"cannot read {directory}: {exc.strerror}") from None
+        yield Path(f"/proc/self/fd/{fd}"), f"{directory.name}.tar"
+    finally:
+        os.close(fd)
 
 
 def start_model_ls(*, config: Config, args: argparse.Namespace) -> Output:

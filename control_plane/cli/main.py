@@ -104,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="push, list, show and pull models")
     msub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = msub.add_parser("push", help="upload a .mnn or .onnx file as a new version")
+    p = msub.add_parser(
+        "push",
+        help="upload a .mnn, .onnx or .gguf file, or an MNN-LLM bundle (a directory or a tar)",
+    )
     _common(p)
     p.add_argument("file", type=Path)
     p.add_argument("--name", required=True)

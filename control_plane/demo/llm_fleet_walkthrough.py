@@ -42,9 +42,19 @@ def run_llm_fleet_demo(
     old: int,
     new: int,
     say: Callable[[str], None],
+    loops: list,
 ) -> dict:
-    """Roll `model:new` out to simulated phones on `model:old`; return the figures."""
-    return asyncio.run(_demo(client, address, tls, model=model, old=old, new=new, say=say))
+    """Roll `model:new` out to simulated phones on `model:old`; return the figures.
+
+    The event loop it runs is appended to `loops`, for the caller to close once the
+    server has stopped (as `fleet_walkthrough` does: gRPC's poller may still hand it
+    events from the simulator's closed channels).
+    """
+    loop = asyncio.new_event_loop()
+    loops.append(loop)
+    return loop.run_until_complete(
+        _demo(client, address, tls, model=model, old=old, new=new, say=say)
+    )
 
 
 def _profile(model: str, version: int):

@@ -39,6 +39,7 @@ def run_llm_demo(
     ca: Path | None,
     agents_root: Path,
     say: Callable[[str], None],
+    loops: list,
 ) -> dict:
     """Push, roll out and ask SmolLM2; return the figures for the summary."""
     say(f"\n== on-device LLM: push {SMOLLM2.name} from its GGUF with q4 and q8 bundles")
@@ -109,6 +110,13 @@ def run_llm_demo(
         notes="demo: the next release",
     )
     figures |= run_llm_fleet_demo(
-        client, address, tls, model=MODEL, old=version.version, new=again.version, say=say
+        client,
+        address,
+        tls,
+        model=MODEL,
+        old=version.version,
+        new=again.version,
+        say=say,
+        loops=loops,
     )
     return figures

@@ -100,6 +100,7 @@ def run_demo(*, home: Path | None = None, real_models: bool = False) -> None:
                     Path(config.tls_ca) if config.tls_ca else None,
                     config.home / "agents",
                     _say,
+                    demo.loops,
                 )
     finally:
         server.stop(grace=2)

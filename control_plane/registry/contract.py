@@ -17,6 +17,8 @@ DERIVED_VARIANTS = ("fp16", "int8", "int4")
 # an fp32 forward pass of the GGUF's own weights, kept nowhere but in the push's numbers.
 LLM_VARIANTS = ("q4", "q8", "fp16")
 LLM_DEFAULT_VARIANTS = ("q4",)
+# Source formats of language models: a GGUF (converted) and an MNN-LLM bundle (as is).
+LLM_FORMATS = {"gguf": "a GGUF language model", "mnn-llm": "an MNN-LLM bundle"}
 # The manifest format a version's signature covers (control_plane.registry.registry).
 MANIFEST_SCHEMA = "skiff.manifest/v1"
 # A derived variant's outputs must reach this cosine similarity with fp32's unless the
@@ -41,9 +43,9 @@ def unknown_variants(unknown: list[str]) -> str:
 
 def misplaced_variants(fmt: str, variants: tuple[str, ...]) -> str | None:
     """Say why variants do not fit a source format (MNN variants for a GGUF, or the reverse)."""
-    if fmt == "gguf":
+    if fmt in LLM_FORMATS:
         wrong = [v for v in variants if v not in LLM_VARIANTS]
-        kind, allowed = "a GGUF language model", LLM_VARIANTS
+        kind, allowed = LLM_FORMATS[fmt], LLM_VARIANTS
     else:
         wrong = [v for v in variants if v not in DERIVED_VARIANTS]
         kind, allowed = f"an {fmt.upper()} model", DERIVED_VARIANTS

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from contract import errors
-from control_plane.registry.contract import BASE_VARIANT, LLM_DEFAULT_VARIANTS
+from control_plane.registry.contract import BASE_VARIANT, LLM_DEFAULT_VARIANTS, LLM_FORMATS
 from control_plane.registry.requests import PushRequest
 from control_plane.store.base import VersionRecord
 
@@ -25,7 +25,7 @@ def refuse_duplicate(latest: VersionRecord, request: PushRequest, sha256: str) -
     manifest = _manifest(latest)
     # The same bytes are the same format: a language model keeps only the bundles asked
     # for (q4 when none is), any other model fp32 and its derived variants.
-    if latest.source_format == "gguf":
+    if latest.source_format in LLM_FORMATS:
         asked = set(request.variants or LLM_DEFAULT_VARIANTS)
     else:
         asked = {BASE_VARIANT, *request.variants}

@@ -134,16 +134,16 @@ def parse_golden_prompts(data: bytes) -> list[str] | None:
     return prompts
 
 
-def _refuse_other_flags(request: PushRequest) -> None:
-    """Refuse what a push of a GGUF cannot use, naming the flag."""
+def _refuse_other_flags(request: PushRequest, what: str) -> None:
+    """Refuse what a push of a language model cannot use, naming the flag."""
     g = request.golden
     if g.input_shapes or g.input_ranges:
         raise errors.InvalidArgument(
-            "--input-shape and --input-range are for tensor models; a GGUF language model "
-            "is checked on golden prompts (--golden-prompts)"
+            f"--input-shape and --input-range are for tensor models; {what} is checked on "
+            "golden prompts (--golden-prompts)"
         )
     if request.pipeline is not None:
-        raise errors.InvalidArgument("an event pipeline feeds tensor models, not a GGUF")
+        raise errors.InvalidArgument(f"an event pipeline feeds tensor models, not {what}")
 
 
 def build_from_gguf(
@@ -160,9 +160,44 @@ def build_from_gguf(
     A variant below LLM_MIN_TOP1 is refused with its figures (InvalidModel), unless the
     publisher allowed degraded variants: then it is kept and marked.
     """
-    _refuse_other_flags(request)
+    _refuse_other_flags(request, "a GGUF language model")
+    return _build(src_fd, variants, request, "gguf", timeout, sandbox, block)
+
+
+def build_from_bundle(
+    src_fd: int,
+    variants: Sequence[str],
+    request: PushRequest,
+    *,
+    timeout: float,
+    sandbox: Sandbox | None,
+) -> LlmBuild:
+    """Check and measure a published MNN-LLM bundle (a tar) in one confined child.
+
+    The bundle is one variant, named by the push (`--variant`, q4 by default: what MNN's
+    exporter writes unless told otherwise); it is its own reference.
+    """
+    _refuse_other_flags(request, "an MNN-LLM bundle")
+    if len(variants) != 1:
+        raise errors.InvalidArgument(
+            f"an MNN-LLM bundle is one variant: name it with one --variant, not {len(variants)}"
+        )
+    return _build(src_fd, variants, request, "bundle", timeout, sandbox, 0)
+
+
+def _build(
+    src_fd: int,
+    variants: Sequence[str],
+    request: PushRequest,
+    source: str,
+    timeout: float,
+    sandbox: Sandbox | None,
+    block: int,
+) -> LlmBuild:
     prompts = parse_golden_prompts(request.golden.golden)
+    what = "GGUF" if source == "gguf" else "MNN-LLM bundle"
     recipe = {
+        "source": source,
         "variants": list(variants),
         "block": block,
         "prompts": prompts,  # None: the child picks chat or completion defaults
@@ -194,31 +229,35 @@ def build_from_gguf(
             ",".join(f"{name}={fd}" for name, fd in fds.items()),
         ]
         result = run_worker(
-            "llm", argv, (src_fd, recipe_fd, golden_fd, *fds.values()), timeout, "GGUF", sandbox
+            "llm", argv, (src_fd, recipe_fd, golden_fd, *fds.values()), timeout, what, sandbox
         )
-        golden = _read(golden_fd)
+        golden = _read(golden_fd, what)
         built.evaluation, built.llm, built.requirements = _judged(
-            result, variants, golden, request.golden.allow_degraded
+            result, variants, golden, request.golden.allow_degraded, what
         )
         stack.pop_all()
         return built
 
 
-def _read(fd: int) -> bytes:
+def _read(fd: int, what: str) -> bytes:
     size = os.fstat(fd).st_size
     if size > _MAX_RESULT_BYTES:
-        raise errors.InvalidModel(f"GGUF: the worker's golden data take {size >> 20} MiB")
+        raise errors.InvalidModel(f"{what}: the worker's golden data take {size >> 20} MiB")
     return os.pread(fd, size, 0)
 
 
 def _judged(
-    result: Mapping[str, Any], variants: Sequence[str], golden: bytes, allow_degraded: bool
+    result: Mapping[str, Any],
+    variants: Sequence[str],
+    golden: bytes,
+    allow_degraded: bool,
+    what: str,
 ) -> tuple[Evaluation, dict[str, Any], dict[str, dict[str, Any]]]:
     """Turn the child's report into the version's figures, refusing what misses the bar."""
     llm = result.get("llm")
     scored = result.get("variants")
     if not isinstance(llm, dict) or not isinstance(scored, dict) or set(scored) != set(variants):
-        raise errors.InvalidModel("GGUF: the worker's report does not match the variants asked")
+        raise errors.InvalidModel(f"{what}: the worker's report does not match the variants asked")
     signatures, accuracy, degraded, requirements = {}, {}, {}, {}
     below = []
     for name in variants:
@@ -255,7 +294,7 @@ def _judged(
         }
     if below and not allow_degraded:
         raise errors.InvalidModel(
-            "variants below the accuracy bar against the GGUF's fp32 reference: "
+            f"variants below the accuracy bar against the {what}'s reference: "
             + "; ".join(below)
             + " (push with --allow-degraded to keep them marked degraded)"
         )

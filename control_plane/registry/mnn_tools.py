@@ -238,19 +238,25 @@ def _read_arrays(fd: int, prefix: str, what: str) -> dict[str, np.ndarray]:
 
 
 def sniff_format(fd: int) -> str:
-    """Return "onnx", "mnn" or "gguf" judging by the content of `fd`, without moving its offset.
+    """Return "onnx", "mnn", "gguf" or "mnn-llm" judging by the content of `fd`.
 
     A GGUF (a language model) starts with its magic; the child that converts it checks
-    the rest of its header.
+    the rest of its header. A tar (ustar magic) is an MNN-LLM bundle: the child reads it
+    without trusting it. The offset of `fd` is left alone.
     """
     size = _require_content(fd)
     if os.pread(fd, 4, 0) == b"GGUF":
         return "gguf"
+    if os.pread(fd, 5, 257) == b"ustar":
+        return "mnn-llm"
     if _looks_like_onnx(fd, size):
         return "onnx"
     if _looks_like_mnn(fd, size):
         return "mnn"
-    raise errors.InvalidModel("unrecognised model format: neither an ONNX, an MNN nor a GGUF model")
+    raise errors.InvalidModel(
+        "unrecognised model format: neither an ONNX, an MNN, a GGUF model nor an MNN-LLM "
+        "bundle (a directory or a tar)"
+    )
 
 
 def _convert(

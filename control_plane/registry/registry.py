@@ -39,6 +39,7 @@ from control_plane.registry import evaluation, gc, llm_tools, mnn_tools, upload_
 from control_plane.registry.contract import (
     BASE_VARIANT,
     LLM_DEFAULT_VARIANTS,
+    LLM_FORMATS,
     MANIFEST_SCHEMA,
     misplaced_variants,
     variant_needs,
@@ -166,8 +167,11 @@ class Registry:
                 fmt = mnn_tools.sniff_format(upload.fd)
                 if (wrong := misplaced_variants(fmt, extra)) is not None:
                     raise errors.InvalidArgument(wrong)
-                if fmt == "gguf":
-                    built = llm_tools.build_from_gguf(
+                if fmt in LLM_FORMATS:
+                    build = (
+                        llm_tools.build_from_gguf if fmt == "gguf" else llm_tools.build_from_bundle
+                    )
+                    built = build(
                         upload.fd, extra or LLM_DEFAULT_VARIANTS, request, **self._mnn_limits()
                     )
                     stack.enter_context(built)

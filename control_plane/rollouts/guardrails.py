@@ -414,8 +414,13 @@ def judge(
         sample,
     )
     head = f"{rule.metric} {reading(figures[0]):.4g}"
-    of = f"p{round(q * 100)}" if not invert else "the median generation"
-    detail = verdict.detail.replace(head, f"{head} ({how} {of})", 1)
+    if not invert:
+        said = f"{how} p{round(q * 100)}"
+    elif how == "of all inferences":
+        said = "of all generations, median"
+    else:
+        said = f"{how} median generation"
+    detail = verdict.detail.replace(head, f"{head} ({said})", 1)
     verdict = replace(verdict, detail=detail)
     if verdict.status != FAIL:
         return verdict

@@ -183,14 +183,23 @@ def _member_name(member: tarfile.TarInfo, limits: Mapping[str, int]) -> str | No
         raise InvalidBundle(f"bundle tar: member {shown} is nested; bundles are flat")
     name = parts[0]
     if name not in BUNDLE_FILES:
-        expected = ", ".join(sorted(BUNDLE_FILES))
-        raise InvalidBundle(f"bundle tar: unknown member {shown} (expected only {expected})")
+        raise InvalidBundle(f"bundle tar: unknown member {shown}{_unknown_hint(name)}")
     limit = limits[name]
     if member.size > limit:
         raise InvalidBundle(
             f"bundle tar: member {shown} is {member.size} bytes, over its {limit}-byte limit"
         )
     return name
+
+
+def _unknown_hint(name: str) -> str:
+    """Say why a file has no place in a bundle: a model part Skiff does not serve, or not."""
+    if name.endswith((".mnn", ".mnn.weight")) or name.startswith(("visual", "audio", "talker")):
+        return (
+            " (a vision, audio or other model part: Skiff serves text-only MNN-LLM bundles,"
+            " of llm.mnn alone)"
+        )
+    return f" (a text-only MNN-LLM bundle holds only {', '.join(sorted(BUNDLE_FILES))})"
 
 
 def _kind(member: tarfile.TarInfo) -> str:
@@ -509,7 +518,7 @@ def write_bundle_tar(
         if entry.is_symlink() or not entry.is_file():
             raise InvalidBundle(f"bundle dir: {entry.name} is not a regular file")
         if entry.name not in BUNDLE_FILES:
-            raise InvalidBundle(f"bundle dir: unknown file {entry.name}")
+            raise InvalidBundle(f"bundle dir: unknown file {entry.name}{_unknown_hint(entry.name)}")
         names.append(entry.name)
     fds: dict[str, int] = {}
     try:

@@ -213,6 +213,11 @@ class LlmSession:
 
     # ------------------------------------------------------------ text
 
+    @property
+    def vocab_size(self) -> int:
+        """Return how many tokens the model's vocabulary holds."""
+        return self._engine.vocab_size
+
     def encode(self, text: str) -> list[int]:
         """Tokenize raw text (no chat template); refuse what the tokenizer cannot take.
 

@@ -33,7 +33,7 @@ from runtime.llm.bundle import BUNDLE_FILES, write_bundle_fds
 from runtime.llm.scoring import score
 from runtime.llm.session import LlmSession, Sampling
 
-__all__ = ["GOLDEN_SCHEMA", "build"]
+__all__ = ["GOLDEN_SCHEMA", "build", "ceil_mb", "MemoryProbe"]
 
 GOLDEN_SCHEMA = "skiff.llm-golden/v1"
 _MiB = 1 << 20
@@ -42,7 +42,15 @@ _MiB = 1 << 20
 def build(
     src_path: str, recipe: Mapping[str, Any], outputs: Mapping[str, int], golden_fd: int
 ) -> dict[str, Any]:
-    """Convert, judge and pack every variant; write the golden generations to `golden_fd`."""
+    """Convert, judge and pack every variant; write the golden generations to `golden_fd`.
+
+    A recipe whose source is "bundle" holds a published MNN-LLM bundle instead
+    (`bundle_judge`).
+    """
+    if recipe.get("source") == "bundle":
+        from control_plane.registry.llm.bundle_judge import judge_bundle
+
+        return judge_bundle(src_path, recipe, outputs, golden_fd)
     model = open_gguf(src_path)
     reference = Reference(model)
     chat = bool(model.tokenizer.chat_template)
@@ -71,15 +79,10 @@ def build(
             # Measured from here: the engine's load, its runs, nothing of the reference's
             # (and no freed memory to reuse: it goes back to the system first).
             release_freed_memory()
-            before = _rss_kb()
-            reset = _reset_peak()
+            probe = MemoryProbe()
             with LlmSession(files, threads=1) as session:
                 scored[name] = _judge(session, expected, golden["prompts"], new_tokens)
-                # The peak when it could be reset; else (a non-dumpable process, as the
-                # sandboxed child is, may not write /proc/self/clear_refs) what the engine
-                # holds after its runs, its session still open.
-                now = _peak_kb() if reset else _rss_kb()
-                peak = max(now - before, 0) * 1024
+                peak = probe.used_bytes()
                 kv_cache = _kv_cache_bytes(model, session.context_length)
             golden["variants"][name] = {
                 "greedy": scored[name].pop("greedy"),  # token ids: what the self-test checks
@@ -88,10 +91,10 @@ def build(
             }
             write_bundle_fds(files, outputs[name])
             scored[name]["convert_s"] = converted
-            scored[name]["disk_mb"] = _ceil_mb(sum(os.fstat(fd).st_size for fd in files.values()))
+            scored[name]["disk_mb"] = ceil_mb(sum(os.fstat(fd).st_size for fd in files.values()))
             # The memfds hold the bundle; the engine what it loaded and ran; a full
             # context's KV cache comes on top of the short golden runs.
-            scored[name]["memory_mb"] = scored[name]["disk_mb"] + _ceil_mb(peak + kv_cache)
+            scored[name]["memory_mb"] = scored[name]["disk_mb"] + ceil_mb(peak + kv_cache)
     os.pwrite(golden_fd, json.dumps(golden, ensure_ascii=False).encode(), 0)
     import MNN
 
@@ -200,8 +203,27 @@ def _describe(model: GgufModel) -> dict[str, Any]:
     }
 
 
-def _ceil_mb(n: int) -> int:
+def ceil_mb(n: int) -> int:
+    """Return `n` bytes in MiB, rounded up."""
     return -(-n // _MiB)
+
+
+class MemoryProbe:
+    """What the process takes from here on.
+
+    The peak when it can be reset; else (a non-dumpable process, as the sandboxed child
+    is, may not write /proc/self/clear_refs) what it holds when asked, its session still
+    open.
+    """
+
+    def __init__(self) -> None:
+        self._before = _rss_kb()
+        self._reset = _reset_peak()
+
+    def used_bytes(self) -> int:
+        """Return the bytes taken since the probe began."""
+        now = _peak_kb() if self._reset else _rss_kb()
+        return max(now - self._before, 0) * 1024
 
 
 def _status_kb(field: str) -> int:
