@@ -45,8 +45,13 @@ def version_dict(v: common_pb2.ModelVersion) -> dict:
         variant["segment_size"] = msg.segment_size
         if not msg.HasField("accuracy"):
             variant["accuracy"] = None
-        elif msg.accuracy.min_top1:
-            variant["accuracy"]["positions"] = msg.accuracy.positions
+        elif msg.accuracy.min_top1:  # a language model's: the tensor figures do not apply
+            variant["accuracy"] = {
+                "top1_agreement": msg.accuracy.top1_agreement,
+                "mean_kl": msg.accuracy.mean_kl,
+                "min_top1": msg.accuracy.min_top1,
+                "positions": msg.accuracy.positions,
+            }
         variant.update(accuracy_bars.variant_status(msg.degraded, msg.accuracy))
     if v.HasField("golden"):
         for key in ("ciphertext_size", "plaintext_size", "segment_size"):

@@ -252,7 +252,7 @@ def _report_llm(cp: ControlPlane, folder: Path) -> None:
         token = client.create_enrollment_token(uses=LLM_PHONES).token
     rng = np.random.default_rng(3)
     for _ in range(LLM_PHONES):
-        phone = Device.enroll(cp.address, token, {"platform": "android", "soc": "sm8650"})
+        phone = Device.enroll(cp.address, token, {"platform": "linux", "soc": "rk3588"})
         decode, first = LatencyHistogram(), LatencyHistogram()
         decode.record_many_ns(rng.lognormal(np.log(1e9 / 50), 0.05, 40))  # 50 tokens/s
         first.record_many_ns(rng.lognormal(np.log(0.2e9), 0.05, 40))  # 200 ms

@@ -28,6 +28,7 @@ from tests.dashboards.conftest import (
     ARTIFACTS,
     HOSTILE,
     LLM_MODEL,
+    LLM_PHONES,
     OS,
     VARIANTS_MODEL,
     WIDE,
@@ -134,10 +135,11 @@ def test_login_then_every_page_matches_the_cli(browser, site):
             assert rule in _text(browser, row)
 
     # Overview: devices, online and per platform, as `skiff fleet ls --json` counts them
-    # (the 40 simulated devices, the one enrolled with attested attributes, the boards).
+    # (the 40 simulated devices, the one enrolled with attested attributes, the boards,
+    # the phones reporting a language model).
     _open(browser, site, "", "overview")
     devices = site.cli_list("devices", "fleet", "ls")
-    assert int(_text(browser, "#devices-total")) == len(devices) == 40 + 1 + WIDE
+    assert int(_text(browser, "#devices-total")) == len(devices) == 40 + 1 + WIDE + LLM_PHONES
     assert int(_text(browser, "#devices-online")) == sum(d["online"] for d in devices)
     assert int(_text(browser, "tr[data-platform=android] .online")) == sum(
         d["online"] for d in devices if d["attributes"]["platform"] == "android"
@@ -675,6 +677,9 @@ def test_a_language_models_version_page_draws_its_decode_speed_and_first_token_t
             EC.presence_of_element_located((By.CSS_SELECTOR, f"{chart} .main-svg"))
         )
         assert title in _text(browser, chart)
+    assert "llama, 2 layers" in _text(browser, "#llm")
+    assert "fits a device with" in _text(browser, "#variants tr[data-variant='q8'] .accuracy")
+    assert _text(browser, "#variants tr[data-variant='q8'] .max-abs") == "-"
     # A model that is not a language model draws neither.
     _open(browser, site, "models/det/2", "version-not-llm")
     assert not browser.find_elements(By.CSS_SELECTOR, "#chart-decode, #chart-ttft")
