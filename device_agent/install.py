@@ -304,6 +304,7 @@ class Installer:
                 slot["associated_data"].encode(),
                 slot["plaintext_sha256"],
                 slot["plaintext_size"],
+                slot.get("config", ""),
             )
         plain = decrypt_artifact(
             self.artifact_path(slot["artifact"]),
@@ -382,8 +383,10 @@ class Installer:
         key = self._unwrap(m.wrapped_data_key, m.uid)
         if m.llm is not None:
             golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
-            worker = llm_install.self_test(m, self.artifact_path(m.ciphertext_sha256), key, golden)
-            return worker, worker.config.key, []
+            worker, probes = llm_install.self_test(
+                m, self.artifact_path(m.ciphertext_sha256), key, golden
+            )
+            return worker, worker.config.key, probes
         plain = decrypt_artifact(
             self.artifact_path(m.ciphertext_sha256),
             key,

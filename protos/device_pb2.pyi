@@ -627,7 +627,9 @@ Global___FallbackReport: _TypeAlias = FallbackReport  # noqa: Y015
 
 @_typing.final
 class ProbeReport(_message.Message):
-    """One backend config's probe during a self-test."""
+    """One backend config's probe during a self-test. For a language model, `p50_us` is its
+    decode time per token and `cosine` its top-1 agreement with the golden answers.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
