@@ -54,8 +54,9 @@ BASE_ERROR_RATE = 1e-4
 BASE_CRASH_RATE = 1e-5
 MAX_CRASH_REPORTS = 20  # per model and batch, as the agent caps them
 CONFIGS = {"CPU/normal/t4/mem-normal": 1.0, "OPENCL/low/t4/mem-normal": 0.55}
-# Language models: MNN-LLM on the CPU, as the agent serves them.
-LLM_CONFIG = "CPU/low/t4/mem-low"
+# Language models: MNN-LLM on the CPU, as the agent serves them (its probe's winners: all
+# cores, or half of them on phones whose big cores decode faster alone), by speed.
+LLM_CONFIGS = {"CPU/low/t4/mem-low": 1.0, "CPU/low/t2/mem-low": 0.8}
 LLM_TPS = (15.0, 120.0)  # a SoC's median decode tokens/s for a small model: log-uniform
 LLM_SPREAD = 0.08  # sigma of log(time per token) between generations of one device
 PREFILL_X = 8.0  # prefill tokens/s over decode tokens/s
@@ -141,6 +142,7 @@ class Load:
         self._device_x = math.exp(DEVICE_SPREAD * _normal(_unit("device", seed, device_id)))
         gpu = attributes.get("platform") == "android" and _unit("gpu", device_id) < 0.6
         self.config = "OPENCL/low/t4/mem-normal" if gpu else "CPU/normal/t4/mem-normal"
+        self.llm_config = list(LLM_CONFIGS)[_unit("llm-config", device_id) < 0.3]
         self._rng = np.random.default_rng(int(_unit("rng", seed, device_id) * 2**63))
 
     def median_us(self, model: str, version: int, injections: Sequence[Injection]) -> float:
@@ -157,7 +159,7 @@ class Load:
         low, high = LLM_TPS
         soc_tps = low * (high / low) ** _unit("soc-tps", self._attributes.get("soc", "unknown"))
         x = math.prod(i.decode_x for i in hits) / math.prod(i.latency_x for i in hits)
-        return soc_tps / self._device_x * x
+        return soc_tps / self._device_x * LLM_CONFIGS[self.llm_config] * x
 
     def batch(
         self,
@@ -233,7 +235,7 @@ class Load:
             model=model,
             version=version,
             variant=variant,
-            config=LLM_CONFIG,
+            config=self.llm_config,
             latency=histogram_pb(decode),
             ttft=histogram_pb(ttft),
             inferences=n,

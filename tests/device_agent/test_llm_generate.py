@@ -204,3 +204,34 @@ def test_skiff_generate_refuses_bad_messages_in_one_line(daemon, tmp_path):
     )
     assert result.returncode == EXIT_INVALID
     assert 'message 0 must be {"role": TEXT, "content": TEXT}' in _error_line(result)
+
+
+def test_the_agent_reports_its_generations_and_its_probe(cp, daemon):
+    """What the generations above cost reaches the control plane's rollups: decode speed,
+    time to first token, tokens; and the install report carries the config probe."""
+    from control_plane.telemetry import series
+
+    api = stub(daemon)
+    list(api.Generate(agent_pb2.GenerateRequest(model=MODEL, prompt="Hi", max_new_tokens=8)))
+    deadline = time.monotonic() + 60
+    while True:
+        cp.app.roller.roll()
+        points = [
+            p for s in series.version_series(cp.app.store, MODEL, 1, hours=1) for p in s.points
+        ]
+        if sum(p.get("tokens_out", 0) for p in points) >= 8:
+            break
+        assert time.monotonic() < deadline, points
+        time.sleep(0.5)
+    assert all(p["decode_tps"] > 0 and p["ttft_p50_ms"] > 0 for p in points if p["inferences"])
+    status = api.Status(agent_pb2.StatusRequest(), timeout=10)
+    (served,) = [m for m in status.models if m.model == MODEL]
+    assert served.config.startswith("CPU/low/t")
+    assert [p.config for p in served.probes if p.accepted]  # the probe, as status shows it
+    installs = cp.app.store.recent_installs(status.device_id, limit=10)
+    (done,) = [i for i in installs if i.model == MODEL and i.result == "activated"]
+    assert done.config == served.config
+    accepted = [p for p in done.probes if p["accepted"]]
+    assert accepted and all(p["p50_us"] > 0 and 0 < p["cosine"] <= 1 for p in accepted)
+    # The fastest that agreed serves (decode time per token, lowest).
+    assert served.config == min(accepted, key=lambda p: p["p50_us"])["config"]
