@@ -44,6 +44,8 @@ INT64_MAX = 2**63 - 1
 
 
 MAX_THREADS = 256
+# A language model's tokens per generation, prompt or output: MNN-LLM's context bound.
+MAX_TOKENS_PER_GENERATION = 1 << 20
 MAX_CLOCK_OFFSET_S = 100 * 365 * 86_400.0  # a clock a century off is no clock
 
 
@@ -164,6 +166,14 @@ def _stats(msg: device_pb2.ModelStats, now: dt.datetime) -> ModelStatsRecord:
         raise errors.InvalidArgument(
             f"{what}: more first tokens timed or generations cancelled than inferences"
         )
+    # Tokens come with generations, each at most a context long: a device's budget of
+    # inferences (control_plane.telemetry.budget) bounds its tokens too.
+    for name in ("tokens_in", "tokens_out"):
+        if getattr(msg, name) > inferences * MAX_TOKENS_PER_GENERATION:
+            raise errors.InvalidArgument(
+                f"{what}: {name} {getattr(msg, name)} for {inferences} generations (at most "
+                f"{MAX_TOKENS_PER_GENERATION:,} each)"
+            )
     _version(msg.model, msg.version, msg.variant, "model stats")
     if len(msg.crashes) > MAX_EVENTS or len(msg.fallbacks) > MAX_EVENTS:
         raise errors.InvalidArgument(f"{what}: at most {MAX_EVENTS} crashes and fallbacks each")

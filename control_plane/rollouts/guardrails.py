@@ -158,6 +158,9 @@ def parse_rule(text: str) -> HaltRule:
         raise _refuse(text, at, f"{m.group('num')!r} is not a number") from None
     if not math.isfinite(threshold) or threshold < 0:
         raise _refuse(text, at, "the threshold must be a finite number >= 0")
+    threshold = abs(threshold)  # -0 is 0: one spelling, one rule
+    if falling and threshold == 0:
+        raise _refuse(text, at, f"{metric} is never below 0: such a rule could never halt")
     if metric.endswith("_rate") and threshold > 1:
         raise _refuse(text, at, f"{metric} is a fraction: the threshold must be at most 1")
     pos = m.end()

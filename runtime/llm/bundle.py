@@ -358,10 +358,11 @@ def _read_json(files: Mapping[str, int], name: str) -> dict[str, Any]:
         )
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidBundle(f"bundle: {name} is not valid JSON ({exc})") from None
+    except RecursionError:  # nested past what the parser follows
+        raise InvalidBundle(f"bundle: {name} nests deeper than {_JSON_DEPTH} levels") from None
     if not isinstance(document, dict):
         raise InvalidBundle(f"bundle: {name} must hold a JSON object")
-    if _depth(document) > _JSON_DEPTH:
-        raise InvalidBundle(f"bundle: {name} nests deeper than {_JSON_DEPTH} levels")
+    _check_document(name, document)
     return document
 
 
@@ -378,12 +379,33 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number")
 
 
-def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
+def _check_document(name: str, document: dict[str, Any]) -> None:
+    """Refuse a document nested past _JSON_DEPTH, or holding a string that is not text.
+
+    Iterative (a deep document must not exhaust the stack here either). A lone UTF-16
+    surrogate (JSON's backslash-u D800) decodes to a str that cannot be encoded back; MNN
+    crashed on one (SIGSEGV) instead of refusing it.
+    """
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > _JSON_DEPTH:
+            raise InvalidBundle(f"bundle: {name} nests deeper than {_JSON_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            for text in (key, item):
+                if isinstance(text, str) and not _is_text(text):
+                    raise InvalidBundle(f"bundle: {name} holds a string that is not UTF-8 text")
+            if isinstance(item, dict | list):
+                stack.append((item, depth + 1))
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_keys(source: str, config: Mapping[str, Any], files: Mapping[str, int]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,9 @@ from runtime.llm.bundle import BundleInfo, close_files, read_bundle_tar, write_b
 from runtime.llm.session import LlmSession, Sampling
 
 __all__ = ["judge_bundle"]
+
+# What a bundle's `model_type` may say to be shown as its architecture.
+_ARCHITECTURE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def judge_bundle(
@@ -81,9 +85,11 @@ def judge_bundle(
 
     merged = {**info.config, **info.llm_config}
     architecture = merged.get("model_type")
+    if not (isinstance(architecture, str) and _ARCHITECTURE.fullmatch(architecture)):
+        architecture = "unknown"  # a name for people's terminals: never raw bytes
     return {
         "llm": {
-            "architecture": architecture if isinstance(architecture, str) else "unknown",
+            "architecture": architecture,
             "vocab_size": vocab,
             "context_length": info.context_length,
             "layers": info.layer_nums,

@@ -188,3 +188,30 @@ def test_a_bundle_is_one_variant(cp, bundle):  # noqa: F811
     )
     assert tensor.returncode == EXIT_INVALID
     assert "does not apply to an MNN-LLM bundle" in _error_line(tensor)
+
+
+def test_a_model_type_that_is_not_a_plain_name_is_shown_as_unknown(cp, bundle, tmp_path):  # noqa: F811
+    """Whatever a bundle's config says reaches operators' terminals: never raw escapes."""
+    tar_path, _ = bundle
+    members = _members(tar_path)
+    config = json.loads(members["llm_config.json"])
+    config["model_type"] = "\x1b]0;PWNED\x07\x1b[2J\nfake line: q8 kept" + "x" * 200_000
+    members["llm_config.json"] = json.dumps(config).encode()
+    path = tmp_path / "escapes.tar"
+    _tar(path, members)
+    pushed = json.loads(
+        skiff(
+            "model",
+            "push",
+            str(path),
+            "--name",
+            "tiny-esc",
+            "--variant",
+            "q8",
+            "--json",
+            env=cp.env,
+        ).stdout
+    )
+    assert pushed["variants"][0]["signature"]["llm"]["architecture"] == "unknown"
+    shown = skiff("model", "show", "tiny-esc:1", env=cp.env).stdout
+    assert "\x1b" not in shown and "PWNED" not in shown

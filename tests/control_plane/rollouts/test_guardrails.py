@@ -55,6 +55,8 @@ def test_rules_parse(text, rule):
         ("p95_latency_ratio<1.2", "at position 18: p95_latency_ratio halts when it rises"),
         ("decode_tps_ratio>0.9", "at position 17: decode_tps_ratio halts when it falls: use '<'"),
         ("decode_tps_ratio 0.9", "at position 18: expected '<' or '<='"),
+        ("decode_tps_ratio<0", "at position 18: decode_tps_ratio is never below 0"),
+        ("decode_tps_ratio<=-0", "never below 0: such a rule could never halt"),
         ("p95_latency_ratio>>1.2", "at position 19: expected a number"),
         ("p95_latency_ratio>", "at position 19: expected a number"),
         ("crash_rate>1..2", "at position 12: '1..2' is not a number"),
@@ -69,6 +71,12 @@ def test_a_malformed_rule_is_refused_with_its_position(text, fragment):
     with pytest.raises(errors.InvalidArgument) as caught:
         parse_rule(text)
     assert fragment in str(caught.value)
+
+
+def test_minus_zero_is_zero_so_a_rule_is_not_repeated_under_another_spelling():
+    assert str(parse_rule("p95_latency_ratio>-0")) == "p95_latency_ratio>0.0"
+    with pytest.raises(errors.InvalidArgument, match="given twice"):
+        parse_rules(["crash_rate>0", "crash_rate>-0"])
 
 
 def test_rules_are_bounded_and_not_repeated():

@@ -126,6 +126,8 @@ def test_fifos_are_refused():
 
 def test_unknown_members_are_refused():
     _refused(tar_bytes({**bundle_files(), "visual.mnn": b"v"}), "unknown member 'visual.mnn'")
+    _refused(tar_bytes({**bundle_files(), "visual.mnn": b"v"}), "text-only MNN-LLM bundles")
+    _refused(tar_bytes({**bundle_files(), "notes.txt": b"v"}), "holds only config.json")
 
 
 def test_duplicate_members_are_refused():
@@ -255,6 +257,10 @@ def test_non_text_parts_are_refused_by_name(keys, what):
         (b'{"hidden_size": NaN}', "NaN is not a number"),
         (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
         (b'{"a":' * 40 + b"1" + b"}" * 40, "nests deeper"),
+        (b'{"a":' * 990 + b"1" + b"}" * 990, "nests deeper"),  # parses; not checked recursively
+        (b"[" * 100_000 + b"]" * 100_000, "nests deeper"),  # past what the parser follows
+        (b'{"model_type": "\\ud800"}', "not UTF-8 text"),  # MNN crashed on a lone surrogate
+        (b'{"\\udfff": 1}', "not UTF-8 text"),
         (b'{"hidden_size": 1e12}', "hidden_size=1000000000000.0 is not an integer"),
         (b'{"layer_nums": true}', "layer_nums=True is not an integer"),
         (b'{"max_all_tokens": -5}', "max_all_tokens=-5"),
