@@ -143,11 +143,46 @@ GUARD_BAKE_S = 15
 
 def _slow_on(model: str, version: int, soc: str):
     """Return the default device profile, with `model:version` 3x slower on `soc`."""
+    return injected_profile(
+        {"select": f"soc={soc}", "model": f"{model}:{version}", "latency_x": 3.0}
+    )
+
+
+def injected_profile(*rules: dict):
+    """Return the simulator's default device profile with `rules` injected (sim.load)."""
     doc = json.loads(
         resources.files("control_plane.sim").joinpath("default_profile.json").read_text()
     )
-    doc["inject"] = [{"select": f"soc={soc}", "model": f"{model}:{version}", "latency_x": 3.0}]
+    doc["inject"] = list(rules)
     return parse_profile(doc, source="demo profile")
+
+
+async def follow(
+    call, client: AdminClient, rollout_id: str, *, started: float, timeout_s: float, on_event=None
+):
+    """Print a rollout's audit as it happens until it completes or stops; return it.
+
+    `on_event(entry)` is called for each audit entry after it is printed.
+    """
+    seen, deadline = 0, time.monotonic() + timeout_s
+    while True:
+        shown = await call(client.get_rollout, rollout_id)
+        for e in shown.audit[seen:]:
+            what = f"{e.slice}: " if e.slice else ""
+            _say(
+                f"   {time.monotonic() - started:5.1f}s  {e.actor:<10} {e.action:<15} "
+                f"{what}{e.reason or e.to_state}"
+            )
+            if on_event is not None:
+                on_event(e)
+        seen = len(shown.audit)
+        if shown.state in ("completed", "paused", "rolled_back"):
+            return shown
+        if time.monotonic() > deadline:
+            raise errors.Unavailable(
+                f"the guarded rollout did not finish in {timeout_s:g}s: {shown.state}"
+            )
+        await asyncio.sleep(0.5)
 
 
 async def _guarded_rollout(demo: FleetDemo, sim: FleetSimulator, call, *, model, old, new):
@@ -176,32 +211,23 @@ async def _guarded_rollout(demo: FleetDemo, sim: FleetSimulator, call, *, model,
         f"   the simulated devices report latency and crashes every second; {model}:{new} is"
         f" 3x slower on {SLOW_SOC} (the simulator injects it)"
     )
-    seen = 0
-    deadline = time.monotonic() + 180
-    while True:
-        shown = await call(client.get_rollout, rollout.id)
-        for e in shown.audit[seen:]:
-            what = f"{e.slice}: " if e.slice else ""
+
+    def on_event(e) -> None:
+        if e.action != "slice_rollback":
+            return
+        demo.figures["guard_rollback_s"] = time.monotonic() - started
+        evidence = json.loads(e.evidence_json) if e.evidence_json else {}
+        c, b = evidence.get("candidate", {}), evidence.get("baseline", {})
+        if c.get("p95_us") and b.get("p95_us"):
+            demo.figures["guard_ratio"] = c["p95_us"] / b["p95_us"]
             _say(
-                f"   {time.monotonic() - started:5.1f}s  {e.actor:<10} {e.action:<15} "
-                f"{what}{e.reason or e.to_state}"
+                f"           evidence: p95 {c['p95_us']:,.0f} us on {c['devices']} "
+                f"candidate devices vs {b['p95_us']:,.0f} us on {b['devices']} baseline"
             )
-            if e.action == "slice_rollback":
-                demo.figures["guard_rollback_s"] = time.monotonic() - started
-                evidence = json.loads(e.evidence_json) if e.evidence_json else {}
-                c, b = evidence.get("candidate", {}), evidence.get("baseline", {})
-                if c.get("p95_us") and b.get("p95_us"):
-                    demo.figures["guard_ratio"] = c["p95_us"] / b["p95_us"]
-                    _say(
-                        f"           evidence: p95 {c['p95_us']:,.0f} us on {c['devices']} "
-                        f"candidate devices vs {b['p95_us']:,.0f} us on {b['devices']} baseline"
-                    )
-        seen = len(shown.audit)
-        if shown.state in ("completed", "paused", "rolled_back"):
-            break
-        if time.monotonic() > deadline:
-            raise errors.Unavailable(f"the guarded rollout did not finish in 180s: {shown.state}")
-        await asyncio.sleep(0.5)
+
+    shown = await follow(
+        call, client, rollout.id, started=started, timeout_s=180, on_event=on_event
+    )
     await sim.stop_reporting()
     demo.figures["guard_rollout_id"] = rollout.id
     demo.figures["guard_s"] = time.monotonic() - started

@@ -13,13 +13,12 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from importlib import resources
 
 from contract import errors
 from contract.transport import ClientTls
 from control_plane.api.client import AdminClient
+from control_plane.demo.fleet_walkthrough import follow, injected_profile
 from control_plane.sim.fleet import FleetSimulator
-from control_plane.sim.profile import parse_profile
 from control_plane.views import fleet_text
 from protos import fleet_pb2
 
@@ -57,22 +56,14 @@ def run_llm_fleet_demo(
     )
 
 
-def _profile(model: str, version: int):
-    doc = json.loads(
-        resources.files("control_plane.sim").joinpath("default_profile.json").read_text()
-    )
-    rule = {"select": f"soc={SLOW_SOC}", "model": f"{model}:{version}", "decode_x": DECODE_X}
-    doc["inject"] = [rule]
-    return parse_profile(doc, source="demo profile")
-
-
 async def _demo(client, address, tls, *, model, old, new, say) -> dict:
     def call(fn, *args, **kwargs):
         return asyncio.to_thread(fn, *args, **kwargs)
 
     figures: dict = {}
     token = (await call(client.create_enrollment_token, uses=FLEET_SIZE)).token
-    profile = _profile(model, new)
+    slow = {"select": f"soc={SLOW_SOC}", "model": f"{model}:{new}", "decode_x": DECODE_X}
+    profile = injected_profile(slow)
     async with FleetSimulator([address], seed=11, tls=tls, profile=profile) as sim:
         started = time.monotonic()
         await sim.enroll(FLEET_SIZE, token)
@@ -108,7 +99,23 @@ async def _demo(client, address, tls, *, model, old, new, say) -> dict:
             f"{SLOW_SOC} (decode_x {DECODE_X})"
         )
         started = time.monotonic()
-        shown = await _follow(call, client, rollout.id, started, figures, say)
+
+        def on_event(e) -> None:
+            if e.action != "slice_rollback":
+                return
+            figures["llm_guard_rollback_s"] = round(time.monotonic() - started, 1)
+            evidence = json.loads(e.evidence_json) if e.evidence_json else {}
+            c, b = evidence.get("candidate", {}), evidence.get("baseline", {})
+            if c.get("decode_tps") and b.get("decode_tps"):
+                figures["llm_guard_tps_ratio"] = round(c["decode_tps"] / b["decode_tps"], 3)
+                say(
+                    f"           evidence: {c['decode_tps']:.1f} tokens/s on {c['devices']} "
+                    f"candidate phones vs {b['decode_tps']:.1f} on {b['devices']} baseline ones"
+                )
+
+        shown = await follow(
+            call, client, rollout.id, started=started, timeout_s=240, on_event=on_event
+        )
         await sim.stop_reporting()
         figures["llm_guard_state"] = shown.state
 
@@ -122,36 +129,6 @@ async def _demo(client, address, tls, *, model, old, new, say) -> dict:
         say(f"   every {SLOW_SOC} phone is back on {model}:{old}; the other SoCs run {model}:{new}")
         say("\n" + fleet_text.rollout_text(shown))
     return figures
-
-
-async def _follow(call, client, rollout_id, started, figures, say):
-    """Print the rollout's audit as it happens, until it completes or stops."""
-    seen, deadline = 0, time.monotonic() + 240
-    while True:
-        shown = await call(client.get_rollout, rollout_id)
-        for e in shown.audit[seen:]:
-            what = f"{e.slice}: " if e.slice else ""
-            say(
-                f"   {time.monotonic() - started:5.1f}s  {e.actor:<10} {e.action:<15} "
-                f"{what}{e.reason or e.to_state}"
-            )
-            if e.action == "slice_rollback":
-                figures["llm_guard_rollback_s"] = round(time.monotonic() - started, 1)
-                evidence = json.loads(e.evidence_json) if e.evidence_json else {}
-                c, b = evidence.get("candidate", {}), evidence.get("baseline", {})
-                if c.get("decode_tps") and b.get("decode_tps"):
-                    figures["llm_guard_tps_ratio"] = round(c["decode_tps"] / b["decode_tps"], 3)
-                    say(
-                        f"           evidence: {c['decode_tps']:.1f} tokens/s on "
-                        f"{c['devices']} candidate phones vs {b['decode_tps']:.1f} on "
-                        f"{b['devices']} baseline ones"
-                    )
-        seen = len(shown.audit)
-        if shown.state in ("completed", "paused", "rolled_back"):
-            return shown
-        if time.monotonic() > deadline:
-            raise errors.Unavailable(f"the guarded rollout did not finish in 240s: {shown.state}")
-        await asyncio.sleep(0.5)
 
 
 async def _until(sim: FleetSimulator, done: Callable[[], bool], timeout: float = 120) -> None:

@@ -33,7 +33,7 @@ from runtime.llm.bundle import BUNDLE_FILES, write_bundle_fds
 from runtime.llm.scoring import score
 from runtime.llm.session import LlmSession, Sampling
 
-__all__ = ["GOLDEN_SCHEMA", "build", "ceil_mb", "MemoryProbe"]
+__all__ = ["GOLDEN_SCHEMA", "MemoryProbe", "build", "ceil_mb", "prompt_ids", "until_stop"]
 
 GOLDEN_SCHEMA = "skiff.llm-golden/v1"
 _MiB = 1 << 20
@@ -135,24 +135,30 @@ def _reference_answers(
     """Tokenize each prompt as a device will (its chat template, if any); answer greedily."""
     answers = []
     for text in prompts:
+        ids = prompt_ids(session, text, new_tokens)
+        continuation = until_stop(session, reference.greedy(ids, new_tokens))
         chat = session.info.chat_template is not None
-        rendered = (
-            session.apply_chat_template([{"role": "user", "content": text}]) if chat else text
-        )
-        ids = session.encode(rendered)
-        if len(ids) + new_tokens > session.context_length:
-            raise errors.InvalidArgument(
-                f"golden prompt {text[:40]!r} is {len(ids)} tokens: with the "
-                f"{new_tokens}-token answer it does not fit the {session.context_length}-token "
-                "context"
-            )
-        continuation = reference.greedy(ids, new_tokens)
-        # Up to its end of turn: what follows a stop token is noise nobody is served.
-        ends = [i for i, t in enumerate(continuation) if t in session.stop_token_ids]
-        if ends:
-            continuation = continuation[: ends[0] + 1]
         answers.append({"text": text, "chat": chat, "ids": ids, "reference": continuation})
     return answers
+
+
+def prompt_ids(session: LlmSession, text: str, new_tokens: int) -> list[int]:
+    """Tokenize a golden prompt as a device will (its chat template, if any), checked to fit."""
+    chat = session.info.chat_template is not None
+    rendered = session.apply_chat_template([{"role": "user", "content": text}]) if chat else text
+    ids = session.encode(rendered)
+    if len(ids) + new_tokens > session.context_length:
+        raise errors.InvalidArgument(
+            f"golden prompt {text[:40]!r} is {len(ids)} tokens: with the {new_tokens}-token "
+            f"answer it does not fit the {session.context_length}-token context"
+        )
+    return ids
+
+
+def until_stop(session: LlmSession, continuation: list[int]) -> list[int]:
+    """Return a continuation up to its first stop token (what follows is served to nobody)."""
+    ends = [i for i, t in enumerate(continuation) if t in session.stop_token_ids]
+    return continuation[: ends[0] + 1] if ends else continuation
 
 
 def _reference_rows(reference: Reference, answers: list[dict[str, Any]]) -> np.ndarray:

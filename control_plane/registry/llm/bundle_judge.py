@@ -29,6 +29,8 @@ from control_plane.registry.llm.build import (
     GOLDEN_SCHEMA,
     MemoryProbe,
     ceil_mb,
+    prompt_ids,
+    until_stop,
 )
 from control_plane.registry.llm.convert import release_freed_memory
 from runtime.llm.bundle import BundleInfo, close_files, read_bundle_tar, write_bundle_fds
@@ -113,20 +115,10 @@ def _answers(session: LlmSession, prompts: list[str], new_tokens: int, chat: boo
     """Answer each prompt greedily, tokenized as a device will (its chat template, if any)."""
     answers, greedy, texts = [], [], []
     for text in prompts:
-        rendered = (
-            session.apply_chat_template([{"role": "user", "content": text}]) if chat else text
-        )
-        ids = session.encode(rendered)
-        if len(ids) + new_tokens > session.context_length:
-            raise errors.InvalidArgument(
-                f"golden prompt {text[:40]!r} is {len(ids)} tokens: with the {new_tokens}-token "
-                f"answer it does not fit the {session.context_length}-token context"
-            )
+        ids = prompt_ids(session, text, new_tokens)
         deltas = list(session.generate(ids, max_new_tokens=new_tokens, sampling=Sampling()))
         out = list(deltas[-1].summary.output_ids)
-        # The reference continuation ends at the first stop token, as for a GGUF's.
-        ends = [i for i, t in enumerate(out) if t in session.stop_token_ids]
-        reference = out[: ends[0] + 1] if ends else out
+        reference = until_stop(session, out)  # as a GGUF's reference continuation ends
         answers.append({"text": text, "chat": chat, "ids": ids, "reference": reference})
         greedy.append(out)
         texts.append("".join(d.text for d in deltas))
