@@ -298,6 +298,12 @@ class Registry:
                 manifest["llm"] = judged.llm
                 for name, needs in judged.requirements.items():
                     manifest["variants"][name]["requirements"] = needs
+            else:
+                # A tensor model's needs as far as they are known without a device: its
+                # size on disk and the MNN that made it (an older runtime may not read
+                # it). Memory is the device's to measure (its probe): not stated.
+                for v in variants:
+                    manifest["variants"][v.name]["requirements"] = _tensor_needs(v)
             if pipeline is not None:
                 manifest["pipeline"] = pipeline
             signed = self.signer.sign(manifest)
@@ -532,6 +538,15 @@ def _manifest_variant(uid: str, v: VariantRecord, segments: bytes) -> dict:
         "accuracy": v.accuracy,
         "degraded": v.degraded,
     }
+
+
+def _tensor_needs(v: VariantRecord) -> dict:
+    """Return what a tensor model's variant needs of a device (control_plane.rollouts.fit)."""
+    needs: dict = {"disk_mb": -(-v.plaintext_size // (1 << 20))}
+    mnn = str(v.signature.get("mnn_version") or "")
+    if mnn.count(".") >= 1:
+        needs["mnn"] = ".".join(mnn.split(".")[:2])
+    return needs
 
 
 def _fitted_pipeline(request: PushRequest, signature: dict) -> dict | None:

@@ -107,3 +107,29 @@ def test_a_device_that_cannot_fit_is_not_assigned_and_is_counted(tmp_path):
         assert "ineligible 2 (engine 1, memory 1)" in text
     finally:
         cp.stop()
+
+
+def test_a_tensor_model_states_its_disk_and_engine_and_an_older_engine_does_not_fit(tmp_path):
+    from control_plane.demo import sample_models
+
+    cp = start_control_plane(tmp_path / "home")
+    env = {"SKIFF_HOME": str(cp.config.home), "SKIFF_SERVER": cp.address, "SKIFF_TOKEN": ""}
+    try:
+        onnx = tmp_path / "det.onnx"
+        onnx.write_bytes(sample_models.tiny_mlp_onnx(seed=5))
+        skiff("model", "push", str(onnx), "--name", "det", "--variant", "fp16", env=env)
+        for variant in ("fp32", "fp16"):
+            needs = cp.registry.variant_needs("det", 1, variant)
+            assert needs["disk_mb"] >= 1 and needs["mnn"] == "3.6"
+            assert "memory_mb" not in needs  # a device's probe measures that, not the push
+        with cp.client() as client:
+            token = client.create_enrollment_token(uses=0).token
+        old = Device.enroll(cp.address, token, {"platform": "linux", "custom": {"mnn": "2.9"}})
+        new = Device.enroll(cp.address, token, {"platform": "linux", "custom": {"mnn": "3.6.1"}})
+        preview = json.loads(skiff("fleet", "ls", "--fit", "det:1", "--json", env=env).stdout)
+        assert preview["fit"]["ineligible_reasons"] == {"engine": 1}
+        skiff("rollout", "create", "det:1", "--select", "platform=linux", env=env)
+        assert list(new.sync().models) == ["det"]
+        assert old.sync().models == {}
+    finally:
+        cp.stop()
