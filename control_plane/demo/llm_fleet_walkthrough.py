@@ -42,6 +42,7 @@ def run_llm_fleet_demo(
     new: int,
     say: Callable[[str], None],
     loops: list,
+    variant: str = "q4",
 ) -> dict:
     """Roll `model:new` out to simulated phones on `model:old`; return the figures.
 
@@ -52,11 +53,11 @@ def run_llm_fleet_demo(
     loop = asyncio.new_event_loop()
     loops.append(loop)
     return loop.run_until_complete(
-        _demo(client, address, tls, model=model, old=old, new=new, say=say)
+        _demo(client, address, tls, model=model, old=old, new=new, variant=variant, say=say)
     )
 
 
-async def _demo(client, address, tls, *, model, old, new, say) -> dict:
+async def _demo(client, address, tls, *, model, old, new, variant, say) -> dict:
     def call(fn, *args, **kwargs):
         return asyncio.to_thread(fn, *args, **kwargs)
 
@@ -81,7 +82,7 @@ async def _demo(client, address, tls, *, model, old, new, say) -> dict:
             fleet_pb2.CreateRolloutRequest(
                 model=model,
                 version=new,
-                variant="q4",
+                variant=variant,
                 selector=SELECTOR,
                 stages=[30, 100],
                 bake_s=BAKE_S,
@@ -93,8 +94,8 @@ async def _demo(client, address, tls, *, model, old, new, say) -> dict:
             ),
         )
         say(
-            f"== rollout {rollout.id}: {model}:{new} (q4) to `{SELECTOR}` in stages 30%, 100%,"
-            f" halted by {', '.join(HALT)}, sliced by soc\n"
+            f"== rollout {rollout.id}: {model}:{new} ({variant}) to `{SELECTOR}` in stages 30%,"
+            f" 100%, halted by {', '.join(HALT)}, sliced by soc\n"
             f"   the simulator makes {model}:{new} decode {1 / DECODE_X:.2g}x slower on "
             f"{SLOW_SOC} (decode_x {DECODE_X})"
         )
