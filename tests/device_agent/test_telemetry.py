@@ -154,9 +154,7 @@ def test_report_refuses_what_does_not_fit_and_applies_a_batch_once(cp, tmp_path)
                 ),
                 "bad histogram bucket": negative_bucket,
                 "latency count must be between 0": negative_count,
-                "tokens_out 1099511627776 for": lambda m: setattr(
-                    m.models[0], "tokens_out", 2**40
-                ),
+                "tokens_out 1099511627776 for": lambda m: setattr(m.models[0], "tokens_out", 2**40),
                 "tokens_in must be between 0": lambda m: setattr(m.models[0], "tokens_in", -1),
                 "more first tokens timed or generations cancelled": lambda m: setattr(
                     m.models[0], "cancellations", 10**6
