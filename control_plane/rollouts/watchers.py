@@ -88,7 +88,11 @@ class Watchers:
             task.cancel()
         ids = list(self._by_device) + list(self._closed)
         if ids:
-            await asyncio.to_thread(self._store.set_online, ids, None)
+            try:
+                await asyncio.to_thread(self._store.set_online, ids, None)
+            except errors.Unavailable as exc:
+                # Stopping goes on: their streams' online marks expire on their own.
+                log.warning("could not mark %d devices offline on stop: %s", len(ids), exc)
 
     # -- change feed (any thread) -------------------------------------------------------
 

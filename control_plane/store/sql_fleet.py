@@ -231,6 +231,7 @@ class SqlFleetStore(FleetStore):
         with self._scope() as session:
             conn = session.connection()
             devices = orm.DeviceRow.__table__
+            _lock_devices(conn, [u.device_id for u in updates])
             for with_attrs in (True, False):
                 rows = [
                     {"b_id": u.device_id, "last_seen": u.last_seen}
@@ -288,6 +289,7 @@ class SqlFleetStore(FleetStore):
     def set_online(self, device_ids: Sequence[str], until: dt.datetime | None) -> None:
         """Mark devices' Watch streams open until `until` (None: closed)."""
         with self._scope() as session:
+            _lock_devices(session.connection(), device_ids)
             for start in range(0, len(device_ids), 500):
                 session.execute(
                     update(orm.DeviceRow)
@@ -318,3 +320,26 @@ class SqlFleetStore(FleetStore):
         """Return the current fleet revision."""
         with self._read() as session:
             return session.scalar(select(orm.FleetStateRow.revision)) or 0
+
+
+def _lock_devices(conn, device_ids: Sequence[str]) -> None:
+    """Lock device rows in id order, before a transaction updates several (PostgreSQL).
+
+    Two transactions that update overlapping devices each lock rows in the order their
+    statements reach them: the write-behind flush in its batch's order, a replica marking
+    its Watch streams closed in the order PostgreSQL scans an IN list. Opposite orders
+    deadlocked (seen as a replica's stop failing on DeadlockDetected). Locking every row
+    first, sorted, gives every such transaction the same order. SQLite locks the whole
+    database per write: nothing to order.
+    """
+    if conn.dialect.name != "postgresql" or not device_ids:
+        return
+    devices = orm.DeviceRow.__table__
+    ordered = sorted(set(device_ids))
+    for start in range(0, len(ordered), 500):
+        conn.execute(
+            select(devices.c.id)
+            .where(devices.c.id.in_(ordered[start : start + 500]))
+            .order_by(devices.c.id)
+            .with_for_update()
+        )

@@ -73,7 +73,8 @@ def device(tmp_path_factory) -> DeviceVenv:
         # The build backend is installed (make install): no isolated build env either, so
         # an unchanged checkout builds its wheel in seconds.
         build.insert(4, "--no-build-isolation")
-    subprocess.run(build, cwd=REPO, check=True, timeout=600)
+    built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout + built.stderr
     venv = DeviceVenv(root)
     subprocess.run([sys.executable, "-m", "venv", str(venv.path)], check=True, timeout=120)
     [wheel] = wheels.glob("skiff-*.whl")

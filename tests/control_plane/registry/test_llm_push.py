@@ -165,8 +165,18 @@ def test_a_gguf_of_another_architecture_is_refused_by_name_and_nothing_is_stored
 
 
 def test_a_rollout_of_a_language_model_defaults_to_its_first_bundle(cp, tiny):
-    if _versions(cp, "tiny-llm") == 0:
-        skiff("model", "push", str(tiny), "--name", "tiny-llm", env=cp.env, timeout=600)
+    if _versions(cp, "tiny-llm") == 0:  # run alone: push what the first test does
+        skiff(
+            "model",
+            "push",
+            str(tiny),
+            "--name",
+            "tiny-llm",
+            "--variant",
+            "q8,fp16",
+            env=cp.env,
+            timeout=600,
+        )
     made = skiff(
         "rollout",
         "create",
