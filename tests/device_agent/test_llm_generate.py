@@ -8,6 +8,7 @@ self-tested there, and asked a question through `skiff generate` and the local A
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import grpc
@@ -54,7 +55,10 @@ def cp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemon(cp, tmp_path_factory):
     state = tmp_path_factory.mktemp("llm-state") / "state"
-    proc = start_daemon(cp, state, "--attr", "platform=android")
+    # A one-core device: its probe (two configs of one thread) leaves the other core to
+    # the tests running beside it, whose timings a language model on every core starved.
+    cpus = {min(os.sched_getaffinity(0))}
+    proc = start_daemon(cp, state, "--attr", "platform=android", cpus=cpus)
     try:
         _wait_serving(state, proc)
         yield state

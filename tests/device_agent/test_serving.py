@@ -26,7 +26,8 @@ from tests.device_agent.test_agent import SKIFF, agent, rollout, token
 X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
 
 
-def start_daemon(cp, state, *extra: str) -> subprocess.Popen:
+def start_daemon(cp, state, *extra: str, cpus: set[int] | None = None) -> subprocess.Popen:
+    """Start `skiff agent run`; with `cpus`, on those CPUs only (a smaller device)."""
     ca = cp.config.home / "tls" / "ca.pem"
     return subprocess.Popen(
         [*SKIFF, "agent", "run", "--server", f"127.0.0.1:{cp.port}", "--ca", str(ca)]
@@ -34,6 +35,7 @@ def start_daemon(cp, state, *extra: str) -> subprocess.Popen:
         + ["--report-interval", "1", *extra],
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
 
 
