@@ -40,13 +40,15 @@ def cp(tmp_path_factory):
         "--name",
         MODEL,
         "--variant",
-        "q4,q8",
+        "q8",
         "--json",
         env=plane.env,
         timeout=900,
     )
     plane.pushed = json.loads(pushed.stdout)
-    # q8: it agrees with the reference more closely than q4 (~0.95 of the positions).
+    # q8 alone: it agrees with the reference more closely than q4 (~0.95 of the positions);
+    # SmolLM2's q4 conversion and its agreement are checked in process
+    # (tests/control_plane/registry/llm/in_process_convert_real.py), not converted twice.
     skiff("rollout", "create", f"{MODEL}:1", "--variant", "q8", "--allow-empty", env=plane.env)
     yield plane
     plane.stop()
@@ -82,15 +84,12 @@ def _wait_serving(state, proc, timeout: float = 300) -> None:
     raise AssertionError(f"{MODEL} never served: {last}")
 
 
-def test_the_gguf_is_published_as_gated_q4_and_q8_bundles(cp):
-    q4, q8 = cp.pushed["variants"]
-    assert (q4["name"], q8["name"]) == ("q4", "q8")
-    for variant in (q4, q8):
-        assert variant["status"] == "kept"
-        assert variant["accuracy"]["top1_agreement"] >= variant["accuracy"]["min_top1"]
-        assert variant["signature"]["llm"]["architecture"] == "llama"
-    assert q8["accuracy"]["mean_kl"] < q4["accuracy"]["mean_kl"]
-    assert q4["plaintext_size"] < q8["plaintext_size"]
+def test_the_gguf_is_published_as_a_gated_q8_bundle(cp):
+    (q8,) = cp.pushed["variants"]
+    assert q8["name"] == "q8" and q8["status"] == "kept"
+    assert q8["accuracy"]["top1_agreement"] >= q8["accuracy"]["min_top1"]
+    assert q8["accuracy"]["mean_kl"] < 0.1 and q8["plaintext_size"] > 100 << 20
+    assert q8["signature"]["llm"]["architecture"] == "llama"
 
 
 def test_skiff_generate_streams_the_answer_the_registry_recorded(cp, daemon, tmp_path):
