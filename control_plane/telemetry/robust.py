@@ -22,6 +22,7 @@ before anything is judged from it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -147,7 +148,11 @@ class Devices:
         return agg
 
     def ttft(self) -> Devices:
-        """Return the same devices with time to first token as their latency."""
+        """Return the same devices with time to first token as their latency (built once)."""
+        return self._ttft
+
+    @functools.cached_property
+    def _ttft(self) -> Devices:
         return Devices(self.table.ttft_view(), self.positions)
 
     def configs_with_devices(self, at_least: int) -> list[str]:
