@@ -15,6 +15,8 @@ import pytest
 
 from contract.device_client import DeviceCallError
 from contract.report_batches import new_batch_id, timestamp
+from control_plane.demo import sample_models
+from control_plane.telemetry.catalog import Catalog
 from protos import device_pb2
 from tests.control_plane.api.device_helpers import Device
 
@@ -126,3 +128,22 @@ def test_a_used_up_token_is_no_guess(cp):
     with cp.client() as client:
         fresh = client.create_enrollment_token().token
     assert Device.enroll(cp.address, fresh, {}).id
+
+
+def test_a_version_published_just_after_the_catalog_was_read_is_known_at_once(published, tmp_path):
+    """The published set is cached and reread at most once a second: a version pushed in
+    that second, reported at once by a fast device, is still known (looked up on its
+    own), and a made-up one is still refused."""
+    cp = published
+    now = [0.0]
+    catalog = Catalog(cp.app.store, clock=lambda: now[0])
+    assert catalog.published(MODEL, 1, "fp32")  # the set is read now; the clock stands
+    assert not catalog.published(MODEL, 3, "fp32")
+    path = tmp_path / "det.onnx"
+    path.write_bytes(sample_models.tiny_mlp_onnx(seed=3))
+    with cp.client() as client:
+        assert client.push(path, name=MODEL).version == 3
+    assert catalog.published(MODEL, 3, "fp32")
+    assert not catalog.published(MODEL, 3, "int8")
+    assert not catalog.published(MODEL, 4, "fp32")
+    assert not catalog.published("made-up", 1, "fp32")

@@ -11,7 +11,7 @@ import pytest
 
 from contract import errors
 from control_plane.sim import FleetSimulator, SimOptions
-from control_plane.sim.load import LLM_CONFIGS, Load, parse_injections
+from control_plane.sim.load import LLM_CONFIGS, SPREAD, Load, parse_injections
 from control_plane.sim.profile import parse_profile
 from control_plane.telemetry import Telemetry
 from runtime.histogram import MAX_RELATIVE_ERROR, LatencyHistogram
@@ -110,7 +110,15 @@ def test_the_control_plane_sees_the_slowed_slice(cp_holder):
         measured = row.histogram.quantile(0.5)  # µs
         base = load.median_us(MODEL, 2, [])
         factor = 3.0 if socs[device] == SLOW_SOC else 1.0
-        assert measured / base == pytest.approx(factor, rel=0.1), (socs[device], measured, base)
+        # The median of n lognormal samples strays from the true one by a standard error
+        # of sqrt(pi/2) * SPREAD / sqrt(n) in log space (a loaded machine reports fewer
+        # samples, so the bound follows the count); allow four of those plus the
+        # histogram's bucket error.
+        n = row.histogram.count
+        assert n >= 20, (device, n)
+        bound = 4 * math.sqrt(math.pi / 2) * SPREAD / math.sqrt(n) + 2 * MAX_RELATIVE_ERROR
+        off = abs(math.log(measured / (base * factor)))
+        assert off < bound, (socs[device], measured, base, n, off, bound)
 
 
 def _histogram(msg) -> LatencyHistogram:
