@@ -100,3 +100,46 @@ def db_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'skiff.db'}"
     return request.getfixturevalue("pg_url")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """Keep a module's tests on one xdist worker when they share a module-scoped fixture.
+
+    `--dist loadgroup` hands ungrouped tests out one by one, so a module whose tests share
+    an expensive module fixture (a control plane with a model pushed, a wheel built into
+    a venv) would build it once on each worker. Tests already in a group keep theirs.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        scopes = {
+            d.scope
+            for defs in info.name2fixturedefs.values()
+            for d in defs
+            if d.scope != "function"
+        }
+        if scopes & {"module", "package"}:
+            where = item.path.parent if "package" in scopes else item.path
+            item.add_marker(pytest.mark.xdist_group(str(where.relative_to(config.rootpath))))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist has renamed the grouped tests
+def pytest_collection_finish(session) -> None:
+    """Fail a `--dist loadgroup` run whose groups xdist did not apply.
+
+    xdist groups a test by appending "@group" to its node id; a pytest that stops
+    reading the renamed id (9.2 did) spreads every group over the workers without a word,
+    building each heavy module fixture once per worker.
+    """
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+            raise pytest.UsageError(
+                f"xdist did not group {item.nodeid}: this pytest and pytest-xdist do not "
+                "work together (see the pin in pyproject.toml)"
+            )
