@@ -202,6 +202,7 @@ def test_plaintext_before_a_bad_segment_is_yielded_then_error(
             secret_key_access.TOKEN,
         ),
     ],
+    ids=["empty", "not-a-keyset", "4kb-segments"],  # fixed: xdist workers must agree
 )
 def test_malformed_data_key_is_refused_eagerly(bad_key: bytes) -> None:
     with pytest.raises(errors.IntegrityError, match="data key"):

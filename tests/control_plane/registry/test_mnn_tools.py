@@ -235,7 +235,11 @@ def test_convert_reports_the_unsupported_op(memfd):
     )
 
 
-@pytest.mark.parametrize("data", [os.urandom(3000), sample_models.tiny_mlp_onnx()[:2000]])
+@pytest.mark.parametrize(
+    "data",
+    [os.urandom(3000), sample_models.tiny_mlp_onnx()[:2000]],
+    ids=["random", "truncated"],  # fixed: xdist workers must collect the same ids
+)
 def test_convert_rejects_corrupt_protobuf(memfd, data):
     with pytest.raises(errors.InvalidModel, match="^ONNX model could not be converted: not a read"):
         mnn_tools.convert_onnx(memfd(data))
