@@ -205,16 +205,28 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
             )
             rid = json.loads(created.stdout)["id"]
 
+            seen: list[dict] = []
+
             def slice_state(want: str, after: int = 0):
                 doc = show(cp, rid)
+                seen[:] = [doc]
                 states = {s["slice"]: s["state"] for s in doc["health"]["slices"]}
                 rollbacks = [e for e in doc["audit"] if e["action"] == "slice_rollback"]
                 ok = states.get(f"soc={SLOW_SOC}") == want and len(rollbacks) >= after
                 return doc if ok else None
 
-            first = await asyncio.to_thread(
-                wait_for, lambda: slice_state("rolled_back", 1), 90, "the slice rolled back"
-            )
+            def waited(want: str, after: int, timeout: float, what: str):
+                try:
+                    return wait_for(lambda: slice_state(want, after), timeout, what)
+                except AssertionError:  # say what the rollout looked like instead
+                    doc = seen[0] if seen else {}
+                    raise AssertionError(
+                        f"timed out waiting for {what}: state {doc.get('state')}, "
+                        f"health {json.dumps(doc.get('health'))[:3000]}, audit "
+                        f"{[e['action'] for e in doc.get('audit', [])]}"
+                    ) from None
+
+            first = await asyncio.to_thread(waited, "rolled_back", 1, 90, "the slice rolled back")
             slow = [d.id for d in sim.devices if d.identity.attributes["soc"] == SLOW_SOC]
             await sim.wait_synced(MODEL, 1, installed=True, devices=slow, timeout=30)
             text = (await asyncio.to_thread(_cli, cp, "rollout", "show", rid)).stdout
@@ -230,9 +242,7 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
             half = stage_limit([50.0, 100.0], 0)
             staged = [d for d in slow if bucket(rid, d) < half]
             await sim.wait_synced(MODEL, 2, installed=True, devices=staged, timeout=30)
-            again = await asyncio.to_thread(
-                wait_for, lambda: slice_state("rolled_back", 2), 150, "a second rollback"
-            )
+            again = await asyncio.to_thread(waited, "rolled_back", 2, 150, "a second rollback")
             return rid, first, text, readmitted, again
 
     rid, first, text, readmitted, again = asyncio.run(scenario())
