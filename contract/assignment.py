@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from contract import errors
+from contract.chunks import KEY_SIZE, ChunkTable
 from contract.segments import decode_digests
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
@@ -144,6 +145,11 @@ class VerifiedModel:
     llm: dict | None = None
     # What the variant needs of a device (memory_mb, disk_mb, mnn), as signed; {} if unsaid.
     requirements: dict = field(default_factory=dict)
+    # The variant as content-defined chunks (contract.chunks), as the manifest signs it,
+    # and where its chunk keys are (encrypted under the data key); None for versions
+    # pushed before chunks, which install as one artifact.
+    chunks: ChunkTable | None = None
+    chunk_keys: GoldenArtifact | None = None
 
 
 @dataclass(frozen=True)
@@ -290,7 +296,32 @@ def _verified_model(m, entry: dict, keys: Sequence[PublicKey]) -> VerifiedModel:
         recommended_config=m.recommended_config[:MAX_CONFIG_KEY],
         llm=_signed_dict(m.model, "llm", manifest.get("llm")),
         requirements=_signed_dict(m.model, "requirements", variant.get("requirements")) or {},
+        **_chunked(m.model, variant.get("chunks"), a.plaintext_size),
     )
+
+
+def _chunked(model: str, signed, plaintext_size: int) -> dict:
+    """Return the chunk table and key list a manifest signs for a variant ({} if none)."""
+    if signed is None:
+        return {}
+    try:
+        if not isinstance(signed, dict) or not isinstance(signed.get("keys"), dict):
+            raise errors.IntegrityError("the chunk record is not an object")
+        table = ChunkTable.from_manifest(signed.get("table"), plaintext_size)
+        k = signed["keys"]
+        keys = GoldenArtifact(
+            ciphertext_sha256=str(k["ciphertext_sha256"]),
+            ciphertext_size=int(k["ciphertext_size"]),
+            plaintext_sha256=str(k["plaintext_sha256"]),
+            plaintext_size=int(k["plaintext_size"]),
+            segment_size=int(k["segment_size"]),
+            associated_data=str(k["associated_data"]).encode(),
+        )
+    except (errors.IntegrityError, KeyError, TypeError, ValueError) as exc:
+        raise AssignmentRejected(f"{model}: manifest chunks: {exc}") from None
+    if keys.plaintext_size != KEY_SIZE * len(table.chunks):
+        raise AssignmentRejected(f"{model}: manifest chunks: the key list does not fit the table")
+    return {"chunks": table, "chunk_keys": keys}
 
 
 def _signed_dict(model: str, key: str, value) -> dict | None:

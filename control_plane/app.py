@@ -78,6 +78,7 @@ def build_registry(config: Config) -> Registry:
             user=config.mnn_user,
         ),
         gc_grace_s=config.gc_grace_s,
+        chunk_min_bytes=config.chunk_min_bytes,
     )
 
 

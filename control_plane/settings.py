@@ -197,6 +197,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("tls_client_key", str, "", "SKIFF_TLS_CLIENT_KEY", "Private key of tls_client_cert."),
     Setting(
+        "chunk_min_bytes",
+        int,
+        1 << 20,
+        "SKIFF_CHUNK_MIN_BYTES",
+        "Variants of at least this many bytes are also stored as content-defined chunks, so "
+        "a device fetches only the chunks a new version changed (0: never; every variant is "
+        "then one artifact, fetched through presigned URLs where the blob store gives them).",
+    ),
+    Setting(
         "gc_grace_s",
         float,
         0.0,
@@ -334,6 +343,7 @@ class Config:
     tls_client_ca: str
     tls_client_cert: str
     tls_client_key: str
+    chunk_min_bytes: int
     gc_grace_s: float
     gc_interval_s: float
     health_interval_s: float

@@ -343,6 +343,10 @@ class Agent:
             assigned.add(m.ciphertext_sha256)
             if m.golden is not None:
                 assigned.add(m.golden.ciphertext_sha256)
+            if m.chunks is not None and m.chunk_keys is not None:
+                # A failed install's verified chunks stay, as a partial download does.
+                assigned.add(m.chunk_keys.ciphertext_sha256)
+                assigned.update(c.hex() for c in m.chunks.distinct())
         self.installer.collect_garbage(assigned)
         sync = self.state.load_sync()
         failures = [f"{o.model}: {o.reason}" for o in outcome.installs if o.result == "failed"]

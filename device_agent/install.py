@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import datetime as dt
-import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract import errors
 from contract.assignment import GoldenArtifact, VerifiedModel
+from contract.chunks import ChunkTable, unpack_keys
 from contract.device_client import DeviceConnection
-from contract.envelope import decrypt_stream
 from contract.limits import MODEL_NAME  # a network name becomes a path
 from device_agent import llm_install
+from device_agent.chunk_store import ChunkStore
 from device_agent.download import DiskFull, Downloads, IntegrityFailure
+from device_agent.plaintext import Plaintext, from_artifact, from_chunks
 from device_agent.state import (
     AgentError,
     SelfTestFailed,
@@ -62,6 +65,10 @@ class InstallTimings:
     resumed_from: int = 0
     # Of downloaded_bytes, how many came from the blob store's presigned URL.
     url_bytes: int = 0
+    # A chunked version: chunks downloaded, and chunks already held (shared with a kept
+    # version), so not downloaded.
+    chunks_fetched: int = 0
+    chunks_held: int = 0
 
 
 @dataclass
@@ -111,6 +118,19 @@ def _slot(m: VerifiedModel, config: str, probes: list[dict]) -> dict:
         },
         "degraded": m.degraded,
         "pipeline": m.pipeline,
+        # Installed as chunks (the chunk store holds them; the key list, encrypted under
+        # the data key, is an artifact): no artifact file of its own. None: one artifact.
+        "chunks": None
+        if m.chunks is None or m.chunk_keys is None
+        else {
+            "table": m.chunks.to_manifest(),
+            "keys": {
+                "artifact": m.chunk_keys.ciphertext_sha256,
+                "plaintext_sha256": m.chunk_keys.plaintext_sha256,
+                "plaintext_size": m.chunk_keys.plaintext_size,
+                "associated_data": m.chunk_keys.associated_data.decode(),
+            },
+        },
         # "llm": an MNN-LLM bundle (a tar), served by Generate; absent: a tensor model.
         "kind": "llm" if m.llm is not None else "model",
         "config": config,
@@ -155,6 +175,10 @@ class Installer:
         self._unwrap = unwrap
         self.on_activated = on_activated
         self.downloads = Downloads(state.artifacts)
+        self.chunks = ChunkStore(state.chunks)
+        # Chunks of the installs in progress, counted (two installs may share one): a
+        # sweep keeps them although no slot names them yet.
+        self._in_use: collections.Counter[bytes] = collections.Counter()
 
     # -- pointers -----------------------------------------------------------------------------
 
@@ -216,10 +240,24 @@ class Installer:
                 m.model, m.version, m.variant, "failed", failed["reason"], new=False
             )
         timings = InstallTimings()
+        held = list(m.chunks.distinct()) if m.chunks is not None else []
+        self._in_use.update(held)
         try:
-            await self.downloads.fetch(
-                conn, m.ciphertext_sha256, m.ciphertext_size, timings, m.segment_sha256, m.url
-            )
+            return await self._install(conn, m, current, timings)
+        finally:
+            self._in_use.subtract(held)
+            self._in_use += collections.Counter()  # drops the zero counts
+
+    async def _install(
+        self, conn: DeviceConnection, m: VerifiedModel, current: dict, timings: InstallTimings
+    ) -> InstallOutcome:
+        try:
+            if m.chunks is not None and m.chunk_keys is not None:
+                await self._fetch_chunks(conn, m, timings)
+            else:
+                await self.downloads.fetch(
+                    conn, m.ciphertext_sha256, m.ciphertext_size, timings, m.segment_sha256, m.url
+                )
             if m.golden is not None:
                 await self.downloads.fetch(
                     conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None
@@ -297,22 +335,10 @@ class Installer:
         from runtime import Model  # deferred: `skiff agent status` never needs the runtime
 
         key = self._unwrap(base64.b64decode(slot["wrapped_data_key"]), slot["uid"])
+        source = self._slot_plaintext(model, slot, key)
         if slot.get("kind") == "llm":
-            return llm_install.load_bundle(
-                self.artifact_path(slot["artifact"]),
-                key,
-                slot["associated_data"].encode(),
-                slot["plaintext_sha256"],
-                slot["plaintext_size"],
-                slot.get("config", ""),
-            )
-        plain = decrypt_artifact(
-            self.artifact_path(slot["artifact"]),
-            key,
-            slot["associated_data"].encode(),
-            slot["plaintext_sha256"],
-            slot["plaintext_size"],
-        )
+            return llm_install.load_bundle(source, slot.get("config", ""))
+        plain = source.read()
         try:
             return Model.from_bytes(
                 plain,
@@ -338,12 +364,23 @@ class Installer:
         Partial downloads of what is still assigned are kept, to be resumed.
         """
         keep = set(assigned or ())
+        chunks_kept: set[bytes] = set()
         for p in self.pointers().values():
             for slot in (p.get("active"), p.get("previous")):
                 if slot:
                     keep.add(slot["artifact"])
                     if slot.get("golden"):
                         keep.add(slot["golden"]["artifact"])
+                    if slot.get("chunks"):
+                        keep.add(slot["chunks"]["keys"]["artifact"])
+                        chunks_kept |= set(_slot_table(slot).distinct())
+        # Chunks are swept only when the caller says what is still assigned (the end of a
+        # sync): a failed install's verified chunks stay for its next try, as a partial
+        # download does. The chunks of an install in progress stay too (no slot names them
+        # yet).
+        if assigned is not None:
+            chunks_kept |= {_chunk_id(a) for a in keep} - {b""}
+            self.chunks.sweep(chunks_kept | set(self._in_use))
         for path in self._state.artifacts.iterdir():
             if path.suffix == ".part":
                 if assigned is not None and path.stem not in keep:
@@ -356,6 +393,78 @@ class Installer:
     def artifact_path(self, digest: str) -> Path:
         """Return where the artifact with this ciphertext digest is kept."""
         return self.downloads.artifact_path(digest)
+
+    async def _fetch_chunks(
+        self, conn: DeviceConnection, m: VerifiedModel, timings: InstallTimings
+    ) -> None:
+        """Fetch a chunked version: its key list, then the chunks this device lacks."""
+        assert m.chunks is not None and m.chunk_keys is not None
+        started = time.monotonic()
+        await self.downloads.fetch(
+            conn, m.chunk_keys.ciphertext_sha256, m.chunk_keys.ciphertext_size, None
+        )
+        wanted = set(m.chunks.distinct())
+        count, fetched = await self.chunks.fetch_missing(conn, m.chunks)
+        timings.download_s = time.monotonic() - started
+        timings.downloaded_bytes = fetched
+        timings.chunks_fetched = count
+        timings.chunks_held = len(wanted) - count
+
+    def _plaintext(self, m: VerifiedModel, key: bytes) -> Plaintext:
+        """Return where the assigned variant's plaintext comes from (chunks or artifact)."""
+        if m.chunks is not None and m.chunk_keys is not None:
+            keys = self._chunk_keys(m.chunk_keys.ciphertext_sha256, m.chunk_keys, key, m.chunks)
+            return from_chunks(
+                self.chunks, m.chunks, keys, m.model, m.plaintext_sha256, m.plaintext_size
+            )
+        return from_artifact(
+            self.artifact_path(m.ciphertext_sha256),
+            key,
+            m.associated_data,
+            m.plaintext_sha256,
+            m.plaintext_size,
+        )
+
+    def _slot_plaintext(self, model: str, slot: dict, key: bytes) -> Plaintext:
+        """Return where an installed slot's plaintext comes from (chunks or artifact)."""
+        if slot.get("chunks"):
+            stored = slot["chunks"]["keys"]
+            ref = GoldenArtifact(
+                ciphertext_sha256=stored["artifact"],
+                ciphertext_size=0,
+                plaintext_sha256=stored["plaintext_sha256"],
+                plaintext_size=stored["plaintext_size"],
+                segment_size=0,
+                associated_data=stored["associated_data"].encode(),
+            )
+            table = _slot_table(slot)
+            keys = self._chunk_keys(stored["artifact"], ref, key, table)
+            return from_chunks(
+                self.chunks, table, keys, model, slot["plaintext_sha256"], slot["plaintext_size"]
+            )
+        return from_artifact(
+            self.artifact_path(slot["artifact"]),
+            key,
+            slot["associated_data"].encode(),
+            slot["plaintext_sha256"],
+            slot["plaintext_size"],
+        )
+
+    def _chunk_keys(
+        self, artifact: str, ref: GoldenArtifact, key: bytes, table: ChunkTable
+    ) -> dict[bytes, bytes]:
+        """Decrypt a version's chunk key list (in memory only) and match it to its table."""
+        packed = from_artifact(
+            self.artifact_path(artifact),
+            key,
+            ref.associated_data,
+            ref.plaintext_sha256,
+            ref.plaintext_size,
+        ).read()
+        try:
+            return unpack_keys(packed, table)
+        except errors.IntegrityError as exc:
+            raise IntegrityFailure(str(exc)) from None
 
     async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple:
         started = time.monotonic()
@@ -381,19 +490,12 @@ class Installer:
         )
 
         key = self._unwrap(m.wrapped_data_key, m.uid)
+        source = self._plaintext(m, key)
         if m.llm is not None:
             golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
-            worker, probes = llm_install.self_test(
-                m, self.artifact_path(m.ciphertext_sha256), key, golden
-            )
+            worker, probes = llm_install.self_test(m, source, golden)
             return worker, worker.config.key, probes
-        plain = decrypt_artifact(
-            self.artifact_path(m.ciphertext_sha256),
-            key,
-            m.associated_data,
-            m.plaintext_sha256,
-            m.plaintext_size,
-        )
+        plain = source.read()
         try:
             golden = None
             if m.golden is not None:
@@ -454,19 +556,23 @@ def decrypt_artifact(
     path: Path, key: bytes, associated_data: bytes, plaintext_sha256: str, plaintext_size: int
 ) -> bytes:
     """Decrypt an artifact into memory and check it against its signed digest and size."""
-    out, digest = bytearray(), hashlib.sha256()
+    return from_artifact(path, key, associated_data, plaintext_sha256, plaintext_size).read()
+
+
+def _chunk_id(name: str) -> bytes:
+    """Return the chunk id a SHA-256 hex name would be (b"" for any other name)."""
     try:
-        with open(path, "rb") as f:
-            for chunk in decrypt_stream(key, f, associated_data=associated_data):
-                out += chunk
-                digest.update(chunk)
-                if len(out) > plaintext_size:
-                    break
-    except Exception as exc:  # noqa: BLE001 - Tink raises its own errors for bad segments
-        raise IntegrityFailure(f"artifact {path.name[:12]} does not decrypt: {exc}") from None
-    if len(out) != plaintext_size or digest.hexdigest() != plaintext_sha256:
-        raise IntegrityFailure(f"artifact {path.name[:12]}: plaintext does not match its digest")
-    return bytes(out)
+        return bytes.fromhex(name) if len(name) == 64 else b""
+    except ValueError:
+        return b""
+
+
+def _slot_table(slot: dict) -> ChunkTable:
+    """Return an installed slot's chunk table (written by this agent from a signed one)."""
+    try:
+        return ChunkTable.from_manifest(slot["chunks"]["table"], slot["plaintext_size"])
+    except errors.IntegrityError as exc:
+        raise AgentError(f"damaged chunk table in an install pointer: {exc}") from None
 
 
 def _failure_kind(exc: Exception) -> str:

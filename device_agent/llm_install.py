@@ -23,15 +23,12 @@ candidate: MNN-LLM would map the weights from a file, and the plaintext has no f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
 from contract.assignment import VerifiedModel
-from contract.envelope import decrypt_stream
 from device_agent.download import IntegrityFailure
+from device_agent.plaintext import Plaintext
 from device_agent.state import AgentError, SelfTestFailed, one_line
 
 __all__ = ["AGREEMENT_SLACK", "PROBE_TOKENS", "candidates", "load_bundle", "self_test", "threads"]
@@ -76,14 +73,7 @@ def candidates(recommended: str = "") -> list:
     return unique
 
 
-def load_bundle(
-    path: Path,
-    key: bytes,
-    associated_data: bytes,
-    plaintext_sha256: str,
-    plaintext_size: int,
-    config: str = "",
-):
+def load_bundle(source: Plaintext, config: str = ""):
     """Decrypt an installed bundle into memfds and load it in a worker; return the worker.
 
     On `config` (a BackendConfig key: what the self-test chose), else the first candidate.
@@ -96,7 +86,7 @@ def load_bundle(
             chosen = BackendConfig.from_key(config)
         except (ValueError, KeyError):
             pass  # an older slot's config: the default serves
-    files = _decrypt_bundle(path, key, associated_data, plaintext_sha256, plaintext_size)
+    files = _decrypt_bundle(source)
     try:
         return _worker(files, chosen)
     finally:
@@ -116,7 +106,7 @@ def _worker(files, config):
     )
 
 
-def self_test(m: VerifiedModel, path: Path, key: bytes, golden: bytes | None):
+def self_test(m: VerifiedModel, source: Plaintext, golden: bytes | None):
     """Load the assigned bundle, probe its configs on the golden prompts; return the best.
 
     Returns (the worker on the config that serves, the probes as JSON-able dicts: config,
@@ -127,7 +117,7 @@ def self_test(m: VerifiedModel, path: Path, key: bytes, golden: bytes | None):
     """
     from runtime.llm import close_files
 
-    files = _decrypt_bundle(path, key, m.associated_data, m.plaintext_sha256, m.plaintext_size)
+    files = _decrypt_bundle(source)
     data = _golden(golden) if golden is not None else None
     try:
         return _probe(files, m, data)
@@ -222,40 +212,19 @@ def _decode_tps(worker, data: dict) -> float:
     return summary.decode_tps if summary is not None else 0.0
 
 
-def _decrypt_bundle(
-    path: Path, key: bytes, associated_data: bytes, plaintext_sha256: str, plaintext_size: int
-) -> dict[str, int]:
+def _decrypt_bundle(source: Plaintext) -> dict[str, int]:
     """Decrypt the bundle tar straight into sealed memfds, checked against its digest."""
     from runtime.llm import InvalidBundle, close_files, read_bundle_tar
 
-    digest, size = hashlib.sha256(), 0
-
-    def plaintext() -> Iterator[bytes]:
-        nonlocal size
-        with open(path, "rb") as f:
-            for chunk in decrypt_stream(key, f, associated_data=associated_data):
-                size += len(chunk)
-                if size > plaintext_size:
-                    raise IntegrityFailure(f"artifact {path.name[:12]}: longer than signed")
-                digest.update(chunk)
-                yield chunk
-
-    chunks = plaintext()
+    chunks = source.checked()  # IntegrityFailure for bad bytes, checked to the last one
     files: dict[str, int] = {}
     try:
         files = read_bundle_tar(chunks)
         for _ in chunks:  # the tar's end padding: every byte counts toward the digest
             pass
-        if size != plaintext_size or digest.hexdigest() != plaintext_sha256:
-            raise IntegrityFailure(
-                f"artifact {path.name[:12]}: plaintext does not match its digest"
-            )
     except IntegrityFailure:
         close_files(files)
         raise
     except InvalidBundle as exc:
         raise SelfTestFailed(f"self-test failed: {one_line(exc)}") from None
-    except Exception as exc:  # noqa: BLE001 - Tink raises its own errors for bad segments
-        close_files(files)
-        raise IntegrityFailure(f"artifact {path.name[:12]} does not decrypt: {exc}") from None
     return files

@@ -6,6 +6,7 @@ Layout (the directory is 0700, every file 0600, every write atomic and fsynced):
     identity.json       device id, credential, private key set, pinned signing keys
     sync.json           last accepted revision, last sync and error (no secret)
     artifacts/          downloaded artifacts, still encrypted, by ciphertext SHA-256
+    chunks/             chunks of chunked versions, still encrypted, by id (chunk_store)
     models/NAME.json    the install pointer of one model (see device_agent.install)
 
 The private key set and the credential never leave this directory; nothing here holds
@@ -177,6 +178,7 @@ class StateDir:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.artifacts = self.path / "artifacts"
+        self.chunks = self.path / "chunks"
         self.models = self.path / "models"
         self._lock_fd: int | None = None
 
@@ -186,7 +188,7 @@ class StateDir:
         Group traversal (0710), if an operator granted it so that the agent's group can
         reach the local API socket, is kept; every other permission is taken away.
         """
-        for d in (self.path, self.artifacts, self.models):
+        for d in (self.path, self.artifacts, self.chunks, self.models):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700 | (self.path.stat().st_mode & 0o010))
 

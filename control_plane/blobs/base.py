@@ -102,7 +102,7 @@ class BlobStore(abc.ABC):
     """A content-addressed store of immutable blobs keyed by their SHA-256."""
 
     @abc.abstractmethod
-    def put_stream(self, chunks: Iterable[bytes]) -> BlobInfo:
+    def put_stream(self, chunks: Iterable[bytes], *, refresh: bool = False) -> BlobInfo:
         """Store the concatenated chunks under their SHA-256 (verify-then-rename).
 
         If the iterator raises, nothing is left behind (no temp files or objects) and

@@ -60,7 +60,7 @@ class LocalBlobStore(BlobStore):
             raise InvalidArgument(f"unsupported local blob store URL {url!r}")
         return cls(unquote(parts.path))
 
-    def put_stream(self, chunks: Iterable[bytes]) -> BlobInfo:
+    def put_stream(self, chunks: Iterable[bytes], *, refresh: bool = False) -> BlobInfo:
         """Store the concatenated chunks under their SHA-256."""
         return self._put(chunks, None)
 

@@ -101,12 +101,12 @@ class S3BlobStore(BlobStore):
             raise InvalidArgument(f"unknown S3 blob store URL parameter(s): {', '.join(unknown)}")
         return cls(parts.netloc, parts.path, **{k: v or None for k, v in params.items()}, **kwargs)
 
-    def put_stream(self, chunks: Iterable[bytes]) -> BlobInfo:
+    def put_stream(self, chunks: Iterable[bytes], *, refresh: bool = False) -> BlobInfo:
         """Spool the chunks to a local temp file while hashing, then upload it."""
         with self._spool_file() as spool:  # deleted on close, also when chunks raise
             info = hash_chunks(chunks, spool)
             spool.flush()
-            self._upload(spool.name, info)
+            self._upload(spool.name, info, refresh=refresh)
         return info
 
     def open_read(self, key: str, *, offset: int = 0) -> Iterator[bytes]:
@@ -178,8 +178,8 @@ class S3BlobStore(BlobStore):
         name = f"{key[:2]}/{key}"
         return f"{self.prefix}/{name}" if self.prefix else name
 
-    def _upload(self, path: str | os.PathLike, info: BlobInfo) -> None:
-        if self.exists(info.key):
+    def _upload(self, path: str | os.PathLike, info: BlobInfo, *, refresh: bool = False) -> None:
+        if not refresh and self.exists(info.key):
             return  # content-addressed: the existing object already holds these bytes
         with self._errors(f"upload blob {info.key}"):
             self._client.upload_file(

@@ -13,9 +13,14 @@ orphan, on this replica or another. The rule that makes that safe:
   the references, so the sweep would have seen the row. The other half of the grace
   covers clock skew between replicas and the blob store, and the commit itself.
 * Sweeps racing each other only delete the same orphans twice (delete is idempotent).
-* Content addresses cannot come back: each version is encrypted under a fresh random
-  data key, so a new push never writes a ciphertext an older orphan already has (an S3
-  put of an existing key is skipped and would not refresh its LastModified).
+* Content addresses cannot come back, except chunks: each version is encrypted under a
+  fresh random data key, so a new push never writes a ciphertext an older orphan already
+  has (an S3 put of an existing key is skipped and would not refresh its LastModified).
+  A chunk's ciphertext is the same in every version of its model, so a push rewrites
+  (refreshes) every chunk no committed version names, and any named chunk the store no
+  longer has: a sweep that deletes one between its listing and a racing push's commit
+  costs that version its install (the device says which chunk) until the next push of the
+  model puts it back.
 """
 
 from __future__ import annotations

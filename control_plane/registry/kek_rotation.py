@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from contract import errors
 from control_plane.crypto import KeyEncryptionKey, LocalKek
 from control_plane.crypto.kek_ring import KekRing
-from control_plane.store.base import KekState, RegistryStore
+from control_plane.store.base import KekState, RegistryStore, chunk_secret_context
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,17 @@ class KekRotation:
         after = 0
         while batch := self._store.data_keys_not_under(new.kek_id, after=after, limit=self._batch):
             moves = [
-                (s, new.wrap(self._keyring.unwrap(s.data_key, context=s.uid), context=s.uid))
+                (
+                    s,
+                    new.wrap(self._keyring.unwrap(s.data_key, context=s.uid), context=s.uid),
+                    # The model's chunk secret moves with the data key: same row, same KEK.
+                    None
+                    if s.chunk_secret is None
+                    else new.wrap(
+                        self._keyring.unwrap(s.chunk_secret, context=chunk_secret_context(s.uid)),
+                        context=chunk_secret_context(s.uid),
+                    ),
+                )
                 for s in batch
             ]
             moved += self._store.replace_data_keys(moves)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import functools
 import hashlib
 import json
 import logging
+import mmap
 import os
 import threading
 import time
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from contract import errors
+from contract import chunks, errors
 from contract.segments import SegmentHasher, encode_digests
 from control_plane.blobs import BlobStore
 from control_plane.crypto import (
@@ -35,7 +35,7 @@ from control_plane.crypto import (
     new_data_key,
 )
 from control_plane.crypto.kek_ring import KekRing
-from control_plane.registry import evaluation, gc, llm_tools, mnn_tools, upload_spool
+from control_plane.registry import chunking, evaluation, gc, llm_tools, mnn_tools, upload_spool
 from control_plane.registry.contract import (
     BASE_VARIANT,
     LLM_DEFAULT_VARIANTS,
@@ -61,6 +61,8 @@ from control_plane.store.base import (
     StaleKek,
     VariantRecord,
     VersionRecord,
+    chunk_blobs,
+    chunk_secret_context,
 )
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ INSPECT_WORKERS = 2
 # What golden data's ciphertext is bound to in place of a variant name (variant names are
 # fp16/int8/int4 only, so it cannot collide).
 GOLDEN_LABEL = "golden"
+# A variant's chunk key list is bound to "<variant>/chunk-keys" (associated data).
+CHUNK_KEYS_LABEL = "chunk-keys"
 # Times a push re-wraps its data key after a rotation on some replica switched the KEK.
 STALE_KEK_RETRIES = 3
 # Times a push checks again for a duplicate after other pushes of its model committed
@@ -103,9 +107,14 @@ class Registry:
         max_concurrent_uploads: int = 4,
         sandbox: Sandbox | None = None,
         gc_grace_s: float = 0,
+        chunk_min_bytes: int = chunking.CHUNKED_MIN_BYTES,
     ) -> None:
         self.store, self.blobs, self.kek, self.signer = store, blobs, kek, signer
         self.max_model_bytes = max_model_bytes
+        # Variants at least this big are stored as chunks too (0: none).
+        if chunk_min_bytes < 0:
+            raise errors.InvalidArgument(f"chunk_min_bytes must not be negative: {chunk_min_bytes}")
+        self.chunk_min_bytes = chunk_min_bytes
         self._mnn_timeout = mnn_timeout_s
         self._sandbox = sandbox
         # 0: derived from the MNN timeout and the upload limit (registry/gc.py).
@@ -234,6 +243,7 @@ class Registry:
         """
         uid, data_key = uuid.uuid4().hex, new_data_key()
         base = next(iter(fds))
+        secret, known = self._chunk_secret(request.name)
         first_write = time.monotonic()
         # MNN inspects and runs each variant in child processes while this thread encrypts
         # and stores: the two dominate a push, and neither needs the other's result until
@@ -258,6 +268,25 @@ class Registry:
                 for n, fd in fds.items()
             ]
             found = running.result() if running is not None else judged.evaluation
+        # Chunks once the variants passed their checks: a refused push writes none (they
+        # are not deleted when a push fails later: see _chunk_variant).
+        sealed = [
+            replace(
+                v,
+                chunks=self._chunk_variant(
+                    request.name,
+                    uid,
+                    v.name,
+                    fds[v.name],
+                    secret,
+                    data_key,
+                    stored,
+                    known,
+                    bundle=judged is not None,
+                ),
+            )
+            for v in sealed
+        ]
         signatures = found.signatures
         pipeline = _fitted_pipeline(request, signatures[base])
         variants = tuple(
@@ -324,7 +353,7 @@ class Registry:
 
         if abandoned():
             raise errors.Unavailable("client disconnected mid-upload")
-        record = self._create_unless_duplicate(request, uid, data_key, build)
+        record = self._create_unless_duplicate(request, uid, data_key, secret, build)
         # A rotation on another replica may have committed while this push signed.
         if self.signer.settle(record.signing_key_id):
             record = self.store.get_version(record.model, record.number)
@@ -336,6 +365,7 @@ class Registry:
         request: PushRequest,
         uid: str,
         data_key: bytes,
+        secret: bytes,
         build: Callable[[WrappedKey, int], NewVersion],
     ) -> VersionRecord:
         """Insert the version unless a push of the same bytes committed while this one ran.
@@ -353,7 +383,7 @@ class Registry:
                 return build(wrapped, number)
 
             try:
-                return self._create_version(request.name, uid, data_key, unless_moved)
+                return self._create_version(request.name, uid, data_key, secret, unless_moved)
             except _LatestMoved:
                 continue
         raise errors.Unavailable(
@@ -365,14 +395,22 @@ class Registry:
         model: str,
         uid: str,
         data_key: bytes,
+        secret: bytes,
         build: Callable[[WrappedKey, int], NewVersion],
     ) -> VersionRecord:
-        """Insert the version with its data key wrapped under the active KEK."""
+        """Insert the version with its data key and chunk secret wrapped under the active KEK."""
         for attempt in range(STALE_KEK_RETRIES + 1):
             # Wrapped before the store's transaction opens: a KMS call can take seconds.
             wrapped = self.kek.wrap(data_key, context=uid)
+            wrapped_secret = self.kek.wrap(secret, context=chunk_secret_context(uid))
+
+            def with_secret(number: int, wrapped=wrapped, wrapped_secret=wrapped_secret):
+                return replace(build(wrapped, number), chunk_secret=wrapped_secret)
+
             try:
-                return self.store.create_version(model, functools.partial(build, wrapped))
+                if wrapped_secret.kek_id != wrapped.kek_id:  # a rotation between the two
+                    raise StaleKek("the active KEK changed while the keys were wrapped")
+                return self.store.create_version(model, with_secret)
             except StaleKek:
                 # A rotation (on any replica) switched the KEK since this process looked.
                 if attempt == STALE_KEK_RETRIES:
@@ -419,6 +457,89 @@ class Registry:
             segment_size=SEGMENT_SIZE,
             signature={},
         )
+
+    def _chunk_secret(self, model: str) -> tuple[bytes, set[str]]:
+        """Return the model's chunk secret and the blobs its committed versions name.
+
+        A model's first version makes a new secret; the blobs named already are not
+        stored again.
+        """
+        try:
+            versions = self.store.list_versions(model)
+        except errors.NotFound:
+            return chunks.new_secret(), set()
+        known: set[str] = set()
+        for v in versions:
+            for variant in v.variants:
+                known |= chunk_blobs(variant.chunks)
+        latest = next((v for v in reversed(versions) if v.chunk_secret is not None), None)
+        if latest is None:
+            return chunks.new_secret(), known
+        secret = self.kek.unwrap(latest.chunk_secret, context=chunk_secret_context(latest.uid))
+        return secret, known
+
+    def _chunk_variant(
+        self,
+        model: str,
+        uid: str,
+        name: str,
+        fd: int,
+        secret: bytes,
+        data_key: bytes,
+        stored: list[str],
+        known: set[str],
+        *,
+        bundle: bool,
+    ) -> dict:
+        """Cut a variant's plaintext into chunks, store the new ones; return its chunk record.
+
+        A chunk the model's committed versions already name (and the store still holds)
+        is not stored again; any other is written (again), which refreshes its age for the
+        garbage collector: an orphan left by a failed push is reused only once rewritten.
+        Chunks are never deleted when this push fails (another push of the model may share
+        them): the collector takes the unreferenced ones once they are old. The key list is this
+        version's alone, encrypted under its data key, and goes with the push.
+        """
+        size = os.fstat(fd).st_size
+        if not self.chunk_min_bytes or size < self.chunk_min_bytes:
+            return {}
+        spans: list[int] = []
+        if bundle:
+            with open(f"/proc/self/fd/{fd}", "rb") as f:
+                spans = chunking.tar_spans(f)
+        refs, keys = [], []
+        with contextlib.ExitStack() as stack:
+            mapped = stack.enter_context(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+            view = stack.enter_context(memoryview(mapped))
+            for sealed in chunking.seal(secret, model, view, spans=spans):
+                refs.append(sealed.ref)
+                keys.append(sealed.key)
+                name = sealed.ref.id.hex()
+                # A chunk a committed version names is skipped only while the store still
+                # has it: one lost (a sweep's race, an operator, a lifecycle rule) is put
+                # back by the next push of the model instead of staying lost.
+                if name not in known or not self.blobs.exists(name):
+                    info = self.blobs.put_stream(iter((sealed.ciphertext,)), refresh=True)
+                    known.add(info.key)
+        table = chunks.ChunkTable(tuple(refs))
+        label = f"{name}/{CHUNK_KEYS_LABEL}"
+        packed = chunks.pack_keys(keys)
+        ciphertext = encrypt_chunks(
+            data_key, iter((packed,)), associated_data=associated_data(uid, label)
+        )
+        info = self.blobs.put_stream(ciphertext)
+        stored.append(info.key)
+        return {
+            "table": table.to_manifest(),
+            "keys": {
+                "ciphertext_sha256": info.key,
+                "ciphertext_size": info.size,
+                "plaintext_sha256": hashlib.sha256(packed).hexdigest(),
+                "plaintext_size": len(packed),
+                "segment_size": SEGMENT_SIZE,
+                "associated_data": associated_data(uid, label).decode(),
+            },
+        }
 
     def _encrypt_golden(self, uid: str, data: bytes, data_key: bytes, stored: list[str]) -> dict:
         """Encrypt the golden data under the version's data key; return its blob record."""
@@ -537,6 +658,7 @@ def _manifest_variant(uid: str, v: VariantRecord, segments: bytes) -> dict:
         "signature": v.signature,
         "accuracy": v.accuracy,
         "degraded": v.degraded,
+        **({"chunks": v.chunks} if v.chunks else {}),
     }
 
 

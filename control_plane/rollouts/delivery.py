@@ -12,6 +12,7 @@ counted as synced to those versions, so an answer a device refused never counts.
 
 from __future__ import annotations
 
+import base64
 import collections
 import datetime as dt
 import hashlib
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from contract import errors
 from contract.assignment import AssignmentRejected, load_public_keys, verify_signed
+from contract.chunks import ID_SIZE, TAG_SIZE
 from control_plane.blobs import BlobStore
 from control_plane.crypto import KeyEncryptionKey
 from control_plane.crypto.device_keys import device_encrypter, wrap_context
@@ -253,10 +255,17 @@ class Delivery:
         for model, d in desired.items():
             version = self.version(model, d.version)
             variant = version.variant(d.variant)
-            # What an assignment lets a device fetch: its variant and the version's golden data.
+            # What an assignment lets a device fetch: its variant (whole, or its chunks and
+            # their key list) and the version's golden data. A chunk is served to a device
+            # whose assigned variant's signed table names it, even when a version it is
+            # not assigned names it too: it holds that chunk's key through its own
+            # assignment, so the bytes tell it nothing new.
             sizes = {version.golden.get("ciphertext_sha256"): version.golden.get("ciphertext_size")}
             if variant is not None:
                 sizes[variant.ciphertext_sha256] = variant.ciphertext_size
+                size = _chunk_sizes(version.uid, variant).get(artifact)
+                if size is not None:
+                    sizes[artifact] = size
             size = sizes.get(artifact)
             if artifact and size is not None:
                 if offset > size:
@@ -265,6 +274,37 @@ class Delivery:
                     )
                 return size, self._blobs.open_read(artifact, offset=offset)
         raise errors.PermissionDenied("artifact is not assigned to this device")
+
+
+# {blob: ciphertext size} of recently served chunked variants, by (version uid, variant):
+# versions are immutable, so the key alone names the table (no rebuild per Download).
+_CHUNK_SIZES: collections.OrderedDict[tuple[str, str], dict[str, int]] = collections.OrderedDict()
+_CHUNK_SIZES_KEPT = 32
+_chunk_sizes_lock = threading.Lock()
+
+
+def _chunk_sizes(uid: str, variant: VariantRecord) -> dict[str, int]:
+    """Return {blob: ciphertext size} for a chunked variant's chunks and key list."""
+    if not variant.chunks:
+        return {}
+    key = (uid, variant.name)
+    with _chunk_sizes_lock:
+        found = _CHUNK_SIZES.get(key)
+        if found is not None:
+            _CHUNK_SIZES.move_to_end(key)
+            return found
+    table, keys = variant.chunks["table"], variant.chunks["keys"]
+    raw = base64.b64decode(table["ids"])
+    found = {
+        raw[i * ID_SIZE : (i + 1) * ID_SIZE].hex(): size + TAG_SIZE
+        for i, size in enumerate(table["sizes"])
+    }
+    found[keys["ciphertext_sha256"]] = keys["ciphertext_size"]
+    with _chunk_sizes_lock:
+        _CHUNK_SIZES[key] = found
+        while len(_CHUNK_SIZES) > _CHUNK_SIZES_KEPT:
+            _CHUNK_SIZES.popitem(last=False)
+    return found
 
 
 def _document_entry(a: Assignment) -> dict:

@@ -7,6 +7,7 @@ cannot lazy-load, mutate or hold a session by accident.
 from __future__ import annotations
 
 import abc
+import base64
 import contextlib
 import datetime as dt
 from collections.abc import Callable, Sequence
@@ -32,6 +33,25 @@ class VariantRecord:
     # Below the accuracy bar but kept on the publisher's word (--allow-degraded): shown
     # everywhere, and served only to rollouts that name it.
     degraded: bool = False
+    # The variant as content-defined chunks (contract.chunks), as its manifest signs it:
+    # {"table": the chunk table, "keys": the blob record of its encrypted key list}; {}
+    # for versions pushed before chunks.
+    chunks: dict = field(default_factory=dict)
+
+
+def chunk_secret_context(uid: str) -> str:
+    """Return the KEK context a version's copy of its model's chunk secret is wrapped under."""
+    return f"{uid}/chunk-secret"
+
+
+def chunk_blobs(chunks: dict) -> set[str]:
+    """Return the blob keys a variant's chunk record names: its chunks and its key list."""
+    if not chunks:
+        return set()
+    ids = base64.b64decode(chunks["table"]["ids"])
+    found = {ids[i : i + 32].hex() for i in range(0, len(ids), 32)}
+    found.add(chunks["keys"]["ciphertext_sha256"])
+    return found
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,8 @@ class NewVersion:
     signing_key_id: str
     # The encrypted golden data blob (inputs + fp32 reference outputs): see registry/golden.py.
     golden: dict = field(default_factory=dict)
+    # The model's chunk secret (contract.chunks), wrapped under the same KEK as data_key.
+    chunk_secret: WrappedKey | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,8 @@ class VersionRecord:
     manifest_signature: bytes
     signing_key_id: str
     golden: dict = field(default_factory=dict)
+    # The model's chunk secret, wrapped under data_key's KEK (None before chunks).
+    chunk_secret: WrappedKey | None = None
 
     def variant(self, name: str) -> VariantRecord | None:
         """Return the named variant, or None."""
@@ -119,6 +143,8 @@ class StoredDataKey:
     row_id: int
     uid: str
     data_key: WrappedKey
+    # The version's copy of its model's chunk secret, under the same KEK (or None).
+    chunk_secret: WrappedKey | None = None
 
 
 class StaleKek(errors.FailedPrecondition):
@@ -191,7 +217,9 @@ class RegistryStore(abc.ABC):
         """Return up to `limit` data keys not wrapped under `kek_id`, by row id past `after`."""
 
     @abc.abstractmethod
-    def replace_data_keys(self, moves: Sequence[tuple[StoredDataKey, WrappedKey]]) -> int:
+    def replace_data_keys(
+        self, moves: Sequence[tuple[StoredDataKey, WrappedKey, WrappedKey | None]]
+    ) -> int:
         """Store re-wrapped data keys in one short transaction; returns how many changed.
 
         A row is only changed while it still holds the wrapped key that was read.

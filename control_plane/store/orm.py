@@ -62,6 +62,8 @@ class VersionRow(Base):
     signature: Mapped[dict] = mapped_column(JSON)
     kek_id: Mapped[str] = mapped_column(String(256))
     wrapped_data_key: Mapped[bytes] = mapped_column(LargeBinary)
+    # The model's chunk secret, wrapped under the same KEK as the data key (kek_id).
+    wrapped_chunk_secret: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     manifest: Mapped[bytes] = mapped_column(LargeBinary)
     manifest_signature: Mapped[bytes] = mapped_column(LargeBinary)
     signing_key_id: Mapped[str] = mapped_column(String(64))
@@ -91,6 +93,8 @@ class VariantRow(Base):
     signature: Mapped[dict] = mapped_column(JSON)
     accuracy: Mapped[dict] = mapped_column(JSON, default=dict)
     degraded: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Its chunk table and encrypted key list (VariantRecord.chunks); NULL before chunks.
+    chunks: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
     version: Mapped[VersionRow] = relationship(back_populates="variants")
 

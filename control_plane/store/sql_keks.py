@@ -94,6 +94,7 @@ class SqlKekStore:
                 orm.VersionRow.uid,
                 orm.VersionRow.kek_id,
                 orm.VersionRow.wrapped_data_key,
+                orm.VersionRow.wrapped_chunk_secret,
             )
             .where(orm.VersionRow.kek_id != kek_id, orm.VersionRow.id > after)
             .order_by(orm.VersionRow.id)
@@ -101,15 +102,28 @@ class SqlKekStore:
         )
         with self._read() as session:
             return [
-                StoredDataKey(row_id, uid, WrappedKey(old_id, wrapped))
-                for row_id, uid, old_id, wrapped in session.execute(stmt)
+                StoredDataKey(
+                    row_id,
+                    uid,
+                    WrappedKey(old_id, wrapped),
+                    WrappedKey(old_id, secret) if secret else None,
+                )
+                for row_id, uid, old_id, wrapped, secret in session.execute(stmt)
             ]
 
-    def replace_data_keys(self, moves: Sequence[tuple[StoredDataKey, WrappedKey]]) -> int:
-        """Store re-wrapped data keys in one short transaction."""
+    def replace_data_keys(
+        self, moves: Sequence[tuple[StoredDataKey, WrappedKey, WrappedKey | None]]
+    ) -> int:
+        """Store re-wrapped data keys (and chunk secrets) in one short transaction."""
         changed = 0
         with self._scope() as session:
-            for stored, new in moves:
+            for stored, new, secret in moves:
+                if (secret is None) != (stored.chunk_secret is None) or (
+                    secret is not None and secret.kek_id != new.kek_id
+                ):
+                    raise errors.FailedPrecondition(
+                        f"version {stored.uid}: its chunk secret must move with its data key"
+                    )
                 result = session.execute(
                     update(orm.VersionRow)
                     .where(
@@ -117,7 +131,11 @@ class SqlKekStore:
                         orm.VersionRow.kek_id == stored.data_key.kek_id,
                         orm.VersionRow.wrapped_data_key == stored.data_key.ciphertext,
                     )
-                    .values(kek_id=new.kek_id, wrapped_data_key=new.ciphertext)
+                    .values(
+                        kek_id=new.kek_id,
+                        wrapped_data_key=new.ciphertext,
+                        wrapped_chunk_secret=secret.ciphertext if secret else None,
+                    )
                 )
                 changed += result.rowcount
         return changed

@@ -16,10 +16,12 @@ from control_plane.store import orm
 from control_plane.store.base import (
     ModelRecord,
     RegistryStore,
+    StaleKek,
     VariantRecord,
     VersionBuilder,
     VersionRecord,
     WrappedKey,
+    chunk_blobs,
 )
 from control_plane.store.fleet import Change
 from control_plane.store.migrate import upgrade
@@ -101,6 +103,7 @@ def _variant(row: orm.VariantRow) -> VariantRecord:
         signature=dict(row.signature),
         accuracy=dict(row.accuracy or {}),
         degraded=bool(row.degraded),
+        chunks=dict(row.chunks or {}),
     )
 
 
@@ -120,6 +123,9 @@ def _version(row: orm.VersionRow, model: str) -> VersionRecord:
         manifest_signature=row.manifest_signature,
         signing_key_id=row.signing_key_id,
         golden=dict(row.golden or {}),
+        chunk_secret=WrappedKey(kek_id=row.kek_id, ciphertext=row.wrapped_chunk_secret)
+        if row.wrapped_chunk_secret
+        else None,
     )
 
 
@@ -224,6 +230,8 @@ class SqlStore(
             )
             new = build((latest or 0) + 1)
             self._check_active_kek(session, new.data_key.kek_id)
+            if new.chunk_secret is not None and new.chunk_secret.kek_id != new.data_key.kek_id:
+                raise StaleKek("the chunk secret and the data key are under different KEKs")
             row = orm.VersionRow(
                 model_id=model_row.id,
                 number=(latest or 0) + 1,
@@ -235,6 +243,7 @@ class SqlStore(
                 signature=new.signature,
                 kek_id=new.data_key.kek_id,
                 wrapped_data_key=new.data_key.ciphertext,
+                wrapped_chunk_secret=new.chunk_secret.ciphertext if new.chunk_secret else None,
                 manifest=new.manifest,
                 manifest_signature=new.manifest_signature,
                 signing_key_id=new.signing_key_id,
@@ -318,9 +327,13 @@ class SqlStore(
             return _version(row, name)
 
     def referenced_blobs(self) -> set[str]:
-        """Return every ciphertext digest a variant or a version's golden data points at."""
+        """Return every blob a variant (whole, or its chunks and key list) or golden data names."""
         with self._read() as session:
             found = set(session.scalars(select(orm.VariantRow.ciphertext_sha256)))
+            for stored in session.scalars(
+                select(orm.VariantRow.chunks).where(orm.VariantRow.chunks.is_not(None))
+            ):
+                found |= chunk_blobs(stored)
             for golden in session.scalars(select(orm.VersionRow.golden)):
                 if golden and golden.get("ciphertext_sha256"):
                     found.add(golden["ciphertext_sha256"])

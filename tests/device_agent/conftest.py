@@ -15,13 +15,16 @@ from tests.control_plane.sim.conftest import MODEL, serve, template_home  # noqa
 
 
 @pytest.fixture
-def cp(template_home, tmp_path) -> ControlPlane:  # noqa: F811 - the imported fixture
-    """A control plane of its own, serving a copy of the template home."""
+def cp(request, template_home, tmp_path) -> ControlPlane:  # noqa: F811 - imported fixture
+    """A control plane of its own, serving a copy of the template home.
+
+    A module's CONTROL_PLANE_SETTINGS (a dict) are its server's settings.
+    """
     home = tmp_path / "home"
     shutil.copytree(template_home, home)
     config = home / CONFIG_FILE
     config.write_text(config.read_text().replace(str(template_home), str(home)))
-    cp = serve(home)
+    cp = serve(home, **getattr(request.module, "CONTROL_PLANE_SETTINGS", {}))
     yield cp
     cp.stop()
 

@@ -26,6 +26,9 @@ from tests.device_agent.conftest import MODEL
 from tests.device_agent.test_agent import once, rollout, status, token
 
 REPO = Path(__file__).resolve().parents[2]
+# The one-artifact format (its segments, resumes and renames) under faults; chunked
+# versions' faults are tests/device_agent/test_chunked_updates.py's.
+CONTROL_PLANE_SETTINGS = {"chunk_min_bytes": 0}
 
 
 def crash_run(cp, state: Path, point: str, *args: str) -> subprocess.CompletedProcess:

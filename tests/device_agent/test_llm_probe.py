@@ -16,6 +16,7 @@ import pytest
 
 from contract.envelope import encrypt_chunks, new_data_key
 from device_agent.llm_install import candidates, self_test
+from device_agent.plaintext import from_artifact
 from device_agent.state import SelfTestFailed
 from tests.control_plane.helpers import start_control_plane
 from tests.control_plane.registry.llm.tiny_gguf import write_tiny_gguf
@@ -51,13 +52,13 @@ def _install(tmp_path, plain: bytes, recommended: str = ""):
         variant="q8",
         recommended_config=recommended,
     )
-    return m, path, key
+    return m, from_artifact(path, key, AD, m.plaintext_sha256, m.plaintext_size)
 
 
 def test_every_candidate_is_probed_and_the_fastest_that_agrees_serves(tiny, tmp_path):
     plain, golden = tiny
-    m, path, key = _install(tmp_path, plain)
-    worker, probes = self_test(m, path, key, golden)
+    m, source = _install(tmp_path, plain)
+    worker, probes = self_test(m, source, golden)
     try:
         assert [p["config"] for p in probes] == [c.key for c in candidates()]
         accepted = [p for p in probes if p["accepted"]]
@@ -74,8 +75,8 @@ def test_every_candidate_is_probed_and_the_fastest_that_agrees_serves(tiny, tmp_
 def test_the_fleets_pick_serves_without_probing_the_rest(tiny, tmp_path):
     plain, golden = tiny
     pick = candidates()[-1]
-    m, path, key = _install(tmp_path, plain, recommended=pick.key)
-    worker, probes = self_test(m, path, key, golden)
+    m, source = _install(tmp_path, plain, recommended=pick.key)
+    worker, probes = self_test(m, source, golden)
     try:
         assert worker.config == pick
         assert [(p["config"], p["recommended"], p["accepted"]) for p in probes] == [
@@ -88,9 +89,9 @@ def test_the_fleets_pick_serves_without_probing_the_rest(tiny, tmp_path):
 @pytest.mark.parametrize("pick", ["OPENCL/low/t4/mem-low", "CPU/low/t999/mem-low", "nonsense"])
 def test_a_pick_this_device_cannot_run_is_not_tried(tiny, tmp_path, pick):
     plain, golden = tiny
-    m, path, key = _install(tmp_path, plain, recommended=pick)
+    m, source = _install(tmp_path, plain, recommended=pick)
     assert [c.key for c in candidates(pick)] == [c.key for c in candidates()]
-    worker, probes = self_test(m, path, key, golden)
+    worker, probes = self_test(m, source, golden)
     worker.close()
     assert pick not in [p["config"] for p in probes]
 
@@ -100,9 +101,9 @@ def test_a_bundle_no_config_agrees_with_is_refused_naming_each(tiny, tmp_path):
     data = json.loads(golden)
     for prompt in data["prompts"]:  # answers the bundle never gives
         prompt["reference"] = [(t + 7) % 50 for t in prompt["reference"]]
-    m, path, key = _install(tmp_path, plain)
+    m, source = _install(tmp_path, plain)
     with pytest.raises(SelfTestFailed) as refused:
-        self_test(m, path, key, json.dumps(data).encode())
+        self_test(m, source, json.dumps(data).encode())
     message = str(refused.value)
     for config in candidates():
         assert f"{config.key}: top-1 agreement with the reference" in message

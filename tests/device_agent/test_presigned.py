@@ -27,8 +27,11 @@ def s3_cp(moto_endpoint, tmp_path):
     bucket = "skiff-" + hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
     s3 = boto3.client("s3", endpoint_url=moto_endpoint)
     s3.create_bucket(Bucket=bucket)
+    # One artifact per version (chunk_min_bytes 0): the format presigned URLs serve.
     cp = start_control_plane(
-        tmp_path / "home", blobs=f"s3://{bucket}/blobs?endpoint_url={moto_endpoint}"
+        tmp_path / "home",
+        blobs=f"s3://{bucket}/blobs?endpoint_url={moto_endpoint}",
+        chunk_min_bytes=0,
     )
     path = tmp_path / "big.onnx"
     path.write_bytes(sample_models.sized_mlp_onnx(int(3.5 * (1 << 20)), seed=4))

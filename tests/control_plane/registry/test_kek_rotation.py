@@ -329,3 +329,23 @@ def test_a_rotation_killed_halfway_loses_nothing_and_can_be_finished(
     written = _config_file(home)
     assert written["kek"] == f"aws-kms://{key}"
     assert written["kek_keyring"] == [local_url]
+
+
+def test_a_models_chunk_secret_moves_with_its_data_keys(tmp_path, kms, moto_endpoint):
+    """Each version keeps its model's chunk secret wrapped beside its data key: a rotation
+    moves both, and the next push still derives the same chunks (the old KEK is gone)."""
+    key = kms.create_key()["KeyMetadata"]["KeyId"]
+    plane = _start(tmp_path, moto_endpoint)
+    big = tmp_path / "big.mnn"  # converted once: each conversion stamps a fresh uuid
+    big.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.sized_mlp_onnx(2 << 20, seed=11)))
+    try:
+        with plane.client() as client:
+            client.push(big, name="big")
+            assert kek_rotation(plane.config, plane.registry).run(f"aws-kms://{key}").rewrapped
+            client.push(big, name="big", allow_duplicate=True)
+        versions = plane.registry.store.list_versions("big")
+        assert {v.chunk_secret.kek_id for v in versions} == {f"aws-kms:{key}"}
+        one, two = (v.variant("fp32").chunks["table"] for v in versions)
+        assert one == two and one["ids"]  # the same secret: the same chunks, stored once
+    finally:
+        plane.stop()

@@ -142,7 +142,8 @@ def test_rotation_batches_and_activation(store):
     store.add_to_keyring("aws-kms://k")
     first = store.data_keys_not_under("aws-kms:k", after=0, limit=2)
     assert [s.data_key.kek_id for s in first] == ["local:1", "local:1"]
-    moves = [(s, WrappedKey("aws-kms:k", s.data_key.ciphertext + b"!")) for s in first]
+    assert all(s.chunk_secret is None for s in first)  # made without one
+    moves = [(s, WrappedKey("aws-kms:k", s.data_key.ciphertext + b"!"), None) for s in first]
     assert store.replace_data_keys(moves) == 2
     assert store.replace_data_keys(moves) == 0  # only rows still holding what was read
     # One data key is still under local:1, so the switch is refused and it is counted.
@@ -150,7 +151,10 @@ def test_rotation_batches_and_activation(store):
     assert store.kek_state().active_kek_id == "local:1"
     rest = store.data_keys_not_under("aws-kms:k", after=first[-1].row_id, limit=2)
     assert [s.uid for s in rest] == [store.get_version("det", 3).uid]
-    store.replace_data_keys([(rest[0], WrappedKey("aws-kms:k", b"moved"))])
+    with pytest.raises(errors.FailedPrecondition, match="chunk secret must move"):
+        secret = WrappedKey("aws-kms:k", b"a secret it never had")
+        store.replace_data_keys([(rest[0], WrappedKey("aws-kms:k", b"moved"), secret)])
+    store.replace_data_keys([(rest[0], WrappedKey("aws-kms:k", b"moved"), None)])
     assert store.data_keys_not_under("aws-kms:k", after=0, limit=10) == []
     assert store.activate_kek("aws-kms:k", "aws-kms://k") == 0
     assert store.kek_state() == KekState("aws-kms:k", "aws-kms://k", ("/keys/kek.json",))
