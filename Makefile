@@ -71,6 +71,7 @@ bench: install
 	$(BIN)/python bench/telemetry.py --quick
 	$(BIN)/python bench/variant_accuracy.py
 	$(BIN)/python bench/llm.py --quick
+	$(BIN)/python bench/delta.py --quick
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME) .pytest_cache .ruff_cache

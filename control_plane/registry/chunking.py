@@ -69,13 +69,15 @@ def cut(
 
 
 def tar_spans(fileobj) -> list[int]:
-    """Return the offsets where a canonical bundle tar's headers and members begin."""
+    """Return the offsets where a canonical bundle tar's headers and members begin.
+
+    A member's padding stays with its data: a file that grows or shrinks changes its
+    header and its own chunks (data and padding), never a third one.
+    """
     spans: list[int] = []
     with tarfile.open(fileobj=fileobj, mode="r:") as tar:
         for member in tar:
             spans += [member.offset, member.offset_data]
-            if member.size:
-                spans.append(member.offset_data + member.size)
     return spans
 
 

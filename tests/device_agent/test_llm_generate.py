@@ -238,3 +238,12 @@ def test_the_agent_reports_its_generations_and_its_probe(cp, daemon):
     assert accepted and all(p["p50_us"] > 0 and 0 < p["cosine"] <= 1 for p in accepted)
     # The fastest that agreed serves (decode time per token, lowest).
     assert served.config == min(accepted, key=lambda p: p["p50_us"])["config"]
+
+
+def test_the_bundle_was_installed_as_encrypted_chunks(daemon):
+    """SmolLM2's bundle (over a hundred MB) travels as chunks: the agent's chunk store holds
+    it, the artifacts directory only its small key list and golden data."""
+    held = [p for p in (daemon / "chunks").iterdir() if p.is_file()]
+    assert len(held) > 100
+    assert sum(p.stat().st_size for p in held) > 50 << 20
+    assert all(p.stat().st_size < 4 << 20 for p in (daemon / "artifacts").iterdir())
