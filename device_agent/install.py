@@ -413,7 +413,7 @@ class Installer:
     def _plaintext(self, m: VerifiedModel, key: bytes) -> Plaintext:
         """Return where the assigned variant's plaintext comes from (chunks or artifact)."""
         if m.chunks is not None and m.chunk_keys is not None:
-            keys = self._chunk_keys(m.chunk_keys.ciphertext_sha256, m.chunk_keys, key, m.chunks)
+            keys = self._chunk_keys(m.chunk_keys, key, m.chunks)
             return from_chunks(
                 self.chunks, m.chunks, keys, m.model, m.plaintext_sha256, m.plaintext_size
             )
@@ -438,7 +438,7 @@ class Installer:
                 associated_data=stored["associated_data"].encode(),
             )
             table = _slot_table(slot)
-            keys = self._chunk_keys(stored["artifact"], ref, key, table)
+            keys = self._chunk_keys(ref, key, table)
             return from_chunks(
                 self.chunks, table, keys, model, slot["plaintext_sha256"], slot["plaintext_size"]
             )
@@ -450,17 +450,9 @@ class Installer:
             slot["plaintext_size"],
         )
 
-    def _chunk_keys(
-        self, artifact: str, ref: GoldenArtifact, key: bytes, table: ChunkTable
-    ) -> dict[bytes, bytes]:
+    def _chunk_keys(self, ref: GoldenArtifact, key: bytes, table: ChunkTable) -> dict[bytes, bytes]:
         """Decrypt a version's chunk key list (in memory only) and match it to its table."""
-        packed = from_artifact(
-            self.artifact_path(artifact),
-            key,
-            ref.associated_data,
-            ref.plaintext_sha256,
-            ref.plaintext_size,
-        ).read()
+        packed = self._golden_bytes(ref, key)  # a small artifact under the data key, as golden
         try:
             return unpack_keys(packed, table)
         except errors.IntegrityError as exc:

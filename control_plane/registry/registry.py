@@ -522,31 +522,23 @@ class Registry:
                     info = self.blobs.put_stream(iter((sealed.ciphertext,)), refresh=True)
                     known.add(info.key)
         table = chunks.ChunkTable(tuple(refs))
-        label = f"{name}/{CHUNK_KEYS_LABEL}"
         packed = chunks.pack_keys(keys)
-        ciphertext = encrypt_chunks(
-            data_key, iter((packed,)), associated_data=associated_data(uid, label)
-        )
-        info = self.blobs.put_stream(ciphertext)
-        stored.append(info.key)
+        label = f"{name}/{CHUNK_KEYS_LABEL}"
         return {
             "table": table.to_manifest(),
-            "keys": {
-                "ciphertext_sha256": info.key,
-                "ciphertext_size": info.size,
-                "plaintext_sha256": hashlib.sha256(packed).hexdigest(),
-                "plaintext_size": len(packed),
-                "segment_size": SEGMENT_SIZE,
-                "associated_data": associated_data(uid, label).decode(),
-            },
+            "keys": self._encrypt_small(uid, label, packed, data_key, stored),
         }
 
     def _encrypt_golden(self, uid: str, data: bytes, data_key: bytes, stored: list[str]) -> dict:
         """Encrypt the golden data under the version's data key; return its blob record."""
-        ciphertext = encrypt_chunks(
-            data_key, iter((data,)), associated_data=associated_data(uid, GOLDEN_LABEL)
-        )
-        info = self.blobs.put_stream(ciphertext)
+        return self._encrypt_small(uid, GOLDEN_LABEL, data, data_key, stored)
+
+    def _encrypt_small(
+        self, uid: str, label: str, data: bytes, data_key: bytes, stored: list[str]
+    ) -> dict:
+        """Encrypt a version's small blob (bound to `label`); return its blob record."""
+        ad = associated_data(uid, label)
+        info = self.blobs.put_stream(encrypt_chunks(data_key, iter((data,)), associated_data=ad))
         stored.append(info.key)
         return {
             "ciphertext_sha256": info.key,
@@ -554,7 +546,7 @@ class Registry:
             "plaintext_sha256": hashlib.sha256(data).hexdigest(),
             "plaintext_size": len(data),
             "segment_size": SEGMENT_SIZE,
-            "associated_data": associated_data(uid, GOLDEN_LABEL).decode(),
+            "associated_data": ad.decode(),
         }
 
     def _delete_blobs(self, keys: list[str]) -> None:
