@@ -287,7 +287,9 @@ class Agent:
 
     def _reported(self, attributes: dict) -> dict:
         """Return the operator's attributes over what this device detects (device fit)."""
-        return with_detected(attributes, detected(self.state.path, self.state.artifacts))
+        return with_detected(
+            attributes, detected(self.state.path, self.state.artifacts, self.state.chunks)
+        )
 
     async def _sync(self, last_revision: int) -> SyncOutcome:
         installed = [

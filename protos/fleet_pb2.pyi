@@ -806,6 +806,26 @@ class RolloutCounts(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class WaitingReasonsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SELECTED_FIELD_NUMBER: _builtins.int
     IN_STAGE_FIELD_NUMBER: _builtins.int
     SYNCED_FIELD_NUMBER: _builtins.int
@@ -813,6 +833,8 @@ class RolloutCounts(_message.Message):
     FAILED_FIELD_NUMBER: _builtins.int
     INELIGIBLE_FIELD_NUMBER: _builtins.int
     INELIGIBLE_REASONS_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    WAITING_REASONS_FIELD_NUMBER: _builtins.int
     selected: _builtins.int
     in_stage: _builtins.int
     synced: _builtins.int
@@ -823,8 +845,15 @@ class RolloutCounts(_message.Message):
     """Selected devices that cannot run the variant (memory, disk, engine version): not
     assigned it, they keep what they would have had; how many for each reason.
     """
+    waiting: _builtins.int
+    """Selected devices in the stage whose network or power does not allow the download yet
+    (the rollout's download_on / download_while): they keep what they had, by reason
+    ("wifi", "charging"); not failed.
+    """
     @_builtins.property
     def ineligible_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def waiting_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
         self,
         *,
@@ -835,10 +864,12 @@ class RolloutCounts(_message.Message):
         failed: _builtins.int = ...,
         ineligible: _builtins.int = ...,
         ineligible_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        waiting: _builtins.int = ...,
+        waiting_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "in_stage", b"in_stage", "ineligible", b"ineligible", "ineligible_reasons", b"ineligible_reasons", "installed", b"installed", "selected", b"selected", "synced", b"synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "in_stage", b"in_stage", "ineligible", b"ineligible", "ineligible_reasons", b"ineligible_reasons", "installed", b"installed", "selected", b"selected", "synced", b"synced", "waiting", b"waiting", "waiting_reasons", b"waiting_reasons"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -872,6 +903,8 @@ class Rollout(_message.Message):
     DEGRADED_REASON_FIELD_NUMBER: _builtins.int
     DEGRADED_ALLOWED_FIELD_NUMBER: _builtins.int
     PREVIEW_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_ON_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_WHILE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     model: _builtins.str
     version: _builtins.int
@@ -893,6 +926,11 @@ class Rollout(_message.Message):
     degraded_reason: _builtins.str
     degraded_allowed: _builtins.bool
     """Its creation said --allow-degraded (rollouts made before that flag existed did not)."""
+    download_on: _builtins.str
+    """When devices may fetch the version: "any" or "wifi" (an unmetered network), and
+    "any" or "charging" (control_plane.rollouts.download_policy).
+    """
+    download_while: _builtins.str
     @_builtins.property
     def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Percentages of the selected devices, increasing, ending at 100."""
@@ -942,10 +980,12 @@ class Rollout(_message.Message):
         degraded_reason: _builtins.str = ...,
         degraded_allowed: _builtins.bool = ...,
         preview: Global___RolloutPreview | None = ...,
+        download_on: _builtins.str = ...,
+        download_while: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "created_at", b"created_at", "health", b"health", "preview", b"preview", "stage_started_at", b"stage_started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "degraded", b"degraded", "degraded_allowed", b"degraded_allowed", "degraded_reason", b"degraded_reason", "halt_rules", b"halt_rules", "health", b"health", "id", b"id", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "preview", b"preview", "priority", b"priority", "selector", b"selector", "slice_by", b"slice_by", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "degraded", b"degraded", "degraded_allowed", b"degraded_allowed", "degraded_reason", b"degraded_reason", "download_on", b"download_on", "download_while", b"download_while", "halt_rules", b"halt_rules", "health", b"health", "id", b"id", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "preview", b"preview", "priority", b"priority", "selector", b"selector", "slice_by", b"slice_by", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1034,6 +1074,8 @@ class CreateRolloutRequest(_message.Message):
     ALLOW_EMPTY_FIELD_NUMBER: _builtins.int
     ALLOW_DEGRADED_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_ON_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_WHILE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     version: _builtins.int
     variant: _builtins.str
@@ -1061,6 +1103,11 @@ class CreateRolloutRequest(_message.Message):
     """
     dry_run: _builtins.bool
     """Validate and count what the rollout would select (Rollout.preview), creating nothing."""
+    download_on: _builtins.str
+    """Empty = "any": "wifi" holds a device back until it reports an unmetered network,
+    and download_while "charging" until it reports external power.
+    """
+    download_while: _builtins.str
     @_builtins.property
     def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Empty = [100]."""
@@ -1087,10 +1134,12 @@ class CreateRolloutRequest(_message.Message):
         allow_empty: _builtins.bool = ...,
         allow_degraded: _builtins.bool = ...,
         dry_run: _builtins.bool = ...,
+        download_on: _builtins.str = ...,
+        download_while: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "allow_empty", b"allow_empty", "bake_s", b"bake_s", "dry_run", b"dry_run", "halt", b"halt", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "priority", b"priority", "reason", b"reason", "selector", b"selector", "slice_by", b"slice_by", "stages", b"stages", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_degraded", b"allow_degraded", "allow_empty", b"allow_empty", "bake_s", b"bake_s", "download_on", b"download_on", "download_while", b"download_while", "dry_run", b"dry_run", "halt", b"halt", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "priority", b"priority", "reason", b"reason", "selector", b"selector", "slice_by", b"slice_by", "stages", b"stages", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -109,6 +109,8 @@ def rollout_pb(
         min_devices=r.min_devices,
         min_inferences=r.min_inferences,
         slice_by=r.slice_by,
+        download_on=r.download_on,
+        download_while=r.download_while,
     )
     if variant is not None and variant.degraded:
         msg.degraded, msg.degraded_reason = True, degraded_reason(variant)

@@ -327,6 +327,8 @@ class RolloutServicer(fleet_pb2_grpc.RolloutServiceServicer):
             min_devices=request.min_devices,
             min_inferences=request.min_inferences,
             slice_by=request.slice_by,
+            download_on=request.download_on,
+            download_while=request.download_while,
             allow_empty=request.allow_empty,
             allow_degraded=request.allow_degraded,
         )

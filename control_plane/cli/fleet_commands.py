@@ -156,6 +156,19 @@ def add_parsers(sub, common: Callable[..., None]) -> None:
         "only the failing slice; without it a failing rule pauses the whole rollout",
     )
     p.add_argument(
+        "--download-on",
+        default="any",
+        metavar="wifi|any",
+        help="wifi: a device fetches the version only on an unmetered network (Wi-Fi or "
+        "wired); until then it keeps what it has and counts as waiting (default any)",
+    )
+    p.add_argument(
+        "--download-while",
+        default="any",
+        metavar="charging|any",
+        help="charging: a device fetches the version only on external power (default any)",
+    )
+    p.add_argument(
         "--allow-empty",
         action="store_true",
         help="create it even if the selector matches no device today (else refused as a "
@@ -386,6 +399,8 @@ def start_rollout_create(*, config: Config, args: argparse.Namespace) -> Output:
         min_devices=args.min_devices,
         min_inferences=args.min_inferences,
         slice_by=args.slice_by,
+        download_on=args.download_on,
+        download_while=args.download_while,
         allow_empty=args.allow_empty,
         allow_degraded=args.allow_degraded,
         dry_run=args.dry_run,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from control_plane.fleet.selector import Selector, parse_selector
+from control_plane.rollouts import download_policy
 from control_plane.rollouts.fit import misfit
 from control_plane.rollouts.lifecycle import (
     BUCKETS,
@@ -72,6 +73,13 @@ class LiveRollout:
     def misfit(self, attrs: Mapping) -> tuple[str, str] | None:
         """Return why a selected device cannot run the variant (None: it fits)."""
         return misfit(self.needs, attrs) if self.needs else None
+
+    def waits(self, attrs: Mapping) -> tuple[str, str] | None:
+        """Return what a device must wait for before it may download (None: nothing)."""
+        record = self.record
+        if record.download_on == "any" and record.download_while == "any":
+            return None
+        return download_policy.waits(record.download_on, record.download_while, attrs)
 
     def includes(self, device_id: str) -> bool:
         """Return whether the current stage includes this (selected) device."""
@@ -129,10 +137,16 @@ class Snapshot:
                 and r.selects(attrs)
                 and r.includes(device_id)
                 and r.misfit(attrs) is None
+                and r.waits(attrs) is None
             ):
                 return r.desired
         for r in self._done.get(model, ()):
-            if r.record.id != excluding and r.selects(attrs) and r.misfit(attrs) is None:
+            if (
+                r.record.id != excluding
+                and r.selects(attrs)
+                and r.misfit(attrs) is None
+                and r.waits(attrs) is None
+            ):
                 return r.desired
         return None
 

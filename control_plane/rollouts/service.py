@@ -19,6 +19,7 @@ from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.accuracy_bars import failed_bars
 from control_plane.registry.contract import default_variant
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
+from control_plane.rollouts import download_policy
 from control_plane.rollouts.guardrails import BASELINE_METRICS, LLM_METRICS, parse_rules
 from control_plane.rollouts.lifecycle import (
     MAX_BAKE_S,
@@ -67,6 +68,9 @@ class RolloutSpec:
     min_devices: int = 0
     min_inferences: int = 0
     slice_by: str = ""
+    # When devices may fetch it: "any" | "wifi", "any" | "charging" ("" = "any").
+    download_on: str = ""
+    download_while: str = ""
     # A selector (other than the whole fleet) that matches no device today is refused
     # as a likely typo unless this says the operator means it.
     allow_empty: bool = False
@@ -95,6 +99,9 @@ class Counts:
     # Selected devices that cannot run the variant (control_plane.rollouts.fit), by reason.
     ineligible: int = 0
     ineligible_reasons: dict[str, int] = field(default_factory=dict)
+    # Selected devices in the stage that wait for Wi-Fi or a charger, by reason.
+    waiting: int = 0
+    waiting_reasons: dict[str, int] = field(default_factory=dict)
 
 
 def utcnow() -> dt.datetime:
@@ -195,6 +202,7 @@ class Rollouts:
             slice_by = str(self._class.dimension(spec.slice_by))  # else names the known ones
             if not rules:
                 raise errors.InvalidArgument("--slice-by needs at least one --halt rule")
+        download_on, download_while = download_policy.check(spec.download_on, spec.download_while)
         if not 0 <= spec.min_devices <= MAX_MIN_DEVICES:
             raise errors.InvalidArgument(f"min devices must be between 0 and {MAX_MIN_DEVICES}")
         if not 0 <= spec.min_inferences <= MAX_MIN_INFERENCES:
@@ -246,6 +254,8 @@ class Rollouts:
             min_devices=spec.min_devices or DEFAULT_MIN_DEVICES,
             min_inferences=spec.min_inferences or DEFAULT_MIN_INFERENCES,
             slice_by=slice_by,
+            download_on=download_on,
+            download_while=download_while,
         )
         event = RolloutEventRecord(
             now,
@@ -480,6 +490,7 @@ class Rollouts:
         live = snapshot.by_id.get(record.id)
         selected = in_stage = 0
         reasons: dict[str, int] = {}
+        waiting: dict[str, int] = {}
         for device_id, attrs in self._store.live_device_attributes():
             if not selector.matches(attrs):
                 continue
@@ -487,9 +498,22 @@ class Rollouts:
             if live is not None and (unfit := live.misfit(attrs)) is not None:
                 reasons[unfit[0]] = reasons.get(unfit[0], 0) + 1
                 continue
+            if live is not None and live.includes(device_id) and (wait := live.waits(attrs)):
+                waiting[wait[0]] = waiting.get(wait[0], 0) + 1
+                continue
             desired = snapshot.desired_model(record.model, device_id, attrs)
             in_stage += desired is not None and desired.rollout == record.id
         synced, installed, failed = self._store.count_model_states(
             record.model, record.version, record.variant
         )
-        return Counts(selected, in_stage, synced, installed, failed, sum(reasons.values()), reasons)
+        return Counts(
+            selected,
+            in_stage,
+            synced,
+            installed,
+            failed,
+            sum(reasons.values()),
+            reasons,
+            sum(waiting.values()),
+            waiting,
+        )

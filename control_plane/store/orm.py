@@ -251,6 +251,9 @@ class RolloutRow(Base):
     slice_by: Mapped[str] = mapped_column(String(64), default="")
     # Slice value -> {"state": "rolled_back" | "active", "since": ISO time}; absent = active.
     slices: Mapped[dict] = mapped_column(JSON, default=dict)
+    # Download policy: "any" | "wifi", "any" | "charging".
+    download_on: Mapped[str] = mapped_column(String(16), default="any")
+    download_while: Mapped[str] = mapped_column(String(16), default="any")
     events: Mapped[list[RolloutEventRow]] = relationship(
         back_populates="rollout", order_by="RolloutEventRow.id", cascade="all, delete-orphan"
     )

@@ -46,6 +46,9 @@ class RolloutRecord:
     slice_by: str = ""
     # Slice value -> {"state": "rolled_back" | "active", "since": ISO time}; absent: active.
     slices: dict = field(default_factory=dict)
+    # When devices may fetch it (control_plane.rollouts.download_policy).
+    download_on: str = "any"
+    download_while: str = "any"
 
     def rolled_back_slices(self) -> frozenset[str]:
         """Return the slice values this rollout no longer applies to."""

@@ -51,6 +51,8 @@ def _rollout(row: orm.RolloutRow, *, audit: bool) -> RolloutRecord:
         min_inferences=row.min_inferences or 0,
         slice_by=row.slice_by or "",
         slices=dict(row.slices or {}),
+        download_on=row.download_on or "any",
+        download_while=row.download_while or "any",
     )
 
 
@@ -83,6 +85,8 @@ class SqlRolloutStore(RolloutStore):
                 min_inferences=record.min_inferences,
                 slice_by=record.slice_by,
                 slices=dict(record.slices),
+                download_on=record.download_on,
+                download_while=record.download_while,
                 events=[_event_row(record.id, event)],
             )
             session.add(row)

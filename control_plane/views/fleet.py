@@ -153,6 +153,8 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
         "state": r.state,
         "bake_s": r.bake_s,
         "priority": r.priority,
+        "download_on": r.download_on or "any",
+        "download_while": r.download_while or "any",
         "degraded": r.degraded,
         "degraded_reason": r.degraded_reason or None,
         "degraded_allowed": r.degraded_allowed,
@@ -181,6 +183,8 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
             "failed": r.counts.failed,
             "ineligible": r.counts.ineligible,
             "ineligible_reasons": dict(sorted(r.counts.ineligible_reasons.items())),
+            "waiting": r.counts.waiting,
+            "waiting_reasons": dict(sorted(r.counts.waiting_reasons.items())),
         },
         "guardrails": {
             "halt_rules": list(r.halt_rules),

@@ -297,7 +297,8 @@ def rollout_text(r: fleet_pb2.Rollout) -> str:
         f"  stage     {stage_text(r.stage, r.stages)}   {_stages(r)}  bake {r.bake_s}s"
         f"  priority {r.priority}",
         f"  devices   selected {c.selected}  in stage {c.in_stage}  synced {c.synced}"
-        f"  installed {c.installed}  failed {c.failed}{_ineligible(c)}",
+        f"  installed {c.installed}  failed {c.failed}{_ineligible(c)}{_waiting(c)}",
+        *_download_lines(r),
         *_health_lines(r),
         "  audit",
     ]
@@ -362,6 +363,23 @@ def backends_text(name: str, version: int, classes) -> str:
             )
     lines.append("  * recommended")
     return "\n".join(lines)
+
+
+def _waiting(c) -> str:
+    """Say how many devices wait for Wi-Fi or a charger, and for which ("" when none)."""
+    if not c.waiting:
+        return ""
+    why = ", ".join(f"{reason} {n}" for reason, n in sorted(c.waiting_reasons.items()))
+    return f"  waiting {c.waiting} ({why})"
+
+
+def _download_lines(r: fleet_pb2.Rollout) -> list[str]:
+    """Say when devices may fetch the version, unless whenever they sync."""
+    on, during = r.download_on or "any", r.download_while or "any"
+    if on == "any" and during == "any":
+        return []
+    parts = [f"on {on}" if on != "any" else "", "while charging" if during != "any" else ""]
+    return [f"  policy    downloads {', '.join(p for p in parts if p)}"]
 
 
 def _ineligible(c) -> str:
