@@ -176,9 +176,9 @@ class Installer:
         self.on_activated = on_activated
         self.downloads = Downloads(state.artifacts)
         self.chunks = ChunkStore(state.chunks)
-        # Chunks of the installs in progress, counted (two installs may share one): a
-        # sweep keeps them although no slot names them yet.
-        self._in_use: collections.Counter[bytes] = collections.Counter()
+        # What the installs in progress fetch (artifacts and chunks, by name), counted (two
+        # installs may share one): a sweep keeps them although no slot names them yet.
+        self._in_use: collections.Counter[str] = collections.Counter()
 
     # -- pointers -----------------------------------------------------------------------------
 
@@ -240,7 +240,7 @@ class Installer:
                 m.model, m.version, m.variant, "failed", failed["reason"], new=False
             )
         timings = InstallTimings()
-        held = list(m.chunks.distinct()) if m.chunks is not None else []
+        held = [*_artifacts(m), *(c.hex() for c in (m.chunks.distinct() if m.chunks else ()))]
         self._in_use.update(held)
         try:
             return await self._install(conn, m, current, timings)
@@ -363,7 +363,7 @@ class Installer:
 
         Partial downloads of what is still assigned are kept, to be resumed.
         """
-        keep = set(assigned or ())
+        keep = set(assigned or ()) | set(self._in_use)
         chunks_kept: set[bytes] = set()
         for p in self.pointers().values():
             for slot in (p.get("active"), p.get("previous")):
@@ -380,7 +380,7 @@ class Installer:
         # yet).
         if assigned is not None:
             chunks_kept |= {_chunk_id(a) for a in keep} - {b""}
-            self.chunks.sweep(chunks_kept | set(self._in_use))
+            self.chunks.sweep(chunks_kept)
         for path in self._state.artifacts.iterdir():
             if path.suffix == ".part":
                 if assigned is not None and path.stem not in keep:
@@ -549,6 +549,16 @@ def decrypt_artifact(
 ) -> bytes:
     """Decrypt an artifact into memory and check it against its signed digest and size."""
     return from_artifact(path, key, associated_data, plaintext_sha256, plaintext_size).read()
+
+
+def _artifacts(m: VerifiedModel) -> list[str]:
+    """Return the artifacts an install of `m` fetches (by ciphertext digest)."""
+    names = [m.ciphertext_sha256]
+    if m.golden is not None:
+        names.append(m.golden.ciphertext_sha256)
+    if m.chunk_keys is not None:
+        names.append(m.chunk_keys.ciphertext_sha256)
+    return names
 
 
 def _chunk_id(name: str) -> bytes:

@@ -2,6 +2,7 @@
 
 SKIFF_TEST_CRASH=download:BYTES  mid-download, after BYTES reach the disk (the last
                                  write cut short, as a crash mid-write leaves it)
+SKIFF_TEST_CRASH=chunk:N         writing the Nth chunk fetched (from 1), half of it written
 SKIFF_TEST_CRASH=rename          the artifact downloaded whole, before its rename
 SKIFF_TEST_CRASH=self-test       after the download, before the self-test
 SKIFF_TEST_CRASH=pointer:before:V  activating version V: new pointer written and
@@ -17,6 +18,7 @@ import os
 import signal
 import sys
 
+import device_agent.chunk_store as chunk_store
 import device_agent.download as download
 import device_agent.install as install
 import device_agent.state as state
@@ -41,6 +43,18 @@ def _arm(point: str) -> None:
             real(fd, data)
 
         download.write_all = write_all
+    elif kind == "chunk":
+        nth, count = int(arg), [0]
+        real_chunk_write = chunk_store.write_all
+
+        def write_chunk(fd: int, data: bytes) -> None:
+            count[0] += 1
+            if count[0] == nth:
+                os.write(fd, bytes(data[: len(data) // 2]))
+                _die()
+            real_chunk_write(fd, data)
+
+        chunk_store.write_all = write_chunk
     elif kind == "rename":
         download.Downloads._keep = lambda self, part, final: _die()
     elif kind == "self-test":

@@ -9,6 +9,9 @@ flipped or swapped in the blob store, a chunk damaged on the device's disk.
 from __future__ import annotations
 
 import asyncio
+import errno
+import hashlib
+import os
 
 import grpc
 import onnx
@@ -19,12 +22,14 @@ from contract import chunks
 from contract.device_client import DeviceCallError
 from control_plane.demo import sample_models
 from control_plane.registry import chunking
+from device_agent import chunk_store, install
 from device_agent.chunk_store import ChunkStore
 from device_agent.download import IntegrityFailure
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device
 from tests.device_agent.conftest import blob_path
 from tests.device_agent.test_agent import once, token
+from tests.device_agent.test_faults import crash_run
 
 BIG = "big"
 SIZE = 3 << 20  # about 12 chunks at the default average
@@ -278,3 +283,91 @@ def test_the_chunk_store_reads_and_sweeps_regular_files_only(tmp_path):
     assert sorted(p.name for p in (tmp_path / "chunks").iterdir()) == [cid.hex()]
     with pytest.raises(IntegrityFailure, match="does not match its signed digest"):
         store.put(bytes(32), data)
+
+
+def test_a_power_cut_while_a_chunk_is_written_loses_nothing_kept(cp, tmp_path):
+    """SIGKILL half-way through writing the fifth chunk: the four before it are whole and
+    kept, the cut one is not taken for a chunk, and the next run fetches only the rest."""
+    state = tmp_path / "state"
+    _push(cp, tmp_path, _mnn(_onnx(seed=12)))
+    table = _table(cp, 1)
+    _rollout(cp, 1)
+    crash_run(cp, state, "chunk:5", "--enroll-token", token(cp))
+    held = {p.name for p in (state / "chunks").iterdir() if not p.name.endswith(".part")}
+    assert held == {c.id.hex() for c in list(table.distinct().values())[:4]}
+    (result,) = asyncio.run(once(cp, state)).installs
+    assert result.result == "activated", result.reason
+    assert result.timings.chunks_held == 4
+    assert result.timings.chunks_fetched == len(table.distinct()) - 4
+    assert not list((state / "chunks").glob("*.part"))
+
+
+def test_a_chunk_store_that_fills_the_disk_fails_the_install_cleanly(cp, tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    _push(cp, tmp_path, _mnn(_onnx(seed=13)))
+    table = _table(cp, 1)
+    _rollout(cp, 1)
+    real, writes = chunk_store.write_all, [0]
+
+    def filling(fd: int, data: bytes) -> None:
+        writes[0] += 1
+        if writes[0] > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    monkeypatch.setattr(chunk_store, "write_all", filling)
+    (result,) = asyncio.run(once(cp, state, enroll_token=token(cp))).installs
+    assert result.result == "failed" and "disk full while storing chunk" in result.reason
+    assert not list((state / "chunks").glob("*.part"))  # no half chunk holds the space
+    assert len(list((state / "chunks").iterdir())) == 3  # the whole ones stay for the retry
+    monkeypatch.setattr(chunk_store, "write_all", real)
+    (result,) = asyncio.run(once(cp, state)).installs
+    assert result.result == "activated", result.reason
+    assert result.timings.chunks_fetched == len(table.distinct()) - 3
+
+
+def test_a_sweep_racing_an_install_keeps_the_chunks_it_fetched(cp, tmp_path, monkeypatch):
+    """A sweep that says nothing is assigned any more (the harshest), run after every chunk
+    an install stores: the install's chunks stay, and it activates."""
+    state = tmp_path / "state"
+    _push(cp, tmp_path, _mnn(_onnx(seed=14)))
+    _rollout(cp, 1)
+    installers, real_install, real_put = [], install.Installer.install, ChunkStore.put
+
+    async def recording(self, conn, m):
+        installers.append(self)
+        return await real_install(self, conn, m)
+
+    def put_then_sweep(self, chunk_id, ciphertext):
+        real_put(self, chunk_id, ciphertext)
+        installers[-1].collect_garbage(set())
+
+    monkeypatch.setattr(install.Installer, "install", recording)
+    monkeypatch.setattr(ChunkStore, "put", put_then_sweep)
+    (result,) = asyncio.run(once(cp, state, enroll_token=token(cp))).installs
+    assert result.result == "activated", result.reason
+    assert result.timings.chunks_fetched == len(_table(cp, 1).distinct())
+
+
+def test_chunks_in_another_order_or_one_twice_do_not_make_the_signed_plaintext(tmp_path):
+    """The table is signed; were it not, chunks out of order, or a chunk listed twice in
+    place of another, still could not pass: the whole plaintext's signed digest fails."""
+    from device_agent.plaintext import from_chunks
+
+    plain = hashlib.shake_256(b"order").digest(2 << 20)
+    sealed = list(chunking.seal(chunks.new_secret(), BIG, plain, avg=64 << 10))
+    assert len(sealed) >= 4
+    store = ChunkStore(tmp_path / "chunks")
+    for s in sealed:
+        store.put(s.ref.id, s.ciphertext)
+    keys = {s.ref.id: s.key for s in sealed}
+    digest = hashlib.sha256(plain).hexdigest()
+    good = chunks.ChunkTable(tuple(s.ref for s in sealed))
+    assert from_chunks(store, good, keys, BIG, digest, len(plain)).read() == plain
+    swapped = list(good.chunks)
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    doubled = [*good.chunks[:-1], good.chunks[0]]
+    for refs in (swapped, doubled):
+        table = chunks.ChunkTable(tuple(refs))
+        with pytest.raises(IntegrityFailure, match="plaintext does not match its digest|longer"):
+            from_chunks(store, table, keys, BIG, digest, len(plain)).read()
