@@ -309,7 +309,16 @@ def _rollout_families(app: App) -> list:
         if r.state in ended:
             continue
         c = app.rollouts.counts(r)
-        for status in ("selected", "in_stage", "synced", "installed", "failed", "ineligible"):
+        statuses = (
+            "selected",
+            "in_stage",
+            "synced",
+            "installed",
+            "failed",
+            "ineligible",
+            "waiting",
+        )
+        for status in statuses:
             counts.add_metric([r.id, status], getattr(c, status))
     return [state, stage, counts, slices]
 

@@ -879,6 +879,26 @@ Global___RolloutCounts: _TypeAlias = RolloutCounts  # noqa: Y015
 class Rollout(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class DownloadBytesFromEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
@@ -905,6 +925,8 @@ class Rollout(_message.Message):
     PREVIEW_FIELD_NUMBER: _builtins.int
     DOWNLOAD_ON_FIELD_NUMBER: _builtins.int
     DOWNLOAD_WHILE_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_BYTES_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_BYTES_FROM_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     model: _builtins.str
     version: _builtins.int
@@ -931,6 +953,11 @@ class Rollout(_message.Message):
     "any" or "charging" (control_plane.rollouts.download_policy).
     """
     download_while: _builtins.str
+    download_bytes: _builtins.int
+    """GetRollout only: the bytes a device fetches for the variant: holding nothing of the
+    model (the full size), and holding an earlier version's same variant (by number; up
+    to three before it): with chunks, only the chunks that version lacks.
+    """
     @_builtins.property
     def stages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Percentages of the selected devices, increasing, ending at 100."""
@@ -953,6 +980,8 @@ class Rollout(_message.Message):
     def preview(self) -> Global___RolloutPreview:
         """CreateRollout with dry_run only (then `id` is empty: nothing was created)."""
 
+    @_builtins.property
+    def download_bytes_from(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]: ...
     def __init__(
         self,
         *,
@@ -982,10 +1011,12 @@ class Rollout(_message.Message):
         preview: Global___RolloutPreview | None = ...,
         download_on: _builtins.str = ...,
         download_while: _builtins.str = ...,
+        download_bytes: _builtins.int = ...,
+        download_bytes_from: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "created_at", b"created_at", "health", b"health", "preview", b"preview", "stage_started_at", b"stage_started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "degraded", b"degraded", "degraded_allowed", b"degraded_allowed", "degraded_reason", b"degraded_reason", "download_on", b"download_on", "download_while", b"download_while", "halt_rules", b"halt_rules", "health", b"health", "id", b"id", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "preview", b"preview", "priority", b"priority", "selector", b"selector", "slice_by", b"slice_by", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "bake_s", b"bake_s", "counts", b"counts", "created_at", b"created_at", "created_by", b"created_by", "degraded", b"degraded", "degraded_allowed", b"degraded_allowed", "degraded_reason", b"degraded_reason", "download_bytes", b"download_bytes", "download_bytes_from", b"download_bytes_from", "download_on", b"download_on", "download_while", b"download_while", "halt_rules", b"halt_rules", "health", b"health", "id", b"id", "min_devices", b"min_devices", "min_inferences", b"min_inferences", "model", b"model", "preview", b"preview", "priority", b"priority", "selector", b"selector", "slice_by", b"slice_by", "stage", b"stage", "stage_started_at", b"stage_started_at", "stages", b"stages", "state", b"state", "variant", b"variant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

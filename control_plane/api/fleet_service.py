@@ -228,12 +228,16 @@ class RolloutOps:
     def with_counts(self, record) -> fleet_pb2.Rollout:
         """Return a rollout's message with its device counts and guardrail health."""
         self._view.flush()  # counts include what devices reported to this replica
-        return rollout_pb(
+        msg = rollout_pb(
             record,
             self._rollouts.counts(record),
             self._guard.health(record),
             variant=self._rollouts.variant_of(record),
         )
+        full, deltas = self._rollouts.download_bytes(record)
+        msg.download_bytes = full
+        msg.download_bytes_from.update(deltas)
+        return msg
 
     def get(self, rollout_id: str) -> fleet_pb2.Rollout:
         """Return one rollout with its counts and health: `rollout_id` or a unique prefix."""

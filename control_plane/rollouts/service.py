@@ -7,6 +7,7 @@ operator and the scheduler) racing on one rollout cannot both win.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import logging
 import secrets
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contract import errors
+from contract.chunks import ID_SIZE, TAG_SIZE
 from contract.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
 from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.accuracy_bars import failed_bars
@@ -85,6 +87,7 @@ MAX_MIN_DEVICES = 10_000_000
 MAX_MIN_INFERENCES = 1 << 40
 GUARDRAIL = "guardrail"
 _VARIANT_CACHE = 1024  # versions are immutable: a variant's degraded flag never changes
+DELTA_VERSIONS = 3  # earlier versions `rollout show` gives a download size from
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class Rollouts:
         self._store, self._resolver, self._clock = store, resolver, clock
         self._class = device_class or parse_device_class(DEFAULT_DEVICE_CLASS)
         self._variants: dict[tuple[str, int, str], VariantRecord | None] = {}
+        self._downloads: dict[tuple[str, int, str], tuple[int, dict[int, int]]] = {}
 
     def create(self, spec: RolloutSpec, *, actor: str) -> RolloutRecord:
         """Validate and store a new active rollout at its first stage."""
@@ -268,6 +272,31 @@ class Rollouts:
             evidence=evidence,
         )
         return record, event, selector
+
+    def download_bytes(self, record: RolloutRecord) -> tuple[int, dict[int, int]]:
+        """Return the bytes a device fetches for the rollout's variant: (full, by version).
+
+        By version: from each of up to DELTA_VERSIONS earlier versions of that variant
+        (with chunks, only the chunks that version lacks).
+        """
+        key = (record.model, record.version, record.variant)
+        if key not in self._downloads:
+            target = self.variant_of(record)
+            if target is None:
+                return 0, {}
+            earlier = self._store.list_versions(record.model)
+            earlier = [v for v in earlier if v.number < record.version][-DELTA_VERSIONS:]
+            full, wanted = _download_set(target)
+            deltas = {}
+            for v in earlier:
+                held = v.variant(record.variant)
+                if held is not None:
+                    _, have = _download_set(held)
+                    deltas[v.number] = sum(n for c, n in wanted.items() if c not in have)
+            if len(self._downloads) >= _VARIANT_CACHE:
+                self._downloads.clear()
+            self._downloads[key] = (full, deltas)
+        return self._downloads[key]
 
     def variant_of(self, record: RolloutRecord) -> VariantRecord | None:
         """Return the variant a rollout ships (None if its version is gone)."""
@@ -517,3 +546,16 @@ class Rollouts:
             sum(waiting.values()),
             waiting,
         )
+
+
+def _download_set(variant: VariantRecord) -> tuple[int, dict[str, int]]:
+    """Return a variant's full download size and what it is made of ({blob: bytes})."""
+    if not variant.chunks:
+        return variant.ciphertext_size, {variant.ciphertext_sha256: variant.ciphertext_size}
+    table = variant.chunks["table"]
+    ids = base64.b64decode(table["ids"])
+    parts = {
+        ids[i * ID_SIZE : (i + 1) * ID_SIZE].hex(): size + TAG_SIZE
+        for i, size in enumerate(table["sizes"])
+    }
+    return sum(parts.values()), parts

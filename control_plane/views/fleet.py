@@ -155,6 +155,8 @@ def rollout_dict(r: fleet_pb2.Rollout) -> dict:
         "priority": r.priority,
         "download_on": r.download_on or "any",
         "download_while": r.download_while or "any",
+        "download_bytes": r.download_bytes or None,
+        "download_bytes_from": {str(k): v for k, v in sorted(r.download_bytes_from.items())},
         "degraded": r.degraded,
         "degraded_reason": r.degraded_reason or None,
         "degraded_allowed": r.degraded_allowed,

@@ -374,12 +374,24 @@ def _waiting(c) -> str:
 
 
 def _download_lines(r: fleet_pb2.Rollout) -> list[str]:
-    """Say when devices may fetch the version, unless whenever they sync."""
+    """Say what a device downloads (from each earlier version), and when it may."""
+    lines = []
+    if r.download_bytes:
+        froms = [
+            f"from v{v} {_mb(n)}" for v, n in sorted(r.download_bytes_from.items(), reverse=True)
+        ]
+        lines.append(f"  download  {_mb(r.download_bytes)} per device; " + ", ".join(froms))
+        if not froms:
+            lines[-1] = lines[-1].removesuffix("; ")
     on, during = r.download_on or "any", r.download_while or "any"
-    if on == "any" and during == "any":
-        return []
-    parts = [f"on {on}" if on != "any" else "", "while charging" if during != "any" else ""]
-    return [f"  policy    downloads {', '.join(p for p in parts if p)}"]
+    if on != "any" or during != "any":
+        parts = [f"on {on}" if on != "any" else "", "while charging" if during != "any" else ""]
+        lines.append(f"  policy    downloads {', '.join(p for p in parts if p)}")
+    return lines
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 10_000 else f"{n:,} B"
 
 
 def _ineligible(c) -> str:

@@ -22,6 +22,7 @@ from contract import chunks
 from contract.device_client import DeviceCallError
 from control_plane.demo import sample_models
 from control_plane.registry import chunking
+from control_plane.views.fleet_text import rollout_text
 from device_agent import chunk_store, install
 from device_agent.chunk_store import ChunkStore
 from device_agent.download import IntegrityFailure
@@ -371,3 +372,22 @@ def test_chunks_in_another_order_or_one_twice_do_not_make_the_signed_plaintext(t
         table = chunks.ChunkTable(tuple(refs))
         with pytest.raises(IntegrityFailure, match="plaintext does not match its digest|longer"):
             from_chunks(store, table, keys, BIG, digest, len(plain)).read()
+
+
+def test_rollout_show_says_what_a_device_downloads_from_each_earlier_version(cp, tmp_path):
+    source = _onnx(seed=15)
+    _push(cp, tmp_path, _mnn(source))
+    _push(cp, tmp_path, _mnn(_one_tensor_changed(source)))
+    one, two = _table(cp, 1), _table(cp, 2)
+    full = sum(c.ciphertext_size for c in two.distinct().values())
+    delta = sum(c.ciphertext_size for c in two.distinct().values() if c.id not in one.distinct())
+    assert 0 < delta < full / 2
+    with cp.client() as client:
+        created = client.create_rollout(
+            fleet_pb2.CreateRolloutRequest(model=BIG, version=2, allow_empty=True)
+        )
+        shown = client.get_rollout(created.id)
+    assert shown.download_bytes == full
+    assert dict(shown.download_bytes_from) == {1: delta}
+    text = rollout_text(shown)
+    assert f"download  {full / 1e6:.2f} MB per device; from v1 {delta / 1e6:.2f} MB" in text
