@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 import time
 
 import grpc
@@ -247,3 +248,35 @@ def test_the_bundle_was_installed_as_encrypted_chunks(daemon):
     assert len(held) > 100
     assert sum(p.stat().st_size for p in held) > 50 << 20
     assert all(p.stat().st_size < 4 << 20 for p in (daemon / "artifacts").iterdir())
+
+
+def test_a_new_chat_template_moves_two_chunks_to_the_device(cp, daemon, tmp_path):
+    """Version 2 is version 1's bundle with another chat template (pulled, edited, pushed
+    back as a bundle directory): the agent already running version 1 fetches two chunks
+    (the file's tar header and its text), not the ~150 MB bundle, and serves version 2."""
+    pulled = tmp_path / "v1.tar"
+    skiff("model", "pull", f"{MODEL}:1", "--variant", "q8", "-o", str(pulled), env=cp.env)
+    bundle = tmp_path / "v2"
+    with tarfile.open(pulled) as tar:
+        tar.extractall(bundle, filter="data")
+    config = json.loads((bundle / "llm_config.json").read_text())
+    template = config["jinja"]["chat_template"]
+    assert "You are a helpful AI assistant" in template
+    config["jinja"]["chat_template"] = template.replace(
+        "You are a helpful AI assistant", "You are a concise, helpful AI assistant"
+    )
+    (bundle / "llm_config.json").write_text(json.dumps(config))
+    skiff("model", "push", str(bundle), "--name", MODEL, "--variant", "q8", env=cp.env, timeout=900)
+    before = {p.name for p in (daemon / "chunks").iterdir()}
+    skiff("rollout", "create", f"{MODEL}:2", "--variant", "q8", "--allow-empty", env=cp.env)
+    api, deadline = stub(daemon), time.monotonic() + 300
+    while True:
+        status = api.Status(agent_pb2.StatusRequest(), timeout=10)
+        (served,) = [m for m in status.models if m.model == MODEL]
+        if served.active_version == 2 and served.serving:
+            break
+        assert time.monotonic() < deadline, served
+        time.sleep(0.5)
+    new = {p.name for p in (daemon / "chunks").iterdir()} - before
+    assert 1 <= len(new) <= 2, len(new)
+    assert sum((daemon / "chunks" / n).stat().st_size for n in new) < 64 << 10
