@@ -51,6 +51,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from propagation import CLI, start_servers, stop_servers  # noqa: E402
 
+from contract.chunks import ChunkTable, unpack_keys  # noqa: E402
 from contract.key_wrap import DeviceKeyPair  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
@@ -62,8 +63,10 @@ from control_plane.demo.sample_pipeline import (  # noqa: E402
 )
 from control_plane.home import read_token  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
+from device_agent.chunk_store import ChunkStore  # noqa: E402
 from device_agent.install import decrypt_artifact  # noqa: E402
 from device_agent.local_api import socket_path, to_tensor  # noqa: E402
+from device_agent.plaintext import from_chunks  # noqa: E402
 from device_agent.state import StateDir  # noqa: E402
 from protos import agent_pb2, agent_pb2_grpc, fleet_pb2  # noqa: E402
 from runtime.pipeline import Pipeline, parse_pipeline  # noqa: E402
@@ -121,6 +124,8 @@ def raw_copy_and_decrypt(state: Path, name: str, scratch: Path) -> float:
         device_id=identity.device_id,
         version_uid=slot["uid"],
     )
+    if slot.get("chunks"):
+        return _raw_copy_and_decrypt_chunks(s, name, slot, key, scratch)
     source = s.artifacts / slot["artifact"]
     best = float("inf")
     for _ in range(3):
@@ -139,6 +144,37 @@ def raw_copy_and_decrypt(state: Path, name: str, scratch: Path) -> float:
         best = min(best, time.perf_counter() - start)
         del plain
         copy.unlink()
+    return best
+
+
+def _raw_copy_and_decrypt_chunks(s: StateDir, name: str, slot: dict, key, scratch: Path) -> float:
+    """The same for a version installed as chunks: copy its chunks, open them in order."""
+    table = ChunkTable.from_manifest(slot["chunks"]["table"], slot["plaintext_size"])
+    ref = slot["chunks"]["keys"]
+    best = float("inf")
+    for _ in range(3):
+        copies = scratch / "chunks"
+        copies.mkdir()
+        start = time.perf_counter()
+        for chunk in table.distinct():
+            shutil.copyfile(s.chunks / chunk.hex(), copies / chunk.hex())
+        fd = os.open(copies, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        packed = decrypt_artifact(
+            s.artifacts / ref["artifact"],
+            key,
+            ref["associated_data"].encode(),
+            ref["plaintext_sha256"],
+            ref["plaintext_size"],
+        )
+        keys = unpack_keys(packed, table)
+        plain = from_chunks(
+            ChunkStore(copies), table, keys, name, slot["plaintext_sha256"], slot["plaintext_size"]
+        ).read()
+        best = min(best, time.perf_counter() - start)
+        del plain
+        shutil.rmtree(copies)
     return best
 
 

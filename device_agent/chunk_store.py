@@ -12,6 +12,7 @@ chunk damaged on the disk is refused, deleted and fetched again by the next inst
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import logging
@@ -30,6 +31,7 @@ from device_agent.state import fsync_dir, write_all
 log = logging.getLogger("skiff.agent")
 
 _PART = ".part"
+IN_FLIGHT = 4  # chunk downloads at once
 # Answers that are about this version's chunk, not the connection: the install fails.
 _THIS_VERSIONS_FAULT = (
     grpc.StatusCode.NOT_FOUND,
@@ -65,8 +67,13 @@ class ChunkStore:
                     continue
         return found
 
-    def put(self, chunk_id: bytes, ciphertext: bytes) -> None:
-        """Keep a chunk that matches its id (IntegrityFailure if not): whole or not at all."""
+    def put(self, chunk_id: bytes, ciphertext: bytes, *, sync_dir: bool = True) -> None:
+        """Keep a chunk that matches its id (IntegrityFailure if not): whole or not at all.
+
+        `sync_dir=False` leaves the directory's fsync to the caller (one for a batch): a
+        chunk whose rename a power cut undid is simply fetched again, and one that
+        survived with bad bytes fails its id when read.
+        """
         if hashlib.sha256(ciphertext).digest() != chunk_id:
             raise IntegrityFailure(f"chunk {chunk_id.hex()[:12]} does not match its signed digest")
         final = self.path(chunk_id)
@@ -82,7 +89,8 @@ class ChunkStore:
             finally:
                 os.close(fd)
             os.replace(part, final)
-            fsync_dir(self._root)
+            if sync_dir:
+                fsync_dir(self._root)
         except OSError as exc:
             part.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -139,27 +147,43 @@ class ChunkStore:
                 f"not enough disk space for {len(missing)} chunks ({need} bytes) in "
                 f"{self._root}: {free} bytes free"
             )
-        fetched = 0
-        for ref in missing:
-            data = bytearray()
-            try:
-                async for _, piece in conn.download(
-                    ref.id.hex(), size=ref.ciphertext_size, offset=0
-                ):
-                    data += piece
-                    if len(data) > ref.ciphertext_size:
-                        break
-            except DeviceCallError as exc:
-                if exc.code not in _THIS_VERSIONS_FAULT:
-                    raise  # the network or the server: the sync is tried again
-                # The control plane lacks the chunk (or no longer assigns it): this
-                # version fails to install, the other models of the sync go on.
-                raise IntegrityFailure(
-                    f"chunk {ref.id.hex()[:12]} could not be fetched: {exc}"
-                ) from None
-            self.put(ref.id, bytes(data))
-            fetched += len(data)
-        return len(missing), fetched
+        # A few downloads in flight at once: one chunk's round trip (and the control
+        # plane's check of the assignment) overlaps the others' transfer.
+        slots, fetched = asyncio.Semaphore(IN_FLIGHT), [0]
+
+        async def one(ref: chunks.ChunkRef) -> None:
+            async with slots:
+                data = await self._download(conn, ref)
+                self.put(ref.id, data, sync_dir=False)
+                fetched[0] += len(data)
+
+        tasks = [asyncio.ensure_future(one(ref)) for ref in missing]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # the first failure stops the rest
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if missing:
+                fsync_dir(self._root)  # every rename of the batch made durable at once
+        return len(missing), fetched[0]
+
+    async def _download(self, conn: DeviceConnection, ref: chunks.ChunkRef) -> bytes:
+        data = bytearray()
+        try:
+            async for _, piece in conn.download(ref.id.hex(), size=ref.ciphertext_size, offset=0):
+                data += piece
+                if len(data) > ref.ciphertext_size:
+                    break
+        except DeviceCallError as exc:
+            if exc.code not in _THIS_VERSIONS_FAULT:
+                raise  # the network or the server: the sync is tried again
+            # The control plane lacks the chunk (or no longer assigns it): this version
+            # fails to install, the other models of the sync go on.
+            raise IntegrityFailure(
+                f"chunk {ref.id.hex()[:12]} could not be fetched: {exc}"
+            ) from None
+        return bytes(data)
 
     def sweep(self, keep: Iterable[bytes]) -> int:
         """Delete every chunk not in `keep`, and leftover partial writes; return how many."""
