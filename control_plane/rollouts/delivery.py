@@ -12,7 +12,6 @@ counted as synced to those versions, so an answer a device refused never counts.
 
 from __future__ import annotations
 
-import base64
 import collections
 import datetime as dt
 import hashlib
@@ -22,14 +21,13 @@ from dataclasses import dataclass
 
 from contract import errors
 from contract.assignment import AssignmentRejected, load_public_keys, verify_signed
-from contract.chunks import ID_SIZE, TAG_SIZE
 from control_plane.blobs import BlobStore
 from control_plane.crypto import KeyEncryptionKey
 from control_plane.crypto.device_keys import device_encrypter, wrap_context
 from control_plane.registry.registry import associated_data
 from control_plane.registry.signers import SigningKeys
 from control_plane.rollouts.resolver import Desired, Resolver
-from control_plane.store.base import RegistryStore, VariantRecord, VersionRecord
+from control_plane.store.base import RegistryStore, VariantRecord, VersionRecord, chunk_sizes
 from control_plane.store.fleet import DeviceAuth, ModelState
 
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
@@ -293,12 +291,8 @@ def _chunk_sizes(uid: str, variant: VariantRecord) -> dict[str, int]:
         if found is not None:
             _CHUNK_SIZES.move_to_end(key)
             return found
-    table, keys = variant.chunks["table"], variant.chunks["keys"]
-    raw = base64.b64decode(table["ids"])
-    found = {
-        raw[i * ID_SIZE : (i + 1) * ID_SIZE].hex(): size + TAG_SIZE
-        for i, size in enumerate(table["sizes"])
-    }
+    keys = variant.chunks["keys"]
+    found = chunk_sizes(variant.chunks)
     found[keys["ciphertext_sha256"]] = keys["ciphertext_size"]
     with _chunk_sizes_lock:
         _CHUNK_SIZES[key] = found

@@ -7,7 +7,6 @@ operator and the scheduler) racing on one rollout cannot both win.
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import logging
 import secrets
@@ -15,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contract import errors
-from contract.chunks import ID_SIZE, TAG_SIZE
 from contract.limits import MAX_ATTRIBUTE, MAX_REASON, check_text
 from control_plane.fleet.selector import Selector, parse_selector
 from control_plane.registry.accuracy_bars import failed_bars
@@ -34,7 +32,7 @@ from control_plane.rollouts.lifecycle import (
 )
 from control_plane.rollouts.preview import Preview, preview
 from control_plane.rollouts.resolver import Resolver
-from control_plane.store.base import RegistryStore, VariantRecord
+from control_plane.store.base import RegistryStore, VariantRecord, chunk_sizes
 from control_plane.store.fleet import FleetStore
 from control_plane.store.rollouts import (
     RolloutChange,
@@ -552,10 +550,5 @@ def _download_set(variant: VariantRecord) -> tuple[int, dict[str, int]]:
     """Return a variant's full download size and what it is made of ({blob: bytes})."""
     if not variant.chunks:
         return variant.ciphertext_size, {variant.ciphertext_sha256: variant.ciphertext_size}
-    table = variant.chunks["table"]
-    ids = base64.b64decode(table["ids"])
-    parts = {
-        ids[i * ID_SIZE : (i + 1) * ID_SIZE].hex(): size + TAG_SIZE
-        for i, size in enumerate(table["sizes"])
-    }
+    parts = chunk_sizes(variant.chunks)
     return sum(parts.values()), parts

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from contract import errors
+from contract.chunks import ID_SIZE, TAG_SIZE
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,23 @@ def chunk_secret_context(uid: str) -> str:
     return f"{uid}/chunk-secret"
 
 
+def chunk_sizes(chunks: dict) -> dict[str, int]:
+    """Return {blob: ciphertext size} of the chunks a variant's chunk record lists."""
+    if not chunks:
+        return {}
+    table = chunks["table"]
+    ids = base64.b64decode(table["ids"])
+    return {
+        ids[i * ID_SIZE : (i + 1) * ID_SIZE].hex(): size + TAG_SIZE
+        for i, size in enumerate(table["sizes"])
+    }
+
+
 def chunk_blobs(chunks: dict) -> set[str]:
     """Return the blob keys a variant's chunk record names: its chunks and its key list."""
     if not chunks:
         return set()
-    ids = base64.b64decode(chunks["table"]["ids"])
-    found = {ids[i : i + 32].hex() for i in range(0, len(ids), 32)}
-    found.add(chunks["keys"]["ciphertext_sha256"])
-    return found
+    return {*chunk_sizes(chunks), chunks["keys"]["ciphertext_sha256"]}
 
 
 @dataclass(frozen=True)

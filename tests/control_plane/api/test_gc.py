@@ -182,3 +182,35 @@ def test_s3_orphans_go_by_last_modified_and_referenced_blobs_stay(tmp_path, moto
         assert list(blobs.keys()) == [kept]
     finally:
         store.close()
+
+
+def test_a_sweep_keeps_every_chunk_a_version_names_and_takes_old_orphan_chunks(cp, tmp_path):
+    """Chunks are blobs shared by a model's versions: every one a committed version's table
+    names stays however old; an orphan chunk (a failed push's) goes once old; and a push
+    that needs a chunk a sweep took stores it again."""
+    from contract import chunks
+    from control_plane.demo import sample_models
+
+    big = tmp_path / "big.mnn"
+    big.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.sized_mlp_onnx(2 << 20, seed=21)))
+    with cp.client() as client:
+        client.push(big, name="big")
+    (v,) = cp.registry.store.list_versions("big")
+    table = chunks.ChunkTable.from_manifest(
+        v.variant("fp32").chunks["table"], v.variant("fp32").plaintext_size
+    )
+    names = {c.hex() for c in table.distinct()}
+    assert names <= _referenced(cp) and v.variant("fp32").chunks["keys"]["ciphertext_sha256"] in (
+        _referenced(cp)
+    )
+    for key in names:
+        _backdate(cp.registry.blobs, key, 30 * DAY)
+    orphan = _orphan(cp, b"a chunk of a push that failed", age_s=cp.registry.gc_grace_s + 60)
+    with cp.client() as client:
+        assert list(client.collect_garbage().blobs) == [orphan]
+    assert all(cp.registry.blobs.exists(key) for key in names)
+    lost = sorted(names)[0]
+    cp.registry.blobs.delete(lost)  # as if a sweep's race had taken it
+    with cp.client() as client:
+        client.push(big, name="big", allow_duplicate=True)
+    assert cp.registry.blobs.exists(lost)
