@@ -16,9 +16,8 @@ once, fetched once. Another model has another S, so the same plaintext there is 
 unrelated ciphertext with an unrelated id. Without S nobody can compute K for a guessed
 plaintext, so the blob store cannot confirm a guess by recomputing its ciphertext (the
 weakness of plain convergent encryption, where the key is the plaintext's hash). Chunk
-lengths are not hidden, though: FastCDC's boundaries are public, so whoever sees the
-stored sizes can confirm a guess of a whole model by its sequence of chunk lengths, and
-can tell two models holding the same content by theirs (README, "Chunked updates"). A device
+boundaries are keyed by S too (`boundary_relabel`), so chunk lengths neither confirm a
+guessed model nor link two models holding the same content (README, "Chunked updates"). A device
 receives the keys of the chunks of the versions it is assigned, in a list encrypted under
 that version's data key (itself wrapped to the device): a key opens one chunk, and says
 nothing of the keys of chunks it does not hold. AES-SIV is a deterministic AEAD (a
@@ -34,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -54,11 +54,13 @@ TAG_SIZE = 16  # the synthetic IV that prefixes every AES-SIV ciphertext
 MAX_CHUNK = 16 << 20
 
 _INFO = b"skiff-chunk-key/v1"
+_BOUNDARY_INFO = b"skiff-chunk-boundaries/v1"
 _DOMAIN = b"skiff-chunk/v1"
 
 __all__ = [
     "ChunkRef",
     "ChunkTable",
+    "boundary_relabel",
     "chunk_id",
     "chunk_key",
     "new_secret",
@@ -74,6 +76,22 @@ def new_secret() -> bytes:
     import secrets
 
     return secrets.token_bytes(SECRET_SIZE)
+
+
+def boundary_relabel(secret: bytes, model: str) -> bytes:
+    """Return the model's secret byte relabelling for chunk boundaries (control plane only).
+
+    FastCDC's gear table is public, so unkeyed boundaries, and so chunk lengths, are a
+    function of the content alone: whoever sees stored sizes could cut a guessed model
+    and compare. Boundaries are found on the content with each byte value relabelled by
+    a permutation only S determines (the 256 values sorted by HMAC under a key derived
+    from S): within the model the same content still cuts the same way and an edit still
+    moves only the boundaries near it; without S they cannot be predicted.
+    """
+    if len(secret) != SECRET_SIZE:
+        raise errors.InvalidArgument(f"a chunk secret is {SECRET_SIZE} bytes, got {len(secret)}")
+    key = HKDF(hashes.SHA256(), 32, salt=model.encode(), info=_BOUNDARY_INFO).derive(secret)
+    return bytes(sorted(range(256), key=lambda b: hmac.new(key, bytes((b,)), "sha256").digest()))
 
 
 def chunk_key(secret: bytes, model_uid: str, plaintext: bytes | memoryview) -> bytes:

@@ -398,6 +398,7 @@ def start_server(
 # In-flight calls get STOP_GRACE_S to finish after SIGTERM; everything else STOP_LIMIT_S more.
 STOP_GRACE_S = 10
 STOP_LIMIT_S = 15
+SIGNAL_POLL_S = 0.5
 
 
 def serve(*, config: Config, replica: bool = False) -> None:
@@ -415,7 +416,11 @@ def serve(*, config: Config, replica: bool = False) -> None:
     print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
     if server.dashboard is not None:
         print(f"dashboard and /metrics at {server.dashboard.url}", flush=True)
-    stop.wait()
+    # Woken every so often: a signal delivered to another thread (grpc's, the loop's) only
+    # sets a flag the main thread reads when it runs, and an Event.wait() with no timeout
+    # would never run it; such a SIGTERM was lost and the server kept serving.
+    while not stop.wait(SIGNAL_POLL_S):
+        pass
     # A stop that hangs (a handler thread that never returns, a grpc shutdown stuck on a
     # cancelled stream) must not leave a server that ignores SIGTERM: past the limit, the
     # stacks of every thread go to the log, for the report, and the process exits 1.

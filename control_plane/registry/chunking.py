@@ -19,6 +19,8 @@ from fastcdc import fastcdc
 from contract import chunks, errors
 
 AVG_CHUNK = 256 << 10
+# Bytes relabelled (copied) at a time: many chunks, never the whole model twice in memory.
+WINDOW = 16 << 20
 # Variants smaller than this keep the one-artifact format: a few chunks would save a
 # device next to nothing, and the one artifact has presigned URLs and resumable segments.
 CHUNKED_MIN_BYTES = 4 * AVG_CHUNK
@@ -46,12 +48,18 @@ def check_average(avg: int) -> int:
 
 
 def cut(
-    data: bytes | memoryview, *, avg: int = AVG_CHUNK, spans: Sequence[int] = ()
+    data: bytes | memoryview,
+    *,
+    avg: int = AVG_CHUNK,
+    spans: Sequence[int] = (),
+    relabel: bytes | None = None,
 ) -> Iterator[memoryview]:
     """Yield `data` as content-defined chunks, in order, together exactly `data`.
 
     `spans` are offsets where a chunk must end (a bundle's file boundaries); FastCDC
-    cuts within each span. An empty `data` is one empty chunk.
+    cuts within each span. With `relabel` (a byte permutation, contract.chunks.
+    boundary_relabel), boundaries are found on the relabelled bytes, so only its holder
+    can predict them. An empty `data` is one empty chunk.
     """
     view = memoryview(data).cast("B")
     check_average(avg)
@@ -61,11 +69,32 @@ def cut(
     edges = sorted({0, len(view), *(s for s in spans if 0 < s < len(view))})
     for start, end in zip(edges, edges[1:], strict=False):
         span = view[start:end]
-        if len(span) <= avg // 4:  # below FastCDC's minimum: one chunk
-            yield span
-            continue
-        for c in fastcdc(span, min_size=avg // 4, avg_size=avg, max_size=avg * 4):
-            yield span[c.offset : c.offset + c.length]
+        at = 0
+        for length in _lengths(span, avg, relabel):
+            yield span[at : at + length]
+            at += length
+
+
+def _lengths(span: memoryview, avg: int, relabel: bytes | None) -> Iterator[int]:
+    """Yield the chunk lengths of one span, WINDOW bytes relabelled at a time.
+
+    FastCDC decides each boundary from the chunk's own start, so a window that ends
+    mid-chunk loses nothing: its last chunk is dropped and the next window starts there.
+    """
+    if len(span) <= avg // 4:  # below FastCDC's minimum: one chunk
+        yield len(span)
+        return
+    at, size = 0, max(WINDOW, 8 * 4 * avg)  # many chunks of at most 4 * avg per window
+    while at < len(span):
+        window = span[at : at + size]
+        cut_on = window if relabel is None else window.tobytes().translate(relabel)
+        found = [
+            c.length for c in fastcdc(cut_on, min_size=avg // 4, avg_size=avg, max_size=avg * 4)
+        ]
+        if at + len(window) < len(span):
+            found = found[:-1]  # cut by the window's end, not by the content
+        yield from found
+        at += sum(found)
 
 
 def tar_spans(fileobj) -> list[int]:
@@ -89,8 +118,12 @@ def seal(
     avg: int = AVG_CHUNK,
     spans: Sequence[int] = (),
 ) -> Iterator[SealedChunk]:
-    """Yield each chunk of `data` sealed under its content-derived key, in order."""
-    for piece in cut(data, avg=avg, spans=spans):
+    """Yield each chunk of `data` sealed under its content-derived key, in order.
+
+    Its boundaries are keyed by the model's secret too (contract.chunks.boundary_relabel).
+    """
+    relabel = chunks.boundary_relabel(secret, model_uid)
+    for piece in cut(data, avg=avg, spans=spans, relabel=relabel):
         key = chunks.chunk_key(secret, model_uid, piece)
         ciphertext = chunks.seal_chunk(key, model_uid, piece)
         yield SealedChunk(chunks.ChunkRef(chunks.chunk_id(ciphertext), len(piece)), key, ciphertext)

@@ -178,3 +178,28 @@ def test_chunks_of_random_bytes_round_trip():
     sealed = _sealed(data, secret, avg=64 << 10)
     assert sum(c.ref.size for c in sealed) == len(data)
     assert b"".join(chunks.open_chunk(c.key, UID, c.ref.id, c.ciphertext) for c in sealed) == data
+
+
+def test_chunk_lengths_neither_confirm_a_guess_nor_link_two_models():
+    """Boundaries are keyed by the model's secret: the same content in another model, or a
+    guess cut without the secret, gives other chunk lengths than the stored ones."""
+    data = _data(4 << 20, 30)
+    stored = [c.ref.size for c in _sealed(data, chunks.new_secret())]
+    other_model = [c.ref.size for c in _sealed(data, chunks.new_secret(), OTHER_UID)]
+    unkeyed_guess = [len(p) for p in chunking.cut(data)]
+    assert stored != other_model and stored != unkeyed_guess
+    assert sum(stored) == sum(other_model) == len(data)
+
+
+def test_windows_cut_exactly_where_one_pass_would():
+    secret, data = chunks.new_secret(), _data(3 << 20, 31)
+    relabel = chunks.boundary_relabel(secret, UID)
+    assert sorted(relabel) == list(range(256))
+    whole = [len(p) for p in chunking.cut(data, avg=64 << 10, relabel=relabel)]  # one window
+    original = chunking.WINDOW
+    try:
+        chunking.WINDOW = 1 << 20  # raised to 8 largest chunks (2 MiB): two windows
+        windowed = [len(p) for p in chunking.cut(data, avg=64 << 10, relabel=relabel)]
+    finally:
+        chunking.WINDOW = original
+    assert windowed == whole
