@@ -412,18 +412,7 @@ class Installer:
 
     def _plaintext(self, m: VerifiedModel, key: bytes) -> Plaintext:
         """Return where the assigned variant's plaintext comes from (chunks or artifact)."""
-        if m.chunks is not None and m.chunk_keys is not None:
-            keys = self._chunk_keys(m.chunk_keys, key, m.chunks)
-            return from_chunks(
-                self.chunks, m.chunks, keys, m.model, m.plaintext_sha256, m.plaintext_size
-            )
-        return from_artifact(
-            self.artifact_path(m.ciphertext_sha256),
-            key,
-            m.associated_data,
-            m.plaintext_sha256,
-            m.plaintext_size,
-        )
+        return self._slot_plaintext(m.model, _slot(m, "", []), key)
 
     def _slot_plaintext(self, model: str, slot: dict, key: bytes) -> Plaintext:
         """Return where an installed slot's plaintext comes from (chunks or artifact)."""
