@@ -25,17 +25,18 @@ from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import associated_data
 from control_plane.registry.requests import MAX_VERSION, VARIANT_NAME, validate_name
 from control_plane.registry.signers import SigningKeys
-from control_plane.rollouts.delivery import Assignment, Delivery, SyncResult
+from control_plane.rollouts.delivery import Assignment, Delivery, NotCached, SyncResult
 from control_plane.rollouts.watchers import Watchers, fingerprint
-from control_plane.store.fleet import DeviceUpdate, FleetStore, ModelState
+from control_plane.store.fleet import DeviceAuth, DeviceUpdate, FleetStore, ModelState
 from control_plane.store.report_records import ReportBatch
 from control_plane.telemetry import Telemetry
 from control_plane.telemetry.recommend import Recommendations
 from protos import device_pb2, device_pb2_grpc
 
 MAX_INSTALLED = 256
-# Reports up to this size are checked on the event loop (well under a millisecond); a
-# bigger one (up to 256 models with 64 crashes each) in a thread, not to stall the loop.
+# Reports and Syncs up to this size are answered on the event loop (well under a
+# millisecond); a bigger one (up to 256 models with 64 crashes each) in a thread, not to
+# stall the loop.
 SMALL_REPORT_BYTES = 16 << 10
 # Attributes each device reported on its last Sync through this replica: Download checks
 # assignments against them, not against the database copy (written behind, so late).
@@ -169,19 +170,31 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                 msg.recommended_config, msg.recommended_samples = best
         return msg
 
-    def _sync(self, authorization: str | None, request) -> device_pb2.SyncResponse:
+    def _sync_blocking(self, authorization: str | None, request) -> device_pb2.SyncResponse:
         # Blocking (database, KEK, HPKE, signing): runs in a worker thread, never on the
         # event loop that carries every Watch stream.
-        device = self._fleet.authenticate(authorization)
+        return self._sync(self._fleet.authenticate(authorization), request, on_loop=False)
+
+    def _sync(self, device: DeviceAuth, request, *, on_loop: bool) -> device_pb2.SyncResponse:
+        """Answer a Sync; `on_loop`: from memory alone, or NotCached (ask in a thread)."""
         installed = _installed(request.installed)
         attrs = self._fleet.device_attributes(device, attributes_dict(request.attributes))
-        result: SyncResult = self._delivery.sync(device, attrs, installed, request.nonce)
+        result: SyncResult = self._delivery.sync(
+            device, attrs, installed, request.nonce, cached_only=on_loop
+        )
+        if on_loop and self._recommendations is not None:
+            for a in result.assignments:
+                if not self._recommendations.fresh(a.model, a.desired.version):
+                    raise NotCached("recommendations")
         desired = {a.model: a.desired for a in result.assignments}
         self._remember(device.id, attrs)
         now = dt.datetime.now(dt.UTC)
         # Not `synced`: that waits for the device's Ack of this answer.
         self._writer.add(DeviceUpdate(device.id, now, attrs, installed))
-        self._watchers.note_sync_threadsafe(device.id, attrs, desired)
+        if on_loop:
+            self._watchers.note_sync(device.id, attrs, desired)
+        else:
+            self._watchers.note_sync_threadsafe(device.id, attrs, desired)
         return device_pb2.SyncResponse(
             revision=result.revision,
             models=[
@@ -196,7 +209,18 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
     @mapped_async
     async def Sync(self, request, context):  # noqa: D102, N802
-        return await asyncio.to_thread(self._sync, _authorization(context), request)
+        authorization = _authorization(context)
+        # On the loop when everything the answer needs is in memory (the credential, the
+        # versions and their data keys, a local signing key) and it is small: a thread
+        # hop costs more than such an answer. Anything else waits in a thread.
+        if request.ByteSize() <= SMALL_REPORT_BYTES:
+            device = self._fleet.authenticate(authorization, cached_only=True)
+            if device is not None:
+                try:
+                    return self._sync(device, request, on_loop=True)
+                except NotCached:
+                    pass
+        return await asyncio.to_thread(self._sync_blocking, authorization, request)
 
     def _ack(self, authorization: str | None, request) -> device_pb2.AckResponse:
         device = self._fleet.authenticate(authorization)

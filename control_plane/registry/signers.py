@@ -84,6 +84,18 @@ class SigningKeys(Signer):
             raise errors.FailedPrecondition("no signing key registered (run `skiff init`)")
         self._chain, self._fresh_until = chain, self._monotonic() + REFRESH_S
 
+    def active_if_ready(self) -> tuple[Signer, tuple[SigningKeyRecord, ...]] | None:
+        """Return (active signer, chain) if signing needs no I/O now, else None.
+
+        Ready: the chain needs no re-read and the active key is a local key already
+        opened (a KMS key signs over the network). For callers on an event loop.
+        """
+        if self._monotonic() >= self._fresh_until:
+            return None
+        chain = self._chain
+        signer = self._signers.get(chain[-1].key_id)
+        return (signer, chain) if isinstance(signer, ManifestSigner) else None
+
     def valid_public_keys(self) -> list[bytes]:
         """Return the PEMs of the keys verifiers may accept now."""
         now = self._clock()

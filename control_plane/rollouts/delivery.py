@@ -37,6 +37,8 @@ _KEY_CACHE = 256
 _KEY_CACHE_TTL_S = 600.0
 _ENCRYPTER_CACHE = 100_000
 MIN_NONCE, MAX_NONCE = 16, 64
+# A `cached_only` answer wraps at most this many keys (~0.1 ms each): more, off the loop.
+LOOP_WRAPS = 4
 # The largest document a device may send back (256 models make about 150 KiB).
 MAX_ACK_DOCUMENT = 1 << 20
 
@@ -65,6 +67,10 @@ class SyncResult:
     key_id: str
 
 
+class NotCached(Exception):  # noqa: N818 - a signal, not an error
+    """What a `cached_only` answer needed was not in memory (ask again, off the loop)."""
+
+
 class _LruCache:
     """A small thread-safe LRU with an optional time-to-live per entry."""
 
@@ -73,12 +79,15 @@ class _LruCache:
         self._items: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key, make: Callable[[], object], now: float = 0.0):
+    def get(self, key, make: Callable[[], object], now: float = 0.0, *, cached_only=False):
+        """Return the value for `key`, made by `make` on a miss (NotCached if `cached_only`)."""
         with self._lock:
             hit = self._items.get(key)
             if hit is not None and (self._ttl is None or hit[0] > now):
                 self._items.move_to_end(key)
                 return hit[1]
+        if cached_only:
+            raise NotCached(key)
         value = make()
         with self._lock:
             self._items[key] = ((now + self._ttl) if self._ttl else 0.0, value)
@@ -112,6 +121,8 @@ class Delivery:
         # Unwrapping goes to the KEK (maybe a KMS round trip); a Sync storm must not.
         self._data_keys = _LruCache(_KEY_CACHE, _KEY_CACHE_TTL_S)
         self._encrypters = _LruCache(_ENCRYPTER_CACHE)
+        # The part of a document's model entry shared by every device of a variant.
+        self._entries = _LruCache(_VERSION_CACHE)
         # The verifying keys, parsed once per change of the valid PEMs (not per Ack).
         self._verifiers: tuple[tuple[bytes, ...], list] = ((), [])
         # The latest revision each device acknowledged here: an older answer acknowledged
@@ -130,19 +141,40 @@ class Delivery:
         attrs: Mapping,
         installed: tuple[ModelState, ...],
         nonce: bytes = b"",
+        *,
+        cached_only: bool = False,
     ) -> SyncResult:
-        """Answer one device's Sync; the signed document echoes the device's nonce."""
+        """Answer one device's Sync; the signed document echoes the device's nonce.
+
+        With `cached_only` (on the event loop), NotCached when the answer needs anything
+        not in memory (a version record, a data key from the KEK): ask again off the loop.
+        """
         if nonce and not MIN_NONCE <= len(nonce) <= MAX_NONCE:
             raise errors.InvalidArgument(f"nonce must be {MIN_NONCE} to {MAX_NONCE} bytes")
-        revision, desired = self.desired(device.id, attrs)
+        signer = self._signer
+        if cached_only:
+            ready = self._signer.active_if_ready()
+            if ready is None:
+                raise NotCached("signing key")
+            signer = ready[0]
+        snap = self._resolver.current() if cached_only else self._resolver.snapshot()
+        if snap is None:
+            raise NotCached("rollouts changed")
+        revision, desired = snap.revision, snap.desired(device.id, attrs)
         have = {(s.model, s.version, s.variant) for s in installed}
+        if cached_only:
+            wraps = sum((m, d.version, d.variant) not in have for m, d in desired.items())
+            if wraps > LOOP_WRAPS:
+                raise NotCached(f"{wraps} keys to wrap")
         assignments = tuple(
-            self._assign(device, model, d, (model, d.version, d.variant) in have)
+            self._assign(
+                device, model, d, (model, d.version, d.variant) in have, cached_only, signer.key_id
+            )
             for model, d in sorted(desired.items())
         )
         # To the microsecond: devices measure their clock's offset from issued_at.
         now = self._clock()
-        signed = self._signer.sign(
+        signed = signer.sign(
             {
                 "schema": ASSIGNMENT_SCHEMA,
                 "device": device.id,
@@ -150,7 +182,7 @@ class Delivery:
                 "revision": revision,
                 "issued_at": now.isoformat(),
                 "expires_at": (now + self._ttl).isoformat(),
-                "models": {a.model: _document_entry(a) for a in assignments},
+                "models": {a.model: self._document_entry(a) for a in assignments},
             }
         )
         return SyncResult(revision, assignments, signed.body, signed.signature, signed.key_id)
@@ -199,6 +231,21 @@ class Delivery:
                 self._acked.popitem(last=False)
         return models
 
+    def _document_entry(self, a: Assignment) -> dict:
+        """Return one model's entry of a signed document (its shared part made once)."""
+        # Versions are immutable but for their manifest (re-signed at a key rotation).
+        key = (a.version.uid, a.variant.name, a.version.manifest)
+        shared = self._entries.get(key, lambda: _version_entry(a.version, a.variant))
+        return {
+            **shared,
+            "version": a.desired.version,
+            "variant": a.desired.variant,
+            "rollout": a.desired.rollout,
+            "wrapped_key_sha256": hashlib.sha256(a.wrapped_data_key).hexdigest()
+            if a.wrapped_data_key
+            else "",
+        }
+
     def _verifying_keys(self) -> list:
         pems = tuple(self._signer.valid_public_keys())
         cached, keys = self._verifiers
@@ -207,14 +254,22 @@ class Delivery:
             self._verifiers = (pems, keys)
         return keys
 
-    def _assign(self, device: DeviceAuth, model: str, d: Desired, installed: bool) -> Assignment:
-        version = self.version(model, d.version)
+    def _assign(
+        self,
+        device: DeviceAuth,
+        model: str,
+        d: Desired,
+        installed: bool,
+        cached_only: bool,
+        key_id: str,
+    ) -> Assignment:
+        version = self.version(model, d.version, cached_only=cached_only, key_id=key_id)
         variant = version.variant(d.variant)
         if variant is None:  # rollouts are checked at creation; versions are immutable
             raise errors.NotFound(f"{model}:{d.version} has no variant {d.variant!r}")
         wrapped = b""
         if not installed:
-            data_key = self._data_key(version)
+            data_key = self._data_key(version, cached_only=cached_only)
             # Parsing a device's keyset costs as much as a third of the encryption; a
             # device's key never changes, so its primitive is kept.
             encrypter = self._encrypters.get(
@@ -225,20 +280,25 @@ class Delivery:
         expires = self._clock() + dt.timedelta(seconds=self._presign_ttl) if url else None
         return Assignment(model, d, version, variant, wrapped, url or "", expires)
 
-    def version(self, model: str, number: int) -> VersionRecord:
+    def version(
+        self, model: str, number: int, *, cached_only: bool = False, key_id: str = ""
+    ) -> VersionRecord:
         """Return a version (cached: versions are immutable but for their manifest's signature).
 
         A signing-key rotation re-signs every manifest, so the cache is keyed by the active
-        key as well: after a rotation, devices get the manifest signed by the new key.
+        key (`key_id`, default: ask the chain) as well: after a rotation, devices get the
+        manifest signed by the new key.
         """
-        key = (model, number, self._signer.key_id)
-        return self._versions.get(key, lambda: self._store.get_version(model, number))
+        key = (model, number, key_id or self._signer.key_id)
+        return self._versions.get(
+            key, lambda: self._store.get_version(model, number), cached_only=cached_only
+        )
 
-    def _data_key(self, version: VersionRecord) -> bytes:
+    def _data_key(self, version: VersionRecord, *, cached_only: bool = False) -> bytes:
         def unwrap() -> bytes:
             return self._kek().unwrap(version.data_key, context=version.uid)
 
-        return self._data_keys.get(version.uid, unwrap, self._monotonic())
+        return self._data_keys.get(version.uid, unwrap, self._monotonic(), cached_only=cached_only)
 
     def open_artifact(
         self, device_id: str, attrs: Mapping, artifact: str, offset: int
@@ -301,22 +361,17 @@ def _chunk_sizes(uid: str, variant: VariantRecord) -> dict[str, int]:
     return found
 
 
-def _document_entry(a: Assignment) -> dict:
+def _version_entry(version: VersionRecord, variant: VariantRecord) -> dict:
+    """Return the part of a model's document entry every device of this variant shares."""
     return {
-        "version": a.desired.version,
-        "variant": a.desired.variant,
-        "rollout": a.desired.rollout,
-        "uid": a.version.uid,
-        "ciphertext_sha256": a.variant.ciphertext_sha256,
-        "ciphertext_size": a.variant.ciphertext_size,
-        "segment_size": a.variant.segment_size,
-        "plaintext_sha256": a.variant.plaintext_sha256,
-        "plaintext_size": a.variant.plaintext_size,
-        "associated_data": associated_data(a.version.uid, a.variant.name).decode(),
-        "degraded": a.variant.degraded,
-        "golden_sha256": a.version.golden.get("ciphertext_sha256", ""),
-        "manifest_sha256": hashlib.sha256(a.version.manifest).hexdigest(),
-        "wrapped_key_sha256": hashlib.sha256(a.wrapped_data_key).hexdigest()
-        if a.wrapped_data_key
-        else "",
+        "uid": version.uid,
+        "ciphertext_sha256": variant.ciphertext_sha256,
+        "ciphertext_size": variant.ciphertext_size,
+        "segment_size": variant.segment_size,
+        "plaintext_sha256": variant.plaintext_sha256,
+        "plaintext_size": variant.plaintext_size,
+        "associated_data": associated_data(version.uid, variant.name).decode(),
+        "degraded": variant.degraded,
+        "golden_sha256": version.golden.get("ciphertext_sha256", ""),
+        "manifest_sha256": hashlib.sha256(version.manifest).hexdigest(),
     }

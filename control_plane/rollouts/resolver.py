@@ -285,6 +285,11 @@ class Resolver:
         with self._lock:
             self._wanted += 1
 
+    def current(self) -> Snapshot | None:
+        """Return the snapshot if it is loaded after the latest change, else None (no I/O)."""
+        snap = self._snapshot
+        return snap if snap is not None and self._loaded == self._wanted else None
+
     def snapshot(self) -> Snapshot:
         """Return a snapshot loaded after the latest change (blocking: may read the DB)."""
         snap = self._snapshot

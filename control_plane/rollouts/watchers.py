@@ -158,7 +158,9 @@ class Watchers:
         self, device_id: str, attrs: Mapping, desired: Mapping[str, Desired]
     ) -> None:
         """`note_sync` from any thread (Sync runs in worker threads)."""
-        if self._loop is not None:
+        # Most Syncs come from devices with no stream here: waking the loop for them cost
+        # a self-pipe write per Sync. A stream opened meanwhile loads its own state.
+        if self._loop is not None and device_id in self._by_device:
             self._loop.call_soon_threadsafe(self.note_sync, device_id, attrs, desired)
 
     def note_sync(self, device_id: str, attrs: Mapping, desired: Mapping[str, Desired]) -> None:

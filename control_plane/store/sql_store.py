@@ -37,6 +37,12 @@ from control_plane.store.sql_tokens import SqlTokenStore
 
 # A concurrent push that takes the same number loses on the unique constraint and retries.
 _VERSION_RETRIES = 5
+# PostgreSQL connections a process keeps open: its handler threads (the RPC pool and the
+# event loop's executor) plus the writers and timers. SQLAlchemy's default (5, closing
+# every overflow connection on return) made PostgreSQL open hundreds of sessions a
+# second under a Sync storm (FACTS.md); overflow beyond this is for rare peaks.
+PG_POOL_SIZE, PG_POOL_OVERFLOW = 24, 8
+_AUTOCOMMIT = "AUTOCOMMIT"
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -60,8 +66,10 @@ def _sqlite_begin(conn) -> None:
 
 def _sqlite_begin_read(conn) -> None:
     # Read-only transactions must not queue behind writers: in WAL mode a plain BEGIN
-    # reads a consistent snapshot while a writer holds the lock.
-    conn.exec_driver_sql("BEGIN")
+    # reads a consistent snapshot while a writer holds the lock. A one-statement read
+    # (`_read_connection`) needs no transaction: SQLite's implicit one is the same.
+    if conn.get_execution_options().get("isolation_level") != _AUTOCOMMIT:
+        conn.exec_driver_sql("BEGIN")
 
 
 def make_engine(url: str, *, read_only: bool = False) -> Engine:
@@ -87,7 +95,12 @@ def _make_engine(url: str, *, read_only: bool) -> Engine:
         # pool_pre_ping turns a server restart into one reconnect instead of an error;
         # connect_timeout bounds how long a call waits on an unreachable server.
         return create_engine(
-            url, pool_pre_ping=True, connect_args={"connect_timeout": 5}, hide_parameters=True
+            url,
+            pool_pre_ping=True,
+            pool_size=PG_POOL_SIZE,
+            max_overflow=PG_POOL_OVERFLOW,
+            connect_args={"connect_timeout": 5},
+            hide_parameters=True,
         )
     raise errors.InvalidArgument(f"unsupported database URL scheme: {url.split(':', 1)[0]}")
 
@@ -152,6 +165,11 @@ class SqlStore(
         self._read_sessions = (
             sessionmaker(self._reader, expire_on_commit=False) if self._reader else self._sessions
         )
+        # One-statement reads (the credential lookup of every call) run outside any
+        # transaction: no BEGIN and ROLLBACK round trips, never idle in transaction.
+        self._single_reads = (self._reader or self._engine).execution_options(
+            isolation_level=_AUTOCOMMIT
+        )
         self._listeners: list[Callable[[Change], None]] = []
         if migrate:
             self.check()  # sorts "cannot connect" into Unavailable before Alembic runs
@@ -168,9 +186,9 @@ class SqlStore(
 
     @contextlib.contextmanager
     def _read_connection(self) -> Iterator[Connection]:
-        """Open a read-only connection without an ORM session (for the hottest lookups)."""
+        """Open a connection for ONE read statement, outside any transaction (hot lookups)."""
         try:
-            with (self._reader or self._engine).connect() as conn:
+            with self._single_reads.connect() as conn:
                 yield conn
         except sa_exc.SQLAlchemyError as exc:
             raise _sorted_db_error(exc) from exc

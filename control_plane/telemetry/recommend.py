@@ -174,6 +174,12 @@ class Recommendations:
             why=why,
         )
 
+    def fresh(self, model: str, version: int) -> bool:
+        """Whether `for_device` answers for this version from memory (no query)."""
+        with self._lock:
+            cached = self._cache.get((model, version))
+        return cached is not None and cached[0] >= time.monotonic()
+
     def for_device(
         self, model: str, version: int, variant: str, attrs: Mapping
     ) -> tuple[str, int] | None:
