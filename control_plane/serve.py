@@ -41,6 +41,7 @@ from control_plane.api.health import HealthMonitor
 from control_plane.api.transport import check_listen, listen_credentials, listen_failure
 from control_plane.app import App, build_app, kek_rotation
 from control_plane.home import HomeLock
+from control_plane.serve_workers import serve_workers, worker_count
 from control_plane.settings import Config
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
@@ -353,14 +354,20 @@ def start_server(
     address: str | None = None,
     http: str | None = None,
     replica: bool = False,
+    worker: int | None = None,
 ) -> tuple[ServerHandle, int]:
     """Build the app and a started server (and dashboard, per `http` or the config).
 
     The server holds its home (HomeLock) until it stops: a second one on the same home is
     refused, unless every server of the home is a `replica` (PostgreSQL only), and
-    replicas may share their address too.
+    replicas may share their address too. A `worker` (its index) is one of the processes
+    of `skiff server --workers N` (serve_workers): its supervisor holds the home's lock
+    and the port, the worker shares both; only worker 0 serves the dashboard.
     """
     address = address or config.grpc
+    if worker is not None:
+        replica = True
+        http = (config.http if http is None else http) if worker == 0 else ""
     if replica and sa_url.make_url(config.db).get_backend_name() != "postgresql":
         raise errors.InvalidArgument(
             "--replica needs a PostgreSQL database (--db): replicas hear each other's "
@@ -370,7 +377,9 @@ def start_server(
     http = config.http if http is None else http
     if http:
         http_plugin(http)  # and so does a dashboard this install lacks
-    lock = HomeLock(config.home, shared=replica).acquire()
+    lock = HomeLock(config.home, shared=replica)
+    if worker is None:
+        lock.acquire()
     try:
         check_listen(address, reuse_port=replica)
         app = build_app(config)
@@ -401,11 +410,31 @@ STOP_LIMIT_S = 15
 SIGNAL_POLL_S = 0.5
 
 
-def serve(*, config: Config, replica: bool = False) -> None:
-    """Run the server until SIGINT/SIGTERM, then drain in-flight calls."""
+def serve(
+    *,
+    config: Config,
+    replica: bool = False,
+    workers: int | None = None,
+    worker_index: int | None = None,
+) -> int:
+    """Run the server until SIGINT/SIGTERM, then drain in-flight calls; returns exit status.
+
+    `workers` server processes (default: one per core with PostgreSQL, one with SQLite)
+    share the --grpc port: see serve_workers. `worker_index` runs one of them.
+    """
+    if worker_index is None:
+        count = worker_count(config, workers)
+        if count > 1:
+            return serve_workers(
+                config=config,
+                count=count,
+                replica=replica,
+                stop_limit_s=STOP_GRACE_S + STOP_LIMIT_S + 5,
+                poll_s=SIGNAL_POLL_S,
+            )
     # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
     forbid_core_dumps()
-    server, port = start_server(config=config, replica=replica)
+    server, port = start_server(config=config, replica=replica, worker=worker_index)
     # Before "listening" is printed: whoever waits for that line may stop us at once, and
     # a SIGTERM before the handler is in place would kill the server without its drain.
     stop = threading.Event()
@@ -413,9 +442,9 @@ def serve(*, config: Config, replica: bool = False) -> None:
         signal.signal(sig, lambda *_: stop.set())
     host = config.grpc.rsplit(":", 1)[0]
     transport = "TLS" if server.tls else "plaintext, this machine only"
-    print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
     if server.dashboard is not None:
         print(f"dashboard and /metrics at {server.dashboard.url}", flush=True)
+    print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
     # Woken every so often: a signal delivered to another thread (grpc's, the loop's) only
     # sets a flag the main thread reads when it runs, and an Event.wait() with no timeout
     # would never run it; such a SIGTERM was lost and the server kept serving.
@@ -427,3 +456,4 @@ def serve(*, config: Config, replica: bool = False) -> None:
     faulthandler.dump_traceback_later(STOP_GRACE_S + STOP_LIMIT_S, exit=True)
     server.stop(grace=STOP_GRACE_S)
     server.app.store.close()
+    return 0

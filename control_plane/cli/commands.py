@@ -48,7 +48,11 @@ def start_server(*, config: Config, args: argparse.Namespace) -> Output:
     """Run the control plane until interrupted."""
     from control_plane.serve import serve
 
-    serve(config=config, replica=args.replica)
+    status = serve(
+        config=config, replica=args.replica, workers=args.workers, worker_index=args.worker_index
+    )
+    if status:
+        raise SystemExit(status)
     return None
 
 

@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="one of several servers of this home on purpose (PostgreSQL only): they share "
         "the home and may share the --grpc address; without it a second server is refused",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="server processes sharing the --grpc port (default: one per core with "
+        "PostgreSQL; SQLite serves one)",
+    )
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by --workers
 
     model = sub.add_parser("model", help="push, list, show and pull models")
     msub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
