@@ -442,9 +442,12 @@ def serve(
         signal.signal(sig, lambda *_: stop.set())
     host = config.grpc.rsplit(":", 1)[0]
     transport = "TLS" if server.tls else "plaintext, this machine only"
+    lines = [f"skiff server listening on {host}:{port} ({transport}; home {config.home})"]
     if server.dashboard is not None:
-        print(f"dashboard and /metrics at {server.dashboard.url}", flush=True)
-    print(f"skiff server listening on {host}:{port} ({transport}; home {config.home})", flush=True)
+        lines.append(f"dashboard and /metrics at {server.dashboard.url}")
+    if worker_index is not None:  # its supervisor reads up to the "listening" line
+        lines.reverse()
+    print(*lines, sep="\n", flush=True)
     # Woken every so often: a signal delivered to another thread (grpc's, the loop's) only
     # sets a flag the main thread reads when it runs, and an Event.wait() with no timeout
     # would never run it; such a SIGTERM was lost and the server kept serving.

@@ -13,17 +13,19 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from contract.device_client import DeviceCallError
 from control_plane.api.client import AdminClient
 from control_plane.serve_workers import host_cores
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device, Watching
-from tests.control_plane.cli.test_cli import skiff
+from tests.control_plane.cli.test_cli import SKIFF, skiff
 from tests.control_plane.helpers import spawn_server
 
 EXIT_INVALID, EXIT_CONFLICT = 3, 7
@@ -217,3 +219,24 @@ def test_a_taken_port_is_refused_before_any_worker_starts(pg_home):
         )
     assert result.returncode == EXIT_CONFLICT, result.stderr
     assert "address in use" in result.stderr and "listening" not in result.stdout
+
+
+@pytest.mark.postgres
+def test_worker_zero_serves_the_dashboard(pg_home, tmp_path):
+    proc = subprocess.Popen(
+        [*SKIFF, "server", "--home", str(pg_home), "--grpc", "127.0.0.1:0"]
+        + ["--http", "127.0.0.1:0", "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert "listening on" in proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert line.startswith("dashboard and /metrics at https://127.0.0.1:"), line
+        url = line.split(" at ")[1].strip()
+        ca = str(pg_home / "tls" / "ca.pem")
+        assert requests.get(url + "metrics", verify=ca, timeout=30).status_code in (200, 401)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
