@@ -67,6 +67,33 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def postgres_cpu() -> dict[int, float]:
+    """CPU seconds of every PostgreSQL process on this machine, by pid."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if Path(f"/proc/{entry}/comm").read_text().strip() == "postgres":
+                    found[int(entry)] = cpu_seconds(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """Pids of `pid`'s child processes (a --workers server's workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
 def machine_ticks() -> tuple[int, int]:
     """(busy, total) jiffies of the whole machine."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -99,7 +126,9 @@ def stop_process(proc: subprocess.Popen) -> None:
 class Clients:
     """The load-client processes, driven one round at a time."""
 
-    def __init__(self, files: list[Path], sync: str, echo: str, concurrency: int) -> None:
+    def __init__(
+        self, files: list[Path], sync: str, echo: str, concurrency: int, channels: int = 2
+    ) -> None:
         per = concurrency // len(files)
         self.procs = [
             subprocess.Popen(
@@ -115,7 +144,7 @@ class Clients:
                     "--concurrency",
                     str(per),
                     "--channels",
-                    "2",
+                    str(channels),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -141,10 +170,10 @@ class Clients:
         mine = [p.pid for p in self.procs]
         time.sleep(max(0.0, start - time.time()))
         cpu0, ticks0 = sum(map(cpu_seconds, pids)), machine_ticks()
-        load0 = sum(map(cpu_seconds, mine))
+        load0, pg0 = sum(map(cpu_seconds, mine)), postgres_cpu()
         time.sleep(max(0.0, end - time.time()))
         cpu1, ticks1 = sum(map(cpu_seconds, pids)), machine_ticks()
-        load1 = sum(map(cpu_seconds, mine))
+        load1, pg1 = sum(map(cpu_seconds, mine)), postgres_cpu()
         results = [json.loads(p.stdout.readline()) for p in self.procs]
         ok = sum(r["ok"] for r in results)
         failed: dict[str, int] = {}
@@ -158,6 +187,10 @@ class Clients:
             "p50_ms": max(r["latency_ms"][0] for r in results),
             "p99_ms": max(r["latency_ms"][1] for r in results),
             "cpu_us": (cpu1 - cpu0) / max(ok, 1) * 1e6,
+            # PostgreSQL's backends (0 on SQLite): the database's share of each call.
+            "pg_cpu_us": max(0.0, sum(pg1.get(p, 0.0) - c for p, c in pg0.items() if p in pg1))
+            / max(ok, 1)
+            * 1e6,
             "server_cpu": (cpu1 - cpu0) / window,
             "client_cpu": (load1 - load0) / window,
             # Cores busy with anything else: PostgreSQL, and whatever else shares the machine.
@@ -266,10 +299,11 @@ def run_backend(name: str, db_url: str | None, shape: dict, args) -> dict:
         plain = {k: v for k, v in stored.items() if not k.startswith("tls_")}
         (home / "skiff.json").write_text(json.dumps(plain))
         db_url = db_url or f"sqlite:///{home / 'skiff.db'}"
-        server, address = start_process(
-            [*cli, "server", "--home", str(home), "--grpc", "127.0.0.1:0"], log, "listening on "
-        )
+        serve = [*cli, "server", "--home", str(home), "--grpc", "127.0.0.1:0"]
+        replica = ["--replica"] if db_url.startswith("postgresql") else []
+        server, address = start_process([*serve, *replica, "--workers", "1"], log, "listening on ")
         echo = clients = None
+        scaling: dict = {}
         try:
             files, checked, summary = setup_fleet(address, home, db_url, tmp, shape, args.clients)
             echo, echo_address = start_process(
@@ -290,6 +324,12 @@ def run_backend(name: str, db_url: str | None, shape: dict, args) -> dict:
                     pid = echo.pid if kind[0] == "echo" else server.pid
                     rounds[kind].append(clients.run(*kind, args.warmup, shape["window"], [pid]))
             alive = server.poll() is None and echo.poll() is None
+            if replica and args.workers > 1:
+                clients.close()
+                clients = None
+                scaling = measure_scaling(
+                    [*serve, *replica], log, files, (server, address), shape, args
+                )
         finally:
             if clients:
                 clients.close()
@@ -301,6 +341,7 @@ def run_backend(name: str, db_url: str | None, shape: dict, args) -> dict:
         raise RuntimeError(f"a server died during the {name} run:\n" + "\n".join(lines[-20:]))
     warnings = [line for line in lines if " WARNING " in line or " ERROR " in line]
     figures = report(name, rounds, checked, summary, shape, time.perf_counter() - started)
+    figures.update({f"{k}_{name}": v for k, v in scaling.items()})
     figures[f"server_warnings_{name}"] = len(warnings)
     if warnings:
         distinct = list(dict.fromkeys(w.split(" ", 2)[-1] for w in warnings))  # no timestamps
@@ -308,6 +349,56 @@ def run_backend(name: str, db_url: str | None, shape: dict, args) -> dict:
             f"  server logged {len(warnings)} warnings/errors:\n    " + "\n    ".join(distinct[:3])
         )
     return figures
+
+
+def measure_scaling(serve: list[str], log: Path, files, one, shape, args) -> dict:
+    """Steady-state Sync/s of one worker and of `args.workers`, interleaved rounds.
+
+    A second server (`--workers N`, a replica of the same home) runs beside the first
+    (one worker); each side gets the same client processes, connections and calls in
+    flight, enough connections for the kernel to spread them over every worker.
+    """
+    n = args.workers
+    many, many_address = start_process([*serve, "--workers", str(n)], log, "listening on ")
+    sides = {}
+    try:
+        pids = {1: [one[0].pid], n: [many.pid, *children(many.pid)]}
+        n_clients = max(2, n // 2)
+        per_client = [f for f in files for _ in range(max(1, n_clients // len(files)))]
+        concurrency = max(args.concurrency, 16 * n)
+        for count, address in ((1, one[1]), (n, many_address)):
+            sides[count] = Clients(per_client, address, address, concurrency, channels=2 * n)
+        rates: dict[int, list] = {1: [], n: []}
+        for r in range(shape["rounds"]):
+            for count in (1, n) if r % 2 == 0 else (n, 1):
+                rates[count].append(
+                    sides[count].run("sync", "steady", args.warmup, shape["window"], pids[count])
+                )
+    finally:
+        for side in sides.values():
+            side.close()
+        stop_process(many)
+    med = {
+        k: {f: statistics.median(r[f] for r in rs) for f in ("rate", "cpu_us", "pg_cpu_us")}
+        for k, rs in rates.items()
+    }
+    scaling = med[n]["rate"] / med[1]["rate"] / n
+    each = {k: ", ".join(f"{r['rate']:,.0f}" for r in rs) for k, rs in rates.items()}
+    print(
+        f"  scaling      1 worker {med[1]['rate']:8,.0f}/s, {n} workers {med[n]['rate']:8,.0f}/s"
+        f"  sync_scaling {scaling:.2f} (aim >= 0.8 with a core per worker; this machine has "
+        f"{CORES} cores for the workers, their clients and PostgreSQL)  server CPU "
+        f"{med[1]['cpu_us']:,.0f} / {med[n]['cpu_us']:,.0f} us/call, PostgreSQL "
+        f"{med[1]['pg_cpu_us']:,.0f} / {med[n]['pg_cpu_us']:,.0f} us/call  "
+        f"[rounds: {each[1]} | {each[n]}]",
+        flush=True,
+    )
+    return {
+        "sync_steady_per_s_1_worker": round(med[1]["rate"], 1),
+        f"sync_steady_per_s_{n}_workers": round(med[n]["rate"], 1),
+        "workers": n,
+        "sync_scaling": round(scaling, 3),
+    }
 
 
 def report(name, rounds, checked, summary, shape, seconds) -> dict:
@@ -336,12 +427,14 @@ def report(name, rounds, checked, summary, shape, seconds) -> dict:
         print(
             f"  {label:12s} {m['rate']:8,.0f}/s  ({ratio:.2f}x echo)  p50 {m['p50_ms']:6.1f} ms  "
             f"p99 {m['p99_ms']:6.1f} ms  server CPU {m['cpu_us']:5,.0f} us/call "
+            f"(PostgreSQL {m['pg_cpu_us']:,.0f}), "
             f"({m['server_cpu']:.0%} of a core), clients {m['client_cpu']:.0%}, "
             f"other {m['other_cpu']:.0%}  "
             f"[rounds: {each}]"
         )
         out[f"{label}_per_s_{name}"] = round(m["rate"], 1)
         out[f"{label}_server_cpu_us_{name}"] = round(m["cpu_us"], 1)
+        out[f"{label}_postgres_cpu_us_{name}"] = round(m["pg_cpu_us"], 1)
         out[f"{label}_p99_ms_{name}"] = round(m["p99_ms"], 1)
         if kind[0] == "sync":
             suffix = "" if kind[1] == "worst" else "_steady"
@@ -388,6 +481,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument("--concurrency", type=int, default=64, help="calls in flight in all")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds before each window")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=CORES,
+        help="PostgreSQL: also compare steady Sync/s of `skiff server --workers N` with one "
+        "worker (sync_scaling); 1 skips it",
+    )
     args = parser.parse_args()
     if args.quick:
         shape = dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 
-from sqlalchemy import bindparam, func, select, text, update
+from sqlalchemy import bindparam, func, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -249,20 +249,26 @@ class SqlFleetStore(FleetStore):
                 self._set_states(conn, updates, kind)
 
     def _set_states(self, conn, updates: Sequence[DeviceUpdate], kind: str) -> None:
-        """Replace one kind of model state (installed or synced) of the updated devices."""
+        """Replace one kind of model state (installed or synced) of the updated devices.
+
+        Only what changed is written: a device that reports what it reported before
+        rewrites no row (PostgreSQL makes no new tuple, no index entry, no WAL); a model
+        it no longer reports is cleared, one it reports differently is set and stamped.
+        """
         table = orm.DeviceModelRow.__table__
         named = [u for u in updates if getattr(u, kind) is not None]
         if not named:
             return
         version, variant = f"{kind}_version", f"{kind}_variant"
         stamp = "reported_at" if kind == "installed" else "synced_at"
-        ids = [u.device_id for u in named]
-        for start in range(0, len(ids), 500):
-            conn.execute(
-                update(table)
-                .where(table.c.device_id.in_(ids[start : start + 500]))
-                .values({version: None, variant: None})
+        for batch in _by_parameters(named, kind):
+            kept = [(u.device_id, s.model) for u in batch for s in getattr(u, kind)]
+            clear = table.c.device_id.in_([u.device_id for u in batch]) & table.c[version].is_not(
+                None
             )
+            if kept:
+                clear &= tuple_(table.c.device_id, table.c.model).not_in(kept)
+            conn.execute(update(table).where(clear).values({version: None, variant: None}))
         rows = [
             {
                 "device_id": u.device_id,
@@ -282,6 +288,8 @@ class SqlFleetStore(FleetStore):
                 insert.on_conflict_do_update(
                     index_elements=["device_id", "model"],
                     set_={c: insert.excluded[c] for c in columns},
+                    where=table.c[version].is_distinct_from(insert.excluded[version])
+                    | table.c[variant].is_distinct_from(insert.excluded[variant]),
                 ),
                 rows,
             )
@@ -320,6 +328,24 @@ class SqlFleetStore(FleetStore):
         """Return the current fleet revision."""
         with self._read() as session:
             return session.scalar(select(orm.FleetStateRow.revision)) or 0
+
+
+# Bound parameters per statement that clears states: SQLite's limit is 32,766.
+_STATEMENT_PARAMETERS = 8000
+
+
+def _by_parameters(updates: Sequence[DeviceUpdate], kind: str) -> list[list[DeviceUpdate]]:
+    """Split updates into batches whose clearing statement stays under the limit."""
+    batches: list[list[DeviceUpdate]] = [[]]
+    used = 0
+    for u in updates:
+        cost = 1 + 2 * len(getattr(u, kind))
+        if batches[-1] and used + cost > _STATEMENT_PARAMETERS:
+            batches.append([])
+            used = 0
+        batches[-1].append(u)
+        used += cost
+    return batches
 
 
 def _lock_devices(conn, device_ids: Sequence[str]) -> None:

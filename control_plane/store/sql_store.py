@@ -37,11 +37,12 @@ from control_plane.store.sql_tokens import SqlTokenStore
 
 # A concurrent push that takes the same number loses on the unique constraint and retries.
 _VERSION_RETRIES = 5
-# PostgreSQL connections a process keeps open: its handler threads (the RPC pool and the
+# Connections a pool keeps open: the process's handler threads (the RPC pool and the
 # event loop's executor) plus the writers and timers. SQLAlchemy's default (5, closing
 # every overflow connection on return) made PostgreSQL open hundreds of sessions a
-# second under a Sync storm (FACTS.md); overflow beyond this is for rare peaks.
-PG_POOL_SIZE, PG_POOL_OVERFLOW = 24, 8
+# second under a Sync storm (FACTS.md), and SQLite reopen its file and pragmas each
+# time; overflow beyond this is for rare peaks.
+POOL_SIZE, POOL_OVERFLOW = 24, 8
 _AUTOCOMMIT = "AUTOCOMMIT"
 
 
@@ -66,30 +67,37 @@ def _sqlite_begin(conn) -> None:
 
 def _sqlite_begin_read(conn) -> None:
     # Read-only transactions must not queue behind writers: in WAL mode a plain BEGIN
-    # reads a consistent snapshot while a writer holds the lock. A one-statement read
-    # (`_read_connection`) needs no transaction: SQLite's implicit one is the same.
-    if conn.get_execution_options().get("isolation_level") != _AUTOCOMMIT:
-        conn.exec_driver_sql("BEGIN")
+    # reads a consistent snapshot while a writer holds the lock.
+    conn.exec_driver_sql("BEGIN")
 
 
-def make_engine(url: str, *, read_only: bool = False) -> Engine:
+def make_engine(url: str, *, read_only: bool = False, autocommit: bool = False) -> Engine:
     """Create an engine for a SQLAlchemy URL, with the settings each backend needs.
 
-    On SQLite, `read_only` makes an engine whose transactions do not take the write lock.
+    On SQLite, `read_only` makes an engine whose transactions do not take the write lock,
+    and `autocommit` one whose statements run without a transaction of their own.
     """
     try:
-        return _make_engine(url, read_only=read_only)
+        return _make_engine(url, read_only=read_only, autocommit=autocommit)
     except (sa_exc.ArgumentError, ValueError) as exc:
         # The reason names the bad part (e.g. a port that is not a number), never the URL.
         raise errors.InvalidArgument(f"invalid database URL: {exc}") from None
 
 
-def _make_engine(url: str, *, read_only: bool) -> Engine:
+def _make_engine(url: str, *, read_only: bool, autocommit: bool) -> Engine:
     if url.startswith("sqlite"):
         # hide_parameters: a logged database error never carries the values it was given.
-        engine = create_engine(url, connect_args={"timeout": 10}, hide_parameters=True)
+        engine = create_engine(
+            url,
+            connect_args={"timeout": 10},
+            hide_parameters=True,
+            pool_size=POOL_SIZE,
+            max_overflow=POOL_OVERFLOW,
+            **({"isolation_level": _AUTOCOMMIT} if autocommit else {}),
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
-        event.listen(engine, "begin", _sqlite_begin_read if read_only else _sqlite_begin)
+        if not autocommit:
+            event.listen(engine, "begin", _sqlite_begin_read if read_only else _sqlite_begin)
         return engine
     if url.startswith("postgresql"):
         # pool_pre_ping turns a server restart into one reconnect instead of an error;
@@ -97,8 +105,8 @@ def _make_engine(url: str, *, read_only: bool) -> Engine:
         return create_engine(
             url,
             pool_pre_ping=True,
-            pool_size=PG_POOL_SIZE,
-            max_overflow=PG_POOL_OVERFLOW,
+            pool_size=POOL_SIZE,
+            max_overflow=POOL_OVERFLOW,
             connect_args={"connect_timeout": 5},
             hide_parameters=True,
         )
@@ -166,9 +174,13 @@ class SqlStore(
             sessionmaker(self._reader, expire_on_commit=False) if self._reader else self._sessions
         )
         # One-statement reads (the credential lookup of every call) run outside any
-        # transaction: no BEGIN and ROLLBACK round trips, never idle in transaction.
-        self._single_reads = (self._reader or self._engine).execution_options(
-            isolation_level=_AUTOCOMMIT
+        # transaction: no BEGIN and ROLLBACK round trips, never idle in transaction. On
+        # SQLite a pool of their own (switching a pooled connection's isolation level
+        # each time cost more than the query); PostgreSQL's driver switches for free.
+        self._single_reads = (
+            make_engine(url, read_only=True, autocommit=True)
+            if url.startswith("sqlite")
+            else self._engine.execution_options(isolation_level=_AUTOCOMMIT)
         )
         self._listeners: list[Callable[[Change], None]] = []
         if migrate:
@@ -372,5 +384,6 @@ class SqlStore(
     def close(self) -> None:
         """Dispose of the connection pools."""
         self._engine.dispose()
+        self._single_reads.dispose()
         if self._reader is not None:
             self._reader.dispose()
