@@ -76,7 +76,8 @@ def start_servers(home: Path, replicas: int, db: str = "") -> list[tuple[subproc
         log = home.parent / f"server-{i}.log"
         procs.append(
             subprocess.Popen(
-                [*CLI, "server", "--home", str(home), "--grpc", "127.0.0.1:0", *replica],
+                [*CLI, "server", "--home", str(home), "--grpc", "127.0.0.1:0", *replica]
+                + ["--workers", "1"],
                 stdout=subprocess.PIPE,
                 stderr=log.open("w"),
                 text=True,

@@ -162,7 +162,9 @@ def run_backend(name: str, db_url: str | None, args) -> dict:
         init_plain_home(home, db_url)
         cli = [sys.executable, "-m", "control_plane.cli"]
         server, address = start_process(
-            [*cli, "server", "--home", str(home), "--grpc", "127.0.0.1:0"], log, "listening on "
+            [*cli, "server", "--home", str(home), "--grpc", "127.0.0.1:0", "--workers", "1"],
+            log,
+            "listening on ",
         )
         echo = None
         try:
