@@ -224,75 +224,35 @@ class SqlFleetStore(FleetStore):
 
         Set-based on purpose: a Sync storm flushes thousands of devices at once, and one
         ORM statement per device and model cost ~0.5 ms of Python each (the bench's
-        profile), more than the Sync itself.
+        profile), more than the Sync itself. Every statement and its rows are built
+        before the transaction opens: it holds its row locks only while statements run,
+        not while this thread waits for the GIL to build them.
         """
         if not updates:
             return
+        devices = orm.DeviceRow.__table__
+        statements = []
+        for with_attrs in (True, False):
+            rows = [
+                {"b_id": u.device_id, "last_seen": u.last_seen}
+                | ({"attributes": u.attributes} if with_attrs else {})
+                for u in updates
+                if (u.attributes is not None) == with_attrs
+            ]
+            values = {"last_seen": bindparam("last_seen")}
+            if with_attrs:
+                values["attributes"] = bindparam("attributes")
+            if rows:
+                stmt = update(devices).where(devices.c.id == bindparam("b_id"))
+                statements.append((stmt.values(values), rows))
+        dialect = postgresql if self.dialect == "postgresql" else sqlite
+        for kind in ("installed", "synced"):
+            statements += _state_statements(dialect, updates, kind)
         with self._scope() as session:
             conn = session.connection()
-            devices = orm.DeviceRow.__table__
             _lock_devices(conn, [u.device_id for u in updates])
-            for with_attrs in (True, False):
-                rows = [
-                    {"b_id": u.device_id, "last_seen": u.last_seen}
-                    | ({"attributes": u.attributes} if with_attrs else {})
-                    for u in updates
-                    if (u.attributes is not None) == with_attrs
-                ]
-                values = {"last_seen": bindparam("last_seen")}
-                if with_attrs:
-                    values["attributes"] = bindparam("attributes")
-                if rows:
-                    stmt = update(devices).where(devices.c.id == bindparam("b_id"))
-                    conn.execute(stmt.values(values), rows)
-            for kind in ("installed", "synced"):
-                self._set_states(conn, updates, kind)
-
-    def _set_states(self, conn, updates: Sequence[DeviceUpdate], kind: str) -> None:
-        """Replace one kind of model state (installed or synced) of the updated devices.
-
-        Only what changed is written: a device that reports what it reported before
-        rewrites no row (PostgreSQL makes no new tuple, no index entry, no WAL); a model
-        it no longer reports is cleared, one it reports differently is set and stamped.
-        """
-        table = orm.DeviceModelRow.__table__
-        named = [u for u in updates if getattr(u, kind) is not None]
-        if not named:
-            return
-        version, variant = f"{kind}_version", f"{kind}_variant"
-        stamp = "reported_at" if kind == "installed" else "synced_at"
-        for batch in _by_parameters(named, kind):
-            kept = [(u.device_id, s.model) for u in batch for s in getattr(u, kind)]
-            clear = table.c.device_id.in_([u.device_id for u in batch]) & table.c[version].is_not(
-                None
-            )
-            if kept:
-                clear &= tuple_(table.c.device_id, table.c.model).not_in(kept)
-            conn.execute(update(table).where(clear).values({version: None, variant: None}))
-        rows = [
-            {
-                "device_id": u.device_id,
-                "model": s.model,
-                version: s.version,
-                variant: s.variant,
-                stamp: u.last_seen,
-            }
-            for u in named
-            for s in getattr(u, kind)
-        ]
-        if rows:
-            dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-            insert = dialect.insert(table)
-            columns = (version, variant, stamp)
-            conn.execute(
-                insert.on_conflict_do_update(
-                    index_elements=["device_id", "model"],
-                    set_={c: insert.excluded[c] for c in columns},
-                    where=table.c[version].is_distinct_from(insert.excluded[version])
-                    | table.c[variant].is_distinct_from(insert.excluded[variant]),
-                ),
-                rows,
-            )
+            for stmt, params in statements:
+                conn.execute(stmt, params)
 
     def set_online(self, device_ids: Sequence[str], until: dt.datetime | None) -> None:
         """Mark devices' Watch streams open until `until` (None: closed)."""
@@ -328,6 +288,44 @@ class SqlFleetStore(FleetStore):
         """Return the current fleet revision."""
         with self._read() as session:
             return session.scalar(select(orm.FleetStateRow.revision)) or 0
+
+
+def _state_statements(dialect, updates: Sequence[DeviceUpdate], kind: str) -> list[tuple]:
+    """Return (statement, parameters) replacing one kind of model state of the updates.
+
+    One kind is installed or synced. Only what changed is written: a device that reports
+    what it reported before rewrites no row (PostgreSQL makes no new tuple, no index
+    entry, no WAL); a model it no longer reports is cleared, one it reports differently
+    is set and stamped.
+    """
+    table = orm.DeviceModelRow.__table__
+    named = [u for u in updates if getattr(u, kind) is not None]
+    version, variant = f"{kind}_version", f"{kind}_variant"
+    stamp = "reported_at" if kind == "installed" else "synced_at"
+    statements: list[tuple] = []
+    for batch in _by_parameters(named, kind) if named else ():
+        kept = [(u.device_id, s.model) for u in batch for s in getattr(u, kind)]
+        clear = table.c.device_id.in_([u.device_id for u in batch]) & table.c[version].is_not(None)
+        if kept:
+            clear &= tuple_(table.c.device_id, table.c.model).not_in(kept)
+        statements.append((update(table).where(clear).values({version: None, variant: None}), {}))
+    rows = [
+        {"device_id": u.device_id, "model": s.model, version: s.version, variant: s.variant}
+        | {stamp: u.last_seen}
+        for u in named
+        for s in getattr(u, kind)
+    ]
+    if rows:
+        insert = dialect.insert(table)
+        columns = (version, variant, stamp)
+        upsert = insert.on_conflict_do_update(
+            index_elements=["device_id", "model"],
+            set_={c: insert.excluded[c] for c in columns},
+            where=table.c[version].is_distinct_from(insert.excluded[version])
+            | table.c[variant].is_distinct_from(insert.excluded[variant]),
+        )
+        statements.append((upsert, rows))
+    return statements
 
 
 # Bound parameters per statement that clears states: SQLite's limit is 32,766.
