@@ -67,11 +67,14 @@ def effective_attributes(reported: Mapping, stamped: Mapping) -> dict:
     What the token stamps is also kept under `"attested"` (absent when it stamps
     nothing), which `@` selector clauses read. See the module docstring.
     """
-    mine, theirs = normalize_attributes(reported), normalize_attributes(stamped)
+    mine = normalize_attributes(reported)
+    theirs = normalize_attributes(stamped) if stamped else {}
     if theirs.get("tags") == []:
         # No stamp: the wire cannot tell "no tags" from "tags not given", so every token
         # made over gRPC without tags stored an empty list (see the module docstring).
         del theirs["tags"]
+    if not theirs:  # nothing stamped (most devices): what it reports, already canonical
+        return mine
     merged = normalize_attributes(
         {**mine, **theirs, CUSTOM: {**mine.get(CUSTOM, {}), **theirs.get(CUSTOM, {})}}
     )
