@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-import select
+import queue
 import shutil
 import signal
 import socket
@@ -104,6 +104,19 @@ def _worker_environ(config: Config) -> dict[str, str]:
     return env
 
 
+def _relay(stream, heard: queue.Queue) -> None:
+    """Pass a worker's lines to `heard` up to its "listening" line, then copy the rest.
+
+    None in `heard` says the worker's output ended first (it exited).
+    """
+    for line in stream:
+        heard.put(line)
+        if READY_MARK in line:
+            shutil.copyfileobj(stream, sys.stdout)
+            return
+    heard.put(None)
+
+
 class _Workers:
     """The worker processes: started, watched, stopped."""
 
@@ -127,25 +140,27 @@ class _Workers:
     def wait_ready(self, timeout: float) -> list[str]:
         """Return every worker's first stdout lines up to its "listening" line.
 
-        Unavailable when a worker exits or stays silent past `timeout`.
+        Unavailable when a worker exits or stays silent past `timeout`. A thread per
+        worker reads its lines (a worker may write several at once: select() on the pipe
+        would miss those already buffered) and, once it is ready, passes on whatever it
+        prints later.
         """
         deadline = time.monotonic() + timeout
         lines: list[str] = []
         for index, proc in enumerate(self.procs):
+            heard: queue.Queue[str | None] = queue.Queue()
+            threading.Thread(target=_relay, args=(proc.stdout, heard), daemon=True).start()
             while True:
-                left = deadline - time.monotonic()
-                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, left))
-                line = proc.stdout.readline() if ready else ""
-                if not line:
+                try:
+                    line = heard.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    line = None
+                if line is None:
                     why = "did not start in time" if proc.poll() is None else "exited"
                     raise errors.Unavailable(f"server worker {index} {why} (see its log above)")
                 lines.append(line)
                 if READY_MARK in line:
                     break
-            # What a worker prints later (nothing, as it stands) reaches our stdout.
-            threading.Thread(
-                target=shutil.copyfileobj, args=(proc.stdout, sys.stdout), daemon=True
-            ).start()
         return lines
 
     def exited(self) -> tuple[int, int] | None:

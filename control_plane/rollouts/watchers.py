@@ -23,6 +23,7 @@ from control_plane.store.fleet import Change, FleetStore
 log = logging.getLogger(__name__)
 
 Fingerprint = frozenset[tuple[str, int, str]]
+NOTIFY_SLICE = 500  # watchers checked between two turns of the event loop
 _REVOKED, _REPLACED = -1, -2
 
 
@@ -121,20 +122,34 @@ class Watchers:
     async def _notify_latest(self) -> None:
         # Loading the snapshot may read the database: off the loop.
         snap = await asyncio.to_thread(self._resolver.snapshot)
-        self.notify_changed(snap)
+        await self.notify_changed(snap)
 
-    def notify_changed(self, snap: Snapshot) -> int:
-        """Send `snap.revision` to every watcher whose desired state changed; return count."""
+    async def notify_changed(self, snap: Snapshot) -> int:
+        """Send `snap.revision` to every watcher whose desired state changed; return count.
+
+        Watchers are checked NOTIFY_SLICE at a time, the loop running in between: with
+        10k streams a check of all at once held the loop (and so every push, every
+        stream and every Sync answered on it) for the whole scan, while the first
+        devices told could already have been syncing.
+        """
         if snap.revision < self._notified:
             return 0  # an older snapshot finished loading after a newer one
         self._notified = snap.revision
         sent = 0
-        for w in list(self._by_device.values()):
-            now = fingerprint(snap.desired(w.device_id, w.attrs))
-            if now != w.fingerprint:
-                w.fingerprint = now
-                w.push(snap.revision)
-                sent += 1
+        watchers = list(self._by_device.values())
+        for start in range(0, len(watchers), NOTIFY_SLICE):
+            if start:
+                await asyncio.sleep(0)
+                if self._notified != snap.revision:
+                    return sent  # a newer snapshot took over: it checks everyone
+            for w in watchers[start : start + NOTIFY_SLICE]:
+                if self._by_device.get(w.device_id) is not w:
+                    continue  # closed or replaced meanwhile
+                now = fingerprint(snap.desired(w.device_id, w.attrs))
+                if now != w.fingerprint:
+                    w.fingerprint = now
+                    w.push(snap.revision)
+                    sent += 1
         return sent
 
     async def _resync(self) -> None:
