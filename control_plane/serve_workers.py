@@ -41,6 +41,7 @@ MAX_WORKERS = 256
 # How long every worker has to start listening (each builds the app, opens the database).
 START_TIMEOUT_S = 120.0
 READY_MARK = "listening on "
+STOP_POLL_S = 0.5
 
 
 def host_cores() -> int:
@@ -137,13 +138,13 @@ class _Workers:
                 )
             )
 
-    def wait_ready(self, timeout: float) -> list[str]:
+    def wait_ready(self, timeout: float, stop: threading.Event) -> list[str] | None:
         """Return every worker's first stdout lines up to its "listening" line.
 
-        Unavailable when a worker exits or stays silent past `timeout`. A thread per
-        worker reads its lines (a worker may write several at once: select() on the pipe
-        would miss those already buffered) and, once it is ready, passes on whatever it
-        prints later.
+        Unavailable when a worker exits or stays silent past `timeout`; None once `stop`
+        is set (a SIGTERM during the start). A thread per worker reads its lines (a
+        worker may write several at once: select() on the pipe would miss those already
+        buffered) and, once it is ready, passes on whatever it prints later.
         """
         deadline = time.monotonic() + timeout
         lines: list[str] = []
@@ -151,9 +152,14 @@ class _Workers:
             heard: queue.Queue[str | None] = queue.Queue()
             threading.Thread(target=_relay, args=(proc.stdout, heard), daemon=True).start()
             while True:
+                left = deadline - time.monotonic()
                 try:
-                    line = heard.get(timeout=max(0.0, deadline - time.monotonic()))
+                    line = heard.get(timeout=max(0.0, min(left, STOP_POLL_S)))
                 except queue.Empty:
+                    if stop.is_set():
+                        return None
+                    if left > STOP_POLL_S:
+                        continue
                     line = None
                 if line is None:
                     why = "did not start in time" if proc.poll() is None else "exited"
@@ -211,10 +217,13 @@ def serve_workers(
     workers = _Workers(config, f"{host}:{port}", count, replica)
     try:
         try:
-            lines = workers.wait_ready(START_TIMEOUT_S)
+            lines = workers.wait_ready(START_TIMEOUT_S, stop)
         except errors.SkiffError:
             workers.stop(stop_limit_s)
             raise
+        if lines is None:  # asked to stop before every worker listened
+            workers.stop(stop_limit_s)
+            return 0
         transport = "TLS" if credentials is not None else "plaintext, this machine only"
         print(
             f"skiff server listening on {host}:{port} ({transport}; home {config.home}; "
