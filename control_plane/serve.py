@@ -16,6 +16,7 @@ import asyncio
 import datetime as dt
 import faulthandler
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -422,6 +423,10 @@ def serve(
     `workers` server processes (default: one per core with PostgreSQL, one with SQLite)
     share the --grpc port: see serve_workers. `worker_index` runs one of them.
     """
+    # A worker whose supervisor dies (kill -9) stops too: nothing would hold the home's
+    # lock or the port's reservation for it any more. (Before its "listening" line, the
+    # supervisor's end of its stdout is gone and that print fails.)
+    supervisor = os.getppid() if worker_index is not None else None
     if worker_index is None:
         count = worker_count(config, workers)
         if count > 1:
@@ -452,7 +457,9 @@ def serve(
     # sets a flag the main thread reads when it runs, and an Event.wait() with no timeout
     # would never run it; such a SIGTERM was lost and the server kept serving.
     while not stop.wait(SIGNAL_POLL_S):
-        pass
+        if supervisor is not None and os.getppid() != supervisor:
+            log.error("the supervisor of server worker %d is gone; stopping", worker_index)
+            break
     # A stop that hangs (a handler thread that never returns, a grpc shutdown stuck on a
     # cancelled stream) must not leave a server that ignores SIGTERM: past the limit, the
     # stacks of every thread go to the log, for the report, and the process exits 1.

@@ -240,3 +240,19 @@ def test_worker_zero_serves_the_dashboard(pg_home, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.postgres
+def test_workers_stop_when_their_supervisor_is_killed(pg_home, tmp_path):
+    with (tmp_path / "server.log").open("w") as log:
+        proc, _ = spawn_server(pg_home, "--workers", "2", stderr=log)
+        workers = _children(proc.pid)
+        proc.kill()  # SIGKILL: no chance to stop them
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(
+            Path(f"/proc/{w}").exists() and not _zombie(w) for w in workers
+        ):
+            time.sleep(0.2)
+    assert all(not Path(f"/proc/{w}").exists() or _zombie(w) for w in workers)
+    assert "is gone; stopping" in (tmp_path / "server.log").read_text()
