@@ -14,6 +14,12 @@ this machine. Reported:
 * `local_api_overhead_us`: median `Infer` latency through the Unix-socket API (a gRPC
   client in this process) minus the median in-process `runtime.Model.run` on the same
   (small) model: the price of the socket, protobuf and the worker process.
+* `local_api_floor_us`: the IPC floor under that: the median of a bare gRPC unary echo
+  (an asyncio gRPC server in a process of its own, as the agent's is, handing the request
+  bytes back) over a Unix socket, from the same kind of client, with the same
+  `InferRequest` serialized on the way out and parsed on the way back; measured in
+  blocks interleaved with the Infer calls. `local_api_over_floor_us` is Infer minus it:
+  what the agent itself adds (parsing, checks, the thread hop, the worker round trip).
 * `pipeline_events_per_s`: shopping events (`control_plane/demo/sample_pipeline.py`, about
   one in thirteen fires the trigger) pushed through `PushEvents` in batches of 1000 until
   every firing's model result reached a `Subscribe` stream in this process.
@@ -251,12 +257,79 @@ def pipeline_in_process(mnn: Path, events) -> tuple[float, int]:
         return time.perf_counter() - start, fired
 
 
+ECHO = "/skiff.bench.Echo/Echo"
+
+
+def echo_server(path: str) -> None:
+    """Serve a bare unary echo on a Unix socket until killed (the floor's server)."""
+    import asyncio
+
+    from device_agent.local_api import SERVER_OPTIONS
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+
+        async def echo(request: bytes, context) -> bytes:
+            return request
+
+        handler = grpc.unary_unary_rpc_method_handler(echo)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("skiff.bench.Echo", {"Echo": handler}),)
+        )
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def infer_and_floor_us(stub, request, tmp: Path, runs: int) -> tuple[float, float]:
+    """Median Infer and bare-echo latencies (us), in interleaved blocks of calls."""
+    path = tmp / "echo.sock"
+    server = subprocess.Popen([sys.executable, __file__, "--echo-server", str(path)])
+    try:
+        while not path.exists():
+            if server.poll() is not None:
+                raise RuntimeError("the echo server did not start")
+            time.sleep(0.05)
+        channel = grpc.insecure_channel(f"unix:{path}")
+        echo = channel.unary_unary(
+            ECHO,
+            request_serializer=agent_pb2.InferRequest.SerializeToString,
+            response_deserializer=agent_pb2.InferRequest.FromString,
+        )
+        calls = {
+            "infer": lambda: stub.Infer(request, timeout=30),
+            "echo": lambda: echo(request, timeout=30),
+        }
+        times: dict[str, list[float]] = {"infer": [], "echo": []}
+        for call in calls.values():  # warm up both
+            for _ in range(50):
+                call()
+        block = 50
+        for _ in range(max(1, runs // block)):
+            for name, call in calls.items():
+                for _ in range(block):
+                    t = time.perf_counter_ns()
+                    call()
+                    times[name].append((time.perf_counter_ns() - t) / 1000)
+        channel.close()
+        return statistics.median(times["infer"]), statistics.median(times["echo"])
+    finally:
+        server.kill()
+        server.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="10 MB model, 10 s idle")
     parser.add_argument("--mb", type=int, default=0, help="size of the big model in MB")
     parser.add_argument("--idle", type=float, default=0, help="seconds of idle to measure")
     args = parser.parse_args()
+    if args.echo_server:
+        echo_server(args.echo_server)
+        return
     mb = args.mb or (10 if args.quick else 100)
     idle_s = args.idle or (10.0 if args.quick else 60.0)
     results: dict = {"model_mb": mb, "idle_s": idle_s, "cores": os.cpu_count()}
@@ -326,23 +399,20 @@ def main() -> None:
             wait_serving(stub, SMALL, small_x, 1)
             request = agent_pb2.InferRequest(model=SMALL, inputs=[to_tensor("x", small_x)])
             runs = 300 if args.quick else 2000
-            for _ in range(50):
-                stub.Infer(request, timeout=30)
-            times = []
-            for _ in range(runs):
-                t = time.perf_counter_ns()
-                stub.Infer(request, timeout=30)
-                times.append((time.perf_counter_ns() - t) / 1000)
-            api_us = statistics.median(times)
+            api_us, floor_us = infer_and_floor_us(stub, request, tmp, runs)
             mnn = tmp / "small.mnn"
             mnn.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=1)))
             local_us = in_process_us(mnn, small_x, runs)
             results["local_api_infer_p50_us"] = round(api_us, 1)
             results["in_process_run_p50_us"] = round(local_us, 1)
             results["local_api_overhead_us"] = round(api_us - local_us, 1)
+            results["local_api_floor_us"] = round(floor_us, 1)
+            results["local_api_over_floor_us"] = round(api_us - floor_us, 1)
             print(
                 f"Infer through the local API p50 {api_us:.0f} us; in-process run p50 "
-                f"{local_us:.0f} us: overhead {api_us - local_us:.0f} us",
+                f"{local_us:.0f} us: overhead {api_us - local_us:.0f} us; bare gRPC echo "
+                f"over a Unix socket p50 {floor_us:.0f} us: Infer is {api_us - floor_us:.0f} us "
+                "above that floor",
                 flush=True,
             )
             client.create_rollout(fleet_pb2.CreateRolloutRequest(model=SMALL, version=2))
