@@ -2,9 +2,10 @@
 
 A version whose manifest carries a pipeline spec (`runtime.pipeline`) gets a native
 `StreamEngine` next to its model. Apps push events (`AgentService.PushEvents`); each
-trigger firing assembles the model input from its features, runs the serving version
-through `Serving.infer` (so it counts in telemetry like any request, and crashes lead
-to the same rollback), and the result goes to every app subscribed to the model
+trigger firing assembles the model input from its features, the serving version runs
+on all of one push's firings in one batch (`Serving.infer_batch`: one round trip to the
+worker, each firing counted in telemetry like a request, crashes leading to the same
+rollback), and the results go to every app subscribed to the model
 (`AgentService.Subscribe`), in firing order.
 
 A new version swaps its pipeline together with its model. When the new spec is the same
@@ -139,6 +140,11 @@ class Subscription:
             self._bytes -= dropped.nbytes
             self.dropped += 1
         self._ready.set()
+
+    def offer_all(self, results: list[Result]) -> None:
+        """Queue a push's results in order; on the subscription's loop only."""
+        for result in results:
+            self.offer(result)
 
     async def next(self) -> tuple[Result | None, int]:
         """Wait for the next result; return it (None: stream over) and the drops before it."""
@@ -346,44 +352,66 @@ class Pipelines:
         except (StreamInputError, BatchFormatError) as exc:
             raise EventsRejected(str(exc)) from None
         self._rates.charge_runs(name, len(firings))
-        errors = 0
-        for firing in firings:
-            result = self._run(name, active, firing)
-            errors += bool(result.error)
-            self._publish(name, result)
+        results = self._run(name, active, firings)
+        self._publish(name, results)
+        errors = sum(bool(r.error) for r in results)
         return PushSummary(active.version, len(events), len(firings), errors)
 
-    def _run(self, name: str, active: _Active, firing) -> Result:
+    def _run(self, name: str, active: _Active, firings: Sequence) -> list[Result]:
+        """Run the model on every firing, in one batch; return their results in order."""
         from runtime import RuntimeFailure
         from runtime.pipeline import FeatureOverflow
 
-        result = Result(
-            model=name,
-            version=active.version,
-            trigger=firing.trigger,
-            key=firing.key,
-            ts=firing.ts,
-            window_start=firing.window_start,
-            window_end=firing.window_end,
-        )
+        results, batch, runs = [], [], []
+        for firing in firings:
+            result = Result(
+                model=name,
+                version=active.version,
+                trigger=firing.trigger,
+                key=firing.key,
+                ts=firing.ts,
+                window_start=firing.window_start,
+                window_end=firing.window_end,
+            )
+            results.append(result)
+            try:
+                batch.append(firing.inputs)
+            except FeatureOverflow as exc:
+                result.error = one_line(exc, 500)
+            else:
+                runs.append(result)
+        if not batch:
+            return results
         try:
-            info, config, outputs, _ = self._serving.infer(name, firing.inputs)
-        except (NotServing, RuntimeFailure, FeatureOverflow) as exc:
-            result.error = one_line(exc, 500)
-            return result
-        except Exception as exc:  # noqa: BLE001 - one bad firing never stops the batch
-            log.error("%s pipeline firing failed: %s: %s", name, type(exc).__name__, exc)
-            result.error = f"internal error: {type(exc).__name__}"
-            return result
-        result.version, result.outputs = info["version"], outputs
-        self._collector.firings((name, info["version"], info["variant"], config), 1)
-        return result
+            info, config, answers = self._serving.infer_batch(name, batch)
+        except NotServing as exc:
+            for result in runs:
+                result.error = one_line(exc, 500)
+            return results
+        except Exception as exc:  # noqa: BLE001 - one bad push never takes the agent down
+            log.error("%s pipeline firings failed: %s: %s", name, type(exc).__name__, exc)
+            for result in runs:
+                result.error = f"internal error: {type(exc).__name__}"
+            return results
+        for result, answer in zip(runs, answers, strict=True):
+            if isinstance(answer, RuntimeFailure):
+                result.error = one_line(answer, 500)
+            elif isinstance(answer, Exception):
+                result.error = f"internal error: {type(answer).__name__}"
+            else:
+                result.version, result.outputs = info["version"], answer
+        ran = len(runs) - sum(bool(r.error) for r in runs)
+        if ran:
+            self._collector.firings((name, info["version"], info["variant"], config), ran)
+        return results
 
-    def _publish(self, name: str, result: Result) -> None:
+    def _publish(self, name: str, results: list[Result]) -> None:
+        if not results:
+            return
         with self._lock:
             subs = list(self._subscribers.get(name, ()))
         for sub in subs:  # FIFO on each loop: results arrive in firing order
-            sub._loop.call_soon_threadsafe(sub.offer, result)
+            sub._loop.call_soon_threadsafe(sub.offer_all, results)
 
 
 def _carry_over(name: str, new: _Active, old: _Active) -> bool:

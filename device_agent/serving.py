@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,15 +132,9 @@ class Serving:
 
         Raises NotServing, or the runtime's errors (InvalidInput for bad inputs).
         """
-        from runtime import InvalidInput, ModelFailed, RuntimeFailure, WorkerCrashed
+        from runtime import InvalidInput, RuntimeFailure
 
-        with self._lock:
-            served = self._served.get(name)
-            loading = name in self._loading
-        if served is None or served.slot.model is None:
-            if loading:
-                raise NotServing(f"model {name} is loading: try again shortly", loading=True)
-            raise NotServing(f"model {name} is not installed on this device")
+        served = self._served_now(name)
         start = time.perf_counter_ns()
         model = served.slot.model
         try:
@@ -148,24 +142,8 @@ class Serving:
         except InvalidInput:
             raise  # the caller's inputs: not the version's fault, not counted
         except RuntimeFailure as exc:
-            info = served.infos.get(model.version)
-            self._count(name, info, model, time.perf_counter_ns() - start, False)
-            reason = ""
-            with self._lock:
-                if served.slot.model is not model:
-                    pass  # a version already swapped out: its failures count for nothing
-                elif isinstance(exc, WorkerCrashed):
-                    served.crashes_in_row += 1
-                    if served.crashes_in_row >= ROLLBACK_CRASHES:
-                        reason = f"worker crashed {served.crashes_in_row} times in a row: {exc}"
-                elif isinstance(exc, ModelFailed):
-                    reason = f"no backend config left: {exc}"
-                if reason and served.failing:
-                    reason = ""  # asked once already
-                if reason:
-                    served.failing = True
-            if reason and self._on_failure is not None and info is not None:
-                self._on_failure(name, info["uid"], reason.splitlines()[0][:500])
+            self._count(name, served.infos.get(model.version), model, _since(start), False)
+            self._failed(name, served, model, exc)
             raise
         latency = time.perf_counter_ns() - start
         with self._lock:
@@ -174,6 +152,75 @@ class Serving:
         answered = model if model.version == version else served.slot.model or model
         config = self._count(name, info, answered, latency, True)
         return info, config, outputs, latency
+
+    def infer_batch(
+        self, name: str, batch: Sequence[Mapping[str, np.ndarray]]
+    ) -> tuple[dict, str, list[dict[str, np.ndarray] | Exception]]:
+        """Run a batch on `name`'s serving version in one go (`runtime.Model.run_batch`).
+
+        Returns the pointer slot and config of the version that answered, and per item
+        its outputs or its error (the runtime's, as `infer` would raise them). Each item
+        counts as one request. Raises NotServing.
+        """
+        from runtime import InvalidInput, RuntimeFailure
+
+        served = self._served_now(name)
+        start = time.perf_counter_ns()
+        model = served.slot.model
+        try:
+            version, answers = served.slot.run_batch_versioned(batch)
+        except RuntimeFailure as exc:  # no version in the slot: every item fails alike
+            version, answers = model.version, [exc] * len(batch)
+        share = _since(start) // max(len(batch), 1)
+        with self._lock:
+            info = served.infos.get(version)
+            if any(not isinstance(a, RuntimeFailure) for a in answers):
+                served.crashes_in_row = 0
+        answered = model if model.version == version else served.slot.model or model
+        config = ""
+        for answer in answers:
+            if not isinstance(answer, RuntimeFailure):
+                config = self._count(name, info, answered, share, True)
+            elif not isinstance(answer, InvalidInput):  # the caller's inputs: not counted
+                self._count(name, info, answered, share, False)
+        # One crash fails every item it interrupted: it counts once toward a rollback.
+        failures = [a for a in answers if isinstance(a, RuntimeFailure)]
+        for exc in {id(e): e for e in failures if not isinstance(e, InvalidInput)}.values():
+            self._failed(name, served, answered, exc)
+        return info or {}, config, answers
+
+    def _served_now(self, name: str) -> _Served:
+        """Return what serves `name`; NotServing if nothing does (yet)."""
+        with self._lock:
+            served = self._served.get(name)
+            loading = name in self._loading
+        if served is None or served.slot.model is None:
+            if loading:
+                raise NotServing(f"model {name} is loading: try again shortly", loading=True)
+            raise NotServing(f"model {name} is not installed on this device")
+        return served
+
+    def _failed(self, name: str, served: _Served, model, exc: Exception) -> None:
+        """Note a version's failure; ask for a rollback once it keeps failing."""
+        from runtime import ModelFailed, WorkerCrashed
+
+        info = served.infos.get(model.version)
+        reason = ""
+        with self._lock:
+            if served.slot.model is not model:
+                pass  # a version already swapped out: its failures count for nothing
+            elif isinstance(exc, WorkerCrashed):
+                served.crashes_in_row += 1
+                if served.crashes_in_row >= ROLLBACK_CRASHES:
+                    reason = f"worker crashed {served.crashes_in_row} times in a row: {exc}"
+            elif isinstance(exc, ModelFailed):
+                reason = f"no backend config left: {exc}"
+            if reason and served.failing:
+                reason = ""  # asked once already
+            if reason:
+                served.failing = True
+        if reason and self._on_failure is not None and info is not None:
+            self._on_failure(name, info["uid"], reason.splitlines()[0][:500])
 
     def _count(self, name: str, info: dict | None, model, ns: int, ok: bool) -> str:
         """Count one request; return the backend config it ran on."""
@@ -226,3 +273,7 @@ class Serving:
                 "state": model.state if model is not None else "closed",
             }
         return out
+
+
+def _since(start: int) -> int:
+    return time.perf_counter_ns() - start

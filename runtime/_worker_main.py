@@ -3,7 +3,8 @@
 Started as ``python -m runtime._worker_main --sock-fd N --model-fd M --parent-pid P``
 with the model in an inherited sealed memfd and a Unix socket to the parent. It serves
 frames from `runtime._wire` until the socket closes: ``load`` (a config), ``run``
-(arrays) and ``exit``; every reply carries its request's sequence number. Expected
+(arrays), ``run_batch`` (several runs' arrays in one frame, answered as they finish) and
+``exit``; every reply carries its request's sequence number. Expected
 failures go back as ``{"ok": false, "kind": ...}`` replies; a native crash simply kills
 this process, which is the point of having it.
 
@@ -25,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import runtime._wire as _wire
@@ -44,6 +46,12 @@ __all__ = ["main"]
 FAULTS = ("segv", "abort", "kill", "hang", "exit")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _COUNT = re.compile(r"[0-9]+")
+# A batch's answers go back at least this often (and at its end), so the parent, which
+# waits at most its deadline for each frame, sees a long batch make progress.
+FLUSH_NS = 2_000_000
+FLUSH_BYTES = 16 << 20  # and before their outputs grow past this,
+FLUSH_HEADER = 256 << 10  # or their header (errors) past this: a frame's header is bounded
+_ERROR_CHARS = 2000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
                 _trigger(fault[0])
             reply, outputs = _run(executor, header, arrays)
             channel.send(reply, outputs, seq=seq)
+        elif op == "run_batch" and executor is not None:
+            batch = _Batch(channel, seq)
+            for index, inputs, exact in _batch_items(executor, header, arrays, batch):
+                runs += 1
+                if fault and runs == fault[1] and fault[2] in ("", executor.config.key):
+                    _trigger(fault[0])
+                batch.answer(index, *_run(executor, {"exact": exact}, inputs))
+            batch.flush()
         elif op == "exit":
             return 0
         else:
@@ -128,6 +144,65 @@ def _run(executor: InProcessExecutor, header: dict, arrays: dict) -> tuple[dict,
     except InferenceError as exc:
         return {"ok": False, "kind": "inference", "error": str(exc)}, {}
     return {"ok": True}, outputs
+
+
+class _Batch:
+    """The answers to one ``run_batch`` request, sent back in frames as they accumulate.
+
+    Each frame's header lists ``[index, kind, error]`` per answered item (kind "" when
+    it ran: its outputs are the arrays ``"<index>/<output>"``).
+    """
+
+    def __init__(self, channel: _wire.Channel, seq: int) -> None:
+        self._channel, self._seq = channel, seq
+        self._items: list[list] = []
+        self._outputs: dict[str, Any] = {}
+        self._bytes = self._head = 0
+        self._flushed = time.perf_counter_ns()
+
+    def answer(self, index: int, reply: dict, outputs: dict) -> None:
+        """Keep one item's answer; send what is kept if it is time to."""
+        if reply["ok"]:
+            self._items.append([index, "", ""])
+            for name, array in outputs.items():
+                self._outputs[f"{index}/{name}"] = array
+                self._bytes += array.nbytes
+        else:
+            error = reply["error"][:_ERROR_CHARS]
+            self._items.append([index, reply["kind"], error])
+            self._head += 12 * len(error)  # at most 12 bytes of JSON per character
+        self._head += 64
+        now = time.perf_counter_ns()
+        full = self._bytes >= FLUSH_BYTES or self._head >= FLUSH_HEADER
+        if full or now - self._flushed >= FLUSH_NS:
+            self.flush(now)
+
+    def flush(self, now: int = 0) -> None:
+        """Send the answers kept so far (if any)."""
+        if self._items:
+            self._channel.send({"ok": True, "items": self._items}, self._outputs, seq=self._seq)
+        self._items, self._outputs, self._bytes, self._head = [], {}, 0, 0
+        self._flushed = now or time.perf_counter_ns()
+
+
+def _batch_items(executor: InProcessExecutor, header: dict, arrays: dict, batch: _Batch):
+    """Yield (index, inputs, exact) for each item of a ``run_batch`` request, in order.
+
+    Item i's inputs are the arrays ``"<i>/<input>"``, and ``header["exact"][i]`` its
+    exact flag. A request that does not hold exactly that has every item answered
+    "invalid_input" in `batch`, and none run.
+    """
+    exact = header.get("exact")
+    names = executor.signature.input_names
+    count = len(exact) if isinstance(exact, list) else 0
+    expected = [f"{i}/{name}" for i in range(count) for name in names]
+    if not count or list(arrays) != expected:
+        error = {"ok": False, "kind": "invalid_input", "error": "batch inputs out of order"}
+        for i in range(max(count, 1)):
+            batch.answer(i, error, {})
+    else:
+        for i in range(count):
+            yield i, {name: arrays[f"{i}/{name}"] for name in names}, bool(exact[i])
 
 
 def _trigger(kind: str) -> None:

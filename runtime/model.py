@@ -51,11 +51,13 @@ from runtime._inputs import (
 )
 from runtime.backends import DEFAULT_CONFIG, Backend, BackendConfig, candidate_configs
 from runtime.errors import (
+    DeadlineExceeded,
     ExecutorClosed,
     InferenceError,
     InvalidInput,
     ModelFailed,
     ModelLoadError,
+    RuntimeFailure,
     WorkerCrashed,
 )
 from runtime.events import CrashEvent, FallbackEvent
@@ -277,6 +279,72 @@ class Model:
             failed_on = executor.config
             chain.fall_back(executor, problem)
             executor = chain.wait_active(deadline_s)
+
+    def run_batch(
+        self, batch: Sequence[Mapping[str, np.ndarray]]
+    ) -> list[dict[str, np.ndarray] | RuntimeFailure]:
+        """Run several named inputs, in one round trip to a worker; return each one's answer.
+
+        Each item's answer, in order, is what `run` would give it: its outputs, or the
+        RuntimeFailure `run` would raise (InvalidInput, WorkerCrashed, ModelFailed...).
+        The items go to the serving config together (`WorkerExecutor.run_batch`; in
+        process, one by one); an item whose config fails on it is run again alone through
+        `run`, which falls back as usual. A worker crash fails the items it had not
+        answered, and counts once. Each item's latency is recorded as its share of the
+        batch's time.
+        """
+        answers: list = [None] * len(batch)
+        pending = []
+        for i, inputs in enumerate(batch):
+            try:
+                arrays, exact = self.signature.check(inputs)
+                if self._check_finite:
+                    refuse_non_finite(self.signature, arrays)
+            except InvalidInput as exc:
+                answers[i] = exc
+            else:
+                pending.append((i, arrays, exact))
+        executor = self._chain.active
+        together = getattr(executor, "run_batch", None)
+        if together is not None and len(pending) > 1:
+            self._run_together(executor, together, pending, answers)
+        for i, answer in enumerate(answers):
+            if answer is None:  # alone, through the fallback chain
+                try:
+                    answers[i] = self.run(batch[i])
+                except RuntimeFailure as exc:
+                    answers[i] = exc
+        return answers
+
+    def _run_together(self, executor: Executor, together, pending: list, answers: list) -> None:
+        """Fill in the answers of `pending` (index, arrays, exact) from one batch run.
+
+        Items the config failed on (and every item, if the batch could not be run) stay
+        None, for `run` to take one by one.
+        """
+        start = _now()
+        try:
+            got = together([(arrays, exact) for _, arrays, exact in pending])
+        except DeadlineExceeded as exc:  # no turn within the deadline: none would get one
+            for i, _, _ in pending:
+                answers[i] = exc
+            return
+        except RuntimeFailure:  # closed, restart failed, too large: each goes alone
+            return
+        share = (_now() - start) // len(pending)
+        crash = None
+        for (i, _, _), answer in zip(pending, got, strict=True):
+            if isinstance(answer, dict):
+                if not (self._check_finite and non_finite(answer)):
+                    answers[i] = answer
+                    self.histogram.record_ns(share)
+            elif isinstance(answer, WorkerCrashed):
+                crash = crash or self._crashed(executor, answer)
+                answers[i] = crash
+            elif isinstance(answer, InvalidInput):
+                answers[i] = answer
+        if any(isinstance(a, dict) for a in answers):
+            self._chain.record_success(executor.config)
 
     def _attempt(
         self,

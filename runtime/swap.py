@@ -22,16 +22,18 @@ not closed), apart from moving the slot's sequence forward.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from runtime.errors import ModelFailed, StaleSwap
+from runtime.errors import ModelFailed, RuntimeFailure, StaleSwap
 from runtime.model import Model
 
 __all__ = ["ModelSlot"]
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -82,13 +84,23 @@ class ModelSlot:
 
     def run_versioned(self, inputs: Mapping[str, np.ndarray]) -> tuple[str, dict[str, np.ndarray]]:
         """Run on the serving version; return which version answered, and its outputs."""
+        return self._on_serving(lambda model: (model.version, model.run(inputs)))
+
+    def run_batch_versioned(
+        self, batch: Sequence[Mapping[str, np.ndarray]]
+    ) -> tuple[str, list[dict[str, np.ndarray] | RuntimeFailure]]:
+        """Run a batch on the serving version (see `Model.run_batch`); say which answered."""
+        return self._on_serving(lambda model: (model.version, model.run_batch(batch)))
+
+    def _on_serving(self, call: Callable[[Model], T]) -> T:
+        """Return `call(serving version)`; the version is not closed before it returns."""
         with self._lock:
             entry = self._entry
             if entry is None:
                 raise ModelFailed("no model version is loaded in this slot")
             entry.inflight += 1
         try:
-            return entry.model.version, entry.model.run(inputs)
+            return call(entry.model)
         finally:
             with self._lock:
                 entry.inflight -= 1

@@ -26,6 +26,11 @@ blocked read returns EOF at once, and ``wait()`` reports the signal. A request t
 interrupted midway (KeyboardInterrupt, a signal handler's exception) kills the worker
 too: its reply would otherwise be read as the answer to the next request.
 
+A batch (`run_batch`) goes to the worker as one request; the worker answers its items
+in frames as they finish (at least every few milliseconds), and each wait for the next
+frame is bounded by the deadline as one request is, so a long batch is never mistaken
+for a hung worker, and a hung one is still killed at its deadline.
+
 Workers get a minimal environment and die with this process (see `runtime._processes`).
 """
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import select
@@ -72,6 +78,7 @@ DEFAULT_DEADLINE_S = 10.0
 LOAD_DEADLINE_S = 300.0  # loading (and GPU kernel tuning) of a big model is slow
 _LOG_TAIL = 4096
 _LOG_LIMIT, _LOG_KEEP = 64 * 1024, 32 * 1024  # past the limit, only the last part is kept
+_BATCH_ITEMS, _BATCH_ARRAYS = 256, 512  # the most items, and input arrays, one request carries
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,79 @@ class WorkerExecutor:
             expected = list(self.signature.outputs)
             raise InferenceError(f"worker returned outputs {list(outputs)}, not {expected}")
         return outputs
+
+    def run_batch(
+        self, items: Sequence[tuple[Sequence[np.ndarray], bool]]
+    ) -> list[dict[str, np.ndarray] | RuntimeFailure]:
+        """Run several validated inputs (arrays, exact) in one round trip to the worker.
+
+        (One per `_BATCH_ITEMS` items, all in one turn on the worker.) Returns, per item
+        and in order, its outputs, or the InvalidInput or InferenceError that `run`
+        would raise for it alone. If the worker dies (or
+        misses the deadline between two of its answers), the items it had not answered
+        get the same WorkerCrashed. Raises DeadlineExceeded and ModelLoadError as `run`.
+        """
+        if not items:
+            return []
+        deadline = time.monotonic() + self.deadline_s
+        if not self._lock.acquire(timeout=self.deadline_s):
+            raise DeadlineExceeded(self._late("requests ahead of this one held it"))
+        answers: list[dict[str, np.ndarray] | RuntimeFailure | None] = [None] * len(items)
+        try:
+            self._await_worker(deadline)
+            names = self.signature.input_names
+            # Bounded frames: a header of a few KiB, and far fewer buffers than IOV_MAX.
+            step = max(1, min(_BATCH_ITEMS, _BATCH_ARRAYS // max(len(names), 1)))
+            for start in range(0, len(items), step):
+                chunk = items[start : start + step]
+                arrays = {}
+                for i, (inputs, _) in enumerate(chunk):
+                    for name, array in zip(names, inputs, strict=True):
+                        arrays[f"{i}/{name}"] = array
+                request = {"op": "run_batch", "exact": [bool(exact) for _, exact in chunk]}
+                got: list = [None] * len(chunk)
+                try:
+                    self._call(request, arrays, until=functools.partial(self._answered, got))
+                except WorkerCrashed as exc:
+                    got = [exc if a is None else a for a in got]
+                    answers[start:] = got + [exc] * (len(items) - start - len(got))
+                    break
+                answers[start : start + len(chunk)] = got
+            else:
+                self._trim_log()
+        finally:
+            self._lock.release()
+        return answers  # type: ignore[return-value] - every item is answered by now
+
+    def _answered(self, answers: list, header: dict, arrays: dict[str, np.ndarray]) -> bool:
+        """Take one frame of a batch's answers; tell whether every item has its answer.
+
+        ProtocolError (the worker is not to be trusted) for an index out of range or
+        answered twice.
+        """
+        items = header.get("items")
+        if not header.get("ok") or not isinstance(items, list):
+            raise _wire.ProtocolError(f"bad batch answer: {str(header)[:200]}")
+        outputs = self.signature.outputs
+        shared = len(items) > 1  # one buffer under all: copy, so each item owns its own
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 3 and type(item[0]) is int):
+                raise _wire.ProtocolError("bad batch answer item")
+            index, kind, error = item
+            if not 0 <= index < len(answers) or answers[index] is not None:
+                raise _wire.ProtocolError(f"batch answer for item {index} out of place")
+            if kind == "invalid_input":
+                answers[index] = InvalidInput(str(error))
+            elif kind:
+                answers[index] = InferenceError(str(error))
+            else:
+                got = [arrays.get(f"{index}/{name}") for name in outputs]
+                if any(a is None for a in got):
+                    answers[index] = InferenceError(f"worker returned no outputs {outputs}")
+                else:
+                    pairs = zip(outputs, got, strict=True)
+                    answers[index] = {n: a.copy() if shared else a for n, a in pairs}
+        return all(a is not None for a in answers)
 
     def close(self) -> None:
         """Stop the worker: ask it to exit, then kill it if it does not.
@@ -294,17 +374,26 @@ class WorkerExecutor:
         arrays: dict | None,
         *,
         deadline_s: float | None = None,
+        until: Callable[[dict, dict[str, np.ndarray]], bool] | None = None,
     ) -> tuple[dict, dict[str, np.ndarray]]:
-        """Send one request and wait for its reply; on death or timeout, reap and raise."""
+        """Send one request and wait for its reply; on death or timeout, reap and raise.
+
+        With `until`, replies are read until `until(header, arrays)` says that was the
+        last, each within the deadline of the one before.
+        """
         assert self._channel is not None
-        deadline = time.monotonic() + (deadline_s or self.deadline_s)
+        budget = deadline_s or self.deadline_s
+        deadline = time.monotonic() + budget
         self._seq = seq = (self._seq + 1) & 0xFFFF_FFFF
         try:
             self._channel.send(header, arrays, seq=seq)
-            reply = self._channel.recv(deadline=deadline)
-            if reply.seq != seq:  # cannot happen unless the worker is confused or hostile
-                raise _wire.ProtocolError(f"reply to request {reply.seq}, not {seq}")
-            return reply.header, reply.arrays
+            while True:
+                reply = self._channel.recv(deadline=deadline)
+                if reply.seq != seq:  # cannot happen unless the worker is confused or hostile
+                    raise _wire.ProtocolError(f"reply to request {reply.seq}, not {seq}")
+                if until is None or until(reply.header, reply.arrays):
+                    return reply.header, reply.arrays
+                deadline = time.monotonic() + budget
         except _wire.FrameTooLarge as exc:  # refused before sending: the worker is fine
             raise InvalidInput(f"inputs too large for a worker: {exc}") from None
         except TimeoutError:

@@ -59,13 +59,13 @@ class FakeModel:
 
 
 class FakeServing:
-    """What Pipelines needs of Serving: put, serving, is_loading, infer."""
+    """What Pipelines needs of Serving: put, serving, is_loading, infer_batch."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self.slot: dict | None = None
         self.loading = False
-        self.runs = 0
+        self.runs = self.calls = 0
 
     def put(self, name, info, model) -> None:
         self.slot = info
@@ -76,11 +76,14 @@ class FakeServing:
     def is_loading(self, name) -> bool:
         return self.loading
 
-    def infer(self, name, inputs):
-        time.sleep(self.delay_s)
-        self.runs += 1
-        x = inputs["x"]
-        return self.slot, "CPU", {"y": x * 2}, 1000
+    def infer_batch(self, name, batch):
+        self.calls += 1
+        answers = []
+        for inputs in batch:
+            time.sleep(self.delay_s)
+            self.runs += 1
+            answers.append({"y": inputs["x"] * 2})
+        return self.slot, "CPU", answers
 
 
 class FakeClock:
