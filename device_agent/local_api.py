@@ -117,8 +117,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         except BadTensor as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            info, config, outputs, latency_ns = await asyncio.to_thread(
-                self._serving.infer, request.model, inputs
+            info, config, outputs, latency_ns = await self._serving.infer_async(
+                request.model, inputs
             )
         except NotServing as exc:
             code = grpc.StatusCode.UNAVAILABLE if exc.loading else grpc.StatusCode.NOT_FOUND

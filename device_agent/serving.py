@@ -145,13 +145,35 @@ class Serving:
             self._count(name, served.infos.get(model.version), model, _since(start), False)
             self._failed(name, served, model, exc)
             raise
-        latency = time.perf_counter_ns() - start
+        return self._answered(name, served, model, version, outputs, _since(start))
+
+    async def infer_async(
+        self, name: str, inputs: Mapping[str, np.ndarray]
+    ) -> tuple[dict, str, dict[str, np.ndarray], int]:
+        """`infer` for a caller on the agent's event loop (no thread hop in the common case)."""
+        from runtime import InvalidInput, RuntimeFailure
+
+        served = self._served_now(name)
+        start = time.perf_counter_ns()
+        model = served.slot.model
+        try:
+            version, outputs = await served.slot.run_versioned_async(inputs)
+        except InvalidInput:
+            raise  # the caller's inputs: not the version's fault, not counted
+        except RuntimeFailure as exc:
+            self._count(name, served.infos.get(model.version), model, _since(start), False)
+            self._failed(name, served, model, exc)
+            raise
+        return self._answered(name, served, model, version, outputs, _since(start))
+
+    def _answered(self, name: str, served: _Served, model, version: str, outputs, ns: int):
+        """Count a request that `version` answered; return what `infer` returns."""
         with self._lock:
             served.crashes_in_row = 0
             info = served.infos[version]
         answered = model if model.version == version else served.slot.model or model
-        config = self._count(name, info, answered, latency, True)
-        return info, config, outputs, latency
+        config = self._count(name, info, answered, ns, True)
+        return info, config, outputs, ns
 
     def infer_batch(
         self, name: str, batch: Sequence[Mapping[str, np.ndarray]]

@@ -22,10 +22,13 @@ A malformed frame drops the connection: after one, the stream cannot be trusted.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import socket
 import struct
+import sys
+import termios
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -44,6 +47,7 @@ _FIRST_CHUNK = 1 << 20  # a large payload's buffer starts here and doubles as by
 _CACHE_LIMIT = 256  # distinct headers remembered per side
 _CACHEABLE = 4096  # longer headers are not cached: bounds the caches to ~1 MiB each
 _DTYPES = {name: np.dtype(name) for name in SUPPORTED_DTYPES}
+_NO_BYTES = bytes(4)  # FIONREAD's int, filled in by the kernel
 
 _Spec = tuple[str, np.dtype, tuple[int, ...], int]  # name, dtype, shape, element count
 
@@ -120,6 +124,18 @@ class Channel:
         except ProtocolError:
             self.close()  # the byte stream is out of step with the frames for good
             raise
+
+    def frame_ready(self) -> bool:
+        """Tell whether a whole frame is here to read (buffered or in the socket): no wait."""
+        buffered = self._end - self._start
+        waiting = buffered + _unread(self.sock)
+        if waiting < _PREFIX.size:
+            return False
+        prefix = bytes(self._view[self._start : self._end])
+        if buffered < _PREFIX.size:
+            prefix += self.sock.recv(_PREFIX.size - buffered, socket.MSG_PEEK)
+        head_len, payload_len, _ = _PREFIX.unpack_from(prefix)
+        return waiting >= _PREFIX.size + head_len + payload_len
 
     def _recv(self, deadline: float | None) -> Frame:
         """Receive one frame; see `recv`."""
@@ -218,6 +234,12 @@ class Channel:
                 raise TimeoutError("no reply before the deadline")
             self.sock.settimeout(remaining)
         return self.sock.recv_into(view)
+
+
+def _unread(sock: socket.socket) -> int:
+    """Return how many bytes wait in the socket's receive queue."""
+    count = fcntl.ioctl(sock.fileno(), termios.FIONREAD, _NO_BYTES)
+    return int.from_bytes(count, sys.byteorder)
 
 
 def _specs(described: Any) -> list[_Spec]:

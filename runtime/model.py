@@ -31,6 +31,7 @@ mark every config bad and roll the fleet back.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
 import re
@@ -279,6 +280,35 @@ class Model:
             failed_on = executor.config
             chain.fall_back(executor, problem)
             executor = chain.wait_active(deadline_s)
+
+    async def run_async(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`run` for a caller on an asyncio loop (an app-facing server): same answers, errors.
+
+        The common case, a worker free now, waits for the worker on the loop, with no
+        thread hop (`WorkerExecutor.run_async`); anything else runs `run` in a thread:
+        in process, a worker busy or restarting, large inputs, and a config failing the
+        request or giving non-finite outputs (then `run` tries it again and decides).
+        """
+        executor = self._chain.active
+        direct = getattr(executor, "run_async", None)
+        if direct is not None:
+            start = _now()
+            arrays, exact = self.signature.check(inputs)
+            if self._check_finite:
+                refuse_non_finite(self.signature, arrays)
+            try:
+                outputs = await direct(arrays, exact)
+            except WorkerCrashed as exc:
+                raise self._crashed(executor, exc) from None
+            except InvalidInput:
+                raise
+            except RuntimeFailure:  # the config's failure: `run` falls back and retries
+                outputs = None
+            if outputs is not None and not (self._check_finite and non_finite(outputs)):
+                self._chain.record_success(executor.config)
+                self.histogram.record_ns(_now() - start)
+                return outputs
+        return await asyncio.get_running_loop().run_in_executor(None, self.run, inputs)
 
     def run_batch(
         self, batch: Sequence[Mapping[str, np.ndarray]]

@@ -21,6 +21,7 @@ not closed), apart from moving the slot's sequence forward.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -92,21 +93,40 @@ class ModelSlot:
         """Run a batch on the serving version (see `Model.run_batch`); say which answered."""
         return self._on_serving(lambda model: (model.version, model.run_batch(batch)))
 
+    async def run_versioned_async(
+        self, inputs: Mapping[str, np.ndarray]
+    ) -> tuple[str, dict[str, np.ndarray]]:
+        """`run_versioned` for a caller on an asyncio loop (see `Model.run_async`)."""
+        entry = self._enter()
+        try:
+            return entry.model.version, await entry.model.run_async(inputs)
+        finally:
+            if self._leave(entry):  # closing a worker may wait for it: not on the loop
+                await asyncio.get_running_loop().run_in_executor(None, entry.model.close)
+
     def _on_serving(self, call: Callable[[Model], T]) -> T:
         """Return `call(serving version)`; the version is not closed before it returns."""
+        entry = self._enter()
+        try:
+            return call(entry.model)
+        finally:
+            if self._leave(entry):
+                entry.model.close()
+
+    def _enter(self) -> _Entry:
+        """Count a request in on the serving version; return its entry."""
         with self._lock:
             entry = self._entry
             if entry is None:
                 raise ModelFailed("no model version is loaded in this slot")
             entry.inflight += 1
-        try:
-            return call(entry.model)
-        finally:
-            with self._lock:
-                entry.inflight -= 1
-                drained = entry.retired and entry.inflight == 0
-            if drained:
-                entry.model.close()
+        return entry
+
+    def _leave(self, entry: _Entry) -> bool:
+        """Count a request out; tell whether it was the last on a retired version (close it)."""
+        with self._lock:
+            entry.inflight -= 1
+            return entry.retired and entry.inflight == 0
 
     def swap(self, model: Model, *, sequence: int | None = None) -> None:
         """Make `model` serve from now on; close the old one once its requests finish.

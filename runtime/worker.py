@@ -36,6 +36,8 @@ Workers get a minimal environment and die with this process (see `runtime._proce
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -47,7 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +81,7 @@ LOAD_DEADLINE_S = 300.0  # loading (and GPU kernel tuning) of a big model is slo
 _LOG_TAIL = 4096
 _LOG_LIMIT, _LOG_KEEP = 64 * 1024, 32 * 1024  # past the limit, only the last part is kept
 _BATCH_ITEMS, _BATCH_ARRAYS = 256, 512  # the most items, and input arrays, one request carries
+_ASYNC_BYTES = 1 << 20  # larger inputs go through `run` in a thread: sending them may block
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,61 @@ class WorkerExecutor:
             self._trim_log()
         finally:
             self._lock.release()
+        return self._outputs(reply, outputs)
+
+    async def run_async(
+        self, arrays: Sequence[np.ndarray], exact: bool
+    ) -> dict[str, np.ndarray] | None:
+        """`run` for a caller on an asyncio loop: the round trip waits on the loop, no thread.
+
+        Returns None, having done nothing, when the request cannot go at once (another
+        request or a restart has the worker, it is down or closed, the inputs are large):
+        the caller then runs `run` in a thread, which waits its turn. A whole reply is
+        read on the loop; a partial one, or none by the deadline, is waited for in a
+        thread. A caller cancelled midway leaves its reply to a thread to read and drop:
+        the worker stays up, and the next request cannot take that reply for its own.
+        """
+        if sum(a.nbytes for a in arrays) > _ASYNC_BYTES or not self._lock.acquire(False):
+            return None
+        owner = True  # this coroutine releases the lock, unless a thread took the request
+        try:
+            if self._closed or self._restarting or self._channel is None or self._proc is None:
+                return None
+            if not self._idle_and_alive():
+                return None  # `run` reports and replaces it
+            deadline = time.monotonic() + self.deadline_s
+            names = self.signature.input_names
+            request = {"op": "run", "exact": exact}
+            seq = self._send(request, dict(zip(names, arrays, strict=True)))
+            try:
+                ready = await _readable(self._channel.sock, deadline)
+            except asyncio.CancelledError:
+                owner = False
+                threading.Thread(target=self._finish, args=(seq, deadline), daemon=True).start()
+                raise
+            if ready and self._channel.frame_ready():
+                reply, outputs = self._replies(seq, deadline)
+                self._trim_log()
+            else:
+                owner = False
+                loop = asyncio.get_running_loop()
+                reply, outputs = await loop.run_in_executor(None, self._finish, seq, deadline)
+        finally:
+            if owner:
+                self._lock.release()
+        return self._outputs(reply, outputs)
+
+    def _finish(self, seq: int, deadline: float) -> tuple[dict, dict[str, np.ndarray]]:
+        """Read the reply to request `seq` (sent by `run_async`), then let go of the lock."""
+        try:
+            reply, outputs = self._replies(seq, deadline)
+            self._trim_log()
+            return reply, outputs
+        finally:
+            self._lock.release()
+
+    def _outputs(self, reply: dict, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Return a run's outputs from its reply, or raise the error it reports."""
         if not reply.get("ok"):
             kind, error = reply.get("kind"), str(reply.get("error", "worker error"))
             raise InvalidInput(error) if kind == "invalid_input" else InferenceError(error)
@@ -381,12 +439,29 @@ class WorkerExecutor:
         With `until`, replies are read until `until(header, arrays)` says that was the
         last, each within the deadline of the one before.
         """
-        assert self._channel is not None
         budget = deadline_s or self.deadline_s
         deadline = time.monotonic() + budget
+        seq = self._send(header, arrays)
+        return self._replies(seq, deadline, budget, until)
+
+    def _send(self, header: dict, arrays: dict | None) -> int:
+        """Send one request; return its sequence number (on failure, reap and raise)."""
+        assert self._channel is not None
         self._seq = seq = (self._seq + 1) & 0xFFFF_FFFF
-        try:
+        with self._guard():
             self._channel.send(header, arrays, seq=seq)
+        return seq
+
+    def _replies(
+        self,
+        seq: int,
+        deadline: float,
+        budget: float = 0.0,
+        until: Callable[[dict, dict[str, np.ndarray]], bool] | None = None,
+    ) -> tuple[dict, dict[str, np.ndarray]]:
+        """Read the reply to request `seq` (see `_call`); on death or timeout, reap and raise."""
+        assert self._channel is not None
+        with self._guard():
             while True:
                 reply = self._channel.recv(deadline=deadline)
                 if reply.seq != seq:  # cannot happen unless the worker is confused or hostile
@@ -394,6 +469,13 @@ class WorkerExecutor:
                 if until is None or until(reply.header, reply.arrays):
                     return reply.header, reply.arrays
                 deadline = time.monotonic() + budget
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Turn a failed exchange with the worker into WorkerCrashed, the worker reaped."""
+        try:
+            yield
+            return
         except _wire.FrameTooLarge as exc:  # refused before sending: the worker is fine
             raise InvalidInput(f"inputs too large for a worker: {exc}") from None
         except TimeoutError:
@@ -509,3 +591,22 @@ class WorkerExecutor:
         text = os.pread(self._log_fd, _LOG_TAIL, max(0, size - _LOG_TAIL))
         lines = [line.strip() for line in text.decode(errors="replace").splitlines()]
         return next((line for line in reversed(lines) if line), "")[:300]
+
+
+async def _readable(sock: socket.socket, deadline: float) -> bool:
+    """Wait on the running loop until `sock` is readable (True) or the deadline passed."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def settle(value: bool) -> None:
+        if not ready.done():
+            ready.set_result(value)
+
+    fd = sock.fileno()
+    loop.add_reader(fd, settle, True)
+    timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), settle, False)
+    try:
+        return await ready
+    finally:
+        timer.cancel()
+        loop.remove_reader(fd)
