@@ -62,7 +62,7 @@ def build_signing_keys(config: Config, store: SqlStore) -> SigningKeys:
 
 def build_registry(config: Config) -> Registry:
     """Open the store, blob store and keys named by `config`."""
-    store = SqlStore(config.db)
+    store = SqlStore(config.db, pool_size=config.db_pool_size)
     return Registry(
         store=store,
         blobs=open_blob_store(config.blobs),

@@ -42,7 +42,7 @@ from control_plane.api.health import HealthMonitor
 from control_plane.api.transport import check_listen, listen_credentials, listen_failure
 from control_plane.app import App, build_app, kek_rotation
 from control_plane.home import HomeLock
-from control_plane.serve_workers import serve_workers, worker_count
+from control_plane.serve_workers import check_worker, serve_workers, worker_count
 from control_plane.settings import Config
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc, fleet_pb2, fleet_pb2_grpc
 from runtime.hardening import forbid_core_dumps
@@ -427,7 +427,9 @@ def serve(
     # lock or the port's reservation for it any more. (Before its "listening" line, the
     # supervisor's end of its stdout is gone and that print fails.)
     supervisor = os.getppid() if worker_index is not None else None
-    if worker_index is None:
+    if worker_index is not None:
+        check_worker(worker_index)
+    else:
         count = worker_count(config, workers)
         if count > 1:
             return serve_workers(

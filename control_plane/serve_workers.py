@@ -16,6 +16,7 @@ supervisor exits 1: the service manager (systemd, Kubernetes) restarts the whole
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -33,6 +34,7 @@ from contract import errors
 from control_plane.api.transport import check_listen, listen_credentials
 from control_plane.home import HomeLock
 from control_plane.settings import FROM_FLAG, SETTINGS, Config
+from control_plane.store.sql_store import SqlStore
 from runtime.hardening import forbid_core_dumps
 
 log = logging.getLogger(__name__)
@@ -42,11 +44,75 @@ MAX_WORKERS = 256
 START_TIMEOUT_S = 120.0
 READY_MARK = "listening on "
 STOP_POLL_S = 0.5
+STRANGER_CHECK_S = 10.0
 
 
-def host_cores() -> int:
-    """Return the cores this process may run on (its CPU affinity, not the whole host's)."""
-    return max(1, len(os.sched_getaffinity(0)))
+# The cgroup (v2) CPU limit of this process's container, when it has one.
+CPU_MAX = "/sys/fs/cgroup/cpu.max"
+# The environment variable a worker finds its supervisor's pid in (see `check_worker`).
+SUPERVISOR_ENV = "SKIFF_SERVER_SUPERVISOR"
+# Per worker, PostgreSQL connections kept at most, and the share of max_connections
+# (the rest for other clients, replicas' listeners, the operator) that N workers divide.
+MIN_POOL, MAX_POOL, POOL_SHARE = 4, 24, 0.75
+
+
+def host_cores(cpu_max: str = CPU_MAX) -> int:
+    """Return the cores this process may use: its CPU affinity, within a CPU quota.
+
+    A container limited by a quota (cgroup v2 cpu.max, "200000 100000" = 2 cores) sees
+    every core of the host in its affinity; one worker per host core would oversubscribe.
+    """
+    cores = max(1, len(os.sched_getaffinity(0)))
+    try:
+        quota, period = open(cpu_max).read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit here
+    return cores
+
+
+def pool_share(config: Config, count: int) -> int:
+    """Return the connections each of `count` workers keeps.
+
+    The db_pool_size setting, or else an even share of POOL_SHARE of PostgreSQL's
+    max_connections, MIN_POOL to MAX_POOL. Unavailable (one line) when PostgreSQL cannot
+    be asked.
+    """
+    if config.db_pool_size:
+        return config.db_pool_size
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(config.db, connect_args={"connect_timeout": 5})
+    try:
+        with engine.connect() as conn:
+            limit = int(conn.execute(text("SHOW max_connections")).scalar_one())
+    except Exception as exc:  # noqa: BLE001 - any failure to ask: one line
+        raise errors.Unavailable(f"cannot reach the database: {type(exc).__name__}") from None
+    finally:
+        engine.dispose()
+    share = int(limit * POOL_SHARE) // count
+    if share < MIN_POOL:
+        log.warning(
+            "%d workers x %d connections exceed PostgreSQL's max_connections (%d): raise "
+            "it, or run fewer --workers",
+            count,
+            MIN_POOL,
+            limit,
+        )
+    return max(MIN_POOL, min(MAX_POOL, share))
+
+
+def check_worker(index: int) -> None:
+    """Refuse `--worker-index` outside `skiff server --workers` (it skips the home's lock).
+
+    The supervisor names itself in the environment; a worker's parent must be it.
+    """
+    if os.environ.get(SUPERVISOR_ENV) != str(os.getppid()):
+        raise errors.InvalidArgument(
+            f"--worker-index {index} is for the processes of skiff server --workers; "
+            "run skiff server (add --workers N for several processes)"
+        )
 
 
 def worker_count(config: Config, requested: int | None) -> int:
@@ -91,7 +157,7 @@ def reserve_port(address: str) -> tuple[socket.socket, str, int]:
     return sock, host, sock.getsockname()[1]
 
 
-def _worker_environ(config: Config) -> dict[str, str]:
+def _worker_environ(config: Config, pool: int) -> dict[str, str]:
     """Return the environment a worker resolves the supervisor's very settings from.
 
     Settings given as flags travel as their SKIFF_* variables, not as arguments: a
@@ -102,6 +168,8 @@ def _worker_environ(config: Config) -> dict[str, str]:
         origin, value = config.origins[s.name]
         if origin == FROM_FLAG and s.name != "grpc":
             env[s.env] = str(value)
+    env["SKIFF_DB_POOL_SIZE"] = str(pool)
+    env[SUPERVISOR_ENV] = str(os.getpid())
     return env
 
 
@@ -121,11 +189,11 @@ def _relay(stream, heard: queue.Queue) -> None:
 class _Workers:
     """The worker processes: started, watched, stopped."""
 
-    def __init__(self, config: Config, address: str, count: int, replica: bool) -> None:
+    def __init__(self, config: Config, address: str, count: int, replica: bool, pool: int) -> None:
         command = [sys.executable, "-m", "control_plane.cli", "server"]
         command += ["--home", str(config.home), "--grpc", address]
         command += ["--replica"] if replica else []
-        env = _worker_environ(config)
+        env = _worker_environ(config, pool)
         self.procs: list[subprocess.Popen] = []
         for index in range(count):
             self.procs.append(
@@ -135,6 +203,9 @@ class _Workers:
                     stdout=subprocess.PIPE,
                     env=env,
                     text=True,
+                    # Its own process group: a terminal's Ctrl-C reaches the supervisor
+                    # alone, which stops the workers in order (no tracebacks from each).
+                    process_group=0,
                 )
             )
 
@@ -162,6 +233,10 @@ class _Workers:
                         continue
                     line = None
                 if line is None:
+                    if stop.is_set():
+                        return None
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=5)  # its output ended: it is exiting
                     why = "did not start in time" if proc.poll() is None else "exited"
                     raise errors.Unavailable(f"server worker {index} {why} (see its log above)")
                 lines.append(line)
@@ -192,6 +267,55 @@ class _Workers:
                 proc.wait()
 
 
+class _Strangers:
+    """Watches for another program listening on the workers' port.
+
+    The workers listen with SO_REUSEPORT, so any process of the same user that asks for
+    it (gRPC does by default) may listen on the port too and take a share of the
+    connections; the kernel keeps other users out. Such a listener is logged (once) as an
+    error naming its socket, every STRANGER_CHECK_S.
+    """
+
+    def __init__(self, port: int, pids: list[int]) -> None:
+        self._port, self._pids = port, pids
+        self._next = 0.0
+        self._told: set[str] = set()
+
+    def check(self) -> None:
+        """Log listeners on the port that no worker holds (at most every STRANGER_CHECK_S)."""
+        if time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + STRANGER_CHECK_S
+        ours = set()
+        for pid in self._pids:
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        ours.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        for inode in _listening(self._port) - self._told:
+            if f"socket:[{inode}]" not in ours:
+                self._told.add(inode)
+                log.error(
+                    "another program listens on port %d beside the server workers (socket "
+                    "inode %s) and takes a share of their connections: stop it",
+                    self._port,
+                    inode,
+                )
+
+
+def _listening(port: int) -> set[str]:
+    """Return the socket inodes of TCP listeners on `port` (this network namespace)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    found.add(fields[9])
+    return found
+
+
 def serve_workers(
     *, config: Config, count: int, replica: bool, stop_limit_s: float, poll_s: float
 ) -> int:
@@ -202,10 +326,14 @@ def serve_workers(
     forbid_core_dumps()
     address = config.grpc
     credentials = listen_credentials(config, address)  # refused before anything starts
+    # Whatever the workers would fail on fails here once: the address, the database.
+    check_listen(address, reuse_port=replica)  # a plain one: taken even by a sharer
     lock = HomeLock(config.home, shared=replica).acquire()
     try:
-        if not replica:
-            check_listen(address)  # taken, even by a server sharing its port: refused
+        pool = pool_share(config, count)
+        # The schema is brought up to date once, here (a store migrates as it opens),
+        # not by every worker at once.
+        SqlStore(config.db, pool_size=1).close()
         reservation, host, port = reserve_port(address)
     except BaseException:
         lock.release()
@@ -214,15 +342,10 @@ def serve_workers(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    workers = _Workers(config, f"{host}:{port}", count, replica)
+    workers = _Workers(config, f"{host}:{port}", count, replica, pool)
     try:
-        try:
-            lines = workers.wait_ready(START_TIMEOUT_S, stop)
-        except errors.SkiffError:
-            workers.stop(stop_limit_s)
-            raise
+        lines = workers.wait_ready(START_TIMEOUT_S, stop)
         if lines is None:  # asked to stop before every worker listened
-            workers.stop(stop_limit_s)
             return 0
         transport = "TLS" if credentials is not None else "plaintext, this machine only"
         print(
@@ -233,14 +356,15 @@ def serve_workers(
         for line in lines:  # the dashboard's address (worker 0 serves it)
             if READY_MARK not in line:
                 print(line, end="", flush=True)
+        strangers = _Strangers(port, [p.pid for p in workers.procs])
         while not stop.wait(poll_s):
             died = workers.exited()
             if died is not None:
                 log.error("server worker %d exited with status %d; stopping the others", *died)
-                workers.stop(stop_limit_s)
                 return 1
-        workers.stop(stop_limit_s)
+            strangers.check()
         return 0
-    finally:
+    finally:  # however the supervisor leaves (an exception too), its workers stop
+        workers.stop(stop_limit_s)
         reservation.close()
         lock.release()

@@ -116,6 +116,14 @@ SETTINGS: tuple[Setting, ...] = (
         "How often device reports (last_seen, installed) are written, in one batch.",
     ),
     Setting(
+        "db_pool_size",
+        int,
+        0,
+        "SKIFF_DB_POOL_SIZE",
+        "Database connections a server process keeps; 0: 24, or with --workers an even "
+        "share of 3/4 of PostgreSQL's max_connections.",
+    ),
+    Setting(
         "kms_endpoint",
         str,
         "",
@@ -328,6 +336,7 @@ class Config:
     enroll_ttl_s: int
     scheduler_interval_s: float
     device_flush_s: float
+    db_pool_size: int
     kms_endpoint: str
     kms_region: str
     mnn_memory_limit_bytes: int

@@ -30,7 +30,7 @@ from control_plane.rollouts.watchers import Watchers, fingerprint
 from control_plane.store.fleet import DeviceAuth, DeviceUpdate, FleetStore, ModelState
 from control_plane.store.report_records import ReportBatch
 from control_plane.telemetry import Telemetry
-from control_plane.telemetry.recommend import Recommendations
+from control_plane.telemetry.recommend import Recommendations, Stale
 from protos import device_pb2, device_pb2_grpc
 
 MAX_INSTALLED = 256
@@ -101,6 +101,25 @@ def _golden_pb(golden: dict) -> device_pb2.ArtifactDescriptor | None:
     )
 
 
+class _Reader:
+    """An artifact's remaining pieces, read in threads; closed once no read is running."""
+
+    def __init__(self, chunks) -> None:
+        self._chunks, self._lock = chunks, threading.Lock()
+
+    def next(self) -> bytes | None:
+        """Return the next piece, None at the end (blocking: call it in a thread)."""
+        with self._lock:
+            return next(self._chunks, None)
+
+    def close(self) -> None:
+        """Close the blob (blocking until a read in progress returns)."""
+        with self._lock:
+            close = getattr(self._chunks, "close", None)
+            if close is not None:
+                close()
+
+
 class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
     """The device API."""
 
@@ -146,8 +165,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             signing_keys=self._chain(),
         )
 
-    def _chain(self):
-        chain = self._signing_keys.chain()
+    def _chain(self, chain: tuple = ()):
+        """Return the chain's messages (`chain`, or the chain now), converted once."""
+        chain = chain or self._signing_keys.chain()
         cached, messages = self._chain_pb
         if cached is not chain:
             messages = chain_pb(chain)
@@ -162,10 +182,12 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                 self._recent.popitem(last=False)
 
     def _with_recommendation(
-        self, msg: device_pb2.ModelAssignment, attrs: dict
+        self, msg: device_pb2.ModelAssignment, attrs: dict, cached_only: bool = False
     ) -> device_pb2.ModelAssignment:
         if self._recommendations is not None:
-            best = self._recommendations.for_device(msg.model, msg.version, msg.variant, attrs)
+            best = self._recommendations.for_device(
+                msg.model, msg.version, msg.variant, attrs, cached_only=cached_only
+            )
             if best is not None:
                 msg.recommended_config, msg.recommended_samples = best
         return msg
@@ -182,10 +204,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         result: SyncResult = self._delivery.sync(
             device, attrs, installed, request.nonce, cached_only=on_loop
         )
-        if on_loop and self._recommendations is not None:
-            for a in result.assignments:
-                if not self._recommendations.fresh(a.model, a.desired.version):
-                    raise NotCached("recommendations")
+        models = [
+            self._with_recommendation(_assignment_pb(a), attrs, on_loop) for a in result.assignments
+        ]
         desired = {a.model: a.desired for a in result.assignments}
         self._remember(device.id, attrs)
         now = dt.datetime.now(dt.UTC)
@@ -197,14 +218,12 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             self._watchers.note_sync_threadsafe(device.id, attrs, desired)
         return device_pb2.SyncResponse(
             revision=result.revision,
-            models=[
-                self._with_recommendation(_assignment_pb(a), attrs) for a in result.assignments
-            ],
+            models=models,
             document=result.document,
             document_signature=result.signature,
             signing_key_id=result.key_id,
             poll_interval_s=self._poll,
-            signing_keys=self._chain(),
+            signing_keys=self._chain(result.chain),
         )
 
     @mapped_async
@@ -218,7 +237,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             if device is not None:
                 try:
                     return self._sync(device, request, on_loop=True)
-                except NotCached:
+                except (NotCached, Stale):
                     pass
         return await asyncio.to_thread(self._sync_blocking, authorization, request)
 
@@ -269,6 +288,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         # The first piece is read with the checks, in one thread hop: a chunk of a chunked
         # model is often one piece, so a Download costs one hop, not three.
         size, chunk, chunks = await asyncio.to_thread(self._open, authorization, request)
+        reader = _Reader(chunks)
         offset = request.offset
         try:
             while chunk is not None:
@@ -280,11 +300,11 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                 offset += len(chunk)
                 if offset >= size:  # no hop just to hear that the end is the end
                     break
-                chunk = await asyncio.to_thread(next, chunks, None)
+                chunk = await asyncio.to_thread(reader.next)
         finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
+            # A cancelled call may leave a thread inside next(): the reader closes the
+            # blob once that read is done, in a thread, not waited for here.
+            asyncio.get_running_loop().run_in_executor(None, reader.close)
 
     def _checked(self, authorization: str | None, request):
         device = self._fleet.authenticate(authorization)

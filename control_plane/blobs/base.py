@@ -137,6 +137,10 @@ class BlobStore(abc.ABC):
     def list_blobs(self) -> Iterator[StoredBlob]:
         """Yield every published blob with its size and write time (for garbage collection)."""
 
+    # Whether presigned_url gives URLs (and so may need credentials refreshed over the
+    # network, as botocore's do): callers on an event loop ask in a thread then.
+    presigns = False
+
     def presigned_url(self, key: str, *, expires_s: int) -> str | None:
         """Return a short-lived URL that serves the blob's bytes, or None if unsupported.
 

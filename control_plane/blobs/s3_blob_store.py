@@ -160,6 +160,8 @@ class S3BlobStore(BlobStore):
                         modified = obj["LastModified"].astimezone(dt.UTC)
                         yield StoredBlob(name, obj["Size"], modified)
 
+    presigns = True
+
     def presigned_url(self, key: str, *, expires_s: int) -> str | None:
         """Return a presigned GET URL for the blob (computed locally, no request)."""
         with self._errors(f"presign blob {key}", check_key(key)):

@@ -65,6 +65,8 @@ class SyncResult:
     document: bytes
     signature: bytes
     key_id: str
+    # The signing-key chain of that moment (the answer carries it for verifiers).
+    chain: tuple = ()
 
 
 class NotCached(Exception):  # noqa: N818 - a signal, not an error
@@ -156,7 +158,11 @@ class Delivery:
             ready = self._signer.active_if_ready()
             if ready is None:
                 raise NotCached("signing key")
-            signer = ready[0]
+            if self._blobs.presigns:
+                raise NotCached("presigning may refresh the store's credentials")
+            signer, chain = ready
+        else:
+            chain = self._signer.chain()
         snap = self._resolver.current() if cached_only else self._resolver.snapshot()
         if snap is None:
             raise NotCached("rollouts changed")
@@ -185,7 +191,9 @@ class Delivery:
                 "models": {a.model: self._document_entry(a) for a in assignments},
             }
         )
-        return SyncResult(revision, assignments, signed.body, signed.signature, signed.key_id)
+        return SyncResult(
+            revision, assignments, signed.body, signed.signature, signed.key_id, chain
+        )
 
     def accepted(self, device_id: str, document: bytes, signature: bytes) -> tuple[ModelState, ...]:
         """Return the models of an answer `device_id` says it accepted (what it is synced to).

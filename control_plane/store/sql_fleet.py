@@ -329,7 +329,7 @@ def _state_statements(dialect, updates: Sequence[DeviceUpdate], kind: str) -> li
 
 
 # Bound parameters per statement that clears states: SQLite's limit is 32,766.
-_STATEMENT_PARAMETERS = 8000
+_STATEMENT_PARAMETERS = 1000
 
 
 def _by_parameters(updates: Sequence[DeviceUpdate], kind: str) -> list[list[DeviceUpdate]]:

@@ -42,7 +42,7 @@ _VERSION_RETRIES = 5
 # every overflow connection on return) made PostgreSQL open hundreds of sessions a
 # second under a Sync storm (FACTS.md), and SQLite reopen its file and pragmas each
 # time; overflow beyond this is for rare peaks.
-POOL_SIZE, POOL_OVERFLOW = 24, 8
+POOL_SIZE = 24
 _AUTOCOMMIT = "AUTOCOMMIT"
 
 
@@ -71,28 +71,31 @@ def _sqlite_begin_read(conn) -> None:
     conn.exec_driver_sql("BEGIN")
 
 
-def make_engine(url: str, *, read_only: bool = False, autocommit: bool = False) -> Engine:
+def make_engine(
+    url: str, *, read_only: bool = False, autocommit: bool = False, pool_size: int = 0
+) -> Engine:
     """Create an engine for a SQLAlchemy URL, with the settings each backend needs.
 
     On SQLite, `read_only` makes an engine whose transactions do not take the write lock,
     and `autocommit` one whose statements run without a transaction of their own.
+    `pool_size`: connections the pool keeps (0: POOL_SIZE), a third more at peaks.
     """
+    pool = {"pool_size": pool_size or POOL_SIZE, "max_overflow": (pool_size or POOL_SIZE) // 3}
     try:
-        return _make_engine(url, read_only=read_only, autocommit=autocommit)
+        return _make_engine(url, read_only=read_only, autocommit=autocommit, pool=pool)
     except (sa_exc.ArgumentError, ValueError) as exc:
         # The reason names the bad part (e.g. a port that is not a number), never the URL.
         raise errors.InvalidArgument(f"invalid database URL: {exc}") from None
 
 
-def _make_engine(url: str, *, read_only: bool, autocommit: bool) -> Engine:
+def _make_engine(url: str, *, read_only: bool, autocommit: bool, pool: dict) -> Engine:
     if url.startswith("sqlite"):
         # hide_parameters: a logged database error never carries the values it was given.
         engine = create_engine(
             url,
             connect_args={"timeout": 10},
             hide_parameters=True,
-            pool_size=POOL_SIZE,
-            max_overflow=POOL_OVERFLOW,
+            **pool,
             **({"isolation_level": _AUTOCOMMIT} if autocommit else {}),
         )
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -105,8 +108,7 @@ def _make_engine(url: str, *, read_only: bool, autocommit: bool) -> Engine:
         return create_engine(
             url,
             pool_pre_ping=True,
-            pool_size=POOL_SIZE,
-            max_overflow=POOL_OVERFLOW,
+            **pool,
             connect_args={"connect_timeout": 5},
             hide_parameters=True,
         )
@@ -163,13 +165,17 @@ class SqlStore(
 ):
     """Registry, fleet, rollout, telemetry, token, session and signing-key store (any SQL URL)."""
 
-    def __init__(self, url: str, *, migrate: bool = True) -> None:
+    def __init__(self, url: str, *, migrate: bool = True, pool_size: int = 0) -> None:
         self.url = url
-        self._engine = make_engine(url)
+        self._engine = make_engine(url, pool_size=pool_size)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         # SQLite: a second pool whose transactions are plain (deferred) BEGINs, for calls
         # that only read; PostgreSQL needs no such split.
-        self._reader = make_engine(url, read_only=True) if url.startswith("sqlite") else None
+        self._reader = (
+            make_engine(url, read_only=True, pool_size=pool_size)
+            if url.startswith("sqlite")
+            else None
+        )
         self._read_sessions = (
             sessionmaker(self._reader, expire_on_commit=False) if self._reader else self._sessions
         )
@@ -178,7 +184,7 @@ class SqlStore(
         # SQLite a pool of their own (switching a pooled connection's isolation level
         # each time cost more than the query); PostgreSQL's driver switches for free.
         self._single_reads = (
-            make_engine(url, read_only=True, autocommit=True)
+            make_engine(url, read_only=True, autocommit=True, pool_size=pool_size)
             if url.startswith("sqlite")
             else self._engine.execution_options(isolation_level=_AUTOCOMMIT)
         )

@@ -90,6 +90,10 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+class Stale(LookupError):
+    """A `cached_only` question whose answer must be read from the database first."""
+
+
 class Recommendations:
     """Reads backend tables from the rollups and answers per device (cached)."""
 
@@ -174,21 +178,20 @@ class Recommendations:
             why=why,
         )
 
-    def fresh(self, model: str, version: int) -> bool:
-        """Whether `for_device` answers for this version from memory (no query)."""
-        with self._lock:
-            cached = self._cache.get((model, version))
-        return cached is not None and cached[0] >= time.monotonic()
-
     def for_device(
-        self, model: str, version: int, variant: str, attrs: Mapping
+        self, model: str, version: int, variant: str, attrs: Mapping, *, cached_only=False
     ) -> tuple[str, int] | None:
-        """Return (config, samples) recommended for this device's class, or None."""
+        """Return (config, samples) recommended for this device's class, or None.
+
+        With `cached_only` (on an event loop), Stale instead of reading the database.
+        """
         key = (model, version)
         now = time.monotonic()
         with self._lock:
             cached = self._cache.get(key)
         if cached is None or cached[0] < now:
+            if cached_only:
+                raise Stale(f"{model}:{version}")
             with self._refresh:  # one query per version and minute, however many Syncs
                 with self._lock:
                     cached = self._cache.get(key)

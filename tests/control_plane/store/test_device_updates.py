@@ -14,6 +14,7 @@ from sqlalchemy import text
 from contract.key_wrap import DeviceKeyPair
 from control_plane.fleet.devices import Fleet
 from control_plane.store.fleet import DeviceUpdate, ModelState
+from control_plane.store.report_records import InstallRecord, ReportBatch
 from control_plane.store.sql_store import SqlStore
 
 T0 = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
@@ -117,3 +118,19 @@ def test_a_big_flush_is_split_under_the_parameter_limit(store):
         sql_fleet._STATEMENT_PARAMETERS = limit
     for d in ids:
         assert [s.model for s in store.get_device(d).installed] == [m[0] for m in models[:128]]
+
+
+def test_a_late_install_report_is_undone_by_the_next_sync(store):
+    # Unchanged Syncs no longer restamp a model's row, so a report of an older
+    # activation arriving late (a drained queue) may move the row back; the device's
+    # next Sync, which reports what it runs, differs from the row and is written.
+    (d,) = _devices(store, 1)
+    v2 = ("det", 2, "fp32")
+    for minute in range(11):  # ten minutes of Syncs, each saying det:2 is installed
+        _report(store, d, T0 + dt.timedelta(minutes=minute), v2)
+    at = T0 + dt.timedelta(minutes=5)
+    install = InstallRecord(at, "det", 1, "fp32", "r1", "activated")
+    later = T0 + dt.timedelta(minutes=11)
+    store.add_report(ReportBatch(d, "batch-0001", later, at, at, 0, (), (install,)))
+    _report(store, d, later + dt.timedelta(seconds=30), v2)
+    assert store.get_device(d).installed == (ModelState(*v2),)

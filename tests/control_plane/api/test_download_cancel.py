@@ -1,0 +1,80 @@
+"""A Download cancelled while its next piece is read in a thread (the device went away).
+
+Found in review: closing the blob while a thread was inside next() raised "generator
+already executing" and the call ended INTERNAL, with an error logged per dropped device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from control_plane.api.device_service import DeviceServicer
+from protos import device_pb2
+
+
+class _Fleet:
+    def authenticate(self, authorization, *, cached_only=False):
+        return object()
+
+
+class _Context:
+    def __init__(self):
+        self.aborted = None
+
+    def invocation_metadata(self):
+        return (("authorization", "Bearer skd_x"),)
+
+    async def abort(self, code, details=""):
+        self.aborted = (code, details)
+        raise RuntimeError("aborted")
+
+
+def test_cancel_during_a_threaded_read_closes_cleanly(caplog):
+    inside, release = threading.Event(), threading.Event()
+    closed = []
+
+    def pieces():
+        try:
+            yield b"a" * 10
+            inside.set()
+            release.wait(5)  # a slow disk / S3 read
+            yield b"b" * 10
+        finally:
+            closed.append(True)
+
+    servicer = DeviceServicer.__new__(DeviceServicer)
+    servicer._fleet = _Fleet()
+    gen = pieces()
+    servicer._open = lambda authorization, request: (20, next(gen), gen)
+    ctx = _Context()
+
+    async def main():
+        stream = servicer.Download(device_pb2.DownloadRequest(artifact="x", offset=0), ctx)
+        first = await stream.__anext__()
+        assert first.data == b"a" * 10
+        task = asyncio.ensure_future(stream.__anext__())
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()  # the client went away while the thread reads
+        try:
+            await task
+            outcome = "returned"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        except BaseException as exc:  # noqa: BLE001
+            outcome = f"raised {exc!r}"
+        release.set()
+        for _ in range(500):  # the blob is closed once the read in progress is done
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+        return outcome
+
+    with caplog.at_level(logging.WARNING):
+        outcome = asyncio.run(main())
+    assert outcome == "cancelled", outcome
+    assert ctx.aborted is None, ctx.aborted
+    assert closed == [True]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
