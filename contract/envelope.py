@@ -12,10 +12,12 @@ S = SEGMENT_SIZE, H = 40 and T = 16::
     segment 0        = the header, then up to S - H - T plaintext bytes, then a GCM tag
     segment i > 0    = up to S - T plaintext bytes, then a GCM tag
 
-Every segment's nonce carries its index and a "last segment" flag, so reordering,
-dropping or truncating segments (even exactly at a segment boundary) fails
-authentication. Tink never emits an empty trailing segment, which makes the size of a
-ciphertext a pure function of the plaintext size (`ciphertext_size`).
+Each segment is AES-256-GCM under the key HKDF-SHA256(key value, salt, info = the
+associated data) with the nonce nonce prefix || index (4 bytes, big-endian) || "last
+segment" flag (1 byte), so reordering, dropping or truncating segments (even exactly
+at a segment boundary) fails authentication. Tink never emits an empty trailing
+segment, which makes the size of a ciphertext a pure function of the plaintext size
+(`ciphertext_size`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 import tink
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from google.protobuf.message import DecodeError
 from tink import secret_key_access, streaming_aead
 from tink.proto import aes_gcm_hkdf_streaming_pb2, common_pb2, tink_pb2
@@ -41,6 +47,8 @@ _FIRST_SEGMENT_PLAINTEXT = SEGMENT_SIZE - _HEADER_SIZE - _TAG_SIZE
 _SEGMENT_PLAINTEXT = SEGMENT_SIZE - _TAG_SIZE
 _KEY_TYPE_URL = "type.googleapis.com/google.crypto.tink.AesGcmHkdfStreamingKey"
 _TEMPLATE = streaming_aead.streaming_aead_key_templates.AES256_GCM_HKDF_1MB
+# Segment indices are 32-bit in the nonce.
+_MAX_SEGMENT_INDEX = (1 << 32) - 1
 _TAMPERED = "ciphertext failed authentication (tampered, truncated, wrong key or wrong AD)"
 
 streaming_aead.register()
@@ -133,24 +141,61 @@ def decrypt_stream(
     Segments are authenticated one by one, so plaintext is yielded before the whole
     ciphertext is checked: a consumer must discard everything it received if the
     iteration ends in `errors.IntegrityError`. `src` is left open.
+
+    Tink's Python decrypting stream passes every segment through several Python file
+    objects, each copying it, and ran at under half the speed of one AES-GCM call per
+    segment; so segments are opened here, one call each, as the format above says, with
+    pyca/cryptography's HKDF and AES-GCM. Tests check it against Tink's own stream.
+    Encryption, and so the format, stays Tink's.
     """
-    primitive = _primitive(data_key)  # validated eagerly, not on the first next()
+    key = _key_value(data_key)  # validated eagerly, not on the first next()
     chunks = _read_chunks(src) if hasattr(src, "read") else iter(src)
-    return _decrypt(primitive, _Source(chunks), associated_data)
+    return _decrypt(key, _segments(chunks), associated_data)
 
 
-def _decrypt(
-    primitive: streaming_aead.StreamingAead, source: _Source, associated_data: bytes
-) -> Iterator[bytes]:
-    try:
-        with primitive.new_decrypting_stream(source, associated_data) as stream:
-            while chunk := stream.read(_SEGMENT_PLAINTEXT):
-                yield chunk
-    except tink.TinkError as exc:
-        if source.error is not None:
-            # The source failed (network, disk): report that, not a bogus tamper.
-            raise source.error from None
-        raise errors.IntegrityError(_TAMPERED) from exc
+def _decrypt(key: bytes, segments: Iterator[bytes], associated_data: bytes) -> Iterator[bytes]:
+    """Yield each segment's plaintext; a segment is last when no other follows it."""
+    first = next(segments, b"")
+    if len(first) < _HEADER_SIZE + _TAG_SIZE or first[0] != _HEADER_SIZE:
+        raise errors.IntegrityError(_TAMPERED)
+    salt, prefix = first[1:33], first[33:_HEADER_SIZE]
+    derived = HKDF(hashes.SHA256(), 32, salt=salt, info=associated_data).derive(key)
+    aead = AESGCM(derived)
+    segment, index = memoryview(first)[_HEADER_SIZE:], 0
+    while True:
+        following = next(segments, None)
+        last = following is None
+        if index > _MAX_SEGMENT_INDEX:
+            raise errors.IntegrityError(_TAMPERED)
+        nonce = prefix + index.to_bytes(4, "big") + (b"\x01" if last else b"\x00")
+        try:
+            plaintext = aead.decrypt(nonce, segment, None)
+        except InvalidTag:
+            raise errors.IntegrityError(_TAMPERED) from None
+        if plaintext:
+            yield plaintext
+        if last:
+            return
+        segment, index = following, index + 1
+
+
+def _segments(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Cut a stream of chunks of any sizes into SEGMENT_SIZE pieces (the last may be short).
+
+    A chunk that is already one whole segment, as a file read of SEGMENT_SIZE gives,
+    passes through without a copy.
+    """
+    pending = bytearray()
+    for chunk in chunks:
+        if not pending and len(chunk) == SEGMENT_SIZE:
+            yield chunk
+            continue
+        pending += chunk
+        while len(pending) >= SEGMENT_SIZE:
+            yield bytes(pending[:SEGMENT_SIZE])
+            del pending[:SEGMENT_SIZE]
+    if pending:
+        yield bytes(pending)
 
 
 def _primitive(data_key: bytes) -> streaming_aead.StreamingAead:
@@ -162,6 +207,15 @@ def _primitive(data_key: bytes) -> streaming_aead.StreamingAead:
     except (tink.TinkError, DecodeError, _ParamsError):
         # `from None`: parser messages are not ours to vouch for; keep key bytes out.
         raise errors.IntegrityError("data key is not an AES256_GCM_HKDF_1MB keyset") from None
+
+
+def _key_value(data_key: bytes) -> bytes:
+    """Return the streaming key's secret bytes, after the checks `_primitive` makes."""
+    _primitive(data_key)
+    keyset = tink_pb2.Keyset.FromString(data_key)
+    return aes_gcm_hkdf_streaming_pb2.AesGcmHkdfStreamingKey.FromString(
+        keyset.key[0].key_data.value
+    ).key_value
 
 
 class _ParamsError(ValueError):
@@ -185,56 +239,6 @@ def _check_params(keyset: tink_pb2.Keyset) -> None:
 def _read_chunks(f: BinaryIO) -> Iterator[bytes]:
     while chunk := f.read(SEGMENT_SIZE):
         yield chunk
-
-
-class _Source(io.RawIOBase):
-    """Readable raw stream over an iterator of chunks, for Tink's file-object API.
-
-    Tink closes the stream it reads from; this adapter owns nothing, so closing it
-    leaves the caller's file open. An exception from the iterator is kept in `error`
-    because Tink's C++ layer turns it into a generic TinkError.
-    """
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        super().__init__()
-        self._chunks = chunks
-        self._chunk = b""
-        self._offset = 0
-        self.error: BaseException | None = None
-
-    def readable(self) -> bool:
-        """Return True: this is a source."""
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        """Return up to `size` bytes (b"" at the end), at most one input chunk at a time."""
-        if self._offset >= len(self._chunk) and not self._next_chunk():
-            return b""
-        start, total = self._offset, len(self._chunk)
-        end = total if size is None or size < 0 else min(total, start + size)
-        self._offset = end
-        if start == 0 and end == total:
-            return bytes(self._chunk)  # no copy when the chunk is already bytes
-        return bytes(self._chunk[start:end])
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        """Fill `buffer` from the next chunk; return the byte count (0 at the end)."""
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def _next_chunk(self) -> bool:
-        try:
-            # Skip empty chunks: b"" means end-of-file to Tink.
-            while not (chunk := next(self._chunks)):
-                pass
-        except StopIteration:
-            return False
-        except Exception as exc:
-            self.error = exc
-            raise
-        self._chunk, self._offset = chunk, 0
-        return True
 
 
 class _Sink(io.RawIOBase):
