@@ -103,17 +103,24 @@ def write_verified(chunks, out: Path, expected: tuple[int, str], progress: Progr
     try:
         with os.fdopen(fd, "wb") as f:
             for response in chunks:
-                digest.update(response.chunk)
-                size += len(response.chunk)
-                f.write(response.chunk)
+                chunk = response.chunk  # each read of the field copies it out of the message
+                size += len(chunk)
+                if size > want_size:  # a stream past the signed size stops here, not at the end
+                    raise _mismatch(size)
+                digest.update(chunk)
+                f.write(chunk)
                 if progress:
                     progress(size, want_size)
             f.flush()
             os.fsync(f.fileno())
         if size != want_size or digest.hexdigest() != want_sha256:
-            raise errors.IntegrityError(
-                f"downloaded model does not match its signed manifest ({size} bytes)"
-            )
+            raise _mismatch(size)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _mismatch(size: int) -> errors.IntegrityError:
+    return errors.IntegrityError(
+        f"downloaded model does not match its signed manifest ({size} bytes)"
+    )

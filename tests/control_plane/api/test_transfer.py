@@ -1,0 +1,63 @@
+"""How a pull is written: checked against the signed size and digest, then renamed."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import stat
+from types import SimpleNamespace
+
+import pytest
+
+from contract import errors
+from control_plane.api.transfer import write_verified
+
+MiB = 1 << 20
+
+
+def responses(data: bytes, size: int):
+    return [SimpleNamespace(chunk=data[i : i + size]) for i in range(0, len(data), size)]
+
+
+def expected(data: bytes) -> tuple[int, str]:
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def leftovers(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".part"))
+
+
+@pytest.mark.parametrize("chunk", [4096, MiB, 3 * MiB])
+def test_pulled_bytes_land_whole_and_private(tmp_path, chunk):
+    data = os.urandom(5 * MiB + 17)
+    seen = []
+    out = tmp_path / "model.mnn"
+    write_verified(
+        responses(data, chunk), out, expected(data), lambda done, total: seen.append(done)
+    )
+    assert out.read_bytes() == data
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert seen[-1] == len(data) and seen == sorted(seen)
+    assert leftovers(tmp_path) == []
+
+
+def test_a_digest_mismatch_leaves_nothing(tmp_path):
+    data = os.urandom(2 * MiB)
+    out = tmp_path / "model.mnn"
+    with pytest.raises(errors.IntegrityError, match="signed manifest"):
+        write_verified(responses(data, MiB), out, (len(data), "0" * 64), None)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_a_stream_longer_than_signed_stops_at_once(tmp_path):
+    sent = itertools.count()
+
+    def endless():
+        for _ in sent:
+            yield SimpleNamespace(chunk=b"x" * MiB)
+
+    with pytest.raises(errors.IntegrityError, match="signed manifest"):
+        write_verified(endless(), tmp_path / "model.mnn", (3 * MiB, "0" * 64), None)
+    assert next(sent) == 4  # the fourth chunk was the first too many; none came after
+    assert leftovers(tmp_path) == []
