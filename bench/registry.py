@@ -2,7 +2,9 @@
 
 Prints push/pull MB/s for each model size next to this machine's raw single-core
 AES-256-GCM and SHA-256 throughput measured in the same run, the ratio of each to the
-slower raw figure, and the server's peak RSS (an upload must stream, not buffer).
+slower raw figure, the CPU time a pull costs the server and the client (the figure a
+shared, loaded machine does not blur), and the server's peak RSS (an upload must
+stream, not buffer).
 Every push is validated by loading the model with MNN, so the same run also times that
 validation alone (`mnn_validate_mb_s_N`): it bounds what a push can reach.
 Each figure is the best of a few trials (the machines are shared and noisy).
@@ -18,8 +20,10 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,27 +121,44 @@ def peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM")
 
 
-def measure(client: AdminClient, tmp: Path, size_mb: int, trials: int, slower: float) -> dict:
-    """Push and pull one model size `trials` times; best MB/s of each."""
+def cpu_ms(server_pid: int) -> tuple[float, float]:
+    """CPU time used so far by the server process and by this one (all threads), in ms."""
+    fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    server = (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return server, (own.ru_utime + own.ru_stime) * 1000
+
+
+def measure(
+    client: AdminClient, server_pid: int, tmp: Path, size_mb: int, trials: int, slower: float
+) -> dict:
+    """Push and pull one model size `trials` times; best MB/s of each, CPU ms of a pull."""
     model, out = tmp / f"model-{size_mb}.mnn", tmp / "pulled.mnn"
     nbytes = make_model(model, size_mb)
     validate = max(validate_throughput(model) for _ in range(trials))
-    push_s, pull_s = [], []
+    push_s, pull_s, pull_cpu = [], [], []
     for _ in range(trials):
         start = time.perf_counter()
         version = client.push(model, name=f"bench-{size_mb}", allow_duplicate=True)
         push_s.append(time.perf_counter() - start)
+        cpu_before = cpu_ms(server_pid)
         start = time.perf_counter()
         client.pull(version.model, version.version, out, pins=read_pins(tmp / "home"))
         pull_s.append(time.perf_counter() - start)
+        server_after, client_after = cpu_ms(server_pid)
+        pull_cpu.append((server_after - cpu_before[0], client_after - cpu_before[1]))
         assert out.stat().st_size == nbytes
     model.unlink()
     out.unlink()
     push, pull = nbytes / min(push_s) / MB, nbytes / min(pull_s) / MB
+    # CPU time is what a loaded machine cannot hide: the median pull's, both sides.
+    server_cpu = statistics.median(c[0] for c in pull_cpu)
+    client_cpu = statistics.median(c[1] for c in pull_cpu)
     print(
         f"{nbytes / MB:,.0f} MB model: push {push:,.0f} MB/s ({push / slower:.2f}x raw, "
         f"{push / validate:.2f}x MNN validation alone at {validate:,.0f} MB/s), "
-        f"pull {pull:,.0f} MB/s ({pull / slower:.2f}x raw)",
+        f"pull {pull:,.0f} MB/s ({pull / slower:.2f}x raw; CPU per pull: server "
+        f"{server_cpu:,.0f} ms, client {client_cpu:,.0f} ms)",
         flush=True,
     )
     return {
@@ -147,6 +168,8 @@ def measure(client: AdminClient, tmp: Path, size_mb: int, trials: int, slower: f
         f"pull_ratio_{size_mb}": round(pull / slower, 3),
         f"mnn_validate_mb_s_{size_mb}": round(validate, 1),
         f"push_vs_validate_{size_mb}": round(push / validate, 3),
+        f"pull_server_cpu_ms_{size_mb}": round(server_cpu, 1),
+        f"pull_client_cpu_ms_{size_mb}": round(client_cpu, 1),
     }
 
 
@@ -171,7 +194,7 @@ def run(sizes: list[int], raw_mb: int, trials: int) -> dict:
                 for size_mb in sizes:
                     # One trial of the 1 GB model is enough and keeps the run short.
                     n = trials if size_mb < 1000 else 1
-                    results.update(measure(client, tmp, size_mb, n, slower))
+                    results.update(measure(client, proc.pid, tmp, size_mb, n, slower))
             results["server_peak_rss_mb"] = round(peak_rss_mb(proc.pid), 1)
             results["largest_model_mb"] = max(sizes)
         finally:
