@@ -92,6 +92,10 @@ class Client:
 async def main_async(args: argparse.Namespace) -> None:
     with open(args.devices, "rb") as f:
         devices = pickle.load(f)
+    # This process's share: every M-th device from the K-th, the warm ones among the first.
+    part, parts = args.part
+    warm = len(range(part, devices.get("warm", 0), parts))
+    devices = {k: devices[k][part::parts] for k in ("auth", "worst", "steady")} | {"warm": warm}
     channels = {
         "sync": [
             grpc.aio.insecure_channel(args.sync, options=CHANNEL_OPTIONS)
@@ -119,6 +123,18 @@ async def main_async(args: argparse.Namespace) -> None:
             await ch.close()
 
 
+def part_of(value: str) -> tuple[int, int]:
+    """Parse K/M (0 <= K < M) for --part."""
+    k, _, m = value.partition("/")
+    try:
+        part, parts = int(k), int(m)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/M, got {value!r}") from None
+    if not 0 <= part < parts:
+        raise argparse.ArgumentTypeError(f"expected 0 <= K < M, got {value!r}")
+    return part, parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", required=True, help="pickle written by bench/sync.py")
@@ -126,6 +142,12 @@ def main() -> None:
     parser.add_argument("--echo", required=True, help="echo server address")
     parser.add_argument("--concurrency", type=int, default=32, help="calls in flight")
     parser.add_argument("--channels", type=int, default=2, help="connections per target")
+    parser.add_argument(
+        "--part",
+        type=part_of,
+        default=(0, 1),
+        help="K/M: only every M-th device of the file, from the K-th (clients sharing a file)",
+    )
     asyncio.run(main_async(parser.parse_args()))
 
 

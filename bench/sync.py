@@ -139,9 +139,20 @@ class Clients:
     """The load-client processes, driven one round at a time."""
 
     def __init__(
-        self, files: list[Path], sync: str, echo: str, concurrency: int, channels: int = 2
+        self,
+        files: list[Path],
+        sync: str,
+        echo: str,
+        concurrency: int,
+        channels: int = 2,
+        parts: int = 1,
     ) -> None:
-        per = concurrency // len(files)
+        """One process per file, or `parts` per file, each with its own share of the devices.
+
+        Two processes that walked the same list would call each device twice in a row, the
+        second time from its cache on one server but not on another's worker.
+        """
+        per = concurrency // (len(files) * parts)
         self.procs = [
             subprocess.Popen(
                 [
@@ -157,12 +168,15 @@ class Clients:
                     str(per),
                     "--channels",
                     str(channels),
+                    "--part",
+                    f"{part}/{parts}",
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
             )
             for f in files
+            for part in range(parts)
         ]
         for p in self.procs:
             json.loads(p.stdout.readline())["ready"]  # noqa: B018 - KeyError if not ready
@@ -379,10 +393,12 @@ def measure_scaling(serve: list[str], log: Path, files, one, shape, args) -> dic
     try:
         pids = {1: [one[0].pid], n: [many.pid, *children(many.pid)]}
         n_clients = max(2, n // 2)
-        per_client = [f for f in files for _ in range(max(1, n_clients // len(files)))]
+        parts = max(1, n_clients // len(files))
         concurrency = max(args.concurrency, 16 * n)
         for count, address in ((1, one[1]), (n, many_address)):
-            sides[count] = Clients(per_client, address, address, concurrency, channels=2 * n)
+            sides[count] = Clients(
+                files, address, address, concurrency, channels=2 * n, parts=parts
+            )
         rates: dict[int, list] = {1: [], n: []}
         for r in range(shape["rounds"]):
             for count in (1, n) if r % 2 == 0 else (n, 1):
