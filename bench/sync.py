@@ -356,9 +356,8 @@ def run_backend(name: str, db_url: str | None, shape: dict, args) -> dict:
             if replica and args.workers > 1:
                 clients.close()
                 clients = None
-                scaling = measure_scaling(
-                    [*serve, *replica], log, files, (server, address), shape, args
-                )
+                stop_process(server)  # idle from here: out of the way of the comparison
+                scaling = measure_scaling([*serve, *replica], log, files, shape, args)
         finally:
             if clients:
                 clients.close()
@@ -380,22 +379,25 @@ def run_backend(name: str, db_url: str | None, shape: dict, args) -> dict:
     return figures
 
 
-def measure_scaling(serve: list[str], log: Path, files, one, shape, args) -> dict:
+def measure_scaling(serve: list[str], log: Path, files, shape, args) -> dict:
     """Steady-state Sync/s of one worker and of `args.workers`, interleaved rounds.
 
-    A second server (`--workers N`, a replica of the same home) runs beside the first
-    (one worker); each side gets the same client processes, connections and calls in
-    flight, enough connections for the kernel to spread them over every worker.
+    Two fresh servers (replicas of the same home: `--workers 1` and `--workers N`), so
+    neither starts with credentials cached from the rounds before (a server that had
+    would answer its revisits from memory, and look faster); each side gets the same
+    client processes, connections and calls in flight, enough connections for the kernel
+    to spread them over every worker.
     """
     n = args.workers
+    one, one_address = start_process([*serve, "--workers", "1"], log, "listening on ")
     many, many_address = start_process([*serve, "--workers", str(n)], log, "listening on ")
     sides = {}
     try:
-        pids = {1: [one[0].pid], n: [many.pid, *children(many.pid)]}
+        pids = {1: [one.pid], n: [many.pid, *children(many.pid)]}
         n_clients = max(2, n // 2)
         parts = max(1, n_clients // len(files))
         concurrency = max(args.concurrency, 16 * n)
-        for count, address in ((1, one[1]), (n, many_address)):
+        for count, address in ((1, one_address), (n, many_address)):
             sides[count] = Clients(
                 files, address, address, concurrency, channels=2 * n, parts=parts
             )
@@ -409,6 +411,7 @@ def measure_scaling(serve: list[str], log: Path, files, one, shape, args) -> dic
         for side in sides.values():
             side.close()
         stop_process(many)
+        stop_process(one)
     med = {
         k: {f: statistics.median(r[f] for r in rs) for f in ("rate", "cpu_us", "pg_cpu_us")}
         for k, rs in rates.items()
