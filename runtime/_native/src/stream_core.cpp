@@ -237,8 +237,10 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   const WindowContext ctx{group, compiled.edges, watermark, config.lateness};
   for (const int32_t l : group.logs_by_type[type]) append_row(ctx, l, t, values, p.logs, p.windows);
   ++stamp;  // window outputs computed from here on are this event's (for this key)
-  std::vector<std::pair<int32_t, int64_t>>& reached = scratch_last;
-  reached.clear();
+  // Nodes this event reached, written in place (room for every node was made when the
+  // triggers were compiled: one event reaches a node through one edge at most).
+  std::pair<int32_t, int64_t>* reached = scratch_last.data();
+  size_t n_reached = 0;
   const auto holds = [&](const Edge& e) {
     for (int32_t c = e.cond_begin; c < e.cond_end; ++c) {
       const Condition& cond = group.conditions[c];
@@ -251,7 +253,7 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   // A match of the edge's step ends at this event and started at `start`.
   const auto advance = [&](const Edge& e, int64_t start) {
     if (e.child_any >= 0) p.any[e.child_any] = std::max(p.any[e.child_any], start);
-    if (e.child_last >= 0) reached.emplace_back(e.child_last, start);
+    if (e.child_last >= 0) reached[n_reached++] = {e.child_last, start};
     for (int32_t k = e.term_begin; k < e.term_end; ++k) {
       const int64_t within = group.terminal_within[k];
       if (within < 0 || start >= t - within) fire(group.terminals[k], p, t, i, out);
@@ -279,7 +281,7 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
       }
     }
   }
-  p.last.swap(reached);
+  p.last.assign(reached, reached + n_reached);  // no allocation once the key's is grown
   p.last_type = type;
 }
 
@@ -384,6 +386,9 @@ void Engine::remove_trigger(int32_t trigger) {
 void Engine::Impl::recompile() {
   compiled = compile(config, defs);
   dirty = false;
+  size_t nodes = 0;
+  for (const Group& g : compiled.groups) nodes = std::max(nodes, static_cast<size_t>(g.n_nodes));
+  scratch_last.resize(nodes);
   int32_t top = -1;
   for (const TriggerDef& d : defs) top = std::max(top, d.generation);
   open_generation = top + 1;

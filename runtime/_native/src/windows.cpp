@@ -32,12 +32,14 @@ struct Rows {
   }
 };
 
-// Fills `v` with n copies of x: inline, and no allocation when the size is unchanged (a
-// firing's scratch is reused; `assign` is an out-of-line call per window read).
+// Sets the first n entries of `v` to x, growing it if it is shorter. Only the first n
+// are read (entries are addressed through a WindowSpec's indices): a firing's scratch
+// serves windows of several shapes in turn, and resizing it to each was an out-of-line
+// call per window read.
 template <class T>
 void refill(std::vector<T>& v, size_t n, const T& x) {
-  if (v.size() != n) v.resize(n);
-  for (T& e : v) e = x;
+  if (v.size() < n) v.resize(n);
+  std::fill(v.data(), v.data() + n, x);
 }
 
 void size_aggregates(const WindowSpec& w, Aggregates& a) {
@@ -122,8 +124,8 @@ void reseed(const WindowSpec& w, Aggregates& a, const Rows& rows) {
     es.split(hi, lo);
     sum.set(hi, lo, std::fabs(lo) * 0x1p-52);
   };
-  for (size_t i = 0; i < a.sums.size(); ++i) exact(a.sums[i], w.sum_columns[i], false);
-  for (size_t i = 0; i < a.sqs.size(); ++i) exact(a.sqs[i], w.sq_columns[i], true);
+  for (size_t i = 0; i < w.sum_columns.size(); ++i) exact(a.sums[i], w.sum_columns[i], false);
+  for (size_t i = 0; i < w.sq_columns.size(); ++i) exact(a.sqs[i], w.sq_columns[i], true);
 }
 
 double exact_sum(const Rows& rows, int32_t column) {
@@ -282,25 +284,131 @@ void add_fringe(const WindowContext& ctx, const WindowSpec& w, const int64_t* ro
   }
 }
 
+// `best` (NaN: none yet) and the rows' values in `column`, by `better`.
+double extreme(const int64_t* const* rows, size_t n, size_t column, bool is_max, double best) {
+  size_t j = 0;
+  if (std::isnan(best) && n > 0) best = EventLog::value(rows[j++], column);
+  // Values are finite, so from here on `better` alone decides (as in add_fringe); ties
+  // go to the later row (-0.0 after 0.0), as there.
+  if (is_max) {
+    for (; j < n; ++j) {
+      const double v = EventLog::value(rows[j], column);
+      best = v >= best ? v : best;
+    }
+  } else {
+    for (; j < n; ++j) {
+      const double v = EventLog::value(rows[j], column);
+      best = v <= best ? v : best;
+    }
+  }
+  return best;
+}
+
+// The scan's picked rows, reused: room for `n` more, returned as where to write.
+const int64_t** pick_room(WindowScratch& scratch, size_t n) {
+  if (scratch.picked.size() < n) scratch.picked.resize(n);
+  return scratch.picked.data();
+}
+
+// add_fringe over `n` rows, column by column: each loop is a few instructions a row with
+// nothing reloaded, where add_fringe walks every list of the window's spec per row.
+// The rows are added in the order given, as add_fringe would: the same sums, bit for bit.
+void add_rows(const WindowContext& ctx, const WindowSpec& w, const int64_t* const* rows,
+              size_t n, WindowScratch& scratch) {
+  Aggregates& a = scratch.agg;
+  a.n += static_cast<int64_t>(n);
+  for (size_t i = 0; i < w.sum_columns.size(); ++i) {
+    const auto column = static_cast<size_t>(w.sum_columns[i]);
+    RunningSum sum = a.sums[i];
+    for (size_t k = 0; k < n; ++k) sum.add(EventLog::value(rows[k], column));
+    a.sums[i] = sum;
+  }
+  for (size_t i = 0; i < w.sq_columns.size(); ++i) {
+    const auto column = static_cast<size_t>(w.sq_columns[i]);
+    RunningSum sum = a.sqs[i];
+    for (size_t k = 0; k < n; ++k) {
+      const double x = EventLog::value(rows[k], column);
+      double p, e;
+      two_prod(x, x, p, e);
+      sum.add(p);
+      sum.add(e);
+    }
+    a.sqs[i] = sum;
+  }
+  for (size_t k = 0; k < w.extremes.size(); ++k) {
+    const auto [column, is_max] = w.extremes[k];
+    scratch.extremes[k] =
+        extreme(rows, n, static_cast<size_t>(column), is_max, scratch.extremes[k]);
+  }
+  if (w.n_bins == 0) return;
+  for (const Stat& st : w.stats) {
+    if (st.bins < 0) continue;
+    for (size_t j = 0; j < n; ++j) {
+      const int64_t bin = bin_of(ctx.edges.data() + st.edges_begin, st.edges_end - st.edges_begin,
+                                 EventLog::value(rows[j], static_cast<size_t>(st.column)));
+      if (bin >= 0) ++a.bins[static_cast<size_t>(st.bins + bin)];
+    }
+  }
+}
+
+// The window's outputs from the `n` rows a scan picked (in scan order) out of `window`.
+// Without a std or histogram, each stat is read straight off the rows: a scan of a few
+// rows is most firings' whole cost, and building Aggregates for `finish` first was most
+// of the scan's. Sums add the rows in the order add_rows does, from zero, so both ways
+// give the same bits; std and histograms (sums of squares, bins) take add_rows + finish.
+void finish_scan(const WindowContext& ctx, const WindowSpec& w, const int64_t* const* rows,
+                 size_t n, const Rows& window, int64_t last, WindowScratch& scratch,
+                 double* out) {
+  if (!w.sq_columns.empty() || w.n_bins > 0) {
+    size_aggregates(w, scratch.agg);
+    refill(scratch.extremes, w.extremes.size(), kNaN);
+    add_rows(ctx, w, rows, n, scratch);
+    finish(w, scratch.agg, window, scratch.extremes.data(), last, scratch.values, out);
+    return;
+  }
+  const auto count = static_cast<double>(n);
+  for (const Stat& s : w.stats) {
+    double* o = out + s.out;
+    const auto column = static_cast<size_t>(s.column);
+    switch (s.agg) {
+      case Agg::Count: *o = count; break;
+      case Agg::Sum:
+      case Agg::Mean: {
+        RunningSum sum;
+        for (size_t k = 0; k < n; ++k) sum.add(EventLog::value(rows[k], column));
+        const double total = sum.trusted() ? sum.value() : exact_sum(window, s.column);
+        *o = s.agg == Agg::Sum ? total : n ? total / count : kNaN;
+        break;
+      }
+      case Agg::Min:
+      case Agg::Max: *o = n ? extreme(rows, n, column, s.agg == Agg::Max, kNaN) : kNaN; break;
+      case Agg::Last: *o = last == kNone ? kNaN : window.log->value(last, column); break;
+      case Agg::Distinct: *o = distinct(window, s.column, scratch.values); break;
+      case Agg::Std:
+      case Agg::Histogram: break;  // taken above
+    }
+  }
+}
+
 // Scans the key's rows with ts in [lo, t] (a log of a few rows: cheaper than syncing).
 void scan_sliding(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
                   const EventLog& log, int64_t t, WindowScratch& scratch) {
   const int64_t lo = t - w.size + 1;
-  size_aggregates(w, scratch.agg);
-  refill(scratch.extremes, w.extremes.size(), kNaN);
   // Newest first, stopping at the first row before the window (the log is sorted by
   // ts): the older rows the log still keeps are not touched.
   int64_t last = kNone, first = log.end();
+  const int64_t** picked = pick_room(scratch, log.size());
+  size_t n = 0;
   for (int64_t p = log.end() - 1; p >= log.begin(); --p) {
     const int64_t* row = log.row(p);
     if (row[0] > t) continue;
     if (row[0] < lo) break;
-    add_fringe(ctx, w, row, scratch);
+    picked[n++] = row;
     if (last == kNone) last = p;  // ties in arrival order: the newest is the latest
     first = p;
   }
   const Rows rows{&log, first, last == kNone ? first : last + 1, lo, t};
-  finish(w, scratch.agg, rows, scratch.extremes.data(), last, scratch.values, r.out.data());
+  finish_scan(ctx, w, picked, n, rows, last, scratch, r.out.data());
   r.lo = lo;
   r.hi = t + 1;
 }
@@ -311,16 +419,16 @@ void scan_sliding(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
 // than lo.
 void scan_arrival(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
                   const EventLog& log, int64_t lo, int64_t hi, WindowScratch& scratch) {
-  size_aggregates(w, scratch.agg);
-  refill(scratch.extremes, w.extremes.size(), kNaN);
   const int64_t stop = lo < kMin + ctx.lateness ? kMin : lo - ctx.lateness;
   int64_t last = kNone, last_ts = kMin, first = log.end();
+  const int64_t** picked = pick_room(scratch, log.size());
+  size_t n = 0;
   for (int64_t p = log.end() - 1; p >= log.begin(); --p) {
     const int64_t* row = log.row(p);
     if (row[0] < stop) break;
     first = p;
     if (row[0] < lo || row[0] > hi) continue;
-    add_fringe(ctx, w, row, scratch);
+    picked[n++] = row;
     // `last`: the greatest ts; newest first, so ties go to the latest arrival.
     if (last == kNone || row[0] > last_ts) {
       last = p;
@@ -328,7 +436,7 @@ void scan_arrival(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
     }
   }
   const Rows rows{&log, first, log.end(), lo, hi};
-  finish(w, scratch.agg, rows, scratch.extremes.data(), last, scratch.values, r.out.data());
+  finish_scan(ctx, w, picked, n, rows, last, scratch, r.out.data());
 }
 
 void query_sliding(const WindowContext& ctx, const WindowSpec& w, WindowState& s, WindowRead& r,
@@ -426,19 +534,24 @@ void sync_count(const WindowContext& ctx, const WindowSpec& w, WindowState& s,
 void scan_count(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
                 const EventLog& log, WindowScratch& scratch) {
   const Rows rows{&log, std::max(log.begin(), log.end() - w.size), log.end(), kMin, kMax};
-  size_aggregates(w, scratch.agg);
-  refill(scratch.extremes, w.extremes.size(), kNaN);
   int64_t last = kNone;
   r.lo = kMax;
   r.hi = kMin;
+  const int64_t** picked = pick_room(scratch, static_cast<size_t>(rows.to - rows.from));
+  size_t n = 0;
+  int64_t last_ts = kMin;
   for (int64_t p = rows.from; p < rows.to; ++p) {
-    add_fringe(ctx, w, log.row(p), scratch);
-    const int64_t ts = log.ts(p);
-    if (last == kNone || ts >= log.ts(last)) last = p;  // ties to the latest arrival
+    const int64_t* row = log.row(p);
+    picked[n++] = row;
+    const int64_t ts = row[0];
+    if (last == kNone || ts >= last_ts) {  // ties to the latest arrival
+      last = p;
+      last_ts = ts;
+    }
     r.lo = std::min(r.lo, ts);
     r.hi = std::max(r.hi, ts + 1);
   }
-  finish(w, scratch.agg, rows, scratch.extremes.data(), last, scratch.values, r.out.data());
+  finish_scan(ctx, w, picked, n, rows, last, scratch, r.out.data());
 }
 
 void query_count(const WindowContext& ctx, const WindowSpec& w, WindowState& s, WindowRead& r,

@@ -115,6 +115,7 @@ using KeyLogs = std::vector<KeyLog>;
 struct WindowScratch {
   Aggregates agg;
   std::vector<double> values, extremes;
+  std::vector<const int64_t*> picked;  // rows a scan found in its window
   std::vector<WindowRead> reads;  // by Group::window_base + window
 };
 
