@@ -1,0 +1,75 @@
+// The engine's state behind Engine (stream_core.hpp): private to the core's sources,
+// which split its work by concern: stream_core.cpp (configuration, triggers, pushes,
+// validation, per-key state and eviction), matching.cpp (trie matching and firing,
+// the hot path) and engine_snapshot.cpp (snapshot and restore).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "compiled.hpp"
+#include "partition.hpp"
+#include "snapshot.hpp"
+#include "stream_core.hpp"
+#include "windows.hpp"
+
+namespace skiff::stream {
+
+struct Engine::Impl {
+  Config config;
+  std::vector<TriggerDef> defs;
+  bool dirty = true;            // defs changed since `compiled` was built
+  int32_t open_generation = 0;  // generation of triggers added now (0 until the first push)
+  Compiled compiled;
+
+  std::vector<Partition> parts;
+  std::vector<int32_t> free_parts;
+  KeyTable table;
+  // LRU list and idle clock per partition slot, kept apart from the (large) partitions
+  // so moving a key to the tail touches one small array, not three partitions; one
+  // 16-byte entry per slot, so a key's links and clock are one cache line, not three.
+  struct Lru {
+    int32_t prev = -1, next = -1;
+    int64_t activity = 0;  // watermark after the key's latest event
+  };
+  std::vector<Lru> lru;
+  int32_t lru_head = -1, lru_tail = -1;
+  int64_t live = 0;
+
+  int64_t watermark = kNone;
+  Stats totals;
+  WindowScratch window_scratch;
+  uint64_t stamp = 0;
+  // The latest computed feature row: (event index, CompiledTrigger::same_features) and
+  // where it is, so other triggers firing with the same features at that event copy it.
+  struct {
+    size_t event = SIZE_MAX;
+    int32_t features = -1, slot = -1;
+    size_t offset = 0;
+    int64_t lo = 0, hi = 0;
+  } last_row;
+  std::vector<int64_t> fired;    // firings per trigger so far, to size the outputs
+  std::vector<int32_t> slot_of;  // per trigger: its entry in Firings::fired this push, or -1
+  double per_event = 0;          // expected firings per event of this push (for reserving)
+  size_t batch_events = 0;       // events in this push
+  std::vector<std::pair<int32_t, int64_t>> scratch_last;
+
+  void validate(const Batch& b) const;
+  [[noreturn]] void reject(const Batch& b, size_t i, int64_t wm) const;
+  void apply(const Batch& b, size_t i, Firings& out);
+  int32_t partition(int32_t group, int64_t key);
+  void unlink(int32_t p);
+  void link_tail(int32_t p);
+  void evict(int32_t p);
+  void process(const Batch& b, size_t i, int32_t g, Partition& p, Firings& out);
+  void reserve(size_t events, Firings& out);
+  void recompile();
+  void save(Writer& w) const;
+  void load(Reader& r);
+  int32_t matrix_slot(int32_t trigger, Firings& out);
+  void fire(int32_t trigger, Partition& p, int64_t ts, size_t index, Firings& out);
+};
+
+}  // namespace skiff::stream
