@@ -155,8 +155,9 @@ void scan_arrival(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
     first = p;
     if (row[0] < lo || row[0] > hi) continue;
     picked[n++] = row;
-    // `last`: the greatest ts; newest first, so ties go to the latest arrival.
-    if (last == kNone || row[0] > last_ts) {
+    // `last`: the greatest ts (ts >= 0 > kMin: the first row is taken); newest first,
+    // so ties go to the latest arrival.
+    if (row[0] > last_ts) {
       last = p;
       last_ts = row[0];
     }
@@ -168,23 +169,24 @@ void scan_arrival(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
 void scan_count(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
                 const EventLog& log, WindowScratch& scratch) {
   const Rows rows{&log, std::max(log.begin(), log.end() - w.size), log.end(), kMin, kMax};
-  int64_t last = kNone;
-  r.lo = kMax;
-  r.hi = kMin;
+  // Hull and `last` in locals: stored through `r` in the loop, they were written back
+  // at every row (the compiler cannot tell `r` from the rows).
+  int64_t last = kNone, last_ts = kMin, lo = kMax, hi = kMin;
   const int64_t** picked = pick_room(scratch, static_cast<size_t>(rows.to - rows.from));
   size_t n = 0;
-  int64_t last_ts = kMin;
   for (int64_t p = rows.from; p < rows.to; ++p) {
     const int64_t* row = log.row(p);
     picked[n++] = row;
     const int64_t ts = row[0];
-    if (last == kNone || ts >= last_ts) {  // ties to the latest arrival
+    if (ts >= last_ts) {  // ts >= 0 > kMin: the first row is taken; ties to the latest
       last = p;
       last_ts = ts;
     }
-    r.lo = std::min(r.lo, ts);
-    r.hi = std::max(r.hi, ts + 1);
+    lo = std::min(lo, ts);
+    hi = std::max(hi, ts + 1);
   }
+  r.lo = lo;
+  r.hi = hi;
   finish_scan(ctx, w, picked, n, rows, last, scratch, r.out.data());
 }
 
