@@ -77,6 +77,7 @@ class EventLog {
     return words_.get() + ((head_ + static_cast<size_t>(pos - begin_)) & (capacity_ - 1)) * stride_;
   }
   int64_t ts(int64_t pos) const { return row(pos)[0]; }
+  int64_t oldest_ts() const { return words_[size_t{head_} * stride_]; }  // not empty()
   double value(int64_t pos, size_t column) const { return value(row(pos), column); }
 
   static double value(const int64_t* row, size_t column) {

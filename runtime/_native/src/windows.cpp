@@ -243,30 +243,24 @@ void build_sorted(const WindowContext& ctx, int32_t l, KeyLogs& logs,
 
 }  // namespace
 
-void append_row(const WindowContext& ctx, int32_t l, int64_t ts, const double* values,
-                KeyLogs& logs, std::vector<WindowState>& states) {
+void start_sorted(const WindowContext& ctx, int32_t l, KeyLogs& logs,
+                  std::vector<WindowState>& states) {
+  build_sorted(ctx, l, logs, states);
+  EventLog& arrival = logs[static_cast<size_t>(l)].arrival;
+  const auto keep = static_cast<size_t>(ctx.group.logs[static_cast<size_t>(l)].keep);
+  while (arrival.size() > keep) arrival.pop_front();
+}
+
+void append_ordered(const WindowContext& ctx, int32_t l, int64_t ts, const double* values,
+                    KeyLogs& logs, std::vector<WindowState>& states) {
   const LogSpec& spec = ctx.group.logs[static_cast<size_t>(l)];
   KeyLog& log = logs[static_cast<size_t>(l)];
   EventLog& arrival = log.arrival;
-  const bool short_counts = spec.keep <= kScanRows;
-  // Time windows read the arrival ring while the key has no sorted ring (see KeyLog).
-  const bool scanned = spec.reach >= 0 && short_counts && log.sorted.empty();
-  if (scanned) {
-    arrival.push(ts, values, spec.columns.data());
-    const int64_t horizon = ctx.watermark - ctx.lateness - spec.reach;
-    while (arrival.size() > static_cast<size_t>(spec.keep) && arrival.ts(arrival.begin()) < horizon) {
-      arrival.pop_front();
-    }
-    if (arrival.size() <= static_cast<size_t>(kScanRows)) return;
-    build_sorted(ctx, l, logs, states);
-    while (arrival.size() > static_cast<size_t>(spec.keep)) arrival.pop_front();
-    return;
-  }
   if (spec.keep > 0) {
     arrival.push(ts, values, spec.columns.data());
     // Short count windows are scanned, so they need only their rows. Longer ones are
     // trimmed in steps, so a count window read again soon catches up row by row.
-    if (short_counts) {
+    if (spec.keep <= kScanRows) {
       while (arrival.size() > static_cast<size_t>(spec.keep)) arrival.pop_front();
     } else if (arrival.size() > 2 * static_cast<size_t>(spec.keep) + 16) {
       while (arrival.size() > static_cast<size_t>(spec.keep)) arrival.pop_front();

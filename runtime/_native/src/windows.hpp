@@ -130,9 +130,34 @@ struct WindowContext {
 // logs were restored (the first read catches up from them).
 void reset_windows(const Group& group, const KeyLogs& logs, std::vector<WindowState>& states);
 
-// Appends an event's row to the log `l` and updates the log's windows.
-void append_row(const WindowContext& ctx, int32_t l, int64_t ts, const double* values,
-                KeyLogs& logs, std::vector<WindowState>& states);
+// The key's time-window rows outgrew the arrival ring (KeyLog): moves them to a new
+// sorted ring and trims the arrival ring to what count windows keep.
+void start_sorted(const WindowContext& ctx, int32_t l, KeyLogs& logs,
+                  std::vector<WindowState>& states);
+
+// append_row for a log whose rows are kept in ts order (or a count window's only).
+void append_ordered(const WindowContext& ctx, int32_t l, int64_t ts, const double* values,
+                    KeyLogs& logs, std::vector<WindowState>& states);
+
+// Appends an event's row to the log `l` and updates the log's windows. Inline: for most
+// keys (their time windows' rows still in the arrival ring) this is every event's one
+// ring append and trim, which cost less than the call did.
+inline void append_row(const WindowContext& ctx, int32_t l, int64_t ts, const double* values,
+                       KeyLogs& logs, std::vector<WindowState>& states) {
+  const LogSpec& spec = ctx.group.logs[static_cast<size_t>(l)];
+  KeyLog& log = logs[static_cast<size_t>(l)];
+  // Time windows read the arrival ring while the key has no sorted ring (see KeyLog).
+  if (spec.reach < 0 || spec.keep > kScanRows || !log.sorted.empty()) {
+    return append_ordered(ctx, l, ts, values, logs, states);
+  }
+  EventLog& arrival = log.arrival;
+  arrival.push(ts, values, spec.columns.data());
+  const int64_t horizon = ctx.watermark - ctx.lateness - spec.reach;
+  while (arrival.size() > static_cast<size_t>(spec.keep) && arrival.oldest_ts() < horizon) {
+    arrival.pop_front();
+  }
+  if (arrival.size() > static_cast<size_t>(kScanRows)) start_sorted(ctx, l, logs, states);
+}
 
 // The outputs of window `w` for a firing at `ts` (cached in `scratch` for this event).
 const WindowRead& query_window(const WindowContext& ctx, int32_t w, int64_t ts, uint64_t stamp,
