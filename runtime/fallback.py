@@ -16,6 +16,10 @@ While a fallback loads, `active` is None and `state` is "loading"; requests wait
 outcome with `wait_active(timeout)`, which raises DeadlineExceeded when it takes longer.
 The thread that found the failure does the loading (one at a time: only the thread that
 took the failed executor out of `active` walks on).
+
+A chain started on one config (`start_forced`) can finish its probe while it serves
+(`probe_rest`): the other candidates are loaded and timed beside the serving executor,
+a faster one replaces it in one swap, and the ranked results become the chain.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from runtime.backends import Backend, BackendConfig, Precision
 from runtime.errors import DeadlineExceeded, InferenceError, InvalidInput, ModelLoadError
 from runtime.events import CrashEvent, FallbackEvent
 from runtime.golden import Golden
-from runtime.probe import Executor, ProbeResult, probe_config, rank
+from runtime.probe import Executor, ProbeResult, measure, probe_config, rank
 
 __all__ = ["ConfigChain"]
 
@@ -69,6 +73,8 @@ class ConfigChain:
         self._changed = threading.Condition(self._lock)  # a load finished, or the chain closed
         self._loading = False
         self._closed = False
+        self._probing = 0  # `probe_rest` calls running: they may still load from the model
+        self._after_probing: list[Callable[[], None]] = []
         self._pending: list[BackendConfig] = []
         self.active: Executor | None = None
         self.failure: str | None = None
@@ -87,7 +93,7 @@ class ConfigChain:
         kept: Executor | None = None
         try:
             for config in _unique(candidates):
-                kept = self._probe_one(config, kept, runs)
+                kept = self._probe_one(config, kept, runs, self.probe_results)
         except BaseException:
             if kept is not None:
                 kept.close()  # e.g. interrupted mid-probe: no executor may outlive this
@@ -109,13 +115,80 @@ class ConfigChain:
         # one, should it fail to) validates it without adding a second probe result.
         self._advance(record=False)
 
-    def _probe_one(
-        self, config: BackendConfig, kept: Executor | None, runs: int
+    def probe_rest(self, candidates: Sequence[BackendConfig], *, runs: int) -> list[ProbeResult]:
+        """Probe `candidates` while the active config serves; switch to a faster one.
+
+        For a chain started on one config (`start_forced`, e.g. the config the model's
+        previous version won with): the serving executor is timed on the same inputs as
+        each candidate, and a candidate faster beyond timing noise (`rank`) takes over in
+        one swap; requests already running on the old executor finish there. The accepted
+        results, fastest first, become the fallback chain. Configs this chain has already
+        marked bad are not tried again. Only the best candidate so far stays loaded, so
+        this needs memory for three copies of the model (serving, best, probing).
+
+        Returns this round's results, the serving config's first. Nothing is switched if
+        the serving executor changes meanwhile (a fallback) or the chain closes; then the
+        round stops after the probe in progress.
+        """
+        with self._lock:
+            serving = self.active
+            if serving is None or self._closed:
+                return []
+            self._probing += 1
+        kept: Executor | None = None
+        results: list[ProbeResult] = []
+        try:
+            results.append(
+                measure(serving, self._golden, runs=runs, input_shapes=self._input_shapes)
+            )
+            bad = {event.from_config for event in self.fallbacks}
+            for config in _unique(candidates):
+                if not results[0].accepted or self._closed or self.active is not serving:
+                    break  # it failed or was replaced meanwhile: this round is moot
+                if config != serving.config and config not in bad:
+                    kept = self._probe_one(config, kept, runs, results)
+            kept = self._take_faster(serving, kept, results)
+        finally:
+            if kept is not None:
+                kept.close()
+            with self._lock:
+                self._probing -= 1
+                after = self._after_probing if not self._probing else []
+                self._after_probing = [] if not self._probing else self._after_probing
+            for then in after:
+                then()
+        return results
+
+    def _take_faster(
+        self, serving: Executor, kept: Executor | None, results: list[ProbeResult]
     ) -> Executor | None:
-        """Probe `config`; return whichever of it and `kept` is the best so far (loaded)."""
+        """Make `kept` active if it ranks first and `serving` still serves; return what to close."""
+        order = [r.config for r in rank(results)]
+        with self._lock:
+            if self.active is not serving or self._closed or not order:
+                return kept
+            switch = kept is not None and order[0] == kept.config
+            if switch:
+                self.active, kept = kept, serving
+            self._pending = [c for c in order if c != self.active.config]
+        if switch:
+            logger.info("switching from %s to the faster %s", serving.config.key, order[0].key)
+        return kept  # the old executor: closing it waits for requests still running on it
+
+    def _probe_one(
+        self,
+        config: BackendConfig,
+        kept: Executor | None,
+        runs: int,
+        results: list[ProbeResult],
+    ) -> Executor | None:
+        """Probe `config`; return whichever of it and `kept` ranks best in `results` (loaded).
+
+        The result is added to `results` (and to `probe_results`, if that is another list).
+        """
         if self._golden is None and config.precision not in _JUDGED_WITHOUT_GOLDEN:
             reason = f"{config.precision.name} precision needs golden data to be judged"
-            self.probe_results.append(ProbeResult(config, None, False, error=reason))
+            self._add(results, ProbeResult(config, None, False, error=reason))
             return kept
         with _UNAVAILABLE_LOCK:
             instead = _UNAVAILABLE.get(config.backend)
@@ -124,7 +197,7 @@ class ConfigChain:
                 f"{config.backend.name} is not available here: MNN runs its configs on "
                 f"{instead.name} (found by an earlier probe)"
             )
-            self.probe_results.append(ProbeResult(config, instead, False, error=reason))
+            self._add(results, ProbeResult(config, instead, False, error=reason))
             return kept
         result, executor = probe_config(
             self._make, config, self._golden, runs=runs, input_shapes=self._input_shapes
@@ -132,14 +205,19 @@ class ConfigChain:
         if not result.accepted and result.actual_backend not in (None, config.backend):
             with _UNAVAILABLE_LOCK:
                 _UNAVAILABLE[config.backend] = result.actual_backend
-        self.probe_results.append(result)
+        self._add(results, result)
         if executor is None:
             return kept
-        if rank(self.probe_results)[0] is result:  # the best so far: keep it loaded
+        if rank(results)[0] is result:  # the best so far: keep it loaded
             kept, executor = executor, kept
         if executor is not None:
             executor.close()
         return kept
+
+    def _add(self, results: list[ProbeResult], result: ProbeResult) -> None:
+        results.append(result)
+        if results is not self.probe_results:
+            self.probe_results.append(result)
 
     def start_forced(self, configs: Sequence[BackendConfig]) -> None:
         """Serve with the first of `configs` that loads (and matches the golden data)."""
@@ -222,15 +300,26 @@ class ConfigChain:
             executor.close()
         return event
 
-    def close(self) -> None:
-        """Close the active executor; the chain serves nothing afterwards."""
+    def close(self, then: Callable[[], None] | None = None) -> None:
+        """Close the active executor; the chain serves nothing afterwards.
+
+        `then` is called once nothing loads from the model any more: at once, or when a
+        `probe_rest` still running ends (the model's memfd must outlive its loads).
+        """
         with self._lock:
             active, self.active, self._pending = self.active, None, []
             self.failure = self.failure or "closed"
             self._closed = True
             self._changed.notify_all()
-        if active is not None:
-            active.close()
+            if then is not None and self._probing:
+                self._after_probing.append(then)
+                then = None
+        try:
+            if active is not None:
+                active.close()
+        finally:
+            if then is not None:
+                then()
 
     def _advance(
         self, failed: BackendConfig | None = None, reason: str = "", *, record: bool = True

@@ -376,6 +376,22 @@ class Model:
         if any(isinstance(a, dict) for a in answers):
             self._chain.record_success(executor.config)
 
+    def probe_others(
+        self, candidates: Sequence[BackendConfig] | None = None, *, runs: int = DEFAULT_PROBE_RUNS
+    ) -> tuple[ProbeResult, ...]:
+        """Probe the other candidates while this model serves; switch if one is faster.
+
+        For a model started on one `config` (say, the one its previous version won with),
+        so that it served after a single load: this finishes the probe `from_bytes` would
+        have made, off the request path (call it from a thread of its own). The serving
+        config is timed again beside `candidates` (default: `candidate_configs()`), and
+        one faster beyond timing noise takes over between requests; the accepted ones
+        form the fallback chain. Returns this round's results, the serving config's first
+        (none if the model is closed or failed). Closing the model stops it after the
+        probe in progress.
+        """
+        return tuple(self._chain.probe_rest(candidates or candidate_configs(), runs=runs))
+
     def _attempt(
         self,
         executor: Executor,
@@ -449,11 +465,8 @@ class Model:
 
 
 def _release(chain: ConfigChain, fd: int) -> None:
-    """Close the chain (executors, workers) and the plaintext memfd."""
-    try:
-        chain.close()
-    finally:
-        os.close(fd)
+    """Close the chain (executors, workers), then the plaintext memfd once nothing loads it."""
+    chain.close(then=lambda: os.close(fd))
 
 
 def _factory(

@@ -36,7 +36,7 @@ from runtime.errors import (
 from runtime.golden import Golden
 from runtime.signature import Signature
 
-__all__ = ["Executor", "ProbeResult", "probe_config", "rank", "synthetic_inputs"]
+__all__ = ["Executor", "ProbeResult", "measure", "probe_config", "rank", "synthetic_inputs"]
 
 SAME_SPEED = 0.05  # p50s within 5% of the fastest are within a probe's timing noise
 _ZERO_SAFE = ("float32", "float64")  # dtypes whose zeros are a harmless probe input
@@ -122,12 +122,7 @@ def probe_config(
     except (ModelLoadError, InferenceError) as exc:  # InferenceError: worker died loading
         return ProbeResult(config, None, False, error=f"load failed: {exc}"), None
     try:
-        inputs = golden.inputs if golden else synthetic_inputs(executor.signature, input_shapes)
-        if isinstance(inputs, str):
-            actual, load_ms = executor.actual_backend, executor.load_ms
-            result = ProbeResult(config, actual, True, load_ms=load_ms, untimed=inputs)
-        else:
-            result = _measure(executor, inputs, golden, runs=max(1, runs), warmup=max(0, warmup))
+        result = measure(executor, golden, runs=runs, warmup=warmup, input_shapes=input_shapes)
     except BaseException:
         executor.close()  # e.g. interrupted: a worker must not outlive the probe
         raise
@@ -135,6 +130,25 @@ def probe_config(
         executor.close()
         return result, None
     return result, executor
+
+
+def measure(
+    executor: Executor,
+    golden: Golden | None,
+    *,
+    runs: int = 10,
+    warmup: int = 2,
+    input_shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> ProbeResult:
+    """Time and judge an executor already loaded, as `probe_config` does a fresh one.
+
+    Used for a config that serves already: its figures then compare with fresh probes'.
+    """
+    inputs = golden.inputs if golden else synthetic_inputs(executor.signature, input_shapes)
+    if isinstance(inputs, str):
+        actual, load_ms = executor.actual_backend, executor.load_ms
+        return ProbeResult(executor.config, actual, True, load_ms=load_ms, untimed=inputs)
+    return _measure(executor, inputs, golden, runs=max(1, runs), warmup=max(0, warmup))
 
 
 def rank(results: Sequence[ProbeResult], *, margin: float = SAME_SPEED) -> list[ProbeResult]:
