@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _EXPORTS is what runs
         tumbling,
     )
     from runtime.swap import ModelSlot
+    from runtime.worker import prewarm_worker
 
 # Public name -> the module defining it. Stream errors and feature builders come from
 # `stream_spec`, not `stream`, so catching or declaring them never loads the C++ core.
@@ -97,6 +98,7 @@ _EXPORTS = {
     "sliding": "runtime.stream_spec",
     "tumbling": "runtime.stream_spec",
     "ModelSlot": "runtime.swap",
+    "prewarm_worker": "runtime.worker",
 }
 
 __all__ = [
@@ -135,6 +137,7 @@ __all__ = [
     "WorkerCrashed",
     "candidate_configs",
     "count",
+    "prewarm_worker",
     "sliding",
     "tumbling",
 ]

@@ -1,7 +1,9 @@
 """The worker process: runs one model with one config for `runtime.worker`, nothing else.
 
 Started as ``python -m runtime._worker_main --sock-fd N --model-fd M --parent-pid P``
-with the model in an inherited sealed memfd and a Unix socket to the parent. It serves
+with the model in an inherited sealed memfd and a Unix socket to the parent; or, started
+ahead of its model (``--warm`` instead of ``--model-fd``, see `runtime._processes.prewarm`),
+it imports MNN and then receives that memfd over the socket as its first message. It serves
 frames from `runtime._wire` until the socket closes: ``load`` (a config), ``run``
 (arrays), ``run_batch`` (several runs' arrays in one frame, answered as they finish) and
 ``exit``; every reply carries its request's sequence number. Expected
@@ -39,7 +41,7 @@ from runtime.errors import (
     ModelLoadError,
 )
 from runtime.hardening import forbid_core_dumps
-from runtime.mnn_host import fd_path, line_buffer_native_stdout
+from runtime.mnn_host import fd_path, line_buffer_native_stdout, load_mnn
 
 __all__ = ["main"]
 
@@ -62,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     line_buffer_native_stdout()  # MNN's last words before a crash reach the log
     # Terminal signals are for the app; the parent alone decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    channel = _wire.Channel(socket.socket(fileno=args.sock_fd))
+    sock = socket.socket(fileno=args.sock_fd)
+    model_fd = args.model_fd if args.model_fd is not None else _await_model(sock)
+    if model_fd is None:
+        return 0  # prewarmed, then not needed: the parent closed the socket
+    channel = _wire.Channel(sock)
     fault = _parse_fault(args.fault) if args.fault else None
     executor: InProcessExecutor | None = None
     runs = 0
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if op == "load":
             if executor is not None:
                 executor.close()
-            executor, reply = _load(fd_path(args.model_fd), header)
+            executor, reply = _load(fd_path(model_fd), header)
             channel.send(reply, seq=seq)
         elif op == "run" and executor is not None:
             runs += 1
@@ -108,6 +114,23 @@ def _harden(parent_pid: int) -> bool:
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     return os.getppid() == parent_pid
+
+
+def _await_model(sock: socket.socket) -> int | None:
+    """Prewarmed (``--warm``): import MNN now, then wait for the model's memfd (SCM_RIGHTS).
+
+    Returns None if the parent closed the socket instead.
+    """
+    load_mnn()
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    except OSError:
+        return None
+    if not data or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return fds[0]
 
 
 def _load(path: str, header: dict[str, Any]) -> tuple[InProcessExecutor | None, dict]:
@@ -237,7 +260,10 @@ def _parser() -> argparse.ArgumentParser:
     """Build the command-line parser."""
     parser = argparse.ArgumentParser(prog="python -m runtime._worker_main")
     parser.add_argument("--sock-fd", type=int, required=True)
-    parser.add_argument("--model-fd", type=int, required=True)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-fd", type=int)
+    # Started before the model exists (runtime._processes.prewarm): it comes over the socket.
+    model.add_argument("--warm", action="store_true")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--fault", help=argparse.SUPPRESS)
     return parser

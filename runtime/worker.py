@@ -39,14 +39,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import logging
 import os
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,7 +55,6 @@ import numpy as np
 import runtime._processes as _processes
 import runtime._wire as _wire
 from runtime._processes import EXIT_GRACE_S, child_env, kill, signal_name
-from runtime._stdio import memfd
 from runtime.backends import Backend, BackendConfig
 from runtime.errors import (
     BackendUnavailable,
@@ -72,16 +69,26 @@ from runtime.errors import (
 from runtime.events import CrashEvent
 from runtime.signature import Signature
 
-__all__ = ["DEFAULT_DEADLINE_S", "Fault", "WorkerExecutor"]
+__all__ = ["DEFAULT_DEADLINE_S", "Fault", "WorkerExecutor", "prewarm_worker"]
 
 logger = logging.getLogger("runtime")
 
 DEFAULT_DEADLINE_S = 10.0
 LOAD_DEADLINE_S = 300.0  # loading (and GPU kernel tuning) of a big model is slow
+_MODULE = "runtime._worker_main"
 _LOG_TAIL = 4096
 _LOG_LIMIT, _LOG_KEEP = 64 * 1024, 32 * 1024  # past the limit, only the last part is kept
 _BATCH_ITEMS, _BATCH_ARRAYS = 256, 512  # the most items, and input arrays, one request carries
 _ASYNC_BYTES = 1 << 20  # larger inputs go through `run` in a thread: sending them may block
+
+
+def prewarm_worker() -> None:
+    """Start a worker now, for the next `WorkerExecutor` to take instead of a cold one.
+
+    For a model still on its way (downloading, decrypting): the worker's Python and MNN
+    start meanwhile. Unused, it ends after `runtime._processes.WARM_IDLE_S`.
+    """
+    _processes.prewarm(_MODULE)
 
 
 @dataclass(frozen=True)
@@ -372,37 +379,15 @@ class WorkerExecutor:
     def _child(self) -> tuple[str, list[str], tuple[int, ...], dict[str, str]]:
         """Return the child's module, its own arguments, the fds it inherits, its env."""
         fds = (self._model_fd,)
-        return "runtime._worker_main", ["--model-fd", str(self._model_fd)], fds, child_env()
+        return _MODULE, ["--model-fd", str(self._model_fd)], fds, child_env()
 
     def _spawn(self) -> None:
-        """Start the worker process, connected by a fresh socketpair and log memfd."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        log_fd = memfd("skiff-worker-log")
-        # Shared with the worker's stdout and stderr: appending, they keep writing at the
-        # end after `_trim_log` shortens the file, instead of past a hole.
-        fcntl.fcntl(log_fd, fcntl.F_SETFL, fcntl.fcntl(log_fd, fcntl.F_GETFL) | os.O_APPEND)
+        """Start the worker process (or take a prewarmed one), with its socket and log memfd."""
         module, extra, fds, env = self._child()
-        argv = [sys.executable, "-m", module, "--parent-pid", str(os.getpid())]
-        argv += ["--sock-fd", str(child.fileno()), *extra]
-        if self._fault is not None:
-            argv += ["--fault", self._fault.arg()]
-        options = {
-            "stdin": subprocess.DEVNULL,
-            "stdout": log_fd,
-            "stderr": log_fd,
-            "pass_fds": (child.fileno(), *fds),
-            "env": env,
-            "start_new_session": True,  # Ctrl-C in the app's terminal is not for us
-        }
-        try:
-            self._proc = _processes.spawn(argv, options)
-        except BaseException:
-            parent.close()
-            os.close(log_fd)
-            raise
-        finally:
-            child.close()
-        self._channel, self._log_fd = _wire.Channel(parent), log_fd
+        fault = self._fault.arg() if self._fault is not None else None
+        started = _processes.start(module, extra, fds, env, fault=fault)
+        self._proc, self._channel = started.proc, _wire.Channel(started.sock)
+        self._log_fd = started.log_fd
 
     def _load(self) -> None:
         """Have the freshly spawned worker load the model; raise as InProcessExecutor does."""
