@@ -334,6 +334,8 @@ class Agent:
             outcome.installs.append(done)
             if done.new:  # queued at once: a later model's failure must not lose it
                 self.queue_installs([install_report(done, self.server_clock.now())])
+            if done.probes_pending and self.serving is not None:
+                self._spawn(self._probe_rest(m.model, m.uid))
         for name in set(self.installer.pointers()) - set(assignment.models):
             self.installer.remove(name)
             if self.serving is not None:
@@ -463,6 +465,8 @@ class Agent:
             await self._roll_back_locked(name, reason, slot.get("uid"))
             return
         await asyncio.to_thread(self._activate, name, slot, model)
+        if slot.get("probes_pending"):  # the agent stopped before that probe finished
+            self._spawn(self._probe_rest(name, slot["uid"]))
 
     def _activate(self, name: str, slot: dict, model) -> None:
         """Serve a loaded version: a language model by Generate, any other by Infer.
@@ -476,6 +480,33 @@ class Agent:
         else:
             self.llm_serving.drop(name)
             self.pipelines.activate(name, slot, model)
+
+    async def _probe_rest(self, name: str, uid: str) -> None:
+        """Probe the configs a promoted version skipped, while it serves; record the outcome.
+
+        The version activated on its predecessor's config after one golden check; a
+        faster candidate found now takes over between requests (runtime.Model.probe_others),
+        and the install pointer records it, so a restart loads it.
+        """
+        from runtime import RuntimeFailure
+
+        current = self.serving.current(name)
+        if current is None or current[0]["uid"] != uid:
+            return
+        model = current[1]
+        try:
+            results = await asyncio.to_thread(model.probe_others)
+        except (RuntimeFailure, OSError) as exc:  # it serves on: the probe is an extra
+            log.warning("%s: probing the other configs failed: %s", name, one_line(exc))
+            return
+        config = model.config
+        if not results or config is None:
+            return  # swapped out or failed meanwhile: nothing to record
+        async with self._sync_lock:
+            if self.installer.record_probes(name, uid, config.key, results):
+                log.info(
+                    "%s: %d configs probed while serving, on %s", name, len(results), config.key
+                )
 
     def _served(self, name: str) -> dict | None:
         """Return the pointer slot serving `name` now, whatever its kind (None: none)."""

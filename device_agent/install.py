@@ -12,6 +12,13 @@ Before activation a self-test decrypts the artifact in memory, loads it in `runt
 against the version's golden data and keeps the fastest config whose outputs match. A
 version whose self-test fails is never activated; it is recorded under `failed` and not
 tried again until its assignment changes.
+
+A new version of a model this device serves already need not wait for every candidate:
+it is loaded on the fleet's recommended config or else on the config its previous version
+won with, and activates as soon as that passes the golden check (one load, not one per
+candidate). When the previous version's pick was used, the slot says `probes_pending`: the
+agent probes the other candidates while the new version serves, switches if one is
+faster, and records the outcome here (`record_probes`).
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ class InstallOutcome:
     timings: InstallTimings = field(default_factory=InstallTimings)
     rollout: str = ""
     probes: list = field(default_factory=list)
+    # Activated on the previous version's config: the other candidates are still to probe.
+    probes_pending: bool = False
     # Whether this outcome is news (worth a report): a version that failed before and is
     # skipped again, or one already active, is not.
     new: bool = True
@@ -251,6 +260,9 @@ class Installer:
     async def _install(
         self, conn: DeviceConnection, m: VerifiedModel, current: dict, timings: InstallTimings
     ) -> InstallOutcome:
+        if m.llm is None:
+            # The self-test's worker starts (Python, MNN) while the download runs.
+            await asyncio.to_thread(_prewarm_worker)
         try:
             if m.chunks is not None and m.chunk_keys is not None:
                 await self._fetch_chunks(conn, m, timings)
@@ -262,7 +274,8 @@ class Installer:
                 await self.downloads.fetch(
                     conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None
                 )
-            model, config, probes = await self._self_test(m, timings)
+            previous_config = (current.get("active") or {}).get("config", "")
+            model, config, probes, pending = await self._self_test(m, timings, previous_config)
         except (IntegrityFailure, SelfTestFailed, DiskFull) as exc:
             self._write_pointer(
                 m.model,
@@ -287,6 +300,8 @@ class Installer:
             )
         previous = current.get("active") or current.get("previous")
         slot = _slot(m, config, probes)
+        if pending:
+            slot["probes_pending"] = True
         try:
             self._write_pointer(m.model, {"active": slot, "previous": previous, "failed": None})
         except BaseException:
@@ -300,8 +315,33 @@ class Installer:
         self.collect_garbage()
         log.info("%s v%d (%s) active on %s", m.model, m.version, m.variant, config)
         return InstallOutcome(
-            m.model, m.version, m.variant, "activated", "", config, timings, m.rollout, probes
+            m.model,
+            m.version,
+            m.variant,
+            "activated",
+            "",
+            config,
+            timings,
+            m.rollout,
+            probes,
+            probes_pending=pending,
         )
+
+    def record_probes(self, model: str, uid: str, config: str, results) -> bool:
+        """Record the probe that finished while version `uid` served, if it is still active.
+
+        `results` are the round's `runtime.ProbeResult`s; `config` the one serving now. A
+        later load of this version starts on it. Returns whether the pointer changed.
+        """
+        current = self.pointer(model)
+        active = current.get("active")
+        if not active or active["uid"] != uid:
+            return False
+        probes = [_probe_json(r) for r in results]
+        active = {**active, "config": config, "probes": probes}
+        active.pop("probes_pending", None)
+        self._write_pointer(model, {**_without_schema(current), "active": active})
+        return True
 
     def roll_back(self, model: str, reason: str) -> dict | None:
         """Make the previous version active again; the active one is recorded as failed.
@@ -447,17 +487,20 @@ class Installer:
         except errors.IntegrityError as exc:
             raise IntegrityFailure(str(exc)) from None
 
-    async def _self_test(self, m: VerifiedModel, timings: InstallTimings) -> tuple:
+    async def _self_test(
+        self, m: VerifiedModel, timings: InstallTimings, previous_config: str
+    ) -> tuple:
         started = time.monotonic()
         try:
-            return await asyncio.to_thread(self._self_test_blocking, m)
+            return await asyncio.to_thread(self._self_test_blocking, m, previous_config)
         finally:
             timings.self_test_s = time.monotonic() - started
 
-    def _self_test_blocking(self, m: VerifiedModel) -> tuple:
+    def _self_test_blocking(self, m: VerifiedModel, previous_config: str = "") -> tuple:
         """Load the version in a worker, probing configs against golden data.
 
-        Returns (the loaded runtime.Model, its config key, the probe summaries).
+        Returns (the loaded runtime.Model, its config key, the probe summaries, whether
+        the other candidates are still to probe).
         """
         # Deferred: `skiff agent status` never needs the runtime.
         from runtime import (
@@ -475,33 +518,29 @@ class Installer:
         if m.llm is not None:
             golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
             worker, probes = llm_install.self_test(m, source, golden)
-            return worker, worker.config.key, probes
+            return worker, worker.config.key, probes, False
         plain = source.read()
+        version = f"{m.model}:{m.version}"
         try:
             golden = None
             if m.golden is not None:
                 data = self._golden_bytes(m.golden, key)
                 golden = Golden.from_npz(data).for_variant(m.variant)
-            model, tried = None, None
-            recommended = _recommended(m.recommended_config) if golden is not None else None
-            if recommended is not None:
-                # The fleet's pick first: one load and golden check instead of a probe of
-                # every candidate. If it fails the check here, probe as usual.
-                model = Model.from_bytes(
-                    plain,
-                    golden=golden,
-                    config=recommended,
-                    isolation="worker",
-                    version=f"{m.model}:{m.version}",
-                )
-                tried = recommended.key
-                if model.config != recommended:  # it failed here: the CPU default took over
-                    model.close()
-                    model = None
+            model, tried, pending = None, None, False
+            first = _recommended(m.recommended_config) if golden is not None else None
+            if first is not None:
+                tried = first.key
+            elif golden is not None and self.on_activated is not None:
+                # It serves as soon as it loads: the rest is probed while it does.
+                first = _recommended(previous_config)
+                pending = first is not None
+            if first is not None:
+                # One load and golden check instead of a probe of every candidate. If it
+                # fails the check here, probe as usual.
+                model = _load_on(first, plain, golden, version)
+                pending = pending and model is not None
             if model is None:
-                model = Model.from_bytes(
-                    plain, golden=golden, isolation="worker", version=f"{m.model}:{m.version}"
-                )
+                model = Model.from_bytes(plain, golden=golden, isolation="worker", version=version)
         except (DeadlineExceeded, WorkerCrashed) as exc:
             # The machine, not the version: a busy or memory-starved device. Tried again.
             raise AgentError(f"self-test interrupted: {one_line(exc)}") from None
@@ -521,7 +560,7 @@ class Installer:
         probes = [_probe_json(p) for p in model.probe_results]
         for probe in probes:
             probe["recommended"] = probe.get("config") == tried
-        return model, config, probes
+        return model, config, probes, pending
 
     def _golden_bytes(self, g: GoldenArtifact, key: bytes) -> bytes:
         return decrypt_artifact(
@@ -572,8 +611,36 @@ def _failure_kind(exc: Exception) -> str:
     return "disk" if isinstance(exc, DiskFull) else "integrity"
 
 
+def _prewarm_worker() -> None:
+    from runtime import prewarm_worker  # deferred: `skiff agent status` never needs the runtime
+
+    try:
+        prewarm_worker()
+    except OSError as exc:  # only a head start: the self-test starts its worker itself
+        log.info("could not start a worker ahead of the self-test: %s", exc)
+
+
+def _load_on(config, plain: bytes, golden, version: str):
+    """Load on `config` alone; return the model if that config passed the golden check.
+
+    None: it did not (nor, perhaps, the CPU default behind it), so the caller probes.
+    """
+    from runtime import Model, ModelFailed
+
+    try:
+        model = Model.from_bytes(
+            plain, golden=golden, config=config, isolation="worker", version=version
+        )
+    except ModelFailed:
+        return None
+    if model.config != config:  # it failed here: the CPU default took over
+        model.close()
+        return None
+    return model
+
+
 def _recommended(key: str):
-    """Return the recommended config if this device can run it (else None: probe)."""
+    """Return the config named by `key` if this device can run it (else None: probe)."""
     from runtime import BackendConfig, candidate_configs
 
     if not key:

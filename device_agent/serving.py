@@ -113,6 +113,14 @@ class Serving:
         model = served.slot.model if served else None
         return served.infos.get(model.version) if model is not None else None
 
+    def current(self, name: str) -> tuple[dict, object] | None:
+        """Return the pointer slot and the runtime.Model serving `name` now (None if none)."""
+        with self._lock:
+            served = self._served.get(name)
+            model = served.slot.model if served else None
+            info = served.infos.get(model.version) if model is not None else None
+        return (info, model) if info is not None else None
+
     def is_loading(self, name: str) -> bool:
         """Return whether `name` is being loaded (installed, not serving yet)."""
         with self._lock:
