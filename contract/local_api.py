@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-
 from protos import agent_pb2
+
+TYPE_CHECKING = False  # numpy is imported where a tensor is converted: an idle agent has none
+if TYPE_CHECKING:
+    import numpy as np
 
 SOCKET_NAME = "agent.sock"
 # sockaddr_un.sun_path holds 108 bytes with its NUL.
@@ -60,6 +62,8 @@ def socket_path(state_dir: Path) -> Path:
 
 def to_array(t: agent_pb2.Tensor) -> np.ndarray:
     """Return a Tensor message as a numpy array; BadTensor names what is wrong."""
+    import numpy as np
+
     name = t.name or "(unnamed)"
     if t.dtype not in DTYPES:
         raise BadTensor(
@@ -84,6 +88,8 @@ def to_array(t: agent_pb2.Tensor) -> np.ndarray:
 
 def to_tensor(name: str, array: np.ndarray) -> agent_pb2.Tensor:
     """Return an array as a Tensor message (C order, little-endian)."""
+    import numpy as np
+
     array = np.asarray(array)
     little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
     return agent_pb2.Tensor(

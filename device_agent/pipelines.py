@@ -39,12 +39,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from device_agent.local_quotas import MAX_EVENTS, AppLimits, Overloaded, RateLimits
 from device_agent.report_outbox import Collector
 from device_agent.serving import NotServing, Serving
 from device_agent.state import one_line
+
+TYPE_CHECKING = False  # an idle agent (no pipeline pushed to) never imports numpy
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("skiff.agent")
 
@@ -425,6 +427,8 @@ def _carry_over(name: str, new: _Active, old: _Active) -> bool:
 
 def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], events: Sequence):
     """Return (ts, types, keys, values) in the pipeline's field order; EventsRejected if not."""
+    import numpy as np
+
     if len(events) > MAX_EVENTS:
         raise EventsRejected(f"{len(events)} events in one push; at most {MAX_EVENTS}")
     key_order = _order("key_fields", key_fields, config.key_fields)

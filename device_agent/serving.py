@@ -18,9 +18,11 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from device_agent.report_outbox import Collector
+
+TYPE_CHECKING = False  # not typing's: nothing below is needed at run time
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("skiff.agent")
 

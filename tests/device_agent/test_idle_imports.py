@@ -1,0 +1,49 @@
+"""An idle agent holds no numpy: it is imported with the first model or pipeline push.
+
+numpy is the largest library the daemon could hold for nothing (about 16 MB resident);
+a device runs the agent all day, mostly with no request in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_daemons_modules_import_no_numpy():
+    script = (
+        "import json, sys\n"
+        "import device_agent.cli, device_agent.agent, device_agent.local_api\n"
+        "import device_agent.commands, device_agent.serving, device_agent.pipelines\n"
+        "print(json.dumps('numpy' in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert json.loads(out.strip().splitlines()[-1]) is False
+
+
+def test_tensors_still_convert_where_numpy_is_imported_late():
+    script = (
+        "import json, sys\n"
+        "from contract.local_api import to_array, to_tensor\n"
+        "before = 'numpy' in sys.modules\n"
+        "import numpy as np\n"
+        "x = np.arange(6, dtype=np.float32).reshape(2, 3)\n"
+        "back = to_array(to_tensor('x', x))\n"
+        "print(json.dumps([before, back.tolist()]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    before, back = json.loads(out.strip().splitlines()[-1])
+    assert before is False and back == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
