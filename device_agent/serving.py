@@ -90,7 +90,9 @@ class Serving:
             # Under the lock: a drop() cannot slip in and orphan the new version.
             if old is not None and old is not model:
                 self._take_events(name, served, old, locked=True)
-            served.slot.swap(model)
+            retired = served.slot.swap(model, close_idle=False)
+        if retired is not None:  # not under the lock: requests to any model need it
+            retired.close()
         log.info("%s v%d serving on %s", name, info["version"], info.get("config") or "?")
 
     def drop(self, name: str) -> None:

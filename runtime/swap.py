@@ -128,12 +128,17 @@ class ModelSlot:
             entry.inflight -= 1
             return entry.retired and entry.inflight == 0
 
-    def swap(self, model: Model, *, sequence: int | None = None) -> None:
+    def swap(
+        self, model: Model, *, sequence: int | None = None, close_idle: bool = True
+    ) -> Model | None:
         """Make `model` serve from now on; close the old one once its requests finish.
 
         The slot owns `model` from here on. Raises StaleSwap (after closing `model`) if
         a swap with a higher `sequence` (default: a fresh one, see the module docstring)
-        already happened; swapping in the serving model changes nothing.
+        already happened; swapping in the serving model changes nothing. With
+        `close_idle=False` an old version with no request in flight is returned instead
+        of closed, for the caller to close outside its own locks (stopping a worker
+        takes a while); otherwise None is returned.
         """
         with self._lock:
             if sequence is None:
@@ -143,7 +148,7 @@ class ModelSlot:
             serving = self._serving
             if self._entry is not None and self._entry.model is model:
                 self._serving = max(serving, sequence)
-                return
+                return None
             if sequence > serving:
                 old, self._entry, self._serving = self._entry, _Entry(model), sequence
                 drained = _retire(old)
@@ -155,8 +160,10 @@ class ModelSlot:
                 sequence,
                 serving,
             )
-        if drained is not None:
+        if drained is not None and close_idle:
             drained.close()
+            return None
+        return drained
 
     def load(
         self, data: bytes, *, version: str, sequence: int | None = None, **options: Any

@@ -136,6 +136,19 @@ def test_swapping_in_the_serving_model_is_a_no_op():
     assert model.failed
 
 
+def test_an_idle_old_version_can_be_handed_back_to_close_outside_the_callers_lock():
+    old = Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v1")
+    new = Model.from_bytes(tiny_mnn(1), config=CPU_1, version="v2")
+    slot = ModelSlot(old)
+    assert slot.swap(new, close_idle=False) is old and not old.failed  # not closed yet
+    assert slot.version == "v2" and slot.run(INPUTS)["y"].shape == (2, 4)
+    old.close()
+    assert slot.swap(new, close_idle=False) is None  # the serving model: nothing retired
+    held = Model.from_bytes(tiny_mnn(0), config=CPU_1, version="v3")
+    assert slot.swap(held) is None and new.failed  # by default the slot closes it
+    slot.close()
+
+
 def test_a_stale_sequence_is_refused_and_closed(expected):
     slot = ModelSlot()
     v2 = Model.from_bytes(tiny_mnn(1), config=CPU_1, version="v2")
