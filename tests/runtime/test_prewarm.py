@@ -59,6 +59,7 @@ def test_the_next_executor_takes_the_prewarmed_worker_and_its_model(model_fd):
         _run(executor, model_fd)
         # A replacement (the worker died) starts cold: nothing was prewarmed for it.
         os.kill(pid, 9)
+        executor._proc.wait(timeout=30)  # dead between requests, not during one
         _run(executor, model_fd)
         assert executor.pid not in (None, pid)
     finally:
