@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -493,12 +494,15 @@ class Agent:
         current = self.serving.current(name)
         if current is None or current[0]["uid"] != uid:
             return
-        model = current[1]
+        model, stop = current[1], threading.Event()
         try:
-            results = await asyncio.to_thread(model.probe_others)
+            results = await asyncio.to_thread(model.probe_others, stop=stop)
         except (RuntimeFailure, OSError) as exc:  # it serves on: the probe is an extra
             log.warning("%s: probing the other configs failed: %s", name, one_line(exc))
             return
+        except asyncio.CancelledError:  # the agent stops: so does the probe, after this one
+            stop.set()
+            raise
         config = model.config
         if not results or config is None:
             return  # swapped out or failed meanwhile: nothing to record

@@ -115,7 +115,13 @@ class ConfigChain:
         # one, should it fail to) validates it without adding a second probe result.
         self._advance(record=False)
 
-    def probe_rest(self, candidates: Sequence[BackendConfig], *, runs: int) -> list[ProbeResult]:
+    def probe_rest(
+        self,
+        candidates: Sequence[BackendConfig],
+        *,
+        runs: int,
+        stop: threading.Event | None = None,
+    ) -> list[ProbeResult]:
         """Probe `candidates` while the active config serves; switch to a faster one.
 
         For a chain started on one config (`start_forced`, e.g. the config the model's
@@ -127,8 +133,8 @@ class ConfigChain:
         this needs memory for three copies of the model (serving, best, probing).
 
         Returns this round's results, the serving config's first. Nothing is switched if
-        the serving executor changes meanwhile (a fallback) or the chain closes; then the
-        round stops after the probe in progress.
+        the serving executor changes meanwhile (a fallback), the chain closes or `stop`
+        is set; then the round stops after the probe in progress.
         """
         with self._lock:
             serving = self.active
@@ -145,6 +151,8 @@ class ConfigChain:
             for config in _unique(candidates):
                 if not results[0].accepted or self._closed or self.active is not serving:
                     break  # it failed or was replaced meanwhile: this round is moot
+                if stop is not None and stop.is_set():
+                    return results
                 if config != serving.config and config not in bad:
                     kept = self._probe_one(config, kept, runs, results)
             kept = self._take_faster(serving, kept, results)

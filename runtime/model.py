@@ -377,7 +377,11 @@ class Model:
             self._chain.record_success(executor.config)
 
     def probe_others(
-        self, candidates: Sequence[BackendConfig] | None = None, *, runs: int = DEFAULT_PROBE_RUNS
+        self,
+        candidates: Sequence[BackendConfig] | None = None,
+        *,
+        runs: int = DEFAULT_PROBE_RUNS,
+        stop: threading.Event | None = None,
     ) -> tuple[ProbeResult, ...]:
         """Probe the other candidates while this model serves; switch if one is faster.
 
@@ -387,10 +391,11 @@ class Model:
         config is timed again beside `candidates` (default: `candidate_configs()`), and
         one faster beyond timing noise takes over between requests; the accepted ones
         form the fallback chain. Returns this round's results, the serving config's first
-        (none if the model is closed or failed). Closing the model stops it after the
-        probe in progress.
+        (none if the model is closed or failed). Closing the model, or setting `stop`,
+        ends it after the probe in progress, switching nothing.
         """
-        return tuple(self._chain.probe_rest(candidates or candidate_configs(), runs=runs))
+        configs = candidates or candidate_configs()
+        return tuple(self._chain.probe_rest(configs, runs=runs, stop=stop))
 
     def _attempt(
         self,

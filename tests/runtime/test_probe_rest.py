@@ -165,3 +165,15 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_stopped_round_ends_after_the_probe_in_progress_and_switches_nothing(golden):
+    stop = threading.Event()
+    model, made, _ = _serving(
+        CPU_1, golden, {CPU_1: 0.004}, on_load=lambda c: c == CPU_1_LOW and stop.set()
+    )
+    with model:
+        results = model.probe_others([CPU_1_LOW, CPU_1_HIGH], runs=5, stop=stop)
+        assert [r.config for r in results] == [CPU_1, CPU_1_LOW]  # CPU_1_HIGH never loaded
+        assert results[1].accepted and model.config == CPU_1  # faster, but the round stopped
+        assert not made[0].closed and all(e.closed for e in made[1:])
