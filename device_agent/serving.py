@@ -91,8 +91,11 @@ class Serving:
             if old is not None and old is not model:
                 self._take_events(name, served, old, locked=True)
             retired = served.slot.swap(model, close_idle=False)
-        if retired is not None:  # not under the lock: requests to any model need it
-            retired.close()
+        if retired is not None:
+            # Stopping its worker takes a while: neither under the lock every request takes
+            # nor on the activation's path (the install's outcome is still to be queued).
+            closer = threading.Thread(target=retired.close, name="skiff-retire", daemon=True)
+            closer.start()
         log.info("%s v%d serving on %s", name, info["version"], info.get("config") or "?")
 
     def drop(self, name: str) -> None:
