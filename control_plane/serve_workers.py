@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from sqlalchemy.engine import url as sa_url
 
@@ -64,7 +65,7 @@ def host_cores(cpu_max: str = CPU_MAX) -> int:
     """
     cores = max(1, len(os.sched_getaffinity(0)))
     try:
-        quota, period = open(cpu_max).read().split()[:2]
+        quota, period = Path(cpu_max).read_text().split()[:2]
         if quota != "max":
             cores = min(cores, max(1, -(-int(quota) // int(period))))
     except (OSError, ValueError):
@@ -297,9 +298,11 @@ class _Strangers:
                 self._told.add(inode)
                 log.error(
                     "another program listens on port %d beside the server workers (socket "
-                    "inode %s) and takes a share of their connections: stop it",
+                    "inode %s; `ss -ltnp 'sport = :%d'` names it) and takes a share of "
+                    "their connections: stop it",
                     self._port,
                     inode,
+                    self._port,
                 )
 
 

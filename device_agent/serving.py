@@ -11,6 +11,7 @@ active. Failures of a version already swapped out count for nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -147,39 +148,37 @@ class Serving:
 
         Raises NotServing, or the runtime's errors (InvalidInput for bad inputs).
         """
-        from runtime import InvalidInput, RuntimeFailure
-
         served = self._served_now(name)
         start = time.perf_counter_ns()
         model = served.slot.model
-        try:
+        with self._failures_counted(name, served, model, start):
             version, outputs = served.slot.run_versioned(inputs)
-        except InvalidInput:
-            raise  # the caller's inputs: not the version's fault, not counted
-        except RuntimeFailure as exc:
-            self._count(name, served.infos.get(model.version), model, _since(start), False)
-            self._failed(name, served, model, exc)
-            raise
         return self._answered(name, served, model, version, outputs, _since(start))
 
     async def infer_async(
         self, name: str, inputs: Mapping[str, np.ndarray]
     ) -> tuple[dict, str, dict[str, np.ndarray], int]:
         """`infer` for a caller on the agent's event loop (no thread hop in the common case)."""
-        from runtime import InvalidInput, RuntimeFailure
-
         served = self._served_now(name)
         start = time.perf_counter_ns()
         model = served.slot.model
-        try:
+        with self._failures_counted(name, served, model, start):
             version, outputs = await served.slot.run_versioned_async(inputs)
+        return self._answered(name, served, model, version, outputs, _since(start))
+
+    @contextlib.contextmanager
+    def _failures_counted(self, name: str, served: _Served, model, start: int):
+        """Count a request's failure against its version (a caller's bad input is not one)."""
+        from runtime import InvalidInput, RuntimeFailure
+
+        try:
+            yield
         except InvalidInput:
             raise  # the caller's inputs: not the version's fault, not counted
         except RuntimeFailure as exc:
             self._count(name, served.infos.get(model.version), model, _since(start), False)
             self._failed(name, served, model, exc)
             raise
-        return self._answered(name, served, model, version, outputs, _since(start))
 
     def _answered(self, name: str, served: _Served, model, version: str, outputs, ns: int):
         """Count a request that `version` answered; return what `infer` returns."""
