@@ -23,6 +23,7 @@ previous version when the active one fails at run time, and reports telemetry
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
@@ -71,6 +72,7 @@ RETRY_BASE_S = 5.0
 REPORT_INTERVAL_S = 60.0
 # On SIGTERM: how long in-flight local requests may finish (reports: FLUSH_ON_STOP_S).
 DRAIN_S = 10.0
+SYNC_ON_STOP_S = 5.0
 # A version that could not load for a passing reason (busy machine) is tried again.
 LOAD_RETRY_S = 30.0
 
@@ -410,6 +412,13 @@ class Agent:
                 if task is not stopper:
                     task.result()  # a loop ends only by raising Refused
         finally:
+            # A sync in progress may have just activated a version: let it finish (and queue
+            # that install's report) rather than cancel it between the two, for at most
+            # SYNC_ON_STOP_S (a longer one is downloading, and has activated nothing yet).
+            if self._sync_lock.locked():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._sync_lock.acquire(), SYNC_ON_STOP_S)
+                    self._sync_lock.release()  # no await until the cancels below: none runs
             for task in [stopper, *tasks, *self._background]:
                 task.cancel()
             await asyncio.gather(stopper, *tasks, *self._background, return_exceptions=True)
