@@ -48,7 +48,9 @@ def test_rollout_words_and_refusals_from_the_command_line(server, model_file):  
     shown = skiff("rollout", "show", rid, env=env).stdout
     assert "  stage     stage 1 of 2 (50%)" in shown
     assert "neither its bake time nor a promote moves it on" in shown
-    assert "stage 0" not in shown and shown.count("stage 1 of 2 (50%)") >= 3  # + the audit
+    # Stages count from 1 ("in stage 0" is a device count: 6 random ids miss a 50% stage
+    # one time in 64).
+    assert "stage 0 of" not in shown and shown.count("stage 1 of 2 (50%)") >= 3  # + the audit
     doc = json.loads(skiff("rollout", "show", rid, "--json", env=env).stdout)
     assert (doc["state"], doc["stage"]) == ("paused", 1)
     assert [(e["action"], e["stage"]) for e in doc["audit"]] == [("create", 1), ("pause", 1)]
