@@ -164,14 +164,27 @@ def band(sim: FleetSimulator, rollout: fleet_pb2.Rollout, stage: int) -> set[str
     }
 
 
-async def promote(sim, client, rollout, stage: int, before: set[str]) -> dict:
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) the processes have used so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def promote(sim, client, rollout, stage: int, before: set[str], pids: list[int]) -> dict:
     """Promote to `stage`; wait for the devices it adds; return what happened."""
     added = band(sim, rollout, stage) - before
     counts = sim.sync_counts()
+    server_cpu, fleet_cpu = cpu_seconds(pids), time.process_time()
     started = time.monotonic()
     await asyncio.to_thread(client.transition_rollout, rollout.id, "promote", "bench")
     synced = await sim.wait_synced(MODEL, 1, devices=added, timeout=300)
     installed = await sim.wait_synced(MODEL, 1, devices=added, installed=True, timeout=300)
+    # Until the last added device has installed: what the servers and this process (the
+    # simulated fleet, one core at most) spent per device added.
+    server_cpu, fleet_cpu = cpu_seconds(pids) - server_cpu, time.process_time() - fleet_cpu
     await asyncio.sleep(SETTLE_S)
     after = sim.sync_counts()
     woken = {i for i in after if after[i] != counts[i]} - added
@@ -181,6 +194,8 @@ async def promote(sim, client, rollout, stage: int, before: set[str]) -> dict:
         "synced_s": sorted(t - started for t in synced.values()),
         "installed_s": sorted(t - started for t in installed.values()),
         "unaffected_syncs": len(woken),
+        "server_cpu_ms_per_device": 1000 * server_cpu / max(1, len(added)),
+        "fleet_cpu_ms_per_device": 1000 * fleet_cpu / max(1, len(added)),
     }
 
 
@@ -197,7 +212,9 @@ def check_against_server(client: AdminClient, expected: set[str]) -> None:
 # -- one scenario ----------------------------------------------------------------------------
 
 
-async def scenario(addresses: list[str], token: str, tls: ClientTls, n: int, args) -> dict:
+async def scenario(
+    addresses: list[str], token: str, tls: ClientTls, n: int, args, pids: list[int]
+) -> dict:
     """Enroll and watch; create the rollout; warm up; measure one promote (over TLS)."""
     clients = [AdminClient(address, token, tls) for address in addresses]
     # Up to 500 devices a connection, and at least two connections a replica.
@@ -212,14 +229,14 @@ async def scenario(addresses: list[str], token: str, tls: ClientTls, n: int, arg
             rollout = await asyncio.to_thread(clients[0].create_rollout, request)
             done = band(sim, rollout, 0)
             await sim.wait_synced(MODEL, 1, devices=done, installed=True, timeout=300)
-            warm_up = await promote(sim, clients[0], rollout, 1, done)
+            warm_up = await promote(sim, clients[0], rollout, 1, done, pids)
             done |= warm_up["added"]
             if args.cold:
                 # Let the server's credential cache forget every device first (it lives
                 # AUTH_CACHE_TTL_S; a watching device's credential is looked up when its
                 # stream opens, so within that time a promote finds it warm).
                 await asyncio.sleep(AUTH_CACHE_TTL_S + 1)
-            out.update(await promote(sim, clients[0], rollout, 2, done))
+            out.update(await promote(sim, clients[0], rollout, 2, done, pids))
             out["per_replica_p99_s"] = per_replica(sim, out["synced"])
             done |= out["added"]
             await asyncio.to_thread(check_against_server, clients[0], done)
@@ -251,7 +268,8 @@ async def run_case(tmp: Path, n: int, args, replicas: int, db: str = "") -> dict
         tls = client_tls(load_config(home, environ={}))
         with AdminClient(addresses[0], token, tls) as client:
             push_model(client, tmp)
-        return await scenario(addresses, token, tls, n, args)
+        pids = [proc.pid for proc, _ in servers]
+        return await scenario(addresses, token, tls, n, args, pids)
     finally:
         stop_servers(servers)
 
@@ -279,6 +297,8 @@ def figures(r: dict) -> dict:
         "installed_p99_s": round(quantile(r["installed_s"], 0.99), 3),
         "unaffected_syncs": r["unaffected_syncs"],
         "per_replica_p99_s": r["per_replica_p99_s"],
+        "server_cpu_ms_per_device": round(r["server_cpu_ms_per_device"], 3),
+        "fleet_cpu_ms_per_device": round(r["fleet_cpu_ms_per_device"], 3),
     }
 
 
@@ -290,7 +310,8 @@ def report(case: str, raw: dict) -> dict:
         f"{case}: promote added {f['added']:,} devices: synced p50 {f['p50_s']} s, "
         f"p99 {f['p99_s']} s, max {f['max_s']} s; installed p99 {f['installed_p99_s']} s; "
         f"unaffected devices that synced {f['unaffected_syncs']} "
-        f"(enrolled {raw['enroll_per_s']:,.0f}/s){replicas}",
+        f"(enrolled {raw['enroll_per_s']:,.0f}/s){replicas}; CPU per added device: servers "
+        f"{f['server_cpu_ms_per_device']} ms, simulated fleet {f['fleet_cpu_ms_per_device']} ms",
         flush=True,
     )
     return f
@@ -327,6 +348,8 @@ def main() -> None:
                 f"installed_p99_s{suffix}": f["installed_p99_s"],
                 f"unaffected_syncs{suffix}": f["unaffected_syncs"],
                 f"affected_devices{suffix}": f["added"],
+                f"server_cpu_ms_per_device{suffix}": f["server_cpu_ms_per_device"],
+                f"fleet_cpu_ms_per_device{suffix}": f["fleet_cpu_ms_per_device"],
             }
         )
     results["enroll_per_s"] = round(raw_one["enroll_per_s"], 1)
