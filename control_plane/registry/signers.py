@@ -96,6 +96,16 @@ class SigningKeys(Signer):
         signer = self._signers.get(chain[-1].key_id)
         return (signer, chain) if isinstance(signer, ManifestSigner) else None
 
+    def valid_key_ids(self, *, cached_only: bool = False) -> frozenset[str] | None:
+        """Return the ids of the keys verifiers may accept now.
+
+        None with `cached_only` when the chain is due for a re-read (for the event loop).
+        """
+        if cached_only and self._monotonic() >= self._fresh_until:
+            return None
+        now = self._clock()
+        return frozenset(k.key_id for k in self.chain() if k.not_after is None or now < k.not_after)
+
     def valid_public_keys(self) -> list[bytes]:
         """Return the PEMs of the keys verifiers may accept now."""
         now = self._clock()

@@ -33,6 +33,9 @@ from control_plane.store.fleet import DeviceAuth, ModelState
 ASSIGNMENT_SCHEMA = "skiff.assignment/v1"
 _VERSION_CACHE = 1024
 _ACKED_DEVICES = 200_000  # devices whose last acknowledged revision a replica keeps
+# Answers signed here lately, per device: their Ack needs no signature check (a device
+# acknowledges within seconds; one that takes longer is checked as any other).
+_RECENT_ANSWERS = 20_000
 _KEY_CACHE = 256
 _KEY_CACHE_TTL_S = 600.0
 _ENCRYPTER_CACHE = 100_000
@@ -54,6 +57,18 @@ class Assignment:
     wrapped_data_key: bytes
     url: str
     url_expires_at: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class _Signed:
+    """What an answer signed here says, to take its Ack without checking the signature."""
+
+    document_sha256: bytes
+    signature: bytes
+    key_id: str
+    revision: int
+    expires_at: dt.datetime
+    models: tuple[ModelState, ...]
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,8 @@ class Delivery:
         # again (a replay) must not move what it counts as synced back.
         self._acked: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._acked_lock = threading.Lock()
+        # The last answer signed here for each device that Synced lately (its Ack echoes it).
+        self._recent: collections.OrderedDict[str, _Signed] = collections.OrderedDict()
 
     def desired(self, device_id: str, attrs: Mapping) -> tuple[int, dict[str, Desired]]:
         """Return the current revision and this device's desired models."""
@@ -180,6 +197,7 @@ class Delivery:
         )
         # To the microsecond: devices measure their clock's offset from issued_at.
         now = self._clock()
+        expires = now + self._ttl
         signed = signer.sign(
             {
                 "schema": ASSIGNMENT_SCHEMA,
@@ -187,22 +205,46 @@ class Delivery:
                 "nonce": nonce.hex(),
                 "revision": revision,
                 "issued_at": now.isoformat(),
-                "expires_at": (now + self._ttl).isoformat(),
+                "expires_at": expires.isoformat(),
                 "models": {a.model: self._document_entry(a) for a in assignments},
             }
         )
+        models = tuple(
+            ModelState(a.model, a.desired.version, a.desired.variant) for a in assignments
+        )
+        recent = _Signed(
+            hashlib.sha256(signed.body).digest(),
+            signed.signature,
+            signed.key_id,
+            revision,
+            # As `accepted` reads it back from the document (isoformat keeps microseconds).
+            expires,
+            models,
+        )
+        with self._acked_lock:
+            self._recent[device.id] = recent
+            self._recent.move_to_end(device.id)
+            while len(self._recent) > _RECENT_ANSWERS:
+                self._recent.popitem(last=False)
         return SyncResult(
             revision, assignments, signed.body, signed.signature, signed.key_id, chain
         )
 
-    def accepted(self, device_id: str, document: bytes, signature: bytes) -> tuple[ModelState, ...]:
+    def accepted(
+        self, device_id: str, document: bytes, signature: bytes, *, cached_only: bool = False
+    ) -> tuple[ModelState, ...]:
         """Return the models of an answer `device_id` says it accepted (what it is synced to).
 
         The document must be one this control plane signed (under a key valid now), for this
         device, and not expired: InvalidArgument, PermissionDenied or FailedPrecondition.
+        The last answer signed here for the device is recognised by its bytes (no signature
+        check); with `cached_only` (on the event loop), NotCached for any other.
         """
         if len(document) > MAX_ACK_DOCUMENT:
             raise errors.InvalidArgument(f"document is over {MAX_ACK_DOCUMENT} bytes")
+        recent = self._recent_answer(device_id, document, signature, cached_only)
+        if recent is not None:
+            return self._note_acked(device_id, recent.revision, recent.expires_at, recent.models)
         try:
             doc = verify_signed(document, signature, self._verifying_keys())
         except AssignmentRejected as exc:
@@ -222,9 +264,38 @@ class Delivery:
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             raise errors.InvalidArgument("the assignment is malformed") from None
+        return self._note_acked(device_id, revision, expires, models)
+
+    def _recent_answer(
+        self, device_id: str, document: bytes, signature: bytes, cached_only: bool
+    ) -> _Signed | None:
+        """Return the answer signed here lately that these bytes are, under a key valid now."""
+        with self._acked_lock:
+            recent = self._recent.get(device_id)
+        if (
+            recent is not None
+            and recent.signature == signature
+            and recent.document_sha256 == hashlib.sha256(document).digest()
+        ):
+            valid = self._signer.valid_key_ids(cached_only=cached_only)
+            if valid is not None and recent.key_id in valid:
+                return recent
+            if valid is not None:
+                return None  # its key ended since: checked as any other (and refused)
+        if cached_only:
+            raise NotCached("an answer not signed here lately")
+        return None
+
+    def _note_acked(
+        self,
+        device_id: str,
+        revision: int,
+        expires: dt.datetime,
+        models: tuple[ModelState, ...],
+    ) -> tuple[ModelState, ...]:
         if expires <= self._clock():
             raise errors.FailedPrecondition(
-                f"the assignment expired at {doc['expires_at']}: Sync again"
+                f"the assignment expired at {expires.isoformat()}: Sync again"
             )
         with self._acked_lock:
             last = self._acked.get(device_id, -1)

@@ -104,3 +104,56 @@ def test_an_older_answer_acknowledged_again_is_refused(published, enroll_token):
     with cp.client() as client:
         (shown,) = client.get_device(device.id).synced
     assert shown.version == 2
+
+
+def test_an_answer_signed_here_lately_is_known_by_its_exact_bytes(published, enroll_token):
+    """The Ack of the answer a replica just signed skips the signature check: it must still
+    refuse anything but those exact bytes, under that exact signature."""
+    cp = published
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    created = rollout(cp)
+    answer = device.sync_raw()  # remembered by this replica as the device's last answer
+    other = device.sync_raw(nonce=b"\1" * 16)  # and now this one is
+    # The remembered document under the signature of another document: checked, refused.
+    assert code_of(lambda: ack(device, other.document, answer.document_signature)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    # The remembered signature over a document changed by one byte: refused.
+    edited = other.document.replace(b'"revision":', b'"revision": ')
+    assert edited != other.document
+    assert code_of(lambda: ack(device, edited, other.document_signature)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert counts(cp, created.id).synced == 0
+    # The earlier answer is no longer remembered but still verifies: taken the long way.
+    ack(device, answer.document, answer.document_signature)
+    ack(device, other.document, other.document_signature)
+    assert counts(cp, created.id).synced == 1
+
+
+def test_a_remembered_answer_expires_and_its_key_ends(published, enroll_token, monkeypatch):
+    cp = published
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    rollout(cp)
+    answer = device.sync_raw()
+    delivery = cp.app.delivery
+    real = delivery._clock
+    later = real() + dt.timedelta(days=2)  # past the assignment's expiry
+    monkeypatch.setattr(delivery, "_clock", lambda: later)
+    with pytest.raises(DeviceCallError) as caught:
+        ack(device, answer.document, answer.document_signature)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "expired" in caught.value.message
+    monkeypatch.setattr(delivery, "_clock", real)
+
+    # Signed by a key that has ended since (a rotation's overlap is over): refused, as an
+    # answer checked by its signature would be.
+    answer = device.sync_raw()
+    signer = cp.registry.signer
+    with cp.client() as client:
+        client.rotate_signing_key(overlap_s=60)
+    after = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=61)
+    monkeypatch.setattr(signer, "_clock", lambda: after)
+    assert code_of(lambda: ack(device, answer.document, answer.document_signature)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
