@@ -14,7 +14,12 @@ devices split between them, the promote sent to one; the other hears it by NOTIF
 * unaffected syncs: devices outside the added band that Synced anyway during the round
   and 2 s after it (the goal is 0: Watch pushes only to devices whose state changed).
 
-`auth_cache` in the JSON says whether the cache was warm (the default) or cold.
+`auth_cache` in the JSON says whether the cache was warm (the default) or cold. Beside the
+times, the CPU the servers and the simulated fleet spent per device the promote added
+(`server_cpu_ms_per_device`, `fleet_cpu_ms_per_device`): on two cores their sum times the
+devices added, halved, is about the p99 itself, so the figure shows which side sets it. With
+`--fleet-processes K` the fleet runs in K processes (bench/_fleet_slices.py), for machines
+whose cores would otherwise sit idle while one Python process simulates every device.
 Which devices a promote adds is predicted from the sticky buckets and checked afterwards
 against the server's own `fleet ls`. Devices wait uniform(0, jitter) before they Sync, as
 agents do; that wait is part of the figure. Without Watch, agents polling every 300 s
@@ -23,6 +28,7 @@ two cores. The last line is one JSON object.
 
     python bench/propagation.py            # 10,000 devices
     python bench/propagation.py --quick    # 1,000 devices, no cache wait, within a minute
+    python bench/propagation.py --devices 20000 --fleet-processes 8   # a 16-core machine
 """
 
 from __future__ import annotations
@@ -44,23 +50,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _fleet_slices import MODEL, FleetSlice, RemoteSlice  # noqa: E402
 
 from contract.transport import ClientTls  # noqa: E402
 from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
 from control_plane.fleet.devices import AUTH_CACHE_TTL_S  # noqa: E402
-from control_plane.fleet.selector import parse_selector  # noqa: E402
 from control_plane.home import init_home, read_token  # noqa: E402
-from control_plane.rollouts.lifecycle import bucket, stage_limit  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
-from control_plane.sim import FleetSimulator, SimOptions  # noqa: E402
 from protos import fleet_pb2  # noqa: E402
 
 CLI = [sys.executable, "-m", "control_plane.cli"]
 PG_ADMIN_URL = os.environ.get("SKIFF_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-MODEL, SELECTOR, STAGES = "det", "platform=android", (1.0, 10.0, 50.0, 100.0)
-SETTLE_S = 2.0
+SELECTOR, STAGES = "platform=android", (1.0, 10.0, 50.0, 100.0)
 
 
 # -- servers ---------------------------------------------------------------------------------
@@ -125,20 +130,6 @@ def push_model(client: AdminClient, tmp: Path) -> None:
 # -- the fleet -------------------------------------------------------------------------------
 
 
-async def watching_fleet(sim: FleetSimulator, clients: list[AdminClient], n: int) -> float:
-    """Enroll n devices, Sync each once, open every Watch; returns enrollments per second."""
-    token = clients[0].create_enrollment_token(uses=n, name="bench").token
-    started = time.perf_counter()
-    await sim.enroll(n, token)
-    rate = n / (time.perf_counter() - started)
-    failed = await sim.sync_all()
-    if failed:
-        raise RuntimeError(f"{failed} devices could not sync")
-    sim.watch_all()
-    await all_online(clients, n)
-    return rate
-
-
 async def all_online(clients: list[AdminClient], n: int, timeout: float = 600) -> None:
     """Wait until the servers hold every device's Watch stream."""
     deadline = time.monotonic() + timeout
@@ -153,17 +144,6 @@ async def all_online(clients: list[AdminClient], n: int, timeout: float = 600) -
     raise RuntimeError(f"only {len(online)} of {n} devices are watching after {timeout}s")
 
 
-def band(sim: FleetSimulator, rollout: fleet_pb2.Rollout, stage: int) -> set[str]:
-    """Devices the rollout's `stage` includes (predicted from the sticky buckets)."""
-    selector = parse_selector(rollout.selector)
-    limit = stage_limit(list(rollout.stages), stage)
-    return {
-        d.id
-        for d in sim.devices
-        if selector.matches(d.identity.attributes) and bucket(rollout.id, d.id) < limit
-    }
-
-
 def cpu_seconds(pids: list[int]) -> float:
     """CPU time (user + system) the processes have used so far."""
     total = 0
@@ -173,29 +153,29 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-async def promote(sim, client, rollout, stage: int, before: set[str], pids: list[int]) -> dict:
+async def promote(slices, client: AdminClient, rollout, stage: int, pids: list[int]) -> dict:
     """Promote to `stage`; wait for the devices it adds; return what happened."""
-    added = band(sim, rollout, stage) - before
-    counts = sim.sync_counts()
-    server_cpu, fleet_cpu = cpu_seconds(pids), time.process_time()
+    data = rollout.SerializeToString()
+    added = sum(await asyncio.gather(*(s.arm(data, stage) for s in slices)))
+    server_cpu = cpu_seconds(pids)
     started = time.monotonic()
     await asyncio.to_thread(client.transition_rollout, rollout.id, "promote", "bench")
-    synced = await sim.wait_synced(MODEL, 1, devices=added, timeout=300)
-    installed = await sim.wait_synced(MODEL, 1, devices=added, installed=True, timeout=300)
-    # Until the last added device has installed: what the servers and this process (the
-    # simulated fleet, one core at most) spent per device added.
-    server_cpu, fleet_cpu = cpu_seconds(pids) - server_cpu, time.process_time() - fleet_cpu
-    await asyncio.sleep(SETTLE_S)
-    after = sim.sync_counts()
-    woken = {i for i in after if after[i] != counts[i]} - added
+    parts = await asyncio.gather(*(s.installed() for s in slices))
+    # Until the last added device has installed: what the servers and the simulated fleet
+    # spent per device added.
+    server_cpu = cpu_seconds(pids) - server_cpu
+    woken = sum(await asyncio.gather(*(s.settled() for s in slices)))
+    synced = {i: t - started for part in parts for i, t in part["synced"].items()}
+    replica = {i: a for part in parts for i, a in part["replica"].items()}
     return {
         "added": added,
-        "synced": {i: t - started for i, t in synced.items()},
-        "synced_s": sorted(t - started for t in synced.values()),
-        "installed_s": sorted(t - started for t in installed.values()),
-        "unaffected_syncs": len(woken),
-        "server_cpu_ms_per_device": 1000 * server_cpu / max(1, len(added)),
-        "fleet_cpu_ms_per_device": 1000 * fleet_cpu / max(1, len(added)),
+        "synced": synced,
+        "synced_s": sorted(synced.values()),
+        "installed_s": sorted(t - started for p in parts for t in p["installed"].values()),
+        "per_replica_p99_s": per_replica(replica, synced),
+        "unaffected_syncs": woken,
+        "server_cpu_ms_per_device": 1000 * server_cpu / max(1, added),
+        "fleet_cpu_ms_per_device": 1000 * sum(p["cpu_s"] for p in parts) / max(1, added),
     }
 
 
@@ -212,45 +192,58 @@ def check_against_server(client: AdminClient, expected: set[str]) -> None:
 # -- one scenario ----------------------------------------------------------------------------
 
 
+def fleet_slices(addresses: list[str], tls: ClientTls, n: int, args) -> list:
+    """The fleet: in this process, or split over --fleet-processes child processes."""
+    k = args.fleet_processes
+    # Up to 500 devices a connection, and at least two connections a replica per slice.
+    per_channel = max(1, min(500, n // (2 * len(addresses) * k)))
+    kind = FleetSlice if k == 1 else RemoteSlice
+    return [
+        kind(addresses, tls, seed=i, devices_per_channel=per_channel, jitter_s=args.jitter)
+        for i in range(k)
+    ]
+
+
 async def scenario(
     addresses: list[str], token: str, tls: ClientTls, n: int, args, pids: list[int]
 ) -> dict:
     """Enroll and watch; create the rollout; warm up; measure one promote (over TLS)."""
     clients = [AdminClient(address, token, tls) for address in addresses]
-    # Up to 500 devices a connection, and at least two connections a replica.
-    per_channel = max(1, min(500, n // (2 * len(addresses))))
-    options = SimOptions(devices_per_channel=per_channel, sync_jitter_s=args.jitter)
+    slices = fleet_slices(addresses, tls, n, args)
     try:
-        async with FleetSimulator(addresses, seed=0, options=options, tls=tls) as sim:
-            out = {"enroll_per_s": await watching_fleet(sim, clients, n)}
-            request = fleet_pb2.CreateRolloutRequest(
-                model=MODEL, version=1, selector=SELECTOR, stages=STAGES, bake_s=86_400
-            )
-            rollout = await asyncio.to_thread(clients[0].create_rollout, request)
-            done = band(sim, rollout, 0)
-            await sim.wait_synced(MODEL, 1, devices=done, installed=True, timeout=300)
-            warm_up = await promote(sim, clients[0], rollout, 1, done, pids)
-            done |= warm_up["added"]
-            if args.cold:
-                # Let the server's credential cache forget every device first (it lives
-                # AUTH_CACHE_TTL_S; a watching device's credential is looked up when its
-                # stream opens, so within that time a promote finds it warm).
-                await asyncio.sleep(AUTH_CACHE_TTL_S + 1)
-            out.update(await promote(sim, clients[0], rollout, 2, done, pids))
-            out["per_replica_p99_s"] = per_replica(sim, out["synced"])
-            done |= out["added"]
-            await asyncio.to_thread(check_against_server, clients[0], done)
-            return out
+        enroll = clients[0].create_enrollment_token(uses=n, name="bench").token
+        sizes = [n // len(slices) + (i < n % len(slices)) for i in range(len(slices))]
+        started = time.perf_counter()
+        starts = (s.start(size, enroll) for s, size in zip(slices, sizes, strict=True))
+        await asyncio.gather(*starts)
+        out: dict = {"enroll_per_s": n / (time.perf_counter() - started)}
+        await all_online(clients, n)
+        request = fleet_pb2.CreateRolloutRequest(
+            model=MODEL, version=1, selector=SELECTOR, stages=STAGES, bake_s=86_400
+        )
+        rollout = await asyncio.to_thread(clients[0].create_rollout, request)
+        await asyncio.gather(*(s.first_stage(rollout.SerializeToString()) for s in slices))
+        await promote(slices, clients[0], rollout, 1, pids)  # warm-up
+        if args.cold:
+            # Let the server's credential cache forget every device first (it lives
+            # AUTH_CACHE_TTL_S; a watching device's credential is looked up when its
+            # stream opens, so within that time a promote finds it warm).
+            await asyncio.sleep(AUTH_CACHE_TTL_S + 1)
+        out.update(await promote(slices, clients[0], rollout, 2, pids))
+        reached = set().union(*await asyncio.gather(*(s.reached() for s in slices)))
+        await asyncio.to_thread(check_against_server, clients[0], reached)
+        return out
     finally:
+        await asyncio.gather(*(s.close() for s in slices), return_exceptions=True)
         for client in clients:
             client.close()
 
 
-def per_replica(sim: FleetSimulator, synced: dict[str, float]) -> dict[str, float]:
+def per_replica(replica: dict[str, str], synced: dict[str, float]) -> dict[str, float]:
     """p99 propagation of the devices on each replica (the promote went to the first)."""
     out: dict[str, list[float]] = {}
     for device_id, seconds in synced.items():
-        out.setdefault(sim.address_of(device_id), []).append(seconds)
+        out.setdefault(replica[device_id], []).append(seconds)
     return {a: round(quantile(sorted(ts), 0.99), 3) for a, ts in out.items()}
 
 
@@ -290,7 +283,7 @@ async def both_cases(n: int, args) -> tuple[dict, dict]:
 def figures(r: dict) -> dict:
     synced = r["synced_s"]
     return {
-        "added": len(r["added"]),
+        "added": r["added"],
         "p50_s": round(statistics.median(synced), 3),
         "p99_s": round(quantile(synced, 0.99), 3),
         "max_s": round(synced[-1], 3),
@@ -325,6 +318,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=0, help="override the fleet size")
     parser.add_argument("--jitter", type=float, default=0.5, help="devices' Sync jitter (s)")
     parser.add_argument(
+        "--fleet-processes",
+        type=int,
+        default=1,
+        help="simulate the fleet in this many processes (for machines with cores to spare)",
+    )
+    parser.add_argument(
         "--cold",
         action="store_true",
         help="wait for the server's credential cache to expire before the measured promote",
@@ -333,12 +332,19 @@ def main() -> None:
     n = args.devices or (1_000 if args.quick else 10_000)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # servers inherit it
-    print(f"{n:,} devices, Sync jitter {args.jitter} s, {os.cpu_count()} cores", flush=True)
+    if args.fleet_processes < 1:
+        parser.error("--fleet-processes must be at least 1")
+    print(
+        f"{n:,} devices in {args.fleet_processes} process(es), Sync jitter {args.jitter} s, "
+        f"{os.cpu_count()} cores",
+        flush=True,
+    )
     raw_one, raw_two = asyncio.run(both_cases(n, args))
     one = report("one server (SQLite)", raw_one)
     two = report("two replicas (PostgreSQL), promote sent to the first", raw_two)
     cache = "cold" if args.cold else "warm"
     results: dict = {"devices": n, "sync_jitter_s": args.jitter, "auth_cache": cache}
+    results["fleet_processes"] = args.fleet_processes
     for suffix, f in (("", one), ("_two_replicas", two)):
         results.update(
             {
