@@ -51,8 +51,13 @@ class FleetSlice:
         seed: int,
         devices_per_channel: int,
         jitter_s: float,
+        concurrency: int = SimOptions.concurrency,
     ) -> None:
-        options = SimOptions(devices_per_channel=devices_per_channel, sync_jitter_s=jitter_s)
+        options = SimOptions(
+            devices_per_channel=devices_per_channel,
+            sync_jitter_s=jitter_s,
+            concurrency=concurrency,  # Enroll and first Sync calls in flight at once
+        )
         # Made in `start`, on the loop that runs it (grpc.aio binds to the first it meets).
         self._make = lambda: FleetSimulator(list(addresses), seed=seed, options=options, tls=tls)
         self._sim: FleetSimulator | None = None

@@ -61,6 +61,7 @@ from control_plane.demo import sample_models  # noqa: E402
 from control_plane.fleet.devices import AUTH_CACHE_TTL_S  # noqa: E402
 from control_plane.home import init_home, read_token  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
+from control_plane.sim import SimOptions  # noqa: E402
 from protos import fleet_pb2  # noqa: E402
 
 CLI = [sys.executable, "-m", "control_plane.cli"]
@@ -71,8 +72,10 @@ SELECTOR, STAGES = "platform=android", (1.0, 10.0, 50.0, 100.0)
 # -- servers ---------------------------------------------------------------------------------
 
 
-def start_servers(home: Path, replicas: int, db: str = "") -> list[tuple[subprocess.Popen, str]]:
-    """Init `home` (on `db` if given) and run `replicas` server processes on it."""
+def start_servers(
+    home: Path, replicas: int, db: str = "", workers: int = 1
+) -> list[tuple[subprocess.Popen, str]]:
+    """Init `home` (on `db` if given) and run `replicas` servers of `workers` processes."""
     init_home(load_config(home, {"db": db} if db else {}, environ={}))
     procs = []
     # Several servers of one home are replicas on purpose: without it the second is refused.
@@ -82,7 +85,7 @@ def start_servers(home: Path, replicas: int, db: str = "") -> list[tuple[subproc
         procs.append(
             subprocess.Popen(
                 [*CLI, "server", "--home", str(home), "--grpc", "127.0.0.1:0", *replica]
-                + ["--workers", "1"],
+                + ["--workers", str(workers)],
                 stdout=subprocess.PIPE,
                 stderr=log.open("w"),
                 text=True,
@@ -145,11 +148,20 @@ async def all_online(clients: list[AdminClient], n: int, timeout: float = 600) -
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system) the processes have used so far."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
+    """CPU time (user + system) the processes and their children have used so far."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    tree, total = set(pids), 0
+    for pid, (ppid, _) in stats.items():  # a server's workers are its children
+        if ppid in pids:
+            tree.add(pid)
+    total = sum(stats[pid][1] for pid in tree if pid in stats)
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -198,8 +210,17 @@ def fleet_slices(addresses: list[str], tls: ClientTls, n: int, args) -> list:
     # Up to 500 devices a connection, and at least two connections a replica per slice.
     per_channel = max(1, min(500, n // (2 * len(addresses) * k)))
     kind = FleetSlice if k == 1 else RemoteSlice
+    # As many enrollments in flight in all as one process makes (more only queue up).
+    concurrency = max(8, SimOptions.concurrency // k)
     return [
-        kind(addresses, tls, seed=i, devices_per_channel=per_channel, jitter_s=args.jitter)
+        kind(
+            addresses,
+            tls,
+            seed=i,
+            devices_per_channel=per_channel,
+            jitter_s=args.jitter,
+            concurrency=concurrency,
+        )
         for i in range(k)
     ]
 
@@ -254,7 +275,7 @@ def quantile(sorted_values: list[float], q: float) -> float:
 async def run_case(tmp: Path, n: int, args, replicas: int, db: str = "") -> dict:
     """Start the servers, run the scenario, stop them (blocking steps: nothing else runs)."""
     home = tmp / "home"
-    servers = start_servers(home, replicas, db)
+    servers = start_servers(home, replicas, db, args.workers if db else 1)
     try:
         addresses = [address for _, address in servers]
         token = read_token(home)
@@ -324,6 +345,12 @@ def main() -> None:
         help="simulate the fleet in this many processes (for machines with cores to spare)",
     )
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes per PostgreSQL server (`skiff server --workers`; SQLite takes one)",
+    )
+    parser.add_argument(
         "--cold",
         action="store_true",
         help="wait for the server's credential cache to expire before the measured promote",
@@ -341,10 +368,13 @@ def main() -> None:
     )
     raw_one, raw_two = asyncio.run(both_cases(n, args))
     one = report("one server (SQLite)", raw_one)
-    two = report("two replicas (PostgreSQL), promote sent to the first", raw_two)
+    two = report(
+        f"two replicas (PostgreSQL, {args.workers} worker(s) each), promote sent to the first",
+        raw_two,
+    )
     cache = "cold" if args.cold else "warm"
     results: dict = {"devices": n, "sync_jitter_s": args.jitter, "auth_cache": cache}
-    results["fleet_processes"] = args.fleet_processes
+    results["fleet_processes"], results["workers_two_replicas"] = args.fleet_processes, args.workers
     for suffix, f in (("", one), ("_two_replicas", two)):
         results.update(
             {
