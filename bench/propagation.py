@@ -206,9 +206,12 @@ def check_against_server(client: AdminClient, expected: set[str]) -> None:
 
 def fleet_slices(addresses: list[str], tls: ClientTls, n: int, args) -> list:
     """The fleet: in this process, or split over --fleet-processes child processes."""
-    k = args.fleet_processes
-    # Up to 500 devices a connection, and at least two connections a replica per slice.
-    per_channel = max(1, min(500, n // (2 * len(addresses) * k)))
+    k, replicas = args.fleet_processes, len(addresses)
+    # Up to 500 devices a connection, at least two connections a replica per slice, and 8
+    # a worker: SO_REUSEPORT spreads connections, not devices, over a server's workers (a
+    # real device has a connection of its own).
+    workers = args.workers if replicas > 1 else 1
+    per_channel = max(1, min(500, n // (2 * replicas * k), n // (8 * replicas * workers)))
     kind = FleetSlice if k == 1 else RemoteSlice
     # As many enrollments in flight in all as one process makes (more only queue up).
     concurrency = max(8, SimOptions.concurrency // k)
