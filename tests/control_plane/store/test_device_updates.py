@@ -134,3 +134,16 @@ def test_a_late_install_report_is_undone_by_the_next_sync(store):
     store.add_report(ReportBatch(d, "batch-0001", later, at, at, 0, (), (install,)))
     _report(store, d, later + dt.timedelta(seconds=30), v2)
     assert store.get_device(d).installed == (ModelState(*v2),)
+
+
+def test_fleet_attributes_are_read_fresh_and_never_shared(store):
+    """Attributes texts seen before are parsed once (control_plane.store.sql_fleet): a
+    device's new attributes must still be read, and a caller changing what it got must
+    not change what the next caller gets."""
+    a, b = _devices(store, 2)
+    first = dict(store.live_device_attributes())
+    assert first[a] == first[b] == {"platform": "android"}
+    first[a]["platform"] = "tampered"
+    store.apply_device_updates([DeviceUpdate(b, T0, attributes={"platform": "ios"})])
+    again = dict(store.live_device_attributes())
+    assert again == {a: {"platform": "android"}, b: {"platform": "ios"}}
