@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from contract.key_wrap import DeviceKeyPair, KeyUnwrapError
 from contract.pinned_keys import PinnedKeyRing
 from contract.server_clock import ServerClock, skew_notice, skewed
 from contract.transport import ClientTls, is_plaintext
+from device_agent.agent_serving import ServingSlots
 from device_agent.clock_reading import load_reading, save_reading
 from device_agent.device_facts import detected, with_detected
 from device_agent.install import Installer, InstallOutcome, IntegrityFailure
@@ -56,12 +56,11 @@ from device_agent.report_outbox import (
     Outbox,
     install_report,
     open_outbox,
-    rollback_reports,
 )
 from device_agent.reporting import AUTH_CODES, Reporter
 from device_agent.serving import Serving
-from device_agent.state import AgentError, Identity, StateDir, one_line
-from protos import agent_pb2, device_pb2
+from device_agent.state import AgentError, Identity, StateDir
+from protos import device_pb2
 
 log = logging.getLogger("skiff.agent")
 
@@ -73,8 +72,6 @@ REPORT_INTERVAL_S = 60.0
 # On SIGTERM: how long in-flight local requests may finish (reports: FLUSH_ON_STOP_S).
 DRAIN_S = 10.0
 SYNC_ON_STOP_S = 5.0
-# A version that could not load for a passing reason (busy machine) is tried again.
-LOAD_RETRY_S = 30.0
 
 
 class Refused(AgentError):
@@ -97,7 +94,7 @@ class SyncOutcome:
         ) == len(self.desired)
 
 
-class Agent:
+class Agent(ServingSlots):
     """One device's agent over a locked state directory."""
 
     def __init__(
@@ -433,176 +430,6 @@ class Agent:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # -- serving ------------------------------------------------------------------------------
-
-    async def _load_installed(self) -> None:
-        """Load every installed model's active version to serve (at start)."""
-        async with self._sync_lock:
-            try:
-                pointers = {
-                    name: p["active"]
-                    for name, p in self.installer.pointers().items()
-                    if p.get("active") and not _same_slot(self._served(name), p["active"])
-                }
-            except AgentError as exc:
-                log.error("cannot read the installed models: %s", exc)
-                return
-            for name in pointers:
-                self.serving.loading(name)
-            for name, slot in sorted(pointers.items()):
-                await self._serve_slot(name, slot)
-
-    async def _serve_slot(self, name: str, slot: dict) -> None:
-        """Load one installed version and serve it.
-
-        A version that cannot load here (no config left, damaged artifact or pointer) is
-        rolled back; a busy or memory-starved machine (deadline, worker crash, I/O error)
-        is not the version's fault: the load is tried again later.
-        """
-        from runtime import DeadlineExceeded, RuntimeFailure, WorkerCrashed
-
-        try:
-            model = await asyncio.to_thread(self.installer.load, name, slot)
-        except (DeadlineExceeded, WorkerCrashed, OSError) as exc:
-            log.error("%s v%s did not load (will retry): %s", name, slot.get("version"), exc)
-            self.serving.loading(name, False)
-            self._spawn(self._retry_load(name, slot["uid"]))
-            return
-        except (RuntimeFailure, IntegrityFailure, KeyError, ValueError, TypeError) as exc:
-            reason = f"v{slot.get('version')} does not load: {one_line(exc)}"
-            log.error("%s %s", name, reason)
-            self.serving.loading(name, False)
-            await self._roll_back_locked(name, reason, slot.get("uid"))
-            return
-        await asyncio.to_thread(self._activate, name, slot, model)
-        if slot.get("probes_pending"):  # the agent stopped before that probe finished
-            self._spawn(self._probe_rest(name, slot["uid"]))
-
-    def _activate(self, name: str, slot: dict, model) -> None:
-        """Serve a loaded version: a language model by Generate, any other by Infer.
-
-        A model that changes kind between versions leaves the other kind's serving.
-        """
-        if slot.get("kind") == "llm":
-            self.pipelines.drop(name)
-            self.serving.drop(name)
-            self.llm_serving.put(name, slot, model)
-        else:
-            self.llm_serving.drop(name)
-            self.pipelines.activate(name, slot, model)
-
-    async def _probe_rest(self, name: str, uid: str) -> None:
-        """Probe the configs a promoted version skipped, while it serves; record the outcome.
-
-        The version activated on its predecessor's config after one golden check; a
-        faster candidate found now takes over between requests (runtime.Model.probe_others),
-        and the install pointer records it, so a restart loads it.
-        """
-        from runtime import RuntimeFailure
-
-        current = self.serving.current(name)
-        if current is None or current[0]["uid"] != uid:
-            return
-        model, stop = current[1], threading.Event()
-        try:
-            results = await asyncio.to_thread(model.probe_others, stop=stop)
-        except (RuntimeFailure, OSError) as exc:  # it serves on: the probe is an extra
-            log.warning("%s: probing the other configs failed: %s", name, one_line(exc))
-            return
-        except asyncio.CancelledError:  # the agent stops: so does the probe, after this one
-            stop.set()
-            raise
-        config = model.config
-        if not results or config is None:
-            return  # swapped out or failed meanwhile: nothing to record
-        async with self._sync_lock:
-            if self.installer.record_probes(name, uid, config.key, results):
-                log.info(
-                    "%s: %d configs probed while serving, on %s", name, len(results), config.key
-                )
-
-    def _served(self, name: str) -> dict | None:
-        """Return the pointer slot serving `name` now, whatever its kind (None: none)."""
-        return self.serving.serving(name) or self.llm_serving.serving(name)
-
-    async def _retry_load(self, name: str, uid: str) -> None:
-        await asyncio.sleep(LOAD_RETRY_S)
-        async with self._sync_lock:
-            slot = (self.installer.pointer(name) or {}).get("active")
-            if slot and slot["uid"] == uid and not _same_slot(self._served(name), slot):
-                await self._serve_slot(name, slot)
-
-    def _failing(self, name: str, uid: str, reason: str) -> None:
-        """Roll `name` back from version `uid` (called from any thread when it fails)."""
-        self._loop.call_soon_threadsafe(self._spawn, self._roll_back(name, uid, reason))
-
-    async def _roll_back(self, name: str, uid: str, reason: str) -> None:
-        async with self._sync_lock:
-            await self._roll_back_locked(name, reason, uid)
-
-    async def _roll_back_locked(self, name: str, reason: str, uid: str | None) -> None:
-        current = self.installer.pointer(name).get("active")
-        if not current or (uid is not None and current["uid"] != uid):
-            log.info("%s: not rolling back, the failing version is no longer active", name)
-            return
-        previous = self.installer.roll_back(name, reason)
-        if previous is None:
-            log.error("%s: no previous version to go back to (%s)", name, reason)
-            return
-        self.queue_installs(
-            rollback_reports(name, current, previous, reason, at=self.server_clock.now())
-        )
-        await self._serve_slot(name, previous)
-
-    def status(self) -> agent_pb2.StatusResponse:
-        """Return what the local API's Status answers."""
-        from device_agent.status import read_status
-
-        body = read_status(self.state.path)
-        live = {}
-        if self.serving is not None:
-            live = {**self.llm_serving.status(), **self.serving.status()}
-        counts = self.collector.totals()
-        msg = agent_pb2.StatusResponse(
-            device_id=body["device_id"],
-            server=body["server"],
-            server_reachable=self.reachable,
-            revision=body["revision"],
-            last_sync=body["last_sync"] or "",
-            last_error=body["last_error"] or "",
-            queued_reports=len(self.outbox) if self.outbox is not None else 0,
-        )
-        for name, m in sorted(body["models"].items()):
-            active, previous, failed = m["active"], m["previous"], m["failed"]
-            serving = live.get(name, {})
-            total = counts.get(name, (0, 0))
-            pipeline = self.pipelines.describe(name) if self.pipelines is not None else None
-            msg.models.append(
-                agent_pb2.ModelStatus(
-                    model=name,
-                    active_version=active["version"] if active else 0,
-                    active_variant=active["variant"] if active else "",
-                    previous_version=previous["version"] if previous else 0,
-                    config=serving.get("config", ""),
-                    serving=bool(serving.get("version")),
-                    probes=[
-                        agent_pb2.ProbeStatus(
-                            config=p.get("config", ""),
-                            accepted=bool(p.get("accepted")),
-                            p50_us=p.get("p50_us") or 0.0,
-                            error=p.get("error") or "",
-                        )
-                        for p in (active or {}).get("probes") or ()
-                    ],
-                    failed_version=failed["version"] if failed else 0,
-                    failed_reason=failed["reason"] if failed else "",
-                    inferences=total[0],
-                    errors=total[1],
-                    pipeline_triggers=[t["name"] for t in pipeline["triggers"]] if pipeline else [],
-                )
-            )
-        return msg
-
     # -- telemetry ----------------------------------------------------------------------------
 
     @property
@@ -671,10 +498,6 @@ class Agent:
                 attempt = 0
             await asyncio.sleep(backoff_s(attempt))
             attempt += 1
-
-
-def _same_slot(a: dict | None, b: dict) -> bool:
-    return bool(a) and (a["uid"], a["artifact"]) == (b["uid"], b["artifact"])
 
 
 def _jittered(interval_s: float) -> float:

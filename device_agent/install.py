@@ -38,7 +38,7 @@ from contract.assignment import GoldenArtifact, VerifiedModel
 from contract.chunks import ChunkTable, unpack_keys
 from contract.device_client import DeviceConnection
 from contract.limits import MODEL_NAME  # a network name becomes a path
-from device_agent import llm_install
+from device_agent import llm_install, model_install
 from device_agent.chunk_store import ChunkStore
 from device_agent.download import DiskFull, Downloads, IntegrityFailure
 from device_agent.plaintext import Plaintext, from_artifact, from_chunks
@@ -47,7 +47,6 @@ from device_agent.state import (
     SelfTestFailed,
     StateDir,
     fsync_dir,
-    one_line,
     read_json,
     write_json,
 )
@@ -337,7 +336,7 @@ class Installer:
         active = current.get("active")
         if not active or active["uid"] != uid:
             return False
-        probes = [_probe_json(r) for r in results]
+        probes = [model_install.probe_json(r) for r in results]
         active = {**active, "config": config, "probes": probes}
         active.pop("probes_pending", None)
         self._write_pointer(model, {**_without_schema(current), "active": active})
@@ -502,65 +501,14 @@ class Installer:
         Returns (the loaded runtime.Model, its config key, the probe summaries, whether
         the other candidates are still to probe).
         """
-        # Deferred: `skiff agent status` never needs the runtime.
-        from runtime import (
-            DeadlineExceeded,
-            Golden,
-            Model,
-            ModelFailed,
-            ModelLoadError,
-            RuntimeFailure,
-            WorkerCrashed,
-        )
-
         key = self._unwrap(m.wrapped_data_key, m.uid)
         source = self._plaintext(m, key)
+        golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
         if m.llm is not None:
-            golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
             worker, probes = llm_install.self_test(m, source, golden)
             return worker, worker.config.key, probes, False
-        plain = source.read()
-        version = f"{m.model}:{m.version}"
-        try:
-            golden = None
-            if m.golden is not None:
-                data = self._golden_bytes(m.golden, key)
-                golden = Golden.from_npz(data).for_variant(m.variant)
-            model, tried, pending = None, None, False
-            first = _recommended(m.recommended_config) if golden is not None else None
-            if first is not None:
-                tried = first.key
-            elif golden is not None and self.on_activated is not None:
-                # It serves as soon as it loads: the rest is probed while it does.
-                first = _recommended(previous_config)
-                pending = first is not None
-            if first is not None:
-                # One load and golden check instead of a probe of every candidate. If it
-                # fails the check here, probe as usual.
-                model = _load_on(first, plain, golden, version)
-                pending = pending and model is not None
-            if model is None:
-                model = Model.from_bytes(plain, golden=golden, isolation="worker", version=version)
-        except (DeadlineExceeded, WorkerCrashed) as exc:
-            # The machine, not the version: a busy or memory-starved device. Tried again.
-            raise AgentError(f"self-test interrupted: {one_line(exc)}") from None
-        except (ModelFailed, ModelLoadError, RuntimeFailure, ValueError) as exc:
-            raise SelfTestFailed(f"self-test failed: {one_line(exc)}") from None
-        finally:
-            del plain
-        if m.pipeline is not None:
-            from runtime.pipeline import Pipeline, PipelineError
-
-            try:  # built once here so a version whose pipeline cannot run never activates
-                Pipeline.for_model(m.pipeline, model.signature)
-            except (PipelineError, ValueError) as exc:
-                model.close()
-                raise SelfTestFailed(f"self-test failed: pipeline: {one_line(exc)}") from None
-        config = model.config.key if model.config is not None else ""
-        probes = [_probe_json(p) for p in model.probe_results]
-        for probe in probes:
-            probe["recommended"] = probe.get("config") == tried
-        return model, config, probes, pending
+        promote = self.on_activated is not None  # it serves as soon as it loads
+        return model_install.self_test(m, source, golden, previous_config, promote=promote)
 
     def _golden_bytes(self, g: GoldenArtifact, key: bytes) -> bytes:
         return decrypt_artifact(
@@ -618,44 +566,6 @@ def _prewarm_worker() -> None:
         prewarm_worker()
     except OSError as exc:  # only a head start: the self-test starts its worker itself
         log.info("could not start a worker ahead of the self-test: %s", exc)
-
-
-def _load_on(config, plain: bytes, golden, version: str):
-    """Load on `config` alone; return the model if that config passed the golden check.
-
-    None: it did not (nor, perhaps, the CPU default behind it), so the caller probes.
-    """
-    from runtime import Model, ModelFailed
-
-    try:
-        model = Model.from_bytes(
-            plain, golden=golden, config=config, isolation="worker", version=version
-        )
-    except ModelFailed:
-        return None
-    if model.config != config:  # it failed here: the CPU default took over
-        model.close()
-        return None
-    return model
-
-
-def _recommended(key: str):
-    """Return the config named by `key` if this device can run it (else None: probe)."""
-    from runtime import BackendConfig, candidate_configs
-
-    if not key:
-        return None
-    try:
-        config = BackendConfig.from_key(key)
-    except (ValueError, KeyError):
-        return None  # a config this agent does not know: the probe decides
-    return config if config in candidate_configs() else None
-
-
-def _probe_json(p) -> dict:
-    body = p.to_dict()
-    body.pop("samples_us", None)  # the summary is enough for status and reports
-    return body
 
 
 def _without_schema(body: dict) -> dict:
