@@ -243,9 +243,22 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
     def _ack(self, authorization: str | None, request) -> device_pb2.AckResponse:
         device = self._fleet.authenticate(authorization)
-        synced = self._delivery.accepted(device.id, request.document, request.document_signature)
-        self._writer.add(DeviceUpdate(device.id, dt.datetime.now(dt.UTC), synced=synced))
+        self._accepted(device.id, request)
         return device_pb2.AckResponse()
+
+    def _accepted(self, device_id: str, request, *, cached_only: bool = False) -> None:
+        """Count the device synced to the answer it acknowledges (NotCached: see Ack)."""
+
+        def record(synced: tuple[ModelState, ...]) -> None:
+            self._writer.add(DeviceUpdate(device_id, dt.datetime.now(dt.UTC), synced=synced))
+
+        self._delivery.accepted(
+            device_id,
+            request.document,
+            request.document_signature,
+            cached_only=cached_only,
+            record=record,
+        )
 
     @mapped_async
     async def Ack(self, request, context):  # noqa: D102, N802
@@ -256,13 +269,10 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         device = self._fleet.authenticate(authorization, cached_only=True)
         if device is not None:
             try:
-                synced = self._delivery.accepted(
-                    device.id, request.document, request.document_signature, cached_only=True
-                )
+                self._accepted(device.id, request, cached_only=True)
             except NotCached:
                 pass
             else:
-                self._writer.add(DeviceUpdate(device.id, dt.datetime.now(dt.UTC), synced=synced))
                 return device_pb2.AckResponse()
         return await asyncio.to_thread(self._ack, authorization, request)
 

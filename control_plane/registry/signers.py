@@ -101,10 +101,14 @@ class SigningKeys(Signer):
 
         None with `cached_only` when the chain is due for a re-read (for the event loop).
         """
-        if cached_only and self._monotonic() >= self._fresh_until:
-            return None
+        if cached_only:
+            if self._monotonic() >= self._fresh_until:
+                return None
+            chain = self._chain  # fresh: never a re-read (and its lock) on the loop
+        else:
+            chain = self.chain()
         now = self._clock()
-        return frozenset(k.key_id for k in self.chain() if k.not_after is None or now < k.not_after)
+        return frozenset(k.key_id for k in chain if k.not_after is None or now < k.not_after)
 
     def valid_public_keys(self) -> list[bytes]:
         """Return the PEMs of the keys verifiers may accept now."""

@@ -36,6 +36,7 @@ _ACKED_DEVICES = 200_000  # devices whose last acknowledged revision a replica k
 # Answers signed here lately, per device: their Ack needs no signature check (a device
 # acknowledges within seconds; one that takes longer is checked as any other).
 _RECENT_ANSWERS = 20_000
+_SHARED_MODEL_LISTS = 4096
 _KEY_CACHE = 256
 _KEY_CACHE_TTL_S = 600.0
 _ENCRYPTER_CACHE = 100_000
@@ -63,6 +64,7 @@ class Assignment:
 class _Signed:
     """What an answer signed here says, to take its Ack without checking the signature."""
 
+    document_size: int
     document_sha256: bytes
     signature: bytes
     key_id: str
@@ -146,8 +148,10 @@ class Delivery:
         # again (a replay) must not move what it counts as synced back.
         self._acked: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._acked_lock = threading.Lock()
-        # The last answer signed here for each device that Synced lately (its Ack echoes it).
+        # The last answer signed here for each device that Synced lately (its Ack echoes it),
+        # their model lists shared: devices of one stage are told the same models.
         self._recent: collections.OrderedDict[str, _Signed] = collections.OrderedDict()
+        self._models: dict[tuple[ModelState, ...], tuple[ModelState, ...]] = {}
 
     def desired(self, device_id: str, attrs: Mapping) -> tuple[int, dict[str, Desired]]:
         """Return the current revision and this device's desired models."""
@@ -212,7 +216,9 @@ class Delivery:
         models = tuple(
             ModelState(a.model, a.desired.version, a.desired.variant) for a in assignments
         )
+        models = self._interned(models)
         recent = _Signed(
+            len(signed.body),
             hashlib.sha256(signed.body).digest(),
             signed.signature,
             signed.key_id,
@@ -231,20 +237,30 @@ class Delivery:
         )
 
     def accepted(
-        self, device_id: str, document: bytes, signature: bytes, *, cached_only: bool = False
+        self,
+        device_id: str,
+        document: bytes,
+        signature: bytes,
+        *,
+        cached_only: bool = False,
+        record: Callable[[tuple[ModelState, ...]], None] | None = None,
     ) -> tuple[ModelState, ...]:
         """Return the models of an answer `device_id` says it accepted (what it is synced to).
 
         The document must be one this control plane signed (under a key valid now), for this
         device, and not expired: InvalidArgument, PermissionDenied or FailedPrecondition.
         The last answer signed here for the device is recognised by its bytes (no signature
-        check); with `cached_only` (on the event loop), NotCached for any other.
+        check); with `cached_only` (on the event loop), NotCached for any other. `record`
+        gets the models while no other Ack of the device can come between: what is
+        recorded as synced follows the order the revisions were acknowledged in.
         """
         if len(document) > MAX_ACK_DOCUMENT:
             raise errors.InvalidArgument(f"document is over {MAX_ACK_DOCUMENT} bytes")
         recent = self._recent_answer(device_id, document, signature, cached_only)
         if recent is not None:
-            return self._note_acked(device_id, recent.revision, recent.expires_at, recent.models)
+            return self._note_acked(
+                device_id, recent.revision, recent.expires_at, recent.models, record
+            )
         try:
             doc = verify_signed(document, signature, self._verifying_keys())
         except AssignmentRejected as exc:
@@ -264,7 +280,7 @@ class Delivery:
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             raise errors.InvalidArgument("the assignment is malformed") from None
-        return self._note_acked(device_id, revision, expires, models)
+        return self._note_acked(device_id, revision, expires, models, record)
 
     def _recent_answer(
         self, device_id: str, document: bytes, signature: bytes, cached_only: bool
@@ -275,16 +291,27 @@ class Delivery:
         if (
             recent is not None
             and recent.signature == signature
+            and recent.document_size == len(document)  # nothing else is hashed here
             and recent.document_sha256 == hashlib.sha256(document).digest()
         ):
             valid = self._signer.valid_key_ids(cached_only=cached_only)
             if valid is not None and recent.key_id in valid:
                 return recent
-            if valid is not None:
-                return None  # its key ended since: checked as any other (and refused)
+        # Not that answer, its key ended since, or the chain is due for a re-read: checked
+        # as any other (a signature check: off the loop).
         if cached_only:
-            raise NotCached("an answer not signed here lately")
+            raise NotCached("an answer not signed here lately, or under a key not known valid")
         return None
+
+    def _interned(self, models: tuple[ModelState, ...]) -> tuple[ModelState, ...]:
+        """Return one shared copy of an answer's model list (at most 4,096 kept)."""
+        with self._acked_lock:
+            shared = self._models.get(models)
+            if shared is None:
+                if len(self._models) >= _SHARED_MODEL_LISTS:
+                    self._models.clear()
+                shared = self._models[models] = models
+            return shared
 
     def _note_acked(
         self,
@@ -292,6 +319,7 @@ class Delivery:
         revision: int,
         expires: dt.datetime,
         models: tuple[ModelState, ...],
+        record: Callable[[tuple[ModelState, ...]], None] | None,
     ) -> tuple[ModelState, ...]:
         if expires <= self._clock():
             raise errors.FailedPrecondition(
@@ -308,6 +336,8 @@ class Delivery:
             self._acked.move_to_end(device_id)
             while len(self._acked) > _ACKED_DEVICES:
                 self._acked.popitem(last=False)
+            if record is not None:
+                record(models)
         return models
 
     def _document_entry(self, a: Assignment) -> dict:

@@ -136,14 +136,28 @@ def test_a_late_install_report_is_undone_by_the_next_sync(store):
     assert store.get_device(d).installed == (ModelState(*v2),)
 
 
-def test_fleet_attributes_are_read_fresh_and_never_shared(store):
-    """Attributes texts seen before are parsed once (control_plane.store.sql_fleet): a
-    device's new attributes must still be read, and a caller changing what it got must
-    not change what the next caller gets."""
+ODD = {
+    "platform": "android",
+    "app_version": "5.3 \u00e9\u2028\U0001f600",
+    "ram_mb": 8192,
+    "tags": ["beta", "\u00fcber"],
+    "custom": {"k\u00e9y": 'v"al\\ue', "z": "", "a": "1.0"},
+}
+
+
+def test_fleet_attributes_read_as_text_equal_the_orm_reading(store):
+    """live_device_attributes reads the stored JSON text itself (no ORM row processing)."""
     a, b = _devices(store, 2)
-    first = dict(store.live_device_attributes())
-    assert first[a] == first[b] == {"platform": "android"}
-    first[a]["platform"] = "tampered"
-    store.apply_device_updates([DeviceUpdate(b, T0, attributes={"platform": "ios"})])
-    again = dict(store.live_device_attributes())
-    assert again == {a: {"platform": "android"}, b: {"platform": "ios"}}
+    store.apply_device_updates([DeviceUpdate(a, T0, attributes=ODD)])
+    live = dict(store.live_device_attributes())
+    assert live[a] == store.get_device(a).attributes == ODD
+    # Each device gets objects of its own: a caller changing one changes nothing else.
+    live[a]["tags"].append("tampered")
+    live[b]["platform"] = "tampered"
+    assert dict(store.live_device_attributes()) == {a: ODD, b: {"platform": "android"}}
+
+
+def test_fleet_attributes_of_a_revoked_device_are_not_read(store):
+    a, b = _devices(store, 2)
+    store.revoke_device(a, at=T0, reason="lost")
+    assert [i for i, _ in store.live_device_attributes()] == [b]
