@@ -19,25 +19,12 @@ import time
 from collections.abc import Sequence
 
 from contract.transport import ClientTls
-from control_plane.fleet.selector import parse_selector
-from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.sim import FleetSimulator, SimOptions
 from protos import fleet_pb2
 
 MODEL = "det"
 SETTLE_S = 2.0  # how long after the last install a device that should not Sync may still
 WAIT_S = 300.0
-
-
-def band(sim: FleetSimulator, rollout: fleet_pb2.Rollout, stage: int) -> set[str]:
-    """Devices the rollout's `stage` includes (predicted from the sticky buckets)."""
-    selector = parse_selector(rollout.selector)
-    limit = stage_limit(list(rollout.stages), stage)
-    return {
-        d.id
-        for d in sim.devices
-        if selector.matches(d.identity.attributes) and bucket(rollout.id, d.id) < limit
-    }
 
 
 class FleetSlice:
@@ -80,12 +67,12 @@ class FleetSlice:
 
     async def first_stage(self, rollout: bytes) -> None:
         """Wait until the devices of the rollout's first stage installed it."""
-        self._done = band(self._sim, fleet_pb2.Rollout.FromString(rollout), 0)
+        self._done = self._sim.in_stage(fleet_pb2.Rollout.FromString(rollout), 0)
         await self._sim.wait_synced(MODEL, 1, devices=self._done, installed=True, timeout=WAIT_S)
 
     async def arm(self, rollout: bytes, stage: int) -> int:
         """Get ready to time a promote to `stage`; return how many devices here it adds."""
-        self._added = band(self._sim, fleet_pb2.Rollout.FromString(rollout), stage) - self._done
+        self._added = self._sim.in_stage(fleet_pb2.Rollout.FromString(rollout), stage) - self._done
         self._counts = self._sim.sync_counts()
         self._cpu = time.process_time()
         return len(self._added)

@@ -36,12 +36,15 @@ from contract.key_wrap import DeviceKeyPair
 from contract.report_batches import FLUSH_ON_STOP_S, MAX_QUEUE_AGE_S, MAX_QUEUE_BYTES
 from contract.transport import ClientTls
 from control_plane.api.fleet_convert import attributes_pb
+from control_plane.fleet.selector import parse_selector
+from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.sim.artifacts import ArtifactCache
 from control_plane.sim.device import SimDevice, Target
 from control_plane.sim.outbox import ReportQueue
 from control_plane.sim.profile import Profile, load_profile
 from control_plane.sim.state import Identity
 from control_plane.sim.stats import FleetStats, fleet_stats
+from protos import fleet_pb2
 
 SIM_CHANNEL_OPTIONS = [
     *CHANNEL_OPTIONS,
@@ -271,6 +274,20 @@ class FleetSimulator:
                     f"{model}:{version} ({variant}) after {timeout:g}s "
                     f"({_describe([by_id[i] for i in sorted(pending)[:3]])})"
                 ) from None
+
+    def in_stage(self, rollout: fleet_pb2.Rollout, stage: int) -> set[str]:
+        """Return the devices of this fleet a rollout's `stage` (from 0) includes.
+
+        Predicted here as the control plane decides it: the rollout's selector over each
+        device's attributes and its sticky bucket against the stage's share.
+        """
+        selector = parse_selector(rollout.selector)
+        limit = stage_limit(list(rollout.stages), stage)
+        return {
+            d.id
+            for d in self.devices
+            if selector.matches(d.identity.attributes) and bucket(rollout.id, d.id) < limit
+        }
 
     def sync_counts(self) -> dict[str, int]:
         """Return how many Syncs each device has completed."""

@@ -39,6 +39,22 @@ def _both_paths(delivery, device_id, document, signature):
     return fast, full
 
 
+def _answered_then_rotated(cp, enroll_token):
+    """A device with an answer remembered here, signed by a key a rotation since ends in 60 s."""
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    rollout(cp)
+    answer = device.sync_raw()
+    with cp.client() as client:
+        client.rotate_signing_key(overlap_s=60)
+    return device, answer
+
+
+def _end_overlap(cp, monkeypatch) -> None:
+    """Move the signing keys' clock past the rotation's overlap."""
+    after = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=61)
+    monkeypatch.setattr(cp.registry.signer, "_clock", lambda: after)
+
+
 def test_the_fast_and_the_full_check_agree(published, enroll_token, monkeypatch):
     cp = published
     device = Device.enroll(cp.address, enroll_token, ANDROID)
@@ -80,15 +96,10 @@ def test_a_remembered_answer_under_an_ended_key_is_refused_as_checked(
     published, enroll_token, monkeypatch
 ):
     cp = published
-    device = Device.enroll(cp.address, enroll_token, ANDROID)
-    rollout(cp)
-    answer = device.sync_raw()
-    with cp.client() as client:
-        client.rotate_signing_key(overlap_s=60)
+    device, answer = _answered_then_rotated(cp, enroll_token)
     # Within the overlap: still taken (the old key is valid), and counted.
     ack(device, answer.document, answer.document_signature)
-    after = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=61)
-    monkeypatch.setattr(cp.registry.signer, "_clock", lambda: after)
+    _end_overlap(cp, monkeypatch)
     fast, full = _both_paths(cp.app.delivery, device.id, answer.document, answer.document_signature)
     assert fast == full and fast[0] is errors.InvalidArgument
     with pytest.raises(DeviceCallError) as caught:
@@ -141,13 +152,8 @@ def test_an_answer_under_an_ended_key_is_checked_off_the_event_loop(
     """A remembered answer whose key ended is checked by its signature, as any other: in a
     thread, never on the event loop (a device could make every Ack stall the loop)."""
     cp = published
-    device = Device.enroll(cp.address, enroll_token, ANDROID)
-    rollout(cp)
-    answer = device.sync_raw()
-    with cp.client() as client:
-        client.rotate_signing_key(overlap_s=60)
-    after = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=61)
-    monkeypatch.setattr(cp.registry.signer, "_clock", lambda: after)
+    device, answer = _answered_then_rotated(cp, enroll_token)
+    _end_overlap(cp, monkeypatch)
     where: list[bool] = []
     real = delivery_module.verify_signed
 

@@ -7,8 +7,6 @@ import asyncio
 import pytest
 
 from contract import errors
-from control_plane.fleet.selector import parse_selector
-from control_plane.rollouts.lifecycle import bucket, stage_limit
 from control_plane.sim import FleetSimulator, SimOptions
 from tests.control_plane.sim.conftest import MODEL, restart
 from tests.control_plane.sim.test_sim_cli import rollout
@@ -37,16 +35,6 @@ async def online(cp, n: int, timeout: float = 15.0) -> None:
     raise AssertionError(f"{n} devices never all watched")
 
 
-def in_stage(sim: FleetSimulator, created, stage: int) -> set[str]:
-    selector = parse_selector(created.selector)
-    limit = stage_limit(list(created.stages), stage)
-    return {
-        d.id
-        for d in sim.devices
-        if selector.matches(d.identity.attributes) and bucket(created.id, d.id) < limit
-    }
-
-
 def test_promote_reaches_exactly_the_devices_it_adds(cp_holder):
     cp = cp_holder["cp"]
 
@@ -56,13 +44,13 @@ def test_promote_reaches_exactly_the_devices_it_adds(cp_holder):
             created = await asyncio.to_thread(
                 rollout, cp, 1, "platform=android", (10, 50, 100), 86_400
             )
-            first = in_stage(sim, created, 0)
+            first = sim.in_stage(created, 0)
             await sim.wait_synced(MODEL, 1, devices=first, installed=True, timeout=10)
             await asyncio.sleep(0.5)  # let the installs' reports land before counting
             before = sim.sync_counts()
             with cp.client() as client:
                 await asyncio.to_thread(client.transition_rollout, created.id, "promote")
-            added = in_stage(sim, created, 1) - first
+            added = sim.in_stage(created, 1) - first
             assert added, "no device in the 10-50% band: widen the fleet"
             await sim.wait_synced(MODEL, 1, devices=added, installed=True, timeout=10)
             await asyncio.sleep(1.0)  # time for any wrongly woken device to Sync too
