@@ -23,8 +23,10 @@ from control_plane.sim import FleetSimulator, SimOptions
 from protos import fleet_pb2
 
 MODEL = "det"
-SETTLE_S = 2.0  # how long after the last install a device that should not Sync may still
-WAIT_S = 300.0
+# After the last added device installed, how long the others are watched for a Sync they
+# should not make (an unaffected device woken late still counts).
+SETTLE_S = 2.0
+WAIT_S = 300.0  # the longest a promote's devices are waited for
 
 
 class FleetSlice:

@@ -28,7 +28,7 @@ two cores. The last line is one JSON object.
 
     python bench/propagation.py            # 10,000 devices
     python bench/propagation.py --quick    # 1,000 devices, no cache wait, within a minute
-    python bench/propagation.py --devices 20000 --fleet-processes 8   # a 16-core machine
+    python bench/propagation.py --devices 20000 --fleet-processes 6 --workers 4  # 16 cores
 """
 
 from __future__ import annotations
@@ -157,12 +157,9 @@ def cpu_seconds(pids: list[int]) -> float:
             except OSError:
                 continue  # gone meanwhile
             stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    tree, total = set(pids), 0
-    for pid, (ppid, _) in stats.items():  # a server's workers are its children
-        if ppid in pids:
-            tree.add(pid)
-    total = sum(stats[pid][1] for pid in tree if pid in stats)
-    return total / os.sysconf("SC_CLK_TCK")
+    # A server's workers are its children (a worker gone meanwhile takes its CPU with it).
+    tree = set(pids) | {pid for pid, (ppid, _) in stats.items() if ppid in pids}
+    return sum(stats[pid][1] for pid in tree if pid in stats) / os.sysconf("SC_CLK_TCK")
 
 
 async def promote(slices, client: AdminClient, rollout, stage: int, pids: list[int]) -> dict:
