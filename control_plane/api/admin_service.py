@@ -463,7 +463,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def GetSigningKeys(self, request, context):  # noqa: D102, N802
         self._actor(context)
-        return admin_pb2.GetSigningKeysResponse(keys=chain_pb(self._registry.signer.chain()))
+        return admin_pb2.GetSigningKeysResponse(
+            keys=chain_pb(self._registry.signer.chain(fresh=True))
+        )
 
     @mapped
     def RotateSigningKey(self, request, context):  # noqa: D102, N802

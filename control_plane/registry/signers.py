@@ -71,9 +71,13 @@ class SigningKeys(Signer):
 
     # -- reading the chain ------------------------------------------------------------------
 
-    def chain(self) -> tuple[SigningKeyRecord, ...]:
-        """Return the chain, oldest first (re-read from the database every REFRESH_S)."""
-        if self._monotonic() >= self._fresh_until:
+    def chain(self, *, fresh: bool = False) -> tuple[SigningKeyRecord, ...]:
+        """Return the chain, oldest first (re-read from the database every REFRESH_S).
+
+        `fresh` re-reads it now: for an operator's question, which must not answer with
+        what another replica (or another worker of this one) has already rotated away.
+        """
+        if fresh or self._monotonic() >= self._fresh_until:
             with self._lock:
                 self._refresh()
         return self._chain

@@ -156,6 +156,17 @@ def test_signing_key_calls_need_a_token(cp, token):
     assert len(cp.registry.signer.chain()) == 1
 
 
+def test_an_operator_reads_the_chain_as_stored_not_a_replicas_cached_view(cp):
+    """GetSigningKeys answers from the database: after a rotation made elsewhere (another
+    replica, or another worker of this one), it names the new key at once, while signing
+    may follow within REFRESH_S."""
+    with cp.client() as client:
+        client.get_signing_keys()  # this replica's view is fresh for REFRESH_S from here
+    _, active, _ = build_signing_keys(cp.config, cp.registry.store).rotate()
+    with cp.client() as client:
+        assert client.get_signing_keys()[-1].key_id == active.key_id
+
+
 @pytest.mark.postgres
 def test_replicas_share_the_active_key(replicas, onnx_path):  # noqa: F811 - fixture
     (a, b), (_, address_b) = replicas
