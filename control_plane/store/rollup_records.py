@@ -98,6 +98,67 @@ def decode_buckets(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(blob, "<u2", n), np.frombuffer(blob, "<i8", n, offset=2 * n)
 
 
+@dataclass(frozen=True, slots=True)
+class ParsedHistogram:
+    """A reported histogram as arrays: parsed once, added to every aggregate it counts in."""
+
+    index: np.ndarray  # bucket indexes (intp), unique
+    count: np.ndarray  # their counts (int64)
+    n: int
+    sum_ns: int
+    min_ns: int | None
+    max_ns: int | None
+
+    @classmethod
+    def of(cls, h: dict) -> ParsedHistogram | None:
+        """Return `h` (runtime.LatencyHistogram.to_dict() data) parsed; None when empty."""
+        if h.get("scheme") != SCHEME or not h.get("count"):
+            return None
+        pairs = h["buckets"]  # canonical: unique indexes, each count below 2**40
+        index = np.fromiter((i for i, _ in pairs), np.intp, len(pairs))
+        count = np.fromiter((n for _, n in pairs), np.int64, len(pairs))
+        return cls(index, count, h["count"], h["sum_ns"], h["min_ns"], h["max_ns"])
+
+
+@dataclass(frozen=True, slots=True)
+class StatsDelta:
+    """What one model stats entry adds to an aggregate, worked out once.
+
+    A report counts in several aggregates (each resolution, the fleet's and each rollout's
+    rows, the device's own): parsing its histograms and naming its crashes once, not per
+    aggregate, was most of the roller's time.
+    """
+
+    inferences: int
+    errors: int
+    crashes: int
+    fallbacks: int
+    pipeline_firings: int
+    tokens_in: int
+    tokens_out: int
+    cancellations: int
+    crash_kinds: tuple[str, ...]  # each crash's name (crash_kind)
+    latency: ParsedHistogram | None
+    ttft: ParsedHistogram | None
+
+    @classmethod
+    def of(cls, s: ModelStatsRecord) -> StatsDelta:
+        """Return what `s` adds."""
+        return cls(
+            s.inferences,
+            s.errors,
+            len(s.crashes),
+            len(s.fallbacks),
+            s.pipeline_firings,
+            s.tokens_in,
+            s.tokens_out,
+            s.cancellations,
+            tuple(crash_kind(c) for c in s.crashes),
+            ParsedHistogram.of(s.latency),
+            ParsedHistogram.of(s.ttft) if s.ttft else None,
+        )
+
+
 @dataclass
 class Aggregate:
     """Counters, crash signals and a latency histogram of some devices over some time.
@@ -126,38 +187,41 @@ class Aggregate:
     latency_max_ns: int | None = None
     ttft: Aggregate | None = None
 
-    def add_stats(self, s: ModelStatsRecord) -> None:
-        """Add one model stats entry of a telemetry batch."""
-        self.inferences += s.inferences
-        self.errors += s.errors
-        self.crashes += len(s.crashes)
-        self.fallbacks += len(s.fallbacks)
-        self.pipeline_firings += s.pipeline_firings
-        self.tokens_in += s.tokens_in
-        self.tokens_out += s.tokens_out
-        self.cancellations += s.cancellations
-        self.crash_signals.update(crash_kind(c) for c in s.crashes)
-        self.add_histogram(s.latency)
-        if s.ttft.get("count"):
+    def add_stats(self, s: ModelStatsRecord | StatsDelta) -> None:
+        """Add one model stats entry of a telemetry batch (or its `StatsDelta`)."""
+        d = s if isinstance(s, StatsDelta) else StatsDelta.of(s)
+        self.inferences += d.inferences
+        self.errors += d.errors
+        self.crashes += d.crashes
+        self.fallbacks += d.fallbacks
+        self.pipeline_firings += d.pipeline_firings
+        self.tokens_in += d.tokens_in
+        self.tokens_out += d.tokens_out
+        self.cancellations += d.cancellations
+        if d.crash_kinds:
+            self.crash_signals.update(d.crash_kinds)
+        if d.latency is not None:
+            self._add_parsed(d.latency)
+        if d.ttft is not None:
             if self.ttft is None:
                 self.ttft = Aggregate()
-            self.ttft.add_histogram(s.ttft)
+            self.ttft._add_parsed(d.ttft)
 
     def add_histogram(self, h: dict) -> None:
         """Add a histogram (runtime.LatencyHistogram.to_dict() data) to the latency one."""
-        if h.get("scheme") != SCHEME or not h.get("count"):
-            return
-        pairs = h["buckets"]  # canonical: unique indexes, each count below 2**40
-        if pairs:
+        parsed = ParsedHistogram.of(h)
+        if parsed is not None:
+            self._add_parsed(parsed)
+
+    def _add_parsed(self, h: ParsedHistogram) -> None:
+        if len(h.index):
             # In place, on the few buckets a report fills (this is the roller's hot loop;
             # every aggregate owns its array).
-            index = np.fromiter((i for i, _ in pairs), np.intp, len(pairs))
-            count = np.fromiter((n for _, n in pairs), np.int64, len(pairs))
-            old = self.buckets[index]
-            total = old + count
+            old = self.buckets[h.index]
+            total = old + h.count
             total[total < old] = INT64_MAX  # saturate, never wrap
-            self.buckets[index] = total
-        self._add_latency(h["count"], h["sum_ns"], h["min_ns"], h["max_ns"])
+            self.buckets[h.index] = total
+        self._add_latency(h.n, h.sum_ns, h.min_ns, h.max_ns)
 
     def add_install(self, record: InstallRecord) -> None:
         """Count one install outcome."""

@@ -29,6 +29,7 @@ from control_plane.store import orm
 from control_plane.store.rollup_records import (
     COUNTERS,
     FLEET,
+    INT64_MAX,
     Aggregate,
     DeviceDelta,
     DeviceKey,
@@ -327,7 +328,7 @@ def _sum_sparse(indexes: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarr
 
 
 def _values(agg: Aggregate) -> dict:
-    out = {name: clamp(getattr(agg, name)) for name in COUNTERS}
+    out = {name: min(getattr(agg, name), INT64_MAX) for name in COUNTERS}  # clamp, inline
     out.update(
         crash_signals={k: clamp(v) for k, v in agg.crash_signals.items()},
         latency_count=clamp(agg.latency_count),
@@ -336,7 +337,10 @@ def _values(agg: Aggregate) -> dict:
         latency_max_ns=agg.latency_max_ns,
         latency_buckets=encode_buckets(agg.buckets),
     )
-    ttft = agg.ttft if agg.ttft is not None else Aggregate()
+    ttft = agg.ttft
+    if ttft is None:
+        out.update(_NO_TTFT)
+        return out
     out.update(
         ttft_count=clamp(ttft.latency_count),
         ttft_sum_ns=clamp(ttft.latency_sum_ns),
@@ -345,6 +349,16 @@ def _values(agg: Aggregate) -> dict:
         ttft_buckets=encode_buckets(ttft.buckets),
     )
     return out
+
+
+# What a row without time to first token stores (most rows: every model not a language one).
+_NO_TTFT = {
+    "ttft_count": 0,
+    "ttft_sum_ns": 0,
+    "ttft_min_ns": None,
+    "ttft_max_ns": None,
+    "ttft_buckets": b"",
+}
 
 
 def _stored_ttft(values) -> Aggregate | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import functools
 import logging
 import threading
 import time
@@ -46,6 +47,7 @@ from control_plane.store.rollup_records import (
     PendingBatch,
     RollupKey,
     RollupStore,
+    StatsDelta,
 )
 from control_plane.telemetry.classes import DeviceClass
 
@@ -249,11 +251,17 @@ class Roller:
         deltas: Deltas = {}
         devices: dict[DeviceKey, DeviceDelta] = {}
 
+        buckets: dict[dt.datetime, list[tuple[int, dt.datetime]]] = {}
+
         def add(at: dt.datetime, key: RollupKey, apply: Callable[[Aggregate], None]) -> None:
-            for res in RESOLUTIONS:
-                start = bucket_start(at, res)
-                if start + dt.timedelta(seconds=res) <= oldest[res]:
-                    continue  # already past retention: it would be deleted at once
+            starts = buckets.get(at)
+            if starts is None:  # the buckets `at` falls in, but those already past retention
+                starts = buckets[at] = [
+                    (res, start)
+                    for res in RESOLUTIONS
+                    if (start := bucket_start(at, res)) + dt.timedelta(seconds=res) > oldest[res]
+                ]
+            for res, start in starts:
                 agg = deltas.get((res, start, key))
                 if agg is None:
                     agg = deltas[res, start, key] = Aggregate()
@@ -273,9 +281,14 @@ class Roller:
             device_class = self._class.of(attrs)
             # A device's report counts when it was made, however far ahead its clock runs.
             at = min(batch.period_end, now)
-            items = [(s, at, lambda agg, s=s: agg.add_stats(s)) for s in batch.models]
+            # Each entry's figures worked out once, then added to every aggregate it counts in.
+            items = [
+                (s, at, functools.partial(Aggregate.add_stats, s=StatsDelta.of(s)))
+                for s in batch.models
+            ]
             items += [
-                (i, min(i.at, now), lambda agg, i=i: agg.add_install(i)) for i in batch.installs
+                (i, min(i.at, now), functools.partial(Aggregate.add_install, record=i))
+                for i in batch.installs
             ]
             for item, when, apply in items:
                 dims = (item.model, item.version, item.variant, item.config)
