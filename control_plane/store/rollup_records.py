@@ -594,6 +594,11 @@ class DeviceTable:
         return _codes(self.config)
 
     @functools.cached_property
+    def with_signals(self) -> np.ndarray:
+        """Return per row whether it names any crash signals (one pass, cached)."""
+        return np.fromiter((bool(s) for s in self.crash_signals), bool, len(self))
+
+    @functools.cached_property
     def device_first_row(self) -> np.ndarray:
         """Return per device code the first row holding it."""
         return np.unique(self.device_code, return_index=True)[1]

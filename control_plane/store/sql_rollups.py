@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import json
+import types
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 
@@ -314,8 +315,14 @@ class SqlRollupStore(RollupStore):
             if cohort is not None:
                 stmt = stmt.where(c.cohort == cohort)
             # Bound values converted as SQLAlchemy stores them (a datetime's text on
-            # SQLite); the selected columns need no processing (`_table_columns`).
-            rows = conn.execute(stmt).all()
+            # SQLite); the selected columns need no processing (`_table_columns`), so the
+            # driver's own tuples are taken as they come (a Row each cost ~1.5 us: 60 ms
+            # of a 40k-row health view).
+            result = conn.execute(stmt)
+            try:
+                rows = result.cursor.fetchall()
+            finally:
+                result.close()
         return _table(scope, rows, pg)
 
 
@@ -476,6 +483,10 @@ def _table_columns(pg: bool) -> list:
     return out
 
 
+# Most rows name no crash: they share one empty mapping, read-only (a dict each cost 1 us).
+_NO_SIGNALS = types.MappingProxyType({})
+
+
 def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
     """Return rows selected by `_table_columns` as a DeviceTable."""
     columns = dict(zip(_DEVICE_READ, zip(*rows, strict=True), strict=True)) if rows else {}
@@ -502,7 +513,7 @@ def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
 
     counters = np.array([columns.get(name, ()) for name in COUNTERS], np.float64)
     signals = col("crash_signals")
-    signals[:] = [json.loads(v) if v and v != "{}" else {} for v in signals]
+    signals[:] = [json.loads(v) if v and v != "{}" else _NO_SIGNALS for v in signals]
     hist_row, hist_index, hist_count = decode_many(columns.get("latency_buckets", ()))
     table = DeviceTable(
         scope=scope,

@@ -66,8 +66,8 @@ class Devices:
         self.table = table
         rows = np.arange(len(table)) if positions is None else np.asarray(positions, np.intp)
         self.positions = rows
-        devices, self.entry_device = np.unique(table.device_code[rows], return_inverse=True)
-        configs, self.entry_config = np.unique(table.config_code[rows], return_inverse=True)
+        devices, self.entry_device = _compact(table.device_code[rows])
+        configs, self.entry_config = _compact(table.config_code[rows])
         self.ids = list(table.device_id[table.device_first_row[devices]])
         self.configs = list(table.config[table.config_first_row[configs]])
         self.counters = table.counters[rows]
@@ -76,6 +76,9 @@ class Devices:
         self.latency_min = table.latency_min_ns[rows]
         self.latency_max = table.latency_max_ns[rows]
         self.hist_entry, self.hist_index, self.hist_count = table.histograms(rows)
+        # device_quantiles per (q, config): a health view asks for each several times
+        # (which configs compare, then the comparison); the arrays are never changed.
+        self.quantile_memo: dict[tuple[float, str | None], DeviceQuantiles] = {}
 
     @classmethod
     def of(cls, rows: Iterable[DeviceRollup]) -> Devices:
@@ -115,13 +118,10 @@ class Devices:
         Unscaled (weights None), counts are the exact integer sums and crash signals are
         kept; scaled, counts are floats (figures to judge, never stored).
         """
-        entries = np.ones(len(self.positions), np.float64)
-        if config is not None:
-            if config not in self.configs:
-                return Aggregate()
-            entries = (self.entry_config == self.configs.index(config)).astype(np.float64)
+        scale = self._scale(weights, config)
+        if scale is None:
+            return Aggregate()
         exact = weights is None
-        scale = entries if exact else weights[self.entry_device] * entries
         agg = Aggregate()
         for name, total in zip(COUNTERS, scale @ self.counters, strict=True):
             setattr(agg, name, round(total) if exact else float(total))
@@ -140,12 +140,26 @@ class Devices:
                 int(np.nanmax(highs)) if np.isfinite(highs).any() else None,
             )
         if exact:
-            for signals in self.table.crash_signals[self.positions[scale > 0]]:
-                if signals:
-                    agg.crash_signals.update(signals)
+            rows = self.positions[scale > 0]
+            for signals in self.table.crash_signals[rows[self.table.with_signals[rows]]]:
+                agg.crash_signals.update(signals)
         if self.table.ttft is not None:
             agg.ttft = self.ttft().pooled(weights, config).histogram_only()
         return agg
+
+    def timed(self, weights: np.ndarray, config: str | None = None) -> float:
+        """Return `pooled(weights, config).latency_count`, without pooling the rest."""
+        scale = self._scale(weights, config)
+        return 0.0 if scale is None else float(scale @ self.latency_count)
+
+    def _scale(self, weights: np.ndarray | None, config: str | None) -> np.ndarray | None:
+        """Return each entry's scale in `pooled` (None: the devices never ran `config`)."""
+        entries = np.ones(len(self.positions), np.float64)
+        if config is not None:
+            if config not in self.configs:
+                return None
+            entries = (self.entry_config == self.configs.index(config)).astype(np.float64)
+        return entries if weights is None else weights[self.entry_device] * entries
 
     def ttft(self) -> Devices:
         """Return the same devices with time to first token as their latency (built once)."""
@@ -158,8 +172,9 @@ class Devices:
     def configs_with_devices(self, at_least: int) -> list[str]:
         """Return the configs at least `at_least` devices ran (with timed inferences)."""
         timed = self.latency_count > 0
-        pairs = np.unique(np.stack([self.entry_config[timed], self.entry_device[timed]]), axis=1)
-        counts = np.bincount(pairs[0], minlength=len(self.configs))
+        ran = np.zeros((len(self.configs), len(self)), bool)  # config x device
+        ran[self.entry_config[timed], self.entry_device[timed]] = True
+        counts = ran.sum(axis=1)
         return [c for c, n in zip(self.configs, counts, strict=True) if n >= at_least]
 
     def by_config(self, weights: np.ndarray | None = None) -> dict[str, Aggregate]:
@@ -181,6 +196,22 @@ class Devices:
         return np.bincount(
             self.hist_entry[mask], weights=self.hist_count[mask], minlength=len(self.positions)
         )
+
+
+def _compact(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return `np.unique(codes, return_inverse=True)` of small non-negative integer codes.
+
+    In one pass over a table of the codes instead of a sort: a health view groups rows
+    into devices and configs some hundreds of times.
+    """
+    if not codes.size:
+        return codes[:0], np.zeros(0, np.intp)
+    seen = np.zeros(int(codes.max()) + 1, bool)
+    seen[codes] = True
+    values = np.flatnonzero(seen)
+    slot = np.zeros(len(seen), np.intp)
+    slot[values] = np.arange(len(values))
+    return values.astype(codes.dtype, copy=False), slot[codes]
 
 
 def capped(per_device: np.ndarray, factor: float = CAP_FACTOR) -> np.ndarray:
@@ -294,7 +325,7 @@ def quantile_weights(
 
 
 def _config_samples(devices: Devices, scale: np.ndarray, config: str | None) -> float:
-    return float(devices.pooled(scale, config).latency_count)
+    return devices.timed(scale, config)
 
 
 def _harmonic(sizes: Sequence[float]) -> float:
@@ -333,6 +364,13 @@ class DeviceQuantiles:
 
 def device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQuantiles:
     """Return the q-quantile of each device with `min_samples(q)` on `config` (None: all)."""
+    found = devices.quantile_memo.get((q, config))
+    if found is None:
+        found = devices.quantile_memo[q, config] = _device_quantiles(devices, q, config)
+    return found
+
+
+def _device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQuantiles:
     if config is not None and config not in devices.configs:
         empty = np.zeros(0)
         return DeviceQuantiles(np.zeros(0, np.intp), empty, empty)
@@ -354,14 +392,19 @@ def device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQu
     hist_entry_ok = entries[devices.hist_entry]
     hist_row = row[devices.entry_device[devices.hist_entry]]
     keep = hist_entry_ok & (hist_row >= 0)
+    # One row of buckets per device, over the buckets any of them filled (below and above
+    # that range every row is empty: the quantile's bucket is within it).
+    index = devices.hist_index[keep]
+    first = int(index.min()) if index.size else 0
+    span = int(index.max()) - first + 1 if index.size else 1
     dense = np.bincount(
-        hist_row[keep] * N_BUCKETS + devices.hist_index[keep],
+        hist_row[keep] * span + (index - first),
         weights=devices.hist_count[keep],
-        minlength=len(wanted) * N_BUCKETS,
-    ).reshape(len(wanted), N_BUCKETS)
+        minlength=len(wanted) * span,
+    ).reshape(len(wanted), span)
     n = dense.sum(axis=1)
     rank = np.maximum(1.0, np.ceil(q * n - 1e-9))
-    index = np.argmax(np.cumsum(dense, axis=1) >= rank[:, None] - 1e-9, axis=1)
+    index = first + np.argmax(np.cumsum(dense, axis=1) >= rank[:, None] - 1e-9, axis=1)
     low, high = _observed_range(devices, entries)
     low, high = low[wanted], high[wanted]
     middle = MIN_NS * 2 ** ((index - 0.5) / BUCKETS_PER_DOUBLING)  # the bucket's geometric mid
