@@ -29,6 +29,7 @@ from control_plane.store.rollup_records import (
     DeviceRollup,
     saturating_add,
 )
+from control_plane.telemetry.robust import Devices, _compact, device_quantiles, min_samples
 from runtime.histogram import LatencyHistogram
 
 
@@ -500,3 +501,43 @@ def test_a_config_with_too_few_devices_to_measure_a_spread_does_not_hide_a_slowd
     v = judge(P95, slow, base, min_devices=3, min_inferences=300)
     assert v.status == FAIL, v
     assert v.value == pytest.approx(3, rel=0.2) and v.bound > 1.2
+
+
+def test_device_quantiles_are_each_devices_own_nearest_rank_quantile():
+    # Devices on two configs, some with too few samples for a p99; asked twice (the health
+    # view does), the answer is the same arrays.
+    rng = np.random.default_rng(7)
+    rows = [
+        device_row(
+            f"dev_q{i:03d}",
+            rng.lognormal(np.log(300 * (1 + i % 5)), 0.6, 20 + 7 * i),
+            config=config,
+        )
+        for i in range(40)
+        for config in ((GPU,) if i % 3 else (GPU, CPU))
+    ]
+    devices = Devices.of(rows)
+    for q in (0.5, 0.95, 0.99):
+        for config in (None, GPU, CPU):
+            got = device_quantiles(devices, q, config)
+            assert device_quantiles(devices, q, config) is got
+            for position, log_us in zip(got.positions, got.log_us, strict=True):
+                mine = devices.device(position)
+                own = mine.pooled(None, config)
+                assert own.latency_count >= min_samples(q)
+                assert log_us == pytest.approx(np.log(max(own.quantile_us(q), 1e-3)), abs=1e-9)
+            wanted = {
+                p
+                for p in range(len(devices))
+                if devices.device(p).pooled(None, config).latency_count >= min_samples(q)
+            }
+            assert set(got.positions.tolist()) == wanted
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 500])
+def test_rows_are_grouped_by_code_as_a_sort_would(size):
+    codes = np.random.default_rng(size).integers(0, 60, size)
+    values, inverse = _compact(codes)
+    expected_values, expected_inverse = np.unique(codes, return_inverse=True)
+    assert values.tolist() == expected_values.tolist()
+    assert inverse.tolist() == expected_inverse.tolist()
