@@ -98,7 +98,7 @@ def decode_buckets(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(blob, "<u2", n), np.frombuffer(blob, "<i8", n, offset=2 * n)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made for every report entry, and never changed
 class ParsedHistogram:
     """A reported histogram as arrays: parsed once, added to every aggregate it counts in."""
 
@@ -120,7 +120,7 @@ class ParsedHistogram:
         return cls(index, count, h["count"], h["sum_ns"], h["min_ns"], h["max_ns"])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made for every report entry, and never changed
 class StatsDelta:
     """What one model stats entry adds to an aggregate, worked out once.
 

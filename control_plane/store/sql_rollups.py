@@ -14,7 +14,6 @@ from sqlalchemy import (
     String,
     Text,
     and_,
-    bindparam,
     cast,
     delete,
     func,
@@ -44,6 +43,7 @@ from control_plane.store.rollup_records import (
     decode_many,
     encode_buckets,
 )
+from control_plane.store.sql_bulk import Bulk
 from control_plane.store.sql_fleet import aware
 from control_plane.store.sql_report_rows import install_record, stats_record
 from runtime.histogram import N_BUCKETS
@@ -64,15 +64,10 @@ _MERGED = (
     "latency_buckets",
     *TTFT_COLUMNS,
 )
-_UPDATE = (
-    _R.update()
-    .where(
-        _R.c.resolution_s == bindparam("b_resolution_s"),
-        _R.c.bucket_start == bindparam("b_bucket_start"),
-        _R.c.key == bindparam("b_key"),
-    )
-    .values({name: bindparam("b_" + name) for name in _MERGED})
-)
+_ROLLUP_KEY = ("resolution_s", "bucket_start", "key")
+_GROUP = ("model", "version", "variant", "config", "device_class", "rollout", "cohort")
+_INSERT_ROLLUPS = Bulk.insert(_R, (*_ROLLUP_KEY, *_GROUP, *_MERGED))
+_UPDATE_ROLLUPS = Bulk.update(_R, _MERGED, _ROLLUP_KEY)
 # PostgreSQL: the batches a round claims, as two arrays (one statement, whatever the count).
 _CLAIM_PG = text(
     "UPDATE telemetry_batches SET rolled = true WHERE rolled = false AND (device_id, batch_id)"
@@ -334,38 +329,34 @@ def _sum_sparse(indexes: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarr
     return np.bincount(index, weights=count, minlength=N_BUCKETS)[:N_BUCKETS]
 
 
-def _values(agg: Aggregate) -> dict:
-    out = {name: min(getattr(agg, name), INT64_MAX) for name in COUNTERS}  # clamp, inline
-    out.update(
-        crash_signals={k: clamp(v) for k, v in agg.crash_signals.items()},
-        latency_count=clamp(agg.latency_count),
-        latency_sum_ns=clamp(agg.latency_sum_ns),
-        latency_min_ns=agg.latency_min_ns,
-        latency_max_ns=agg.latency_max_ns,
-        latency_buckets=encode_buckets(agg.buckets),
-    )
+def _values(agg: Aggregate) -> tuple:
+    """Return what a row stores of `agg`: the `_MERGED` columns, in that order."""
     ttft = agg.ttft
-    if ttft is None:
-        out.update(_NO_TTFT)
-        return out
-    out.update(
-        ttft_count=clamp(ttft.latency_count),
-        ttft_sum_ns=clamp(ttft.latency_sum_ns),
-        ttft_min_ns=ttft.latency_min_ns,
-        ttft_max_ns=ttft.latency_max_ns,
-        ttft_buckets=encode_buckets(ttft.buckets),
+    return (
+        *(min(getattr(agg, name), INT64_MAX) for name in COUNTERS),  # clamp, inline
+        {k: clamp(v) for k, v in agg.crash_signals.items()},
+        clamp(agg.latency_count),
+        clamp(agg.latency_sum_ns),
+        agg.latency_min_ns,
+        agg.latency_max_ns,
+        encode_buckets(agg.buckets),
+        *(
+            _NO_TTFT
+            if ttft is None
+            else (
+                clamp(ttft.latency_count),
+                clamp(ttft.latency_sum_ns),
+                ttft.latency_min_ns,
+                ttft.latency_max_ns,
+                encode_buckets(ttft.buckets),
+            )
+        ),
     )
-    return out
 
 
-# What a row without time to first token stores (most rows: every model not a language one).
-_NO_TTFT = {
-    "ttft_count": 0,
-    "ttft_sum_ns": 0,
-    "ttft_min_ns": None,
-    "ttft_max_ns": None,
-    "ttft_buckets": b"",
-}
+# What a row without time to first token stores (most rows: every model not a language
+# one), as TTFT_COLUMNS.
+_NO_TTFT = (0, 0, None, None, b"")
 
 
 def _stored_ttft(values) -> Aggregate | None:
@@ -404,38 +395,17 @@ def _merge_rows(session, deltas: dict[tuple[int, dt.datetime, RollupKey], Aggreg
                 stored[index.astype(np.intp)] = counts  # indexes are unique within a row
                 agg.buckets = stored
             existing[row.resolution_s, aware(row.bucket_start), row.key] = agg
-    rows = []
+    new, changed = [], []
     for ident, (key, delta) in digests.items():
         found = existing.get(ident)
-        if found is not None:
+        if found is None:
+            group = (key.model, key.version, key.variant, key.config, key.device_class)
+            new.append((*ident, *group, key.rollout, key.cohort, *_values(delta)))
+        else:
             found.merge(delta)
-            delta = found
-        res, start, digest = ident
-        rows.append(
-            {
-                "resolution_s": res,
-                "bucket_start": start,
-                "key": digest,
-                "model": key.model,
-                "version": key.version,
-                "variant": key.variant,
-                "config": key.config,
-                "device_class": key.device_class,
-                "rollout": key.rollout,
-                "cohort": key.cohort,
-                **_values(delta),
-            }
-        )
-    new = [row for ident, row in zip(digests, rows, strict=True) if ident not in existing]
-    if new:
-        session.execute(_R.insert(), new)
-    changed = [
-        {"b_" + name: row[name] for name in ("resolution_s", "bucket_start", "key", *_MERGED)}
-        for ident, row in zip(digests, rows, strict=True)
-        if ident in existing
-    ]
-    if changed:
-        session.execute(_UPDATE, changed)
+            changed.append((*_values(found), *ident))
+    _INSERT_ROLLUPS.run(session, new)
+    _UPDATE_ROLLUPS.run(session, changed)
 
 
 _D = orm.DeviceRollupRow.__table__
@@ -451,11 +421,8 @@ _DEVICE_KEY = (
 )
 _DEVICE_VALUES = ("device_class", "last_seen", "reports", *_MERGED)
 _DEVICE_READ = (*_DEVICE_KEY, *_DEVICE_VALUES)
-_DEVICE_UPDATE = (
-    _D.update()
-    .where(_D.c.key == bindparam("b_key"))
-    .values({name: bindparam("b_" + name) for name in _DEVICE_VALUES})
-)
+_INSERT_DEVICE_ROWS = Bulk.insert(_D, ("key", *_DEVICE_KEY, *_DEVICE_VALUES))
+_UPDATE_DEVICE_ROWS = Bulk.update(_D, _DEVICE_VALUES, ("key",))
 _EMPTY_INDEX = np.zeros(0, "<u2")
 _EMPTY_COUNTS = np.zeros(0, "<i8")
 
@@ -599,12 +566,7 @@ def _merge_device_rows(session, deltas: dict[DeviceKey, DeviceDelta]) -> None:
             agg, reports = stored, clamp(found.reports + reports)
             if found.last_seen > last_seen:
                 device_class, last_seen = found.device_class, found.last_seen
-        values = {
-            "device_class": device_class,
-            "last_seen": last_seen,
-            "reports": reports,
-            **_values(agg),
-        }
+        values = (device_class, last_seen, reports, *_values(agg))
         if found is None:
             key_values = (
                 key.scope,
@@ -616,10 +578,8 @@ def _merge_device_rows(session, deltas: dict[DeviceKey, DeviceDelta]) -> None:
                 key.config,
                 key.device_id,
             )
-            new.append({"key": digest, **dict(zip(_DEVICE_KEY, key_values, strict=True)), **values})
+            new.append((digest, *key_values, *values))
         else:
-            changed.append({"b_key": digest, **{"b_" + k: v for k, v in values.items()}})
-    if new:
-        session.execute(_D.insert(), new)
-    if changed:
-        session.execute(_DEVICE_UPDATE, changed)
+            changed.append((*values, digest))
+    _INSERT_DEVICE_ROWS.run(session, new)
+    _UPDATE_DEVICE_ROWS.run(session, changed)
