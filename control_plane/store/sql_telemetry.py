@@ -20,6 +20,7 @@ from control_plane.store.report_records import (
     StatsRow,
     TelemetryStore,
 )
+from control_plane.store.sql_bulk import Bulk
 from control_plane.store.sql_fleet import aware
 from control_plane.store.sql_report_rows import (
     batch_values,
@@ -200,6 +201,7 @@ _CLAIM_PG = text(
 _STATS = orm.ModelStatsRow.__table__
 _STATS_COLUMNS = [c.name for c in _STATS.columns if c.name != "id"]
 _JSON_COLUMNS = {"latency", "events"}
+_INSERT_STATS = Bulk.insert(_STATS, _STATS_COLUMNS)
 
 
 def _claim(session: Session, batches: Sequence[ReportBatch]) -> set[tuple[str, str]]:
@@ -297,7 +299,7 @@ def _check_periods(
 
 
 def _insert_stats(session: Session, rows: list[dict]) -> None:
-    session.execute(_STATS.insert(), rows)
+    _INSERT_STATS.run(session, [tuple(row[c] for c in _STATS_COLUMNS) for row in rows])
 
 
 def _copy_stats(session: Session, rows: list[dict]) -> None:
