@@ -151,6 +151,20 @@ class Guard:
                 memo[device_class] = value
             return value
 
+        made: dict[bytes, Cohort] = {}
+
+        def cohort_of(positions: np.ndarray) -> Cohort:
+            """Return the cohort of some rows, made once per view (each is asked 2-3 times).
+
+            Rows only ever join `table` at its end, so positions read earlier name the same
+            rows in any later `table`.
+            """
+            key = np.asarray(positions, np.intp).tobytes()
+            found = made.get(key)
+            if found is None:
+                found = made[key] = Cohort(Devices(table, positions))
+            return found
+
         sliced = np.array([slice_of(c) for c in table.device_class], dtype=object)
         kinds = {c: table.cohort == c for c in (CANDIDATE, BASELINE)}
         slice_masks = {v: sliced == v for v in set(sliced[table.cohort != OUTSIDE])}
@@ -168,7 +182,7 @@ class Guard:
             # candidates are compared with the slice's baseline over the whole rollout (what
             # those devices ran before the rollout reached them, or while their slice was
             # rolled back).
-            base = Cohort(Devices(table, current[BASELINE]))
+            base = cohort_of(current[BASELINE])
             sample = min(base.aggregate.inferences, base.aggregate.latency_count)
             enough = base.devices >= max(1, record.min_devices, 2 * self._outliers + 1)
             if window <= record.created_at or (enough and sample >= max(1, record.min_inferences)):
@@ -203,8 +217,8 @@ class Guard:
                     value,
                     state.get("state", ACTIVE),
                     slice_since,
-                    table,
                     mine,
+                    cohort_of,
                 )
             )
         # The whole rollout: every slice still in.
@@ -222,8 +236,8 @@ class Guard:
             "",
             record.state,
             since,
-            table,
             {c: np.concatenate(parts) for c, parts in merged.items()},
+            cohort_of,
         )
         reports, devices = self._store.cohort_totals(record.id, OUTSIDE)
         return Health(
@@ -235,10 +249,10 @@ class Guard:
             outside_devices=devices,
         )
 
-    def _slice(self, record, rules, name, value, state, since, table, cohorts) -> SliceHealth:
+    def _slice(self, record, rules, name, value, state, since, cohorts, cohort_of) -> SliceHealth:
         empty = np.zeros(0, np.intp)
-        candidate = Cohort(Devices(table, cohorts.get(CANDIDATE, empty)))
-        baseline = Cohort(Devices(table, cohorts.get(BASELINE, empty)))
+        candidate = cohort_of(cohorts.get(CANDIDATE, empty))
+        baseline = cohort_of(cohorts.get(BASELINE, empty))
         verdicts = tuple(
             judge(
                 rule,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import json
-import types
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 
@@ -24,6 +23,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy import exc as sa_exc
 
 from control_plane.store import orm
 from control_plane.store.rollup_records import (
@@ -314,8 +314,11 @@ class SqlRollupStore(RollupStore):
             # driver's own tuples are taken as they come (a Row each cost ~1.5 us: 60 ms
             # of a 40k-row health view).
             result = conn.execute(stmt)
+            dbapi_error = conn.dialect.loaded_dbapi.Error
             try:
                 rows = result.cursor.fetchall()
+            except dbapi_error as exc:  # SQLite reads rows as it fetches: sorted like any
+                raise sa_exc.DBAPIError.instance(str(stmt), None, exc, dbapi_error) from exc
             finally:
                 result.close()
         return _table(scope, rows, pg)
@@ -450,10 +453,6 @@ def _table_columns(pg: bool) -> list:
     return out
 
 
-# Most rows name no crash: they share one empty mapping, read-only (a dict each cost 1 us).
-_NO_SIGNALS = types.MappingProxyType({})
-
-
 def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
     """Return rows selected by `_table_columns` as a DeviceTable."""
     columns = dict(zip(_DEVICE_READ, zip(*rows, strict=True), strict=True)) if rows else {}
@@ -480,7 +479,7 @@ def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
 
     counters = np.array([columns.get(name, ()) for name in COUNTERS], np.float64)
     signals = col("crash_signals")
-    signals[:] = [json.loads(v) if v and v != "{}" else _NO_SIGNALS for v in signals]
+    signals[:] = [json.loads(v) if v and v != "{}" else {} for v in signals]
     hist_row, hist_index, hist_count = decode_many(columns.get("latency_buckets", ()))
     table = DeviceTable(
         scope=scope,

@@ -206,6 +206,8 @@ def _compact(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     if not codes.size:
         return codes[:0], np.zeros(0, np.intp)
+    if int(codes.max()) > 8 * codes.size:  # a few rows of a large table: sorting them is less
+        return np.unique(codes, return_inverse=True)
     seen = np.zeros(int(codes.max()) + 1, bool)
     seen[codes] = True
     values = np.flatnonzero(seen)
@@ -405,6 +407,7 @@ def _device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQ
     n = dense.sum(axis=1)
     rank = np.maximum(1.0, np.ceil(q * n - 1e-9))
     index = first + np.argmax(np.cumsum(dense, axis=1) >= rank[:, None] - 1e-9, axis=1)
+    index[n == 0] = 0  # timed inferences but no buckets (never stored): read as its low
     low, high = _observed_range(devices, entries)
     low, high = low[wanted], high[wanted]
     middle = MIN_NS * 2 ** ((index - 0.5) / BUCKETS_PER_DOUBLING)  # the bucket's geometric mid

@@ -534,9 +534,9 @@ def test_device_quantiles_are_each_devices_own_nearest_rank_quantile():
             assert set(got.positions.tolist()) == wanted
 
 
-@pytest.mark.parametrize("size", [0, 1, 7, 500])
-def test_rows_are_grouped_by_code_as_a_sort_would(size):
-    codes = np.random.default_rng(size).integers(0, 60, size)
+@pytest.mark.parametrize(("size", "codes"), [(0, 60), (1, 60), (7, 60), (500, 60), (5, 10**6)])
+def test_rows_are_grouped_by_code_as_a_sort_would(size, codes):
+    codes = np.random.default_rng(size).integers(0, codes, size)
     values, inverse = _compact(codes)
     expected_values, expected_inverse = np.unique(codes, return_inverse=True)
     assert values.tolist() == expected_values.tolist()

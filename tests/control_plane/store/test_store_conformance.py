@@ -234,3 +234,69 @@ def test_migrations_are_idempotent_and_reversible(db_url):
 def test_unreachable_database_is_unavailable():
     with pytest.raises(errors.Unavailable, match="database unavailable"):
         SqlStore("postgresql+psycopg://postgres@127.0.0.1:1/nothing")
+
+
+def test_rollup_rows_from_before_language_models_read_beside_theirs(db_url):
+    """Rows that existed when 0011 added time to first token read with rows that have it."""
+    from alembic import command
+
+    from control_plane.store import orm
+    from control_plane.store.rollup_records import EPOCH, FLEET, Aggregate, DeviceDelta, DeviceKey
+    from runtime.histogram import SCHEME, bucket_of
+
+    store = SqlStore(db_url)
+    config = alembic_config(store._engine)
+    command.downgrade(config, "0010")
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    with store._engine.begin() as conn:
+        conn.execute(
+            orm.DeviceRow.__table__.insert(),
+            [
+                {
+                    "id": f"dev_{i}",
+                    "credential_sha256": f"{i:064x}",
+                    "public_keyset": b"k",
+                    "attributes": {},
+                    "stamped_attributes": {},
+                    "enrollment_token_id": "t",
+                    "enrolled_at": now,
+                }
+                for i in (1, 2)
+            ],
+        )
+        conn.exec_driver_sql(  # a row as 0010's roller left it: no language-model columns
+            "INSERT INTO device_rollups (key, scope, window_start, cohort, model, version,"
+            " variant, config, device_id, device_class, last_seen, reports, inferences,"
+            " errors, crashes, fallbacks, pipeline_firings, installs_activated,"
+            " installs_failed, installs_rolled_back, crash_signals, latency_count,"
+            " latency_sum_ns, latency_buckets) VALUES ('k1', '', '1970-01-01 00:00:00.000000',"
+            " '', 'det', 1, 'fp32', 'CPU', 'dev_1', '{}', '2026-11-27 00:00:00', 1, 5, 0, 0,"
+            " 0, 0, 0, 0, 0, '{}', 0, 0, x'')"
+            if db_url.startswith("sqlite")
+            else "INSERT INTO device_rollups (key, scope, window_start, cohort, model, version,"
+            " variant, config, device_id, device_class, last_seen, reports, inferences,"
+            " errors, crashes, fallbacks, pipeline_firings, installs_activated,"
+            " installs_failed, installs_rolled_back, crash_signals, latency_count,"
+            " latency_sum_ns, latency_buckets) VALUES ('k1', '', '1970-01-01 00:00:00+00',"
+            " '', 'det', 1, 'fp32', 'CPU', 'dev_1', '{}', now(), 1, 5, 0, 0, 0, 0, 0, 0, 0,"
+            " '{}', 0, 0, ''::bytea)"
+        )
+    command.upgrade(config, "head")
+    llm = Aggregate(inferences=3)
+    llm.ttft = Aggregate()
+    llm.ttft.add_histogram(
+        {
+            "scheme": SCHEME,
+            "count": 1,
+            "sum_ns": 5_000_000,
+            "min_ns": 5_000_000,
+            "max_ns": 5_000_000,
+            "buckets": [[bucket_of(5_000_000), 1]],
+        }
+    )
+    key = DeviceKey(FLEET, EPOCH, "", "chat", 1, "q4", "CPU", "dev_2")
+    store.apply_rollups([], {}, {key: DeviceDelta("{}", now, aggregate=llm)})
+    table = store.device_table(FLEET)
+    assert sorted(table.device_id) == ["dev_1", "dev_2"]
+    assert table.ttft is not None and table.ttft.latency_count.tolist().count(1.0) == 1
+    store.close()
