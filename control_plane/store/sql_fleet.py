@@ -21,6 +21,7 @@ from control_plane.store.fleet import (
     FleetStore,
     ModelState,
 )
+from control_plane.store.sql_bulk import Bulk
 
 NOTIFY_CHANNEL = "skiff_fleet"
 _DEVICES = orm.DeviceRow.__table__
@@ -238,29 +239,21 @@ class SqlFleetStore(FleetStore):
         """
         if not updates:
             return
-        devices = orm.DeviceRow.__table__
-        statements = []
-        for with_attrs in (True, False):
-            rows = [
-                {"b_id": u.device_id, "last_seen": u.last_seen}
-                | ({"attributes": u.attributes} if with_attrs else {})
-                for u in updates
-                if (u.attributes is not None) == with_attrs
-            ]
-            values = {"last_seen": bindparam("last_seen")}
-            if with_attrs:
-                values["attributes"] = bindparam("attributes")
-            if rows:
-                stmt = update(devices).where(devices.c.id == bindparam("b_id"))
-                statements.append((stmt.values(values), rows))
-        dialect = postgresql if self.dialect == "postgresql" else sqlite
+        attributed = [u for u in updates if u.attributes is not None]
+        statements: list[tuple] = [
+            (_SEEN_WITH_ATTRIBUTES, [(u.last_seen, u.attributes, u.device_id) for u in attributed]),
+            (_SEEN, [(u.last_seen, u.device_id) for u in updates if u.attributes is None]),
+        ]
         for kind in ("installed", "synced"):
-            statements += _state_statements(dialect, updates, kind)
+            statements += _state_statements(self.dialect, updates, kind)
         with self._scope() as session:
             conn = session.connection()
             _lock_devices(conn, [u.device_id for u in updates])
             for stmt, params in statements:
-                conn.execute(stmt, params)
+                if isinstance(stmt, Bulk):
+                    stmt.run(session, params)  # many rows straight to the driver
+                else:
+                    conn.execute(stmt, params)
 
     def set_online(self, device_ids: Sequence[str], until: dt.datetime | None) -> None:
         """Mark devices' Watch streams open until `until` (None: closed)."""
@@ -298,7 +291,7 @@ class SqlFleetStore(FleetStore):
             return session.scalar(select(orm.FleetStateRow.revision)) or 0
 
 
-def _state_statements(dialect, updates: Sequence[DeviceUpdate], kind: str) -> list[tuple]:
+def _state_statements(dialect: str, updates: Sequence[DeviceUpdate], kind: str) -> list[tuple]:
     """Return (statement, parameters) replacing one kind of model state of the updates.
 
     One kind is installed or synced. Only what changed is written: a device that reports
@@ -309,7 +302,6 @@ def _state_statements(dialect, updates: Sequence[DeviceUpdate], kind: str) -> li
     table = orm.DeviceModelRow.__table__
     named = [u for u in updates if getattr(u, kind) is not None]
     version, variant = f"{kind}_version", f"{kind}_variant"
-    stamp = "reported_at" if kind == "installed" else "synced_at"
     statements: list[tuple] = []
     for batch in _by_parameters(named, kind) if named else ():
         kept = [(u.device_id, s.model) for u in batch for s in getattr(u, kind)]
@@ -318,22 +310,40 @@ def _state_statements(dialect, updates: Sequence[DeviceUpdate], kind: str) -> li
             clear &= tuple_(table.c.device_id, table.c.model).not_in(kept)
         statements.append((update(table).where(clear).values({version: None, variant: None}), {}))
     rows = [
-        {"device_id": u.device_id, "model": s.model, version: s.version, variant: s.variant}
-        | {stamp: u.last_seen}
+        (u.device_id, s.model, s.version, s.variant, u.last_seen, "")
         for u in named
         for s in getattr(u, kind)
     ]
     if rows:
-        insert = dialect.insert(table)
-        columns = (version, variant, stamp)
-        upsert = insert.on_conflict_do_update(
-            index_elements=["device_id", "model"],
-            set_={c: insert.excluded[c] for c in columns},
-            where=table.c[version].is_distinct_from(insert.excluded[version])
-            | table.c[variant].is_distinct_from(insert.excluded[variant]),
-        )
-        statements.append((upsert, rows))
+        statements.append((_STATE_UPSERTS[dialect, kind], rows))
     return statements
+
+
+def _state_upsert(dialect: str, kind: str) -> Bulk:
+    """Set one kind of model state of (device, model), unless it is what is stored."""
+    table = orm.DeviceModelRow.__table__
+    version, variant = f"{kind}_version", f"{kind}_variant"
+    stamp = "reported_at" if kind == "installed" else "synced_at"
+    # failed_reason: its default, given (a new row's; the driver alone knows no defaults).
+    columns = ("device_id", "model", version, variant, stamp, "failed_reason")
+    insert = (postgresql if dialect == "postgresql" else sqlite).insert(table).inline()
+    insert = insert.values({c: bindparam(c) for c in columns})
+    upsert = insert.on_conflict_do_update(
+        index_elements=["device_id", "model"],
+        set_={c: insert.excluded[c] for c in (version, variant, stamp)},
+        where=table.c[version].is_distinct_from(insert.excluded[version])
+        | table.c[variant].is_distinct_from(insert.excluded[variant]),
+    )
+    return Bulk(upsert, columns)
+
+
+_STATE_UPSERTS = {
+    (dialect, kind): _state_upsert(dialect, kind)
+    for dialect in ("sqlite", "postgresql")
+    for kind in ("installed", "synced")
+}
+_SEEN = Bulk.update(orm.DeviceRow.__table__, ("last_seen",), ("id",))
+_SEEN_WITH_ATTRIBUTES = Bulk.update(orm.DeviceRow.__table__, ("last_seen", "attributes"), ("id",))
 
 
 # Bound parameters per statement that clears states: SQLite's limit is 32,766.
