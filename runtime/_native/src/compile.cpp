@@ -130,6 +130,20 @@ void add_edges(Group& group, const std::vector<Node>& nodes, int32_t n_types) {
   }
   flatten(std::move(free), n_types, group.free_edges, group.free_begin);
   flatten(std::move(contiguous), n_types, group.contiguous_edges, group.contiguous_begin);
+  if (n_types > kContiguousIndexTypes) return;
+  // Within a type, `->` edges are sorted by their parent's type.
+  const auto n = static_cast<size_t>(n_types);
+  group.contiguous_at.assign(n * (n + 1), 0);
+  for (size_t t = 0; t < n; ++t) {
+    int32_t e = group.contiguous_begin[t];
+    for (size_t u = 0; u <= n; ++u) {
+      while (e < group.contiguous_begin[t + 1] &&
+             static_cast<size_t>(group.contiguous_edges[e].parent_type) < u) {
+        ++e;
+      }
+      group.contiguous_at[t * (n + 1) + u] = e;
+    }
+  }
 }
 
 int32_t log_for(Group& group, int32_t of) {

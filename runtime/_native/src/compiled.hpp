@@ -84,6 +84,8 @@ struct CompiledTrigger {
   std::vector<CompiledFeature> features;
 };
 
+constexpr int32_t kContiguousIndexTypes = 64;
+
 struct Group {
   int32_t by = 0;
   bool live = false;  // some member trigger is not removed (else no key state is kept)
@@ -93,6 +95,10 @@ struct Group {
   // `free_edges`, `->` ones in [contiguous_begin[t], contiguous_begin[t + 1]).
   std::vector<Edge> free_edges, contiguous_edges;
   std::vector<int32_t> free_begin, contiguous_begin;
+  // With few event types (kContiguousIndexTypes at most): the `->` edges of type t whose
+  // parent's type is u are [contiguous_at[t * (n + 1) + u], contiguous_at[t * (n + 1) + u + 1])
+  // (n types), so an event visits only the edges its key's previous event can continue.
+  std::vector<int32_t> contiguous_at;
   std::vector<Condition> conditions;
   std::vector<int32_t> terminals;
   std::vector<int64_t> terminal_within;  // each terminal's span limit, next to it

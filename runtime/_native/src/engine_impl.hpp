@@ -55,6 +55,7 @@ struct Engine::Impl {
   double per_event = 0;          // expected firings per event of this push (for reserving)
   size_t batch_events = 0;       // events in this push
   std::vector<std::pair<int32_t, int64_t>> scratch_last;
+  std::vector<double> scratch_row;  // a firing's feature row, before it joins its matrix
 
   void validate(const Batch& b) const;
   [[noreturn]] void reject(const Batch& b, size_t i, int64_t wm) const;

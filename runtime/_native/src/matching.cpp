@@ -91,8 +91,20 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   // `->`: the parent must have been reached by the key's previous event, so it is a
   // node of that event's type: only those edges are visited.
   edges = group.contiguous_edges.data();
+  const Edge* begin = edges + group.contiguous_begin[type];
   const Edge* end = edges + group.contiguous_begin[type + 1];
-  for (const Edge* e = edges + group.contiguous_begin[type]; e != end; ++e) {
+  if (!group.contiguous_at.empty()) {
+    if (p.last_type < 0) {
+      end = begin;
+    } else {
+      const size_t n_types = group.contiguous_begin.size() - 1;
+      const int32_t* at = group.contiguous_at.data() + static_cast<size_t>(type) * (n_types + 1) +
+                          static_cast<size_t>(p.last_type);
+      begin = edges + at[0];
+      end = edges + at[1];
+    }
+  }
+  for (const Edge* e = begin; e != end; ++e) {
     if (e->parent_type != p.last_type) {
       if (e->parent_type > p.last_type) break;
       continue;
@@ -113,19 +125,24 @@ void Engine::Impl::fire(int32_t trigger, Partition& p, int64_t ts, size_t index,
   const int32_t slot = matrix_slot(trigger, out);
   std::vector<double>& matrix = out.matrices[slot];
   const size_t base = matrix.size();
-  matrix.resize(base + trig.width);
+  const auto width = static_cast<size_t>(trig.width);
   int64_t lo = 0, hi = 0;
   if (last_row.event == index && last_row.features == trig.same_features) {
+    // Through scratch_row: the row copied may be in this very matrix, which may grow.
     const double* row = out.matrices[last_row.slot].data() + last_row.offset;
-    std::copy(row, row + trig.width, matrix.data() + base);
+    if (scratch_row.size() < width) scratch_row.resize(width);
+    std::copy(row, row + width, scratch_row.data());
     lo = last_row.lo;
     hi = last_row.hi;
   } else {
+    if (scratch_row.size() < width) scratch_row.resize(width);
     const WindowContext ctx{compiled.groups[trig.group], compiled.edges, watermark, config.lateness};
-    compute_features(trig, ctx, ts, stamp, p.logs, p.windows, window_scratch,
-                     matrix.data() + base, lo, hi);
+    compute_features(trig, ctx, ts, stamp, p.logs, p.windows, window_scratch, scratch_row.data(),
+                     lo, hi);
     last_row = {index, trig.same_features, slot, base, lo, hi};
   }
+  // push_back, not resize: resize's zero-filling append is an out-of-line call.
+  for (size_t k = 0; k < width; ++k) matrix.push_back(scratch_row[k]);
   ++fired[trigger];
   out.trigger_id.push_back(trigger);
   out.key.push_back(p.key);

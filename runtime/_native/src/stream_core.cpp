@@ -24,14 +24,20 @@ size_t window_bytes(const WindowState& w) {
 void Engine::Impl::validate(const Batch& b) const {
   const auto n_values = static_cast<size_t>(config.n_values);
   int64_t wm = watermark;
+  // The earliest ts allowed (wm - lateness, without overflow before the first event),
+  // and the checks as `&`s of unsigned comparisons: one branch an event.
+  int64_t floor = wm == kNone ? 0 : wm - config.lateness;
+  const auto n_types = static_cast<uint32_t>(config.n_types);
   for (size_t i = 0; i < b.size(); ++i) {
     const int64_t t = b.ts[i];
     bool finite = true;
     for (size_t v = 0; v < n_values; ++v) finite &= std::isfinite(b.values[i * n_values + v]);
-    const bool ok = b.types[i] >= 0 && b.types[i] < config.n_types && t >= 0 && t <= kMaxTs &&
-                    finite && (wm == kNone || t >= wm - config.lateness);
+    const bool ok = (static_cast<uint32_t>(b.types[i]) < n_types) &
+                    (static_cast<uint64_t>(t) <= static_cast<uint64_t>(kMaxTs)) & finite &
+                    (t >= floor);
     if (!ok) reject(b, i, wm);
     wm = std::max(wm, t);
+    floor = std::max(floor, wm - config.lateness);
   }
 }
 
