@@ -61,8 +61,29 @@ struct Engine::Impl {
   [[noreturn]] void reject(const Batch& b, size_t i, int64_t wm) const;
   void apply(const Batch& b, size_t i, Firings& out);
   int32_t partition(int32_t group, int64_t key);
-  void unlink(int32_t p);
-  void link_tail(int32_t p);
+  // partition() for a key that has state (most events): found and moved to the
+  // most-recently-used end here, inline; otherwise the out-of-line call.
+  int32_t touch(int32_t group, int64_t key) {
+    const int32_t p = table.find(group, key);
+    if (p < 0) return partition(group, key);
+    if (p != lru_tail) {
+      unlink(p);
+      link_tail(p);
+    }
+    return p;
+  }
+  void unlink(int32_t p) {
+    const int32_t prev = lru[p].prev, next = lru[p].next;
+    (prev >= 0 ? lru[prev].next : lru_head) = next;
+    (next >= 0 ? lru[next].prev : lru_tail) = prev;
+    lru[p].prev = lru[p].next = -1;
+  }
+  void link_tail(int32_t p) {
+    lru[p].prev = lru_tail;
+    lru[p].next = -1;
+    (lru_tail >= 0 ? lru[lru_tail].next : lru_head) = p;
+    lru_tail = p;
+  }
   void evict(int32_t p);
   void process(const Batch& b, size_t i, int32_t g, Partition& p, Firings& out);
   void reserve(size_t events, Firings& out);

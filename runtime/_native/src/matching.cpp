@@ -34,7 +34,7 @@ void Engine::Impl::apply(const Batch& b, size_t i, Firings& out) {
   for (size_t g = 0; g < compiled.groups.size(); ++g) {
     if (!compiled.groups[g].live) continue;
     const int64_t key = b.keys[i * config.n_keys + compiled.groups[g].by];
-    const int32_t p = partition(static_cast<int32_t>(g), key);
+    const int32_t p = touch(static_cast<int32_t>(g), key);
     lru[p].activity = watermark;
     process(b, i, static_cast<int32_t>(g), parts[p], out);
   }

@@ -28,10 +28,11 @@ void Engine::Impl::validate(const Batch& b) const {
   // and the checks as `&`s of unsigned comparisons: one branch an event.
   int64_t floor = wm == kNone ? 0 : wm - config.lateness;
   const auto n_types = static_cast<uint32_t>(config.n_types);
-  for (size_t i = 0; i < b.size(); ++i) {
+  const double* values = b.values.data();
+  for (size_t i = 0; i < b.size(); ++i, values += n_values) {
     const int64_t t = b.ts[i];
     bool finite = true;
-    for (size_t v = 0; v < n_values; ++v) finite &= std::isfinite(b.values[i * n_values + v]);
+    for (size_t v = 0; v < n_values; ++v) finite &= std::isfinite(values[v]);
     const bool ok = (static_cast<uint32_t>(b.types[i]) < n_types) &
                     (static_cast<uint64_t>(t) <= static_cast<uint64_t>(kMaxTs)) & finite &
                     (t >= floor);
@@ -66,20 +67,6 @@ void Engine::Impl::reject(const Batch& b, size_t i, int64_t wm) const {
   msg << "timestamp " << t << " is " << (wm - t) << " ms behind the watermark " << wm
       << ", beyond the allowed lateness of " << config.lateness << " ms";
   throw InputError(InputError::Kind::Late, i, msg.str());
-}
-
-void Engine::Impl::unlink(int32_t p) {
-  const int32_t prev = lru[p].prev, next = lru[p].next;
-  (prev >= 0 ? lru[prev].next : lru_head) = next;
-  (next >= 0 ? lru[next].prev : lru_tail) = prev;
-  lru[p].prev = lru[p].next = -1;
-}
-
-void Engine::Impl::link_tail(int32_t p) {
-  lru[p].prev = lru_tail;
-  lru[p].next = -1;
-  (lru_tail >= 0 ? lru[lru_tail].next : lru_head) = p;
-  lru_tail = p;
 }
 
 void Engine::Impl::evict(int32_t p) {
