@@ -120,7 +120,13 @@ class EventLog {
 
   void write(int64_t* row, int64_t ts, const double* values, const int32_t* columns) {
     row[0] = ts;
-    for (size_t c = 0; c + 1 < stride_; ++c) std::memcpy(row + 1 + c, values + columns[c], 8);
+    switch (stride_) {  // rows of one or two values (most) without the loop
+      case 3: std::memcpy(row + 2, values + columns[1], 8); [[fallthrough]];
+      case 2: std::memcpy(row + 1, values + columns[0], 8); [[fallthrough]];
+      case 1: return;
+      default:
+        for (size_t c = 0; c + 1 < stride_; ++c) std::memcpy(row + 1 + c, values + columns[c], 8);
+    }
   }
 
   void grow() {

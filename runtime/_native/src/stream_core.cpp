@@ -156,6 +156,7 @@ void Engine::remove_trigger(int32_t trigger) {
 void Engine::Impl::recompile() {
   compiled = compile(config, defs);
   dirty = false;
+  size_reads(compiled, window_scratch);
   size_t nodes = 0;
   for (const Group& g : compiled.groups) nodes = std::max(nodes, static_cast<size_t>(g.n_nodes));
   scratch_last.resize(nodes);

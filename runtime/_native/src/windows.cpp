@@ -203,6 +203,16 @@ const MonoQueue::Entry* MonoQueue::first_from(int64_t ts) const {
   return it == buf_.end() ? nullptr : &*it;
 }
 
+void size_reads(const Compiled& compiled, WindowScratch& scratch) {
+  scratch.reads.resize(static_cast<size_t>(compiled.n_windows));
+  for (const Group& g : compiled.groups) {
+    for (size_t w = 0; w < g.windows.size(); ++w) {
+      scratch.reads[static_cast<size_t>(g.window_base) + w].out.resize(
+          static_cast<size_t>(g.windows[w].n_out));
+    }
+  }
+}
+
 void reset_windows(const Group& group, const KeyLogs& logs, std::vector<WindowState>& states) {
   states.resize(group.windows.size());
   for (size_t w = 0; w < group.windows.size(); ++w) {
@@ -275,13 +285,11 @@ void append_ordered(const WindowContext& ctx, int32_t l, int64_t ts, const doubl
 const WindowRead& query_window(const WindowContext& ctx, int32_t w, int64_t ts, uint64_t stamp,
                                const KeyLogs& logs, std::vector<WindowState>& states,
                                WindowScratch& scratch) {
-  const auto at = static_cast<size_t>(ctx.group.window_base + w);
-  if (scratch.reads.size() <= at) scratch.reads.resize(at + 1);
-  WindowRead& r = scratch.reads[at];
+  // Sized by size_reads when the triggers were compiled.
+  WindowRead& r = scratch.reads[static_cast<size_t>(ctx.group.window_base + w)];
   if (r.stamp == stamp) return r;
   r.stamp = stamp;
   const WindowSpec& window = ctx.group.windows[static_cast<size_t>(w)];
-  if (r.out.size() != static_cast<size_t>(window.n_out)) r.out.resize(static_cast<size_t>(window.n_out));
   const auto l = static_cast<size_t>(window.log);
   if (window.kind != WindowKind::Count && logs[l].sorted.empty()) {
     int64_t lo = ts - window.size + 1, hi = ts;

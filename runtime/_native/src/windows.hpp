@@ -126,6 +126,10 @@ struct WindowContext {
   int64_t lateness;
 };
 
+// One WindowRead per window of the compiled triggers, each with room for its outputs:
+// after every compile (a window keeps its index across compiles).
+void size_reads(const Compiled& compiled, WindowScratch& scratch);
+
 // State with nothing in its aggregates yet: for a new key (logs cleared), or after the
 // logs were restored (the first read catches up from them).
 void reset_windows(const Group& group, const KeyLogs& logs, std::vector<WindowState>& states);
