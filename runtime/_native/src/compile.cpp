@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -115,7 +116,7 @@ void add_edges(Group& group, const std::vector<Node>& nodes, int32_t n_types) {
     const bool gap = !root && n.op == Op::Gap;
     const int32_t parent_type = root ? -1 : nodes[n.parent].type;
     Edge e{root ? -1 : gap ? slot[n.parent] : n.parent, parent_type, slot[i],
-           n.contiguous_children ? static_cast<int32_t>(i) : -1, 0, 0, 0, 0};
+           n.contiguous_children ? static_cast<int32_t>(i) : -1, 0, 0, 0, 0, 0};
     e.cond_begin = static_cast<int32_t>(group.conditions.size());
     group.conditions.insert(group.conditions.end(), n.conditions.begin(), n.conditions.end());
     e.cond_end = static_cast<int32_t>(group.conditions.size());
@@ -288,6 +289,16 @@ Compiled compile(const Config& config, const std::vector<TriggerDef>& defs) {
     group.by = id.second;
     add_edges(group, build_trie(defs, id), config.n_types);
     for (const int32_t t : group.terminals) group.terminal_within.push_back(defs[t].within);
+    for (auto* edges : {&group.free_edges, &group.contiguous_edges}) {
+      for (Edge& e : *edges) {
+        e.term_span = std::numeric_limits<int64_t>::min();
+        for (int32_t k = e.term_begin; k < e.term_end; ++k) {
+          const int64_t within = group.terminal_within[k];
+          const int64_t span = within < 0 ? std::numeric_limits<int64_t>::max() : within;
+          e.term_span = std::max(e.term_span, span);
+        }
+      }
+    }
     std::map<std::string, int32_t> first_with;  // features (as bytes) -> first trigger
     for (size_t t = 0; t < defs.size(); ++t) {
       if (!member(defs[t], id)) continue;

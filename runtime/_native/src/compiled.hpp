@@ -28,6 +28,9 @@ struct Edge {
   int32_t child_last;   // the child node if it has `->` children (goes in `last`), else -1
   int32_t cond_begin, cond_end;  // into Group::conditions
   int32_t term_begin, term_end;  // triggers ending at the child, into Group::terminals
+  // The largest span limit of those triggers (int64 max if one has none, min if none
+  // end here): a match with t - start beyond it fires none of them, tested once.
+  int64_t term_span;
 };
 
 // One log per stream a group's features read: all events (of = -1) or one type. Its

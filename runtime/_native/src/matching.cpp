@@ -77,6 +77,7 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   const auto advance = [&](const Edge& e, int64_t start) {
     if (e.child_any >= 0) p.any[e.child_any] = std::max(p.any[e.child_any], start);
     if (e.child_last >= 0) reached[n_reached++] = {e.child_last, start};
+    if (t - start > e.term_span) return;  // ts are in [0, 2**62]: no overflow
     for (int32_t k = e.term_begin; k < e.term_end; ++k) {
       const int64_t within = group.terminal_within[k];
       if (within < 0 || start >= t - within) fire(group.terminals[k], p, t, i, out);
