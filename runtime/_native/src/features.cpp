@@ -12,8 +12,14 @@ void compute_features(const CompiledTrigger& trigger, const WindowContext& ctx, 
   hi = std::numeric_limits<int64_t>::min();
   for (const CompiledFeature& f : trigger.features) {
     const WindowRead& s = query_window(ctx, f.window, ts, stamp, logs, states, scratch);
-    // A loop, not std::copy: one or two doubles, where copy calls memmove.
-    for (int32_t k = 0; k < f.width; ++k) out[f.offset + k] = s.out[static_cast<size_t>(f.out + k)];
+    // A loop, not std::copy: one or two doubles, where copy calls memmove; most
+    // features are one (a histogram is more).
+    const double* from = s.out.data() + f.out;
+    if (f.width == 1) {
+      out[f.offset] = *from;
+    } else {
+      for (int32_t k = 0; k < f.width; ++k) out[f.offset + k] = from[k];
+    }
     if (s.lo <= s.hi) {
       lo = std::min(lo, s.lo);
       hi = std::max(hi, s.hi);

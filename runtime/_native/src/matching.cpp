@@ -123,7 +123,7 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
 
 void Engine::Impl::fire(int32_t trigger, Partition& p, int64_t ts, size_t index, Firings& out) {
   const CompiledTrigger& trig = compiled.triggers[trigger];
-  const int32_t slot = matrix_slot(trigger, out);
+  const int32_t slot = slot_of[trigger] >= 0 ? slot_of[trigger] : matrix_slot(trigger, out);
   std::vector<double>& matrix = out.matrices[slot];
   const size_t base = matrix.size();
   const auto width = static_cast<size_t>(trig.width);
@@ -156,7 +156,8 @@ void Engine::Impl::fire(int32_t trigger, Partition& p, int64_t ts, size_t index,
 }
 
 // The trigger's matrix in this push's output, added (and sized from the trigger's
-// firing rate so far, with some slack) when it first fires.
+// firing rate so far, with some slack) when it first fires (fire looks up the ones
+// already added itself).
 int32_t Engine::Impl::matrix_slot(int32_t trigger, Firings& out) {
   int32_t& slot = slot_of[trigger];
   if (slot < 0) {
