@@ -169,11 +169,13 @@ class ChunkStore:
         return len(missing), fetched[0]
 
     async def _download(self, conn: DeviceConnection, ref: chunks.ChunkRef) -> bytes:
-        data = bytearray()
+        pieces: list[bytes] = []
+        size = 0
         try:
             async for _, piece in conn.download(ref.id.hex(), size=ref.ciphertext_size, offset=0):
-                data += piece
-                if len(data) > ref.ciphertext_size:
+                pieces.append(piece)
+                size += len(piece)
+                if size > ref.ciphertext_size:
                     break
         except DeviceCallError as exc:
             if exc.code not in _THIS_VERSIONS_FAULT:
@@ -183,7 +185,8 @@ class ChunkStore:
             raise IntegrityFailure(
                 f"chunk {ref.id.hex()[:12]} could not be fetched: {exc}"
             ) from None
-        return bytes(data)
+        # A chunk is most often one piece: kept as it came, not copied.
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def sweep(self, keep: Iterable[bytes]) -> int:
         """Delete every chunk not in `keep`, and leftover partial writes; return how many."""
