@@ -13,12 +13,15 @@ chunk damaged on the disk is refused, deleted and fetched again by the next inst
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -32,6 +35,9 @@ log = logging.getLogger("skiff.agent")
 
 _PART = ".part"
 IN_FLIGHT = 4  # chunk downloads at once
+# Threads writing (and fsyncing) fetched chunks, and how many checked chunks may wait for
+# them: about 8 MiB at the average chunk size.
+WRITERS, WRITE_BACKLOG = 2, 32
 # Answers that are about this version's chunk, not the connection: the install fails.
 _THIS_VERSIONS_FAULT = (
     grpc.StatusCode.NOT_FOUND,
@@ -76,6 +82,10 @@ class ChunkStore:
         """
         if hashlib.sha256(ciphertext).digest() != chunk_id:
             raise IntegrityFailure(f"chunk {chunk_id.hex()[:12]} does not match its signed digest")
+        self._store(chunk_id, ciphertext, sync_dir=sync_dir)
+
+    def _store(self, chunk_id: bytes, ciphertext: bytes, *, sync_dir: bool = False) -> None:
+        """Write a chunk already checked against its id: beside its name, fsynced, renamed."""
         final = self.path(chunk_id)
         part = final.with_name(final.name + _PART)
         try:
@@ -116,27 +126,49 @@ class ChunkStore:
         return data
 
     def plaintext(
-        self, table: chunks.ChunkTable, keys: dict[bytes, bytes], model: str
+        self,
+        table: chunks.ChunkTable,
+        keys: dict[bytes, bytes],
+        model: str,
+        opened: OpenedChunks | None = None,
     ) -> Iterator[bytes]:
-        """Yield a version's plaintext chunk by chunk, each checked and authenticated."""
+        """Yield a version's plaintext chunk by chunk, each checked and authenticated.
+
+        A chunk in `opened` (opened as it was fetched) is taken from there, the others
+        are read from the store.
+        """
+        # A chunk the table names twice stays in `opened` until its last use.
+        uses = collections.Counter(ref.id for ref in table.chunks)
         for ref in table.chunks:
-            try:
-                plain = chunks.open_chunk(keys[ref.id], model, ref.id, self.read(ref.id))
-            except errors.IntegrityError as exc:
-                self.path(ref.id).unlink(missing_ok=True)
-                raise IntegrityFailure(str(exc)) from None
+            plain = None
+            if opened is not None:
+                uses[ref.id] -= 1
+                plain = opened.take(ref.id, last=not uses[ref.id])
+            if plain is None:
+                try:
+                    plain = chunks.open_chunk(keys[ref.id], model, ref.id, self.read(ref.id))
+                except errors.IntegrityError as exc:
+                    self.path(ref.id).unlink(missing_ok=True)
+                    raise IntegrityFailure(str(exc)) from None
             if len(plain) != ref.size:
                 raise IntegrityFailure(f"chunk {ref.id.hex()[:12]} is not {ref.size} bytes")
             yield plain
 
     async def fetch_missing(
-        self, conn: DeviceConnection, table: chunks.ChunkTable
-    ) -> tuple[int, int]:
-        """Download the chunks of `table` not held here; return (chunks, bytes) fetched.
+        self, conn: DeviceConnection, table: chunks.ChunkTable, opened: OpenedChunks | None = None
+    ) -> ChunkWrites:
+        """Download the chunks of `table` not held here, check them, and keep them.
 
         Each chunk is checked against its signed id before it is kept; a chunk that does
         not match is not kept and fails the install (IntegrityFailure): the chunks already
-        kept stay, so the next attempt fetches only what is still missing.
+        kept stay, so the next attempt fetches only what is still missing. With `opened`,
+        each is also authenticated and decrypted into it as it arrives (in memory only),
+        so the self-test that follows neither reads it back nor hashes it again.
+
+        Returns once every chunk is checked (and opened). Their writes (each written beside
+        its name, fsynced, renamed) go on behind the download, in threads of their own, so
+        no fsync holds up a transfer or the self-test: await the result's `kept()` before
+        anything names them.
         """
         missing = table.missing_from(self.held())
         need = sum(c.ciphertext_size for c in missing)
@@ -147,26 +179,35 @@ class ChunkStore:
                 f"not enough disk space for {len(missing)} chunks ({need} bytes) in "
                 f"{self._root}: {free} bytes free"
             )
+        writes = ChunkWrites(self._store, self._root, len(missing))
         # A few downloads in flight at once: one chunk's round trip (and the control
-        # plane's check of the assignment) overlaps the others' transfer.
-        slots, fetched = asyncio.Semaphore(IN_FLIGHT), [0]
+        # plane's check of the assignment) overlaps the others' transfer. The check (and
+        # the opening) runs in a thread, off the event loop that receives the others.
+        slots = asyncio.Semaphore(IN_FLIGHT)
 
         async def one(ref: chunks.ChunkRef) -> None:
             async with slots:
+                writes.raise_failed()  # a full disk stops the download
                 data = await self._download(conn, ref)
-                self.put(ref.id, data, sync_dir=False)
-                fetched[0] += len(data)
+            await writes.room()
+            try:
+                await asyncio.to_thread(_check, ref, data, opened)
+            except BaseException:
+                writes.give_back_room()
+                raise
+            writes.write(ref.id, data)
 
         tasks = [asyncio.ensure_future(one(ref)) for ref in missing]
         try:
             await asyncio.gather(*tasks)
-        finally:
+        except BaseException:
             for task in tasks:  # the first failure stops the rest
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if missing:
-                fsync_dir(self._root)  # every rename of the batch made durable at once
-        return len(missing), fetched[0]
+            with contextlib.suppress(Exception):
+                await writes.kept()  # what was checked stays: the next attempt skips it
+            raise
+        return writes
 
     async def _download(self, conn: DeviceConnection, ref: chunks.ChunkRef) -> bytes:
         pieces: list[bytes] = []
@@ -189,13 +230,18 @@ class ChunkStore:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def sweep(self, keep: Iterable[bytes]) -> int:
-        """Delete every chunk not in `keep`, and leftover partial writes; return how many."""
+        """Delete every chunk not in `keep`, and partial writes of others; return how many.
+
+        The partial write of a chunk in `keep` may be in progress (an install's writes go
+        on in threads): it stays, and a later write of that chunk replaces a leftover.
+        """
         wanted = {k.hex() for k in keep}
         removed = 0
         if not self._root.is_dir():
             return 0
         for entry in os.scandir(self._root):
-            if entry.name in wanted and entry.is_file(follow_symlinks=False):
+            name = entry.name.removesuffix(_PART)
+            if name in wanted and entry.is_file(follow_symlinks=False):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)  # nothing the agent made
@@ -205,3 +251,93 @@ class ChunkStore:
         if removed:
             fsync_dir(self._root)
         return removed
+
+
+def _check(ref: chunks.ChunkRef, ciphertext: bytes, opened: OpenedChunks | None) -> None:
+    """Check a fetched chunk against its id; with `opened`, open it (which checks that too)."""
+    if opened is not None:
+        opened.open(ref.id, ciphertext)  # IntegrityFailure unless it matches and authenticates
+    elif hashlib.sha256(ciphertext).digest() != ref.id:
+        raise IntegrityFailure(f"chunk {ref.id.hex()[:12]} does not match its signed digest")
+
+
+class ChunkWrites:
+    """The writes of the chunks one fetch checked: in threads of their own, in order.
+
+    At most WRITE_BACKLOG chunks wait for theirs (the download waits for room): memory
+    stays bounded where the disk is slower than the network.
+    """
+
+    def __init__(self, store: Callable[[bytes, bytes], None], root: Path, count: int) -> None:
+        self.count, self.bytes = count, 0
+        self._store, self._root = store, root
+        self._writer = ThreadPoolExecutor(WRITERS, "skiff-chunk-write") if count else None
+        self._pending: list[asyncio.Future] = []
+        self._room = asyncio.Semaphore(WRITE_BACKLOG)
+        self._done = False
+
+    async def room(self) -> None:
+        """Wait until one more checked chunk may wait for its write."""
+        await self._room.acquire()
+
+    def give_back_room(self) -> None:
+        """Return the room taken for a chunk that failed its check."""
+        self._room.release()
+
+    def write(self, chunk_id: bytes, ciphertext: bytes) -> None:
+        """Start writing a checked chunk (in the room taken for it)."""
+        assert self._writer is not None
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._writer, self._store, chunk_id, ciphertext)
+        future.add_done_callback(lambda _: self._room.release())
+        self._pending.append(future)
+        self.bytes += len(ciphertext)
+
+    def raise_failed(self) -> None:
+        """Raise the error of a write that failed (DiskFull, say), if one did."""
+        # Every failed write's error is retrieved (asyncio logs one never retrieved).
+        failed = [f.exception() for f in self._pending if f.done() and not f.cancelled()]
+        first = next((exc for exc in failed if exc is not None), None)
+        if first is not None:
+            raise first
+
+    async def kept(self) -> None:
+        """Wait until every chunk is written, fsynced and renamed, and the directory fsynced.
+
+        Raises the first write's error (DiskFull, OSError); the chunks written stay.
+        """
+        if self._pending:
+            await asyncio.wait(self._pending)
+        if not self._done and self._writer is not None:
+            self._done = True
+            self._writer.shutdown(wait=False)
+            await asyncio.to_thread(fsync_dir, self._root)  # every rename at once
+        self.raise_failed()
+
+
+class OpenedChunks:
+    """The plaintext of the chunks one install fetched, opened as each arrived.
+
+    In memory only, for the self-test that follows the download. A chunk is opened by
+    `contract.chunks.open_chunk`: checked against its signed id, then authenticated
+    under its key and model, before any of its plaintext is kept. The version's whole
+    plaintext is still checked against its signed digest as it is read (Plaintext).
+    """
+
+    def __init__(self, keys: dict[bytes, bytes], model: str) -> None:
+        self._keys, self._model = keys, model
+        self._plain: dict[bytes, bytes] = {}
+
+    def open(self, chunk_id: bytes, ciphertext: bytes) -> None:
+        """Open a fetched chunk and keep its plaintext; IntegrityFailure if it does not open."""
+        key = self._keys.get(chunk_id)
+        if key is None:
+            raise IntegrityFailure(f"chunk {chunk_id.hex()[:12]} has no key")
+        try:
+            self._plain[chunk_id] = chunks.open_chunk(key, self._model, chunk_id, ciphertext)
+        except errors.IntegrityError as exc:
+            raise IntegrityFailure(str(exc)) from None
+
+    def take(self, chunk_id: bytes, *, last: bool) -> bytes | None:
+        """Return a chunk's plaintext if it was opened here (dropped from here if `last`)."""
+        return self._plain.pop(chunk_id, None) if last else self._plain.get(chunk_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -39,7 +40,7 @@ from contract.chunks import ChunkTable, unpack_keys
 from contract.device_client import DeviceConnection
 from contract.limits import MODEL_NAME  # a network name becomes a path
 from device_agent import llm_install, model_install
-from device_agent.chunk_store import ChunkStore
+from device_agent.chunk_store import ChunkStore, ChunkWrites, OpenedChunks
 from device_agent.download import DiskFull, Downloads, IntegrityFailure
 from device_agent.plaintext import Plaintext, from_artifact, from_chunks
 from device_agent.state import (
@@ -262,9 +263,10 @@ class Installer:
         if m.llm is None:
             # The self-test's worker starts (Python, MNN) while the download runs.
             await asyncio.to_thread(_prewarm_worker)
+        opened, writes = None, None  # a chunked version's chunks: opened, and being written
         try:
             if m.chunks is not None and m.chunk_keys is not None:
-                await self._fetch_chunks(conn, m, timings)
+                opened, writes = await self._fetch_chunks(conn, m, timings)
             else:
                 await self.downloads.fetch(
                     conn, m.ciphertext_sha256, m.ciphertext_size, timings, m.segment_sha256, m.url
@@ -274,7 +276,15 @@ class Installer:
                     conn, m.golden.ciphertext_sha256, m.golden.ciphertext_size, None
                 )
             previous_config = (current.get("active") or {}).get("config", "")
-            model, config, probes, pending = await self._self_test(m, timings, previous_config)
+            model, config, probes, pending = await self._self_test(
+                m, timings, previous_config, opened
+            )
+            if writes is not None:  # the chunks on the disk before a pointer may name them
+                try:
+                    await writes.kept()
+                except BaseException:
+                    model.close()
+                    raise
         except (IntegrityFailure, SelfTestFailed, DiskFull) as exc:
             self._write_pointer(
                 m.model,
@@ -297,6 +307,10 @@ class Installer:
             return InstallOutcome(
                 m.model, m.version, m.variant, "failed", str(exc), "", timings, m.rollout
             )
+        finally:
+            if writes is not None:  # nothing of this install is still written once it is over
+                with contextlib.suppress(Exception):
+                    await writes.kept()
         previous = current.get("active") or current.get("previous")
         slot = _slot(m, config, probes)
         if pending:
@@ -435,26 +449,47 @@ class Installer:
 
     async def _fetch_chunks(
         self, conn: DeviceConnection, m: VerifiedModel, timings: InstallTimings
-    ) -> None:
-        """Fetch a chunked version: its key list, then the chunks this device lacks."""
+    ) -> tuple[OpenedChunks, ChunkWrites]:
+        """Fetch a chunked version: its key list, then the chunks this device lacks.
+
+        Return the fetched chunks opened as they arrived (in memory, for the self-test:
+        decrypting them while the others are in flight takes that off the path after the
+        download), and their writes to the chunk store, which go on meanwhile. Memory:
+        the self-test holds the whole plaintext anyway (a model's bytes, or an LLM
+        bundle's memfds, each chunk handed on and dropped as it is used).
+        """
         assert m.chunks is not None and m.chunk_keys is not None
         started = time.monotonic()
         await self.downloads.fetch(
             conn, m.chunk_keys.ciphertext_sha256, m.chunk_keys.ciphertext_size, None
         )
+        keys = await asyncio.to_thread(self._version_chunk_keys, m)
+        opened = OpenedChunks(keys, m.model)
         wanted = set(m.chunks.distinct())
-        count, fetched = await self.chunks.fetch_missing(conn, m.chunks)
+        writes = await self.chunks.fetch_missing(conn, m.chunks, opened)
         timings.download_s = time.monotonic() - started
-        timings.downloaded_bytes = fetched
-        timings.chunks_fetched = count
-        timings.chunks_held = len(wanted) - count
+        timings.downloaded_bytes = writes.bytes
+        timings.chunks_fetched = writes.count
+        timings.chunks_held = len(wanted) - writes.count
+        return opened, writes
 
-    def _plaintext(self, m: VerifiedModel, key: bytes) -> Plaintext:
+    def _version_chunk_keys(self, m: VerifiedModel) -> dict[bytes, bytes]:
+        """Return the keys of an assigned chunked version's chunks (its key list, decrypted)."""
+        assert m.chunks is not None and m.chunk_keys is not None
+        key = self._unwrap(m.wrapped_data_key, m.uid)
+        return self._chunk_keys(m.chunk_keys, key, m.chunks)
+
+    def _plaintext(self, m: VerifiedModel, key: bytes, opened: OpenedChunks | None) -> Plaintext:
         """Return where the assigned variant's plaintext comes from (chunks or artifact)."""
-        return self._slot_plaintext(m.model, _slot(m, "", []), key)
+        return self._slot_plaintext(m.model, _slot(m, "", []), key, opened)
 
-    def _slot_plaintext(self, model: str, slot: dict, key: bytes) -> Plaintext:
-        """Return where an installed slot's plaintext comes from (chunks or artifact)."""
+    def _slot_plaintext(
+        self, model: str, slot: dict, key: bytes, opened: OpenedChunks | None = None
+    ) -> Plaintext:
+        """Return where an installed slot's plaintext comes from (chunks or artifact).
+
+        `opened`: the chunks this install fetched, opened as they arrived.
+        """
         if slot.get("chunks"):
             stored = slot["chunks"]["keys"]
             ref = GoldenArtifact(
@@ -468,7 +503,13 @@ class Installer:
             table = _slot_table(slot)
             keys = self._chunk_keys(ref, key, table)
             return from_chunks(
-                self.chunks, table, keys, model, slot["plaintext_sha256"], slot["plaintext_size"]
+                self.chunks,
+                table,
+                keys,
+                model,
+                slot["plaintext_sha256"],
+                slot["plaintext_size"],
+                opened,
             )
         return from_artifact(
             self.artifact_path(slot["artifact"]),
@@ -487,22 +528,28 @@ class Installer:
             raise IntegrityFailure(str(exc)) from None
 
     async def _self_test(
-        self, m: VerifiedModel, timings: InstallTimings, previous_config: str
+        self,
+        m: VerifiedModel,
+        timings: InstallTimings,
+        previous_config: str,
+        opened: OpenedChunks | None = None,
     ) -> tuple:
         started = time.monotonic()
         try:
-            return await asyncio.to_thread(self._self_test_blocking, m, previous_config)
+            return await asyncio.to_thread(self._self_test_blocking, m, previous_config, opened)
         finally:
             timings.self_test_s = time.monotonic() - started
 
-    def _self_test_blocking(self, m: VerifiedModel, previous_config: str = "") -> tuple:
+    def _self_test_blocking(
+        self, m: VerifiedModel, previous_config: str = "", opened: OpenedChunks | None = None
+    ) -> tuple:
         """Load the version in a worker, probing configs against golden data.
 
         Returns (the loaded runtime.Model, its config key, the probe summaries, whether
         the other candidates are still to probe).
         """
         key = self._unwrap(m.wrapped_data_key, m.uid)
-        source = self._plaintext(m, key)
+        source = self._plaintext(m, key, opened)
         golden = self._golden_bytes(m.golden, key) if m.golden is not None else None
         if m.llm is not None:
             worker, probes = llm_install.self_test(m, source, golden)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from contract.chunks import ChunkTable
 from contract.envelope import decrypt_stream
-from device_agent.chunk_store import ChunkStore
+from device_agent.chunk_store import ChunkStore, OpenedChunks
 from device_agent.download import IntegrityFailure
 
 
@@ -74,8 +74,15 @@ def from_chunks(
     model: str,
     sha256: str,
     size: int,
+    opened: OpenedChunks | None = None,
 ) -> Plaintext:
-    """Return the plaintext a chunk table makes from the chunk store, in table order."""
+    """Return the plaintext a chunk table makes, in table order.
+
+    From `opened` for the chunks opened as they were fetched, else from the chunk store.
+    """
     return Plaintext(
-        f"chunks of {sha256[:12]}", sha256, size, lambda: store.plaintext(table, keys, model)
+        f"chunks of {sha256[:12]}",
+        sha256,
+        size,
+        lambda: store.plaintext(table, keys, model, opened),
     )

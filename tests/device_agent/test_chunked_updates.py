@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import json
 import os
 
 import grpc
@@ -24,7 +25,7 @@ from control_plane.demo import sample_models
 from control_plane.registry import chunking
 from control_plane.views.fleet_text import rollout_text
 from device_agent import chunk_store, install
-from device_agent.chunk_store import ChunkStore
+from device_agent.chunk_store import ChunkStore, OpenedChunks
 from device_agent.download import IntegrityFailure
 from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device
@@ -287,20 +288,23 @@ def test_the_chunk_store_reads_and_sweeps_regular_files_only(tmp_path):
 
 
 def test_a_power_cut_while_a_chunk_is_written_loses_nothing_kept(cp, tmp_path):
-    """SIGKILL half-way through writing the fifth chunk: the four written before it are
-    whole and kept, the cut one is not taken for a chunk, and the next run fetches only
-    the rest."""
+    """SIGKILL half-way through writing the fifth chunk: the chunks kept by then (about
+    four: chunks are kept in threads, a few at once) are whole, the cut one is not taken
+    for a chunk, and the next run fetches only the rest."""
     state = tmp_path / "state"
     _push(cp, tmp_path, _mnn(_onnx(seed=12)))
     table = _table(cp, 1)
     _rollout(cp, 1)
     crash_run(cp, state, "chunk:5", "--enroll-token", token(cp))
     held = {p.name for p in (state / "chunks").iterdir() if not p.name.endswith(".part")}
-    assert len(held) == 4 and held <= {c.hex() for c in table.distinct()}
+    assert len(held) < 4 + chunk_store.IN_FLIGHT and held <= {c.hex() for c in table.distinct()}
+    store = ChunkStore(state / "chunks")
+    for name in held:
+        store.read(bytes.fromhex(name))  # whole: it matches its id
     (result,) = asyncio.run(once(cp, state)).installs
     assert result.result == "activated", result.reason
-    assert result.timings.chunks_held == 4
-    assert result.timings.chunks_fetched == len(table.distinct()) - 4
+    assert result.timings.chunks_held == len(held)
+    assert result.timings.chunks_fetched == len(table.distinct()) - len(held)
     assert not list((state / "chunks").glob("*.part"))
 
 
@@ -330,22 +334,23 @@ def test_a_chunk_store_that_fills_the_disk_fails_the_install_cleanly(cp, tmp_pat
 
 def test_a_sweep_racing_an_install_keeps_the_chunks_it_fetched(cp, tmp_path, monkeypatch):
     """A sweep that says nothing is assigned any more (the harshest), run after every chunk
-    an install stores: the install's chunks stay, and it activates."""
+    an install stores (in the threads that write them, behind the download and during the
+    self-test): the install's chunks stay, and it activates."""
     state = tmp_path / "state"
     _push(cp, tmp_path, _mnn(_onnx(seed=14)))
     _rollout(cp, 1)
-    installers, real_install, real_put = [], install.Installer.install, ChunkStore.put
+    installers, real_install, real_store = [], install.Installer.install, ChunkStore._store
 
     async def recording(self, conn, m):
         installers.append(self)
         return await real_install(self, conn, m)
 
-    def put_then_sweep(self, chunk_id, ciphertext, **kw):
-        real_put(self, chunk_id, ciphertext, **kw)
+    def store_then_sweep(self, chunk_id, ciphertext, **kw):
+        real_store(self, chunk_id, ciphertext, **kw)
         installers[-1].collect_garbage(set())
 
     monkeypatch.setattr(install.Installer, "install", recording)
-    monkeypatch.setattr(ChunkStore, "put", put_then_sweep)
+    monkeypatch.setattr(ChunkStore, "_store", store_then_sweep)
     (result,) = asyncio.run(once(cp, state, enroll_token=token(cp))).installs
     assert result.result == "activated", result.reason
     assert result.timings.chunks_fetched == len(_table(cp, 1).distinct())
@@ -353,7 +358,8 @@ def test_a_sweep_racing_an_install_keeps_the_chunks_it_fetched(cp, tmp_path, mon
 
 def test_chunks_in_another_order_or_one_twice_do_not_make_the_signed_plaintext(tmp_path):
     """The table is signed; were it not, chunks out of order, or a chunk listed twice in
-    place of another, still could not pass: the whole plaintext's signed digest fails."""
+    place of another, still could not pass: the whole plaintext's signed digest fails,
+    whether the chunks are read from the store or were opened as they were fetched."""
     from device_agent.plaintext import from_chunks
 
     plain = hashlib.shake_256(b"order").digest(2 << 20)
@@ -371,8 +377,83 @@ def test_chunks_in_another_order_or_one_twice_do_not_make_the_signed_plaintext(t
     doubled = [*good.chunks[:-1], good.chunks[0]]
     for refs in (swapped, doubled):
         table = chunks.ChunkTable(tuple(refs))
-        with pytest.raises(IntegrityFailure, match="plaintext does not match its digest|longer"):
-            from_chunks(store, table, keys, BIG, digest, len(plain)).read()
+        for opened in (None, _opened(sealed, keys)):
+            with pytest.raises(IntegrityFailure, match="plaintext does not match its digest|long"):
+                from_chunks(store, table, keys, BIG, digest, len(plain), opened).read()
+    opened = _opened(sealed, keys)
+    assert from_chunks(store, good, keys, BIG, digest, len(plain), opened).read() == plain
+    assert all(opened.take(s.ref.id, last=True) is None for s in sealed)  # handed on, dropped
+
+
+def _opened(sealed, keys) -> OpenedChunks:
+    opened = OpenedChunks(keys, BIG)
+    for s in sealed:
+        opened.open(s.ref.id, s.ciphertext)
+    return opened
+
+
+def test_a_chunk_is_opened_as_it_arrives_only_if_it_matches_its_id_and_key():
+    """Nothing of a chunk is kept in memory unless it matches its signed id and then
+    authenticates under its own key and model."""
+    plain = hashlib.shake_256(b"opened").digest(1 << 20)
+    sealed = list(chunking.seal(chunks.new_secret(), BIG, plain, avg=64 << 10))
+    keys = {s.ref.id: s.key for s in sealed}
+    first, second = sealed[0], sealed[1]
+    flipped = bytearray(first.ciphertext)
+    flipped[len(flipped) // 2] ^= 1
+    cases = [
+        (OpenedChunks(keys, BIG), bytes(flipped), "does not match its signed digest"),
+        (OpenedChunks(keys, BIG), first.ciphertext + b"\0", "does not match its signed digest"),
+        (OpenedChunks(keys, BIG), first.ciphertext[:-1], "does not match its signed digest"),
+        (OpenedChunks({**keys, first.ref.id: second.key}, BIG), first.ciphertext, "failed auth"),
+        (OpenedChunks(keys, "other"), first.ciphertext, "failed authentication"),
+        (OpenedChunks({}, BIG), first.ciphertext, "has no key"),
+    ]
+    for opened, ciphertext, reason in cases:
+        with pytest.raises(IntegrityFailure, match=reason):
+            opened.open(first.ref.id, ciphertext)
+        assert opened.take(first.ref.id, last=True) is None
+
+
+def test_a_chunk_served_longer_or_shorter_than_signed_installs_nothing(cp, tmp_path):
+    """One byte more or one less than the chunk's signed id names: the install fails,
+    nothing of that chunk is kept, and no version is active."""
+    state = tmp_path / "state"
+    asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled, nothing assigned yet
+    _push(cp, tmp_path, _mnn(_onnx(seed=16)))
+    victim = _table(cp, 1).chunks[3]
+    blob = blob_path(cp, victim.id.hex())
+    good = blob.read_bytes()
+    _rollout(cp, 1)
+    for bad, reason in ((good + b"\0", "signed digest"), (good[:-1], "could not be fetched")):
+        blob.write_bytes(bad)
+        (result,) = asyncio.run(once(cp, state)).installs
+        assert result.result == "failed" and reason in result.reason, result.reason
+        assert victim.id.hex() not in {p.name for p in (state / "chunks").iterdir()}
+        assert not json.loads((state / "models" / f"{BIG}.json").read_text()).get("active")
+    blob.write_bytes(good)
+    (result,) = asyncio.run(once(cp, state)).installs
+    assert result.result == "activated", result.reason
+
+
+def test_an_install_opens_the_chunks_it_fetches_as_they_arrive(cp, tmp_path, monkeypatch):
+    """The self-test reads back from the store only the chunks held before the download."""
+    state = tmp_path / "state"
+    source = _onnx(seed=17)
+    _push(cp, tmp_path, _mnn(source))
+    _push(cp, tmp_path, _mnn(_one_tensor_changed(source)))
+    reads, real_read = [], ChunkStore.read
+
+    def reading(self, chunk_id):
+        reads.append(chunk_id)
+        return real_read(self, chunk_id)
+
+    monkeypatch.setattr(ChunkStore, "read", reading)
+    _install(cp, state, 1, enroll_token=token(cp))
+    assert reads == []
+    second = _install(cp, state, 2)
+    held = set(_table(cp, 1).distinct())
+    assert set(reads) == held & set(_table(cp, 2).distinct()) and second.timings.chunks_held
 
 
 def test_rollout_show_says_what_a_device_downloads_from_each_earlier_version(cp, tmp_path):
