@@ -34,7 +34,10 @@ from device_agent.state import fsync_dir, write_all
 log = logging.getLogger("skiff.agent")
 
 _PART = ".part"
-IN_FLIGHT = 4  # chunk downloads at once
+# Chunk downloads at once (each its own Download call): with 16 rather than 4, a 100 MB
+# model's ~390 chunks came in ~20% sooner on a 2-core machine, with less CPU on both sides
+# (fewer wake-ups per byte); the chunks in flight stay a few MiB at the average size.
+IN_FLIGHT = 16
 # Threads writing (and fsyncing) fetched chunks, and how many checked chunks may wait for
 # them: about 8 MiB at the average chunk size.
 WRITERS, WRITE_BACKLOG = 2, 32
