@@ -265,7 +265,7 @@ def _check(ref: chunks.ChunkRef, ciphertext: bytes, opened: OpenedChunks | None)
 
 
 class ChunkWrites:
-    """The writes of the chunks one fetch checked: in threads of their own, in order.
+    """The writes of the chunks one fetch checked, in WRITERS threads of their own.
 
     At most WRITE_BACKLOG chunks wait for theirs (the download waits for room): memory
     stays bounded where the disk is slower than the network.
