@@ -6,7 +6,8 @@ travel in each version's key list, encrypted under the version's data key, itsel
 to this device. An install fetches only the chunks of its version's signed table that
 are not here, each checked against its id as it arrives and written beside its final
 name, fsynced, renamed and the directory fsynced: a power cut leaves a chunk whole or
-absent (a leftover `.part` goes at the next sweep). Every read is checked again, so a
+absent (a leftover `.part` goes at the next sweep, unless its chunk is still wanted: then
+its next write replaces it). Every read is checked again, so a
 chunk damaged on the disk is refused, deleted and fetched again by the next install.
 """
 
@@ -34,12 +35,14 @@ from device_agent.state import fsync_dir, write_all
 log = logging.getLogger("skiff.agent")
 
 _PART = ".part"
-# Chunk downloads at once (each its own Download call): with 16 rather than 4, a 100 MB
-# model's ~390 chunks came in ~20% sooner on a 2-core machine, with less CPU on both sides
-# (fewer wake-ups per byte); the chunks in flight stay a few MiB at the average size.
-IN_FLIGHT = 16
-# Threads writing (and fsyncing) fetched chunks, and how many checked chunks may wait for
-# them: about 8 MiB at the average chunk size.
+# Chunk downloads at once (each its own Download call). 16 brought a 100 MB model's ~390
+# chunks ~20% sooner on a 2-core machine, but the control plane has no per-device limit
+# on them and counts them against one server-wide limit of calls (Watch streams included):
+# a stage of thousands of devices fetching 16 each could crowd everyone else out.
+IN_FLIGHT = 4
+# Threads writing (and fsyncing) fetched chunks, and how many chunks may be held in
+# memory at once waiting for theirs, those being downloaded included (room is taken
+# before a download): at most 32 chunks of at most 4x the average chunk size.
 WRITERS, WRITE_BACKLOG = 2, 32
 # Answers that are about this version's chunk, not the connection: the install fails.
 _THIS_VERSIONS_FAULT = (
@@ -189,11 +192,13 @@ class ChunkStore:
         slots = asyncio.Semaphore(IN_FLIGHT)
 
         async def one(ref: chunks.ChunkRef) -> None:
-            async with slots:
-                writes.raise_failed()  # a full disk stops the download
-                data = await self._download(conn, ref)
+            # Room first: a chunk downloaded but not yet written holds it, so a disk
+            # slower than the network holds the download back, not the chunks in memory.
             await writes.room()
             try:
+                async with slots:
+                    writes.raise_failed()  # a full disk stops the download
+                    data = await self._download(conn, ref)
                 await asyncio.to_thread(_check, ref, data, opened)
             except BaseException:
                 writes.give_back_room()
@@ -278,6 +283,7 @@ class ChunkWrites:
         self._pending: list[asyncio.Future] = []
         self._room = asyncio.Semaphore(WRITE_BACKLOG)
         self._done = False
+        self._failed: BaseException | None = None  # the first write that failed
 
     async def room(self) -> None:
         """Wait until one more checked chunk may wait for its write."""
@@ -292,17 +298,22 @@ class ChunkWrites:
         assert self._writer is not None
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._writer, self._store, chunk_id, ciphertext)
-        future.add_done_callback(lambda _: self._room.release())
+        future.add_done_callback(self._written)
         self._pending.append(future)
         self.bytes += len(ciphertext)
 
+    def _written(self, future: asyncio.Future) -> None:
+        self._room.release()
+        # Every write's error is retrieved here (asyncio logs one never retrieved); the
+        # first is kept to stop the download and fail the install.
+        error = None if future.cancelled() else future.exception()
+        if error is not None and self._failed is None:
+            self._failed = error
+
     def raise_failed(self) -> None:
         """Raise the error of a write that failed (DiskFull, say), if one did."""
-        # Every failed write's error is retrieved (asyncio logs one never retrieved).
-        failed = [f.exception() for f in self._pending if f.done() and not f.cancelled()]
-        first = next((exc for exc in failed if exc is not None), None)
-        if first is not None:
-            raise first
+        if self._failed is not None:
+            raise self._failed
 
     async def kept(self) -> None:
         """Wait until every chunk is written, fsynced and renamed, and the directory fsynced.

@@ -13,6 +13,8 @@ import errno
 import hashlib
 import json
 import os
+import threading
+import time
 
 import grpc
 import onnx
@@ -473,3 +475,43 @@ def test_rollout_show_says_what_a_device_downloads_from_each_earlier_version(cp,
     assert dict(shown.download_bytes_from) == {1: delta}
     text = rollout_text(shown)
     assert f"download  {full / 1e6:.2f} MB per device; from v1 {delta / 1e6:.2f} MB" in text
+
+
+def test_chunks_waiting_for_a_slow_disk_hold_the_download_back_not_memory(tmp_path):
+    """A disk slower than the network: at no time are more than WRITE_BACKLOG chunks
+    downloaded and not yet written (each holds its room from before its download)."""
+    plain = hashlib.shake_256(b"slow disk").digest(8 << 20)
+    sealed = list(chunking.seal(chunks.new_secret(), BIG, plain, avg=64 << 10))
+    assert len(sealed) > 3 * chunk_store.WRITE_BACKLOG
+    served = {s.ref.id.hex(): s.ciphertext for s in sealed}
+    count = {"downloaded": 0, "written": 0, "most_held": 0}
+    lock = threading.Lock()
+
+    class Network:
+        async def download(self, name, size, offset):
+            with lock:
+                count["downloaded"] += 1
+                held = count["downloaded"] - count["written"]
+                count["most_held"] = max(count["most_held"], held)
+            yield 0, served[name]
+
+    store = ChunkStore(tmp_path / "chunks")
+    write = store._store
+
+    def slow_write(chunk_id, ciphertext, **kw):
+        time.sleep(0.002)  # a slow card: the network always wins
+        write(chunk_id, ciphertext, **kw)
+        with lock:
+            count["written"] += 1
+
+    store._store = slow_write
+    table = chunks.ChunkTable(tuple(s.ref for s in sealed))
+
+    async def fetch():
+        writes = await store.fetch_missing(Network(), table)
+        await writes.kept()
+
+    asyncio.run(fetch())
+    assert count["written"] == len(table.distinct())
+    assert count["most_held"] <= chunk_store.WRITE_BACKLOG
+    assert store.held() >= set(table.distinct())
