@@ -206,9 +206,10 @@ def _compact(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     if not codes.size:
         return codes[:0], np.zeros(0, np.intp)
-    if int(codes.max()) > 8 * codes.size:  # a few rows of a large table: sorting them is less
+    largest = int(codes.max())
+    if largest > 8 * codes.size:  # a few rows of a large table: sorting them is less
         return np.unique(codes, return_inverse=True)
-    seen = np.zeros(int(codes.max()) + 1, bool)
+    seen = np.zeros(largest + 1, bool)
     seen[codes] = True
     values = np.flatnonzero(seen)
     slot = np.zeros(len(seen), np.intp)
@@ -396,11 +397,11 @@ def _device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQ
     keep = hist_entry_ok & (hist_row >= 0)
     # One row of buckets per device, over the buckets any of them filled (below and above
     # that range every row is empty: the quantile's bucket is within it).
-    index = devices.hist_index[keep]
-    first = int(index.min()) if index.size else 0
-    span = int(index.max()) - first + 1 if index.size else 1
+    filled = devices.hist_index[keep]
+    first = int(filled.min()) if filled.size else 0
+    span = int(filled.max()) - first + 1 if filled.size else 1
     dense = np.bincount(
-        hist_row[keep] * span + (index - first),
+        hist_row[keep] * span + (filled - first),
         weights=devices.hist_count[keep],
         minlength=len(wanted) * span,
     ).reshape(len(wanted), span)
