@@ -52,6 +52,9 @@ TAG_SIZE = 16  # the synthetic IV that prefixes every AES-SIV ciphertext
 # No chunk is bigger than this (the cutter's maximum is far below it): a device buffers
 # one chunk in memory, so a manifest naming a bigger one is refused before anything runs.
 MAX_CHUNK = 16 << 20
+# Chunks one DownloadChunks call may ask for: a call's pieces are read and sent one at a
+# time, so this bounds the call's length, not the memory it holds.
+MAX_CHUNKS_PER_CALL = 64
 
 _INFO = b"skiff-chunk-key/v1"
 _BOUNDARY_INFO = b"skiff-chunk-boundaries/v1"

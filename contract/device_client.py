@@ -10,6 +10,7 @@ the credential travels with each call, not with the channel.
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 from collections.abc import AsyncIterator, Sequence
 
@@ -77,6 +78,9 @@ class DeviceConnection:
         self._stub = device_pb2_grpc.DeviceServiceStub(channel)
         self.credential = credential
         self._address, self._plaintext = address, plaintext
+        # False once the control plane answered DownloadChunks UNIMPLEMENTED (older than
+        # the call): chunks are then asked for one Download each.
+        self._chunk_calls = True
 
     def _error(self, exc: grpc.aio.AioRpcError) -> DeviceCallError:
         details = exc.details() or exc.code().name.lower()
@@ -146,6 +150,69 @@ class DeviceConnection:
             raise self._error(exc) from None
         finally:
             call.cancel()
+
+    async def download_chunks(
+        self, artifacts: Sequence[tuple[str, int]]
+    ) -> AsyncIterator[tuple[str, bytes]]:
+        """Yield (id, ciphertext) of each chunk asked for, whole, in the order asked.
+
+        `artifacts` holds (chunk id, ciphertext size) pairs, at most
+        `contract.chunks.MAX_CHUNKS_PER_CALL`, each at most once. One DownloadChunks call
+        brings them all; after a cut, the chunks not yet whole are asked for again. A
+        control plane without the call is asked for each chunk with Download.
+        """
+        remaining = collections.deque(artifacts)
+        attempt = 0
+        while remaining:
+            if not self._chunk_calls:
+                for artifact, size in remaining:
+                    yield artifact, await self._whole(artifact, size)
+                return
+            call = self._stub.DownloadChunks(
+                device_pb2.DownloadChunksRequest(artifacts=[a for a, _ in remaining]),
+                metadata=self._metadata,
+            )
+            pieces: list[bytes] = []
+            got = 0
+            try:
+                async for message in call:
+                    artifact, size = remaining[0]
+                    while size == 0:  # nothing to send for an empty chunk
+                        yield remaining.popleft()[0], b""
+                        artifact, size = remaining[0]
+                    if message.artifact != artifact or message.offset != got:
+                        raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "chunk out of order")
+                    got += len(message.data)
+                    if got > size:
+                        raise DeviceCallError(
+                            grpc.StatusCode.DATA_LOSS, f"chunk {artifact[:12]} is over {size} bytes"
+                        )
+                    pieces.append(message.data)
+                    if got == size:
+                        remaining.popleft()
+                        # Most chunks come in one piece: kept as it came, not copied.
+                        yield artifact, pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                        pieces, got, attempt = [], 0, 0
+                while remaining and remaining[0][1] == 0:
+                    yield remaining.popleft()[0], b""
+                if remaining:
+                    raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "download ended short")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._chunk_calls:
+                    self._chunk_calls = False
+                    continue
+                if not self._retry(exc) or attempt == RETRIES:
+                    raise self._error(exc) from None
+                await asyncio.sleep(backoff_s(attempt))
+                attempt += 1
+            finally:
+                call.cancel()
+
+    async def _whole(self, artifact: str, size: int) -> bytes:
+        pieces = []
+        async for _, piece in self.download(artifact, size=size):
+            pieces.append(piece)
+        return b"".join(pieces)
 
     async def download(
         self, artifact: str, *, size: int, offset: int = 0

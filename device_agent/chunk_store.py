@@ -21,7 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,11 +35,11 @@ from device_agent.state import fsync_dir, write_all
 log = logging.getLogger("skiff.agent")
 
 _PART = ".part"
-# Chunk downloads at once (each its own Download call). 16 brought a 100 MB model's ~390
-# chunks ~20% sooner on a 2-core machine, but the control plane has no per-device limit
-# on them and counts them against one server-wide limit of calls (Watch streams included):
-# a stage of thousands of devices fetching 16 each could crowd everyone else out.
-IN_FLIGHT = 4
+# Chunks asked for in one DownloadChunks call, and calls at once: one call's round trip
+# (and the control plane's check of the assignment, once a call) overlaps the others'
+# transfer, with as many calls as ever before and a fraction of the checks. Every chunk
+# of the calls in flight has its room in the write backlog.
+CHUNKS_PER_CALL, IN_FLIGHT = 8, 4
 # Threads writing (and fsyncing) fetched chunks, and how many chunks may be held in
 # memory at once waiting for theirs, those being downloaded included (room is taken
 # before a download): at most 32 chunks of at most 4x the average chunk size.
@@ -186,26 +186,44 @@ class ChunkStore:
                 f"{self._root}: {free} bytes free"
             )
         writes = ChunkWrites(self._store, self._root, len(missing))
-        # A few downloads in flight at once: one chunk's round trip (and the control
-        # plane's check of the assignment) overlaps the others' transfer. The check (and
-        # the opening) runs in a thread, off the event loop that receives the others.
         slots = asyncio.Semaphore(IN_FLIGHT)
 
-        async def one(ref: chunks.ChunkRef) -> None:
-            # Room first: a chunk downloaded but not yet written holds it, so a disk
-            # slower than the network holds the download back, not the chunks in memory.
-            await writes.room()
+        async def call(refs: list[chunks.ChunkRef]) -> None:
+            taken = handed = 0  # rooms taken, and handed on to writes (which free them)
+            checks: list[asyncio.Future] = []
+
+            async def keep(ref: chunks.ChunkRef, data: bytes) -> None:
+                nonlocal handed
+                # The check (and the opening) in a thread, off the loop receiving the rest.
+                await asyncio.to_thread(_check, ref, data, opened)
+                writes.write(ref.id, data)
+                handed += 1
+
             try:
+                # Room first, for every chunk of the call: a chunk downloaded but not yet
+                # written holds it, so a disk slower than the network holds the download
+                # back, not the chunks in memory.
+                for _ in refs:
+                    await writes.room()
+                    taken += 1
                 async with slots:
                     writes.raise_failed()  # a full disk stops the download
-                    data = await self._download(conn, ref)
-                await asyncio.to_thread(_check, ref, data, opened)
+                    async with contextlib.aclosing(self._download(conn, refs)) as fetched:
+                        async for ref, data in fetched:
+                            checks.append(asyncio.ensure_future(keep(ref, data)))
+                await asyncio.gather(*checks)
             except BaseException:
-                writes.give_back_room()
+                for task in checks:
+                    task.cancel()
+                await asyncio.gather(*checks, return_exceptions=True)
+                for _ in range(taken - handed):
+                    writes.give_back_room()
                 raise
-            writes.write(ref.id, data)
 
-        tasks = [asyncio.ensure_future(one(ref)) for ref in missing]
+        tasks = [
+            asyncio.ensure_future(call(missing[i : i + CHUNKS_PER_CALL]))
+            for i in range(0, len(missing), CHUNKS_PER_CALL)
+        ]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -217,25 +235,25 @@ class ChunkStore:
             raise
         return writes
 
-    async def _download(self, conn: DeviceConnection, ref: chunks.ChunkRef) -> bytes:
-        pieces: list[bytes] = []
-        size = 0
+    async def _download(
+        self, conn: DeviceConnection, refs: list[chunks.ChunkRef]
+    ) -> AsyncIterator[tuple[chunks.ChunkRef, bytes]]:
+        """Yield each chunk of `refs` with its ciphertext as fetched (not yet checked)."""
+        came = 0  # chunks come in the order asked: refs[came] is the one on its way
         try:
-            async for _, piece in conn.download(ref.id.hex(), size=ref.ciphertext_size, offset=0):
-                pieces.append(piece)
-                size += len(piece)
-                if size > ref.ciphertext_size:
-                    break
+            async for _, data in conn.download_chunks(
+                [(ref.id.hex(), ref.ciphertext_size) for ref in refs]
+            ):
+                came += 1
+                yield refs[came - 1], data
         except DeviceCallError as exc:
             if exc.code not in _THIS_VERSIONS_FAULT:
                 raise  # the network or the server: the sync is tried again
             # The control plane lacks the chunk (or no longer assigns it): this version
             # fails to install, the other models of the sync go on.
             raise IntegrityFailure(
-                f"chunk {ref.id.hex()[:12]} could not be fetched: {exc}"
+                f"chunk {refs[came].id.hex()[:12]} could not be fetched: {exc}"
             ) from None
-        # A chunk is most often one piece: kept as it came, not copied.
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def sweep(self, keep: Iterable[bytes]) -> int:
         """Delete every chunk not in `keep`, and partial writes of others; return how many.

@@ -485,22 +485,50 @@ class DownloadChunk(_message.Message):
 
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    ARTIFACT_FIELD_NUMBER: _builtins.int
     offset: _builtins.int
     """Offset of `data` in the ciphertext."""
     data: _builtins.bytes
+    artifact: _builtins.str
+    """DownloadChunks only: the chunk (its ciphertext_sha256) `data` belongs to."""
     def __init__(
         self,
         *,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        artifact: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "data", b"data", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DownloadChunk: _TypeAlias = DownloadChunk  # noqa: Y015
+
+@_typing.final
+class DownloadChunksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARTIFACTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def artifacts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Chunk ids (ciphertext_sha256, hex) named by assigned versions' signed chunk tables,
+        each at most once; at most contract.chunks.MAX_CHUNKS_PER_CALL of them.
+        """
+
+    def __init__(
+        self,
+        *,
+        artifacts: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DownloadChunksRequest: _TypeAlias = DownloadChunksRequest  # noqa: Y015
 
 @_typing.final
 class LatencyHistogram(_message.Message):

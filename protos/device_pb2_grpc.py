@@ -59,6 +59,11 @@ class DeviceServiceStub:
                 request_serializer=protos_dot_device__pb2.DownloadRequest.SerializeToString,
                 response_deserializer=protos_dot_device__pb2.DownloadChunk.FromString,
                 _registered_method=True)
+        self.DownloadChunks = channel.unary_stream(
+                '/skiff.v1.DeviceService/DownloadChunks',
+                request_serializer=protos_dot_device__pb2.DownloadChunksRequest.SerializeToString,
+                response_deserializer=protos_dot_device__pb2.DownloadChunk.FromString,
+                _registered_method=True)
         self.Report = channel.unary_unary(
                 '/skiff.v1.DeviceService/Report',
                 request_serializer=protos_dot_device__pb2.ReportRequest.SerializeToString,
@@ -108,6 +113,15 @@ class DeviceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DownloadChunks(self, request, context):
+        """Streams several chunks of assigned chunked versions, whole, in the order asked: one
+        call (and one check of the assignment) for many small blobs. Each chunk comes as one
+        or more DownloadChunk messages naming it, from offset 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Report(self, request, context):
         """Telemetry: a batch of per-model stats and install outcomes. Each batch id is applied
         once per device: a batch sent again (a retry after a lost reply) changes nothing.
@@ -142,6 +156,11 @@ def add_DeviceServiceServicer_to_server(servicer, server):
             'Download': grpc.unary_stream_rpc_method_handler(
                     servicer.Download,
                     request_deserializer=protos_dot_device__pb2.DownloadRequest.FromString,
+                    response_serializer=protos_dot_device__pb2.DownloadChunk.SerializeToString,
+            ),
+            'DownloadChunks': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadChunks,
+                    request_deserializer=protos_dot_device__pb2.DownloadChunksRequest.FromString,
                     response_serializer=protos_dot_device__pb2.DownloadChunk.SerializeToString,
             ),
             'Report': grpc.unary_unary_rpc_method_handler(
@@ -284,6 +303,33 @@ class DeviceService:
             target,
             '/skiff.v1.DeviceService/Download',
             protos_dot_device__pb2.DownloadRequest.SerializeToString,
+            protos_dot_device__pb2.DownloadChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skiff.v1.DeviceService/DownloadChunks',
+            protos_dot_device__pb2.DownloadChunksRequest.SerializeToString,
             protos_dot_device__pb2.DownloadChunk.FromString,
             options,
             channel_credentials,

@@ -14,6 +14,7 @@ import datetime as dt
 import threading
 
 from contract import errors
+from contract.chunks import MAX_CHUNKS_PER_CALL
 from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.signing_convert import chain_pb
@@ -41,6 +42,9 @@ SMALL_REPORT_BYTES = 16 << 10
 # Attributes each device reported on its last Sync through this replica: Download checks
 # assignments against them, not against the database copy (written behind, so late).
 RECENT_DEVICES = 200_000
+# What one thread hop of a DownloadChunks call reads (and what it holds, with the next
+# hop's read ahead): many small chunks in one hop, a big one in pieces.
+PIECES_BYTES = 1 << 20
 
 
 def _installed(msgs) -> tuple[ModelState, ...]:
@@ -118,6 +122,75 @@ class _Reader:
             close = getattr(self._chunks, "close", None)
             if close is not None:
                 close()
+
+
+class _ChunkPieces:
+    """The pieces of several chunks, in the order asked, read in threads.
+
+    Each `next()` reads up to PIECES_BYTES (one thread hop for many small chunks); a
+    chunk is cut at the size its signed table gives it, and one that ends short of it
+    is an integrity failure (DATA_LOSS), as the blob store no longer holds it whole.
+    """
+
+    def __init__(self, read, artifacts: list[str], sizes: list[int]) -> None:
+        self._read, self._lock = read, threading.Lock()
+        self._queue = collections.deque(zip(artifacts, sizes, strict=True))
+        self._current = None  # [artifact, size, pieces, offset] of the chunk being read
+        self._failed: Exception | None = None
+
+    def next(self) -> list[tuple[str, int, bytes]]:
+        """Return the next (artifact, offset, data) pieces, [] at the end (blocking).
+
+        A read that fails after others succeeded returns those first: the failure is
+        raised by the next call, so a device gets every chunk before the one that failed.
+        """
+        found: list[tuple[str, int, bytes]] = []
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            try:
+                self._read_into(found)
+            except Exception as exc:
+                if not found:
+                    raise
+                self._failed = exc
+        return found
+
+    def _read_into(self, found: list) -> None:
+        taken = 0
+        while taken < PIECES_BYTES:
+            if self._current is None:
+                if not self._queue:
+                    return
+                artifact, size = self._queue.popleft()
+                self._current = [artifact, size, self._read(artifact), 0]
+            artifact, size, pieces, offset = self._current
+            piece = next(pieces, None)
+            if piece is None:
+                self._close_current()
+                if offset < size:
+                    raise errors.IntegrityError(
+                        f"chunk {artifact[:12]} ended at {offset} of {size} bytes"
+                    )
+                continue
+            if len(piece) > size - offset:  # a blob longer than its table says
+                self._close_current()
+                raise errors.IntegrityError(f"chunk {artifact[:12]} is longer than {size} bytes")
+            found.append((artifact, offset, piece))
+            self._current[3] = offset + len(piece)
+            taken += len(piece)
+
+    def _close_current(self) -> None:
+        close = getattr(self._current[2], "close", None)
+        self._current = None
+        if close is not None:
+            close()
+
+    def close(self) -> None:
+        """Close the chunk being read (blocking until a read in progress returns)."""
+        with self._lock:
+            if self._current is not None:
+                self._close_current()
 
 
 class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
@@ -291,8 +364,8 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         async for revision in self._watchers.stream(device.id, request.revision, load):
             yield device_pb2.WatchEvent(revision=revision)
 
-    def _open(self, authorization: str | None, request):
-        """Return (the artifact's size, its first piece or None, an iterator over the rest)."""
+    def _device_attributes(self, authorization: str | None) -> tuple[str, dict]:
+        """Return (device id, the attributes its assignment is checked against)."""
         device = self._fleet.authenticate(authorization)
         with self._recent_lock:
             attrs = self._recent.get(device.id)
@@ -300,10 +373,33 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             attrs = self._store.device_attributes([device.id]).get(device.id)
         if attrs is None:
             raise errors.PermissionDenied(f"device {device.id} is revoked")
+        return device.id, attrs
+
+    def _open(self, authorization: str | None, request):
+        """Return (the artifact's size, its first piece or None, an iterator over the rest)."""
+        device_id, attrs = self._device_attributes(authorization)
         size, chunks = self._delivery.open_artifact(
-            device.id, attrs, request.artifact, request.offset
+            device_id, attrs, request.artifact, request.offset
         )
         return size, next(chunks, None), chunks
+
+    def _open_chunks(self, authorization: str | None, request):
+        """Return (the chunks' first pieces, a reader of the rest), all checked as assigned."""
+        device_id, attrs = self._device_attributes(authorization)  # before anything else
+        artifacts = list(request.artifacts)
+        if not 1 <= len(artifacts) <= MAX_CHUNKS_PER_CALL:
+            raise errors.InvalidArgument(
+                f"ask for 1 to {MAX_CHUNKS_PER_CALL} chunks a call, not {len(artifacts)}"
+            )
+        if len(set(artifacts)) != len(artifacts):
+            raise errors.InvalidArgument("a chunk is asked for more than once")
+        sizes = self._delivery.assigned_sizes(device_id, attrs, artifacts)
+        pieces = _ChunkPieces(self._delivery.read, artifacts, sizes)
+        try:
+            return pieces.next(), pieces
+        except BaseException:
+            pieces.close()
+            raise
 
     @mapped_async_stream
     async def Download(self, request, context):  # noqa: D102, N802
@@ -328,6 +424,29 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             # A cancelled call may leave a thread inside next(): the reader closes the
             # blob once that read is done, in a thread, not waited for here.
             asyncio.get_running_loop().run_in_executor(None, reader.close)
+
+    @mapped_async_stream
+    async def DownloadChunks(self, request, context):  # noqa: D102, N802
+        authorization = _authorization(context)
+        # The checks and the first read in one thread hop; then each hop reads the next
+        # pieces while the ones before it are sent.
+        batch, pieces = await asyncio.to_thread(self._open_chunks, authorization, request)
+        ahead = None
+        try:
+            while batch:
+                ahead = asyncio.ensure_future(asyncio.to_thread(pieces.next))
+                # Exact: a revocation stops a download in progress (as in Download).
+                if self._fleet.authenticate(authorization, cached_only=True) is None:
+                    await asyncio.to_thread(self._fleet.authenticate, authorization)
+                for artifact, offset, data in batch:
+                    yield device_pb2.DownloadChunk(artifact=artifact, offset=offset, data=data)
+                batch = await ahead
+        finally:
+            if ahead is not None and not ahead.done():
+                ahead.cancel()  # its thread finishes the read; the result is dropped
+            elif ahead is not None and not ahead.cancelled():
+                ahead.exception()  # a call that ended early does not log the read's error
+            asyncio.get_running_loop().run_in_executor(None, pieces.close)
 
     def _checked(self, authorization: str | None, request):
         device = self._fleet.authenticate(authorization)

@@ -54,6 +54,7 @@ RPC_ROLES: dict[str, str] = {
     "/skiff.v1.DeviceService/Ack": DEVICE,
     "/skiff.v1.DeviceService/Watch": DEVICE,
     "/skiff.v1.DeviceService/Download": DEVICE,
+    "/skiff.v1.DeviceService/DownloadChunks": DEVICE,
     "/skiff.v1.DeviceService/Report": DEVICE,
     # Infrastructure.
     "/grpc.health.v1.Health/Check": PUBLIC,

@@ -16,7 +16,7 @@ import collections
 import datetime as dt
 import hashlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from contract import errors
@@ -418,29 +418,47 @@ class Delivery:
         """
         if isinstance(offset, bool) or offset < 0:
             raise errors.InvalidArgument(f"offset must not be negative, got {offset}")
+        (size,) = self.assigned_sizes(device_id, attrs, [artifact])
+        if offset > size:
+            raise errors.OutOfRange(
+                f"offset {offset} is past the end of the artifact ({size} bytes)"
+            )
+        return size, self._blobs.open_read(artifact, offset=offset)
+
+    def assigned_sizes(self, device_id: str, attrs: Mapping, artifacts: Sequence[str]) -> list[int]:
+        """Return the ciphertext size of each artifact, every one assigned to this device.
+
+        One look at the device's assignment for all of them. PermissionDenied (naming
+        nothing about any artifact) when one is not assigned.
+        """
         _, desired = self.desired(device_id, attrs)
+        # What an assignment lets a device fetch: its variant (whole, or its chunks and
+        # their key list) and the version's golden data. A chunk is served to a device
+        # whose assigned variant's signed table names it, even when a version it is not
+        # assigned names it too: it holds that chunk's key through its own assignment,
+        # so the bytes tell it nothing new.
+        tables: list[Mapping[str, int]] = []
         for model, d in desired.items():
             version = self.version(model, d.version)
+            sizes = {}
+            if version.golden:
+                sizes[version.golden["ciphertext_sha256"]] = version.golden["ciphertext_size"]
             variant = version.variant(d.variant)
-            # What an assignment lets a device fetch: its variant (whole, or its chunks and
-            # their key list) and the version's golden data. A chunk is served to a device
-            # whose assigned variant's signed table names it, even when a version it is
-            # not assigned names it too: it holds that chunk's key through its own
-            # assignment, so the bytes tell it nothing new.
-            sizes = {version.golden.get("ciphertext_sha256"): version.golden.get("ciphertext_size")}
             if variant is not None:
                 sizes[variant.ciphertext_sha256] = variant.ciphertext_size
-                size = _chunk_sizes(version.uid, variant).get(artifact)
-                if size is not None:
-                    sizes[artifact] = size
-            size = sizes.get(artifact)
-            if artifact and size is not None:
-                if offset > size:
-                    raise errors.OutOfRange(
-                        f"offset {offset} is past the end of the artifact ({size} bytes)"
-                    )
-                return size, self._blobs.open_read(artifact, offset=offset)
-        raise errors.PermissionDenied("artifact is not assigned to this device")
+                tables.append(_chunk_sizes(version.uid, variant))
+            tables.append(sizes)
+        found = []
+        for artifact in artifacts:
+            size = next((t[artifact] for t in tables if artifact in t), None) if artifact else None
+            if size is None:
+                raise errors.PermissionDenied("artifact is not assigned to this device")
+            found.append(size)
+        return found
+
+    def read(self, artifact: str) -> Iterator[bytes]:
+        """Return an artifact's ciphertext in pieces (check that it is assigned first)."""
+        return self._blobs.open_read(artifact)
 
 
 # {blob: ciphertext size} of recently served chunked variants, by (version uid, variant):

@@ -418,8 +418,9 @@ def test_a_chunk_is_opened_as_it_arrives_only_if_it_matches_its_id_and_key():
 
 
 def test_a_chunk_served_longer_or_shorter_than_signed_installs_nothing(cp, tmp_path):
-    """One byte more or one less than the chunk's signed id names: the install fails,
-    nothing of that chunk is kept, and no version is active."""
+    """One byte more or one less than the chunk's table says (the control plane refuses
+    to serve it), or a byte changed (the device refuses it): the install fails, nothing of
+    that chunk is kept, and no version is active."""
     state = tmp_path / "state"
     asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled, nothing assigned yet
     _push(cp, tmp_path, _mnn(_onnx(seed=16)))
@@ -427,7 +428,12 @@ def test_a_chunk_served_longer_or_shorter_than_signed_installs_nothing(cp, tmp_p
     blob = blob_path(cp, victim.id.hex())
     good = blob.read_bytes()
     _rollout(cp, 1)
-    for bad, reason in ((good + b"\0", "signed digest"), (good[:-1], "could not be fetched")):
+    flipped = bytes([good[0] ^ 1]) + good[1:]
+    for bad, reason in (
+        (good + b"\0", "is longer than"),
+        (good[:-1], f"ended at {len(good) - 1} of {len(good)} bytes"),
+        (flipped, "signed digest"),
+    ):
         blob.write_bytes(bad)
         (result,) = asyncio.run(once(cp, state)).installs
         assert result.result == "failed" and reason in result.reason, result.reason
@@ -488,12 +494,14 @@ def test_chunks_waiting_for_a_slow_disk_hold_the_download_back_not_memory(tmp_pa
     lock = threading.Lock()
 
     class Network:
-        async def download(self, name, size, offset):
-            with lock:
-                count["downloaded"] += 1
-                held = count["downloaded"] - count["written"]
-                count["most_held"] = max(count["most_held"], held)
-            yield 0, served[name]
+        async def download_chunks(self, artifacts):
+            for name, _ in artifacts:
+                with lock:
+                    count["downloaded"] += 1
+                    held = count["downloaded"] - count["written"]
+                    count["most_held"] = max(count["most_held"], held)
+                yield name, served[name]
+                await asyncio.sleep(0)
 
     store = ChunkStore(tmp_path / "chunks")
     write = store._store

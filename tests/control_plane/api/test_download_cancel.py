@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 
+from control_plane.api import device_service
 from control_plane.api.device_service import DeviceServicer
 from protos import device_pb2
 
@@ -77,4 +78,61 @@ def test_cancel_during_a_threaded_read_closes_cleanly(caplog):
     assert outcome == "cancelled", outcome
     assert ctx.aborted is None, ctx.aborted
     assert closed == [True]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_chunk_call_cancelled_while_its_next_pieces_are_read_closes_cleanly(caplog, monkeypatch):
+    """DownloadChunks reads the next pieces while it sends the ones before: the device
+    going away then leaves a thread inside a read, and the chunk is closed after it."""
+    inside, release = threading.Event(), threading.Event()
+    closed = []
+
+    def pieces(name):
+        try:
+            yield b"a" * 10
+            inside.set()
+            release.wait(5)
+            yield b"b" * 10
+        finally:
+            closed.append(name)
+
+    monkeypatch.setattr(device_service, "PIECES_BYTES", 10)  # one piece a read
+    servicer = DeviceServicer.__new__(DeviceServicer)
+    servicer._fleet = _Fleet()
+
+    def open_chunks(authorization, request):
+        reader = device_service._ChunkPieces(pieces, ["c"], [20])
+        return reader.next(), reader
+
+    servicer._open_chunks = open_chunks
+    ctx = _Context()
+
+    async def main():
+        stream = servicer.DownloadChunks(device_pb2.DownloadChunksRequest(artifacts=["c"]), ctx)
+        first = await stream.__anext__()
+        assert (first.artifact, first.offset, first.data) == ("c", 0, b"a" * 10)
+        task = asyncio.ensure_future(stream.__anext__())
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+            outcome = "returned"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        except BaseException as exc:  # noqa: BLE001
+            outcome = f"raised {exc!r}"
+        assert not closed  # the read in progress holds the chunk open
+        release.set()
+        for _ in range(500):
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+        return outcome
+
+    with caplog.at_level(logging.WARNING):
+        outcome = asyncio.run(main())
+    assert outcome == "cancelled", outcome
+    assert ctx.aborted is None, ctx.aborted
+    assert closed == ["c"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
