@@ -42,7 +42,8 @@ _PART = ".part"
 CHUNKS_PER_CALL, IN_FLIGHT = 8, 4
 # Threads writing (and fsyncing) fetched chunks, and how many chunks may be held in
 # memory at once waiting for theirs, those being downloaded included (room is taken
-# before a download): at most 32 chunks of at most 4x the average chunk size.
+# before a download): at most 32 chunks of at most 4x the average chunk size. A call
+# takes room for all of its chunks first, so CHUNKS_PER_CALL must not exceed it.
 WRITERS, WRITE_BACKLOG = 2, 32
 # Answers that are about this version's chunk, not the connection: the install fails.
 _THIS_VERSIONS_FAULT = (
@@ -186,7 +187,7 @@ class ChunkStore:
                 f"{self._root}: {free} bytes free"
             )
         writes = ChunkWrites(self._store, self._root, len(missing))
-        slots = asyncio.Semaphore(IN_FLIGHT)
+        slots, taking = asyncio.Semaphore(IN_FLIGHT), asyncio.Lock()
 
         async def call(refs: list[chunks.ChunkRef]) -> None:
             taken = handed = 0  # rooms taken, and handed on to writes (which free them)
@@ -202,10 +203,12 @@ class ChunkStore:
             try:
                 # Room first, for every chunk of the call: a chunk downloaded but not yet
                 # written holds it, so a disk slower than the network holds the download
-                # back, not the chunks in memory.
-                for _ in refs:
-                    await writes.room()
-                    taken += 1
+                # back, not the chunks in memory. One call takes its rooms at a time: calls
+                # that each held part of theirs would wait on each other for ever.
+                async with taking:
+                    for _ in refs:
+                        await writes.room()
+                        taken += 1
                 async with slots:
                     writes.raise_failed()  # a full disk stops the download
                     async with contextlib.aclosing(self._download(conn, refs)) as fetched:
