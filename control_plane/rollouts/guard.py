@@ -140,7 +140,7 @@ class Guard:
         rules = [parse_rule(t) for t in record.halt_rules]
         # The current window's rows; older ones (the baseline's only) if a window's own
         # baseline is too thin to judge against: see `cohorts`.
-        table = self._store.device_table(record.id, windows_since=since)
+        table = self._store.device_table(record.id, windows_since=since, lean=True)
         older: list = []
         memo: dict[str, str] = {}
 
@@ -189,7 +189,9 @@ class Guard:
                 return current
             if not older:  # read once, appended: positions read so far stay valid
                 older.append(
-                    self._store.device_table(record.id, windows_before=since, cohort=BASELINE)
+                    self._store.device_table(
+                        record.id, windows_before=since, cohort=BASELINE, lean=True
+                    )
                 )
                 table = table.concat(older[0])
                 extra = np.array([slice_of(c) for c in older[0].device_class], dtype=object)

@@ -503,18 +503,21 @@ class DeviceTable:
     Counters are float64 (exact for sums below 2**53); a missing latency min or max is
     NaN. The sparse histograms of every row are concatenated: bucket `hist_index[j]`
     holds `hist_count[j]` samples of row `hist_row[j]`.
+
+    A lean table (`RollupStore.device_table(lean=True)`) leaves out the `LEAN_SKIPS`
+    columns, None there: nothing a health view reads, and reading them costs it.
     """
 
     window: np.ndarray  # Unix seconds
     cohort: np.ndarray  # object: str
-    model: np.ndarray  # object: str
-    version: np.ndarray  # int64
-    variant: np.ndarray  # object: str
+    model: np.ndarray | None  # object: str
+    version: np.ndarray | None  # int64
+    variant: np.ndarray | None  # object: str
     config: np.ndarray  # object: str
     device_id: np.ndarray  # object: str
     device_class: np.ndarray  # object: str
-    last_seen: np.ndarray  # Unix seconds
-    reports: np.ndarray  # int64
+    last_seen: np.ndarray | None  # Unix seconds
+    reports: np.ndarray | None  # int64
     counters: np.ndarray  # float64, (rows, len(COUNTERS))
     latency_count: np.ndarray  # float64
     latency_sum_ns: np.ndarray  # float64
@@ -636,7 +639,7 @@ class DeviceTable:
         mask = kept >= 0
         order = np.argsort(kept[mask], kind="stable")
         return DeviceTable(
-            **{name: getattr(self, name)[rows] for name in _ROW_COLUMNS},
+            **{name: _pick(getattr(self, name), rows) for name in _ROW_COLUMNS},
             hist_row=kept[mask][order],
             hist_index=self.hist_index[mask][order],
             hist_count=self.hist_count[mask][order],
@@ -647,10 +650,7 @@ class DeviceTable:
     def concat(self, other: DeviceTable) -> DeviceTable:
         """Return this table's rows, then `other`'s."""
         return DeviceTable(
-            **{
-                name: np.concatenate([getattr(self, name), getattr(other, name)])
-                for name in _ROW_COLUMNS
-            },
+            **{name: _joined(getattr(self, name), getattr(other, name)) for name in _ROW_COLUMNS},
             hist_row=np.concatenate([self.hist_row, other.hist_row + len(self)]),
             hist_index=np.concatenate([self.hist_index, other.hist_index]),
             hist_count=np.concatenate([self.hist_count, other.hist_count]),
@@ -684,7 +684,9 @@ class DeviceTable:
         )
 
     def rows(self) -> list[DeviceRollup]:
-        """Return the table as rows (for a few; tests and small reads)."""
+        """Return the table as rows (for a few; tests and small reads); not of a lean one."""
+        if self.model is None:
+            raise ValueError(f"a lean device table has no {', '.join(LEAN_SKIPS)}: no rows")
         out = []
         ttft = self.ttft.rows() if self.ttft is not None else None
         for i in range(len(self)):
@@ -737,13 +739,28 @@ _ROW_COLUMNS = (
     "latency_max_ns",
     "crash_signals",
 )
+# What a lean DeviceTable leaves out (None): nothing a health view reads.
+LEAN_SKIPS = ("model", "version", "variant", "last_seen", "reports")
 _NO_INDEX = np.zeros(0, np.intp)
 _NO_COUNT = np.zeros(0, np.float64)
 
 
+def _pick(column: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
+    return None if column is None else column[rows]
+
+
+def _joined(first: np.ndarray | None, second: np.ndarray | None) -> np.ndarray | None:
+    if first is None or second is None:
+        if (first is None) != (second is None):
+            raise ValueError("a lean device table joins only another lean one")
+        return None
+    return np.concatenate([first, second])
+
+
 def _codes(values: np.ndarray) -> np.ndarray:
-    seen: dict = {}
-    return np.fromiter((seen.setdefault(v, len(seen)) for v in values), np.intp, len(values))
+    # Codes in order of first appearance; `map` over a dict's lookup, not a generator.
+    seen = {v: i for i, v in enumerate(dict.fromkeys(values))}
+    return np.fromiter(map(seen.__getitem__, values), np.intp, len(values))
 
 
 def _objects(values) -> np.ndarray:
@@ -773,7 +790,10 @@ def decode_many(blobs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndar
     at = np.repeat(offsets, n) + 2 * k
     index = buf[at].astype(np.intp) | (buf[at + 1].astype(np.intp) << 8)
     at = np.repeat(offsets + 2 * n, n) + 8 * k
-    count = np.ascontiguousarray(buf[at[:, None] + np.arange(8)]).view("<i8").ravel()
+    # Every 8 bytes from each offset, as a view: picking rows of it copies each count's
+    # bytes once, with no (buckets x 8) index array.
+    windows = np.lib.stride_tricks.sliding_window_view(buf, 8)
+    count = windows[at].view("<i8").ravel()
     return row.astype(np.intp), index, count.astype(np.float64)
 
 
@@ -845,11 +865,14 @@ class RollupStore(abc.ABC):
         windows_since: dt.datetime | None = None,
         windows_before: dt.datetime | None = None,
         cohort: str | None = None,
+        lean: bool = False,
     ) -> DeviceTable:
         """Return the device rows of one scope (a rollout id, or FLEET) as a table.
 
         Optionally only one model version's, only rows seen since `seen_since`, only
-        windows starting in [windows_since, windows_before), only one cohort's.
+        windows starting in [windows_since, windows_before), only one cohort's; `lean`:
+        without the `LEAN_SKIPS` columns (None in the table), which a health view never
+        reads.
         """
 
     @abc.abstractmethod

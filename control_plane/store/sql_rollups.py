@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 from sqlalchemy import (
+    Double,
     String,
     Text,
     and_,
@@ -30,6 +31,7 @@ from control_plane.store.rollup_records import (
     COUNTERS,
     FLEET,
     INT64_MAX,
+    LEAN_SKIPS,
     Aggregate,
     DeviceDelta,
     DeviceKey,
@@ -291,12 +293,14 @@ class SqlRollupStore(RollupStore):
         windows_since: dt.datetime | None = None,
         windows_before: dt.datetime | None = None,
         cohort: str | None = None,
+        lean: bool = False,
     ) -> DeviceTable:
         """Return the device rows of one scope as columns (one pass over the rows)."""
         c = _D.c
+        names = _LEAN_READ if lean else _TABLE_READ
         with self._read_connection() as conn:
             pg = conn.dialect.name == "postgresql"
-            stmt = select(*_table_columns(pg)).where(c.scope == scope)
+            stmt = select(*_table_columns(pg, names)).where(c.scope == scope)
             if model is not None:
                 stmt = stmt.where(c.model == model)
             if version is not None:
@@ -321,7 +325,7 @@ class SqlRollupStore(RollupStore):
                 raise sa_exc.DBAPIError.instance(str(stmt), None, exc, dbapi_error) from exc
             finally:
                 result.close()
-        return _table(scope, rows, pg)
+        return _table(scope, names, rows, pg)
 
 
 def _sum_sparse(indexes: list[np.ndarray], counts: list[np.ndarray]) -> np.ndarray:
@@ -424,24 +428,29 @@ _DEVICE_KEY = (
 )
 _DEVICE_VALUES = ("device_class", "last_seen", "reports", *_MERGED)
 _DEVICE_READ = (*_DEVICE_KEY, *_DEVICE_VALUES)
+# What `device_table` reads: the scope is the one asked for; a lean table leaves out more
+# (each column costs a health view ~1 ms per 10k rows to fetch, more to convert).
+_TABLE_READ = tuple(name for name in _DEVICE_READ if name != "scope")
+_LEAN_READ = tuple(name for name in _TABLE_READ if name not in LEAN_SKIPS)
 _INSERT_DEVICE_ROWS = Bulk.insert(_D, ("key", *_DEVICE_KEY, *_DEVICE_VALUES))
 _UPDATE_DEVICE_ROWS = Bulk.update(_D, _DEVICE_VALUES, ("key",))
 _EMPTY_INDEX = np.zeros(0, "<u2")
 _EMPTY_COUNTS = np.zeros(0, "<i8")
 
 
-def _table_columns(pg: bool) -> list:
-    """Return what `device_table` selects: `_DEVICE_READ`, cheaper to read.
+def _table_columns(pg: bool, names: tuple[str, ...]) -> list:
+    """Return what `device_table` selects: the columns `names`, cheaper to read.
 
     Times as Unix seconds (or SQLite's text of a window start, a few distinct) and crash
     signals as JSON text, so tens of thousands of rows do not cost a datetime and a JSON
-    document each.
+    document each. PostgreSQL's seconds are cast to double precision, as Python's
+    float() of the numeric would round them, so the driver makes no Decimal of each.
     """
     c = _D.c
     out = []
-    for name in _DEVICE_READ:
+    for name in names:
         if name in ("window_start", "last_seen") and pg:
-            out.append(func.extract("epoch", c[name]).label(name))
+            out.append(cast(func.extract("epoch", c[name]), Double()).label(name))
         elif name == "window_start":
             out.append(cast(c[name], String).label(name))  # few distinct: parsed once each
         elif name == "last_seen":
@@ -453,11 +462,13 @@ def _table_columns(pg: bool) -> list:
     return out
 
 
-def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
-    """Return rows selected by `_table_columns` as a DeviceTable."""
-    columns = dict(zip(_DEVICE_READ, zip(*rows, strict=True), strict=True)) if rows else {}
+def _table(scope: str, names: tuple[str, ...], rows: list, pg: bool) -> DeviceTable:
+    """Return rows selected by `_table_columns(pg, names)` as a DeviceTable."""
+    columns = dict(zip(names, zip(*rows, strict=True), strict=True)) if rows else {}
 
-    def col(name: str, dtype=object) -> np.ndarray:
+    def col(name: str, dtype=object) -> np.ndarray | None:
+        if name not in names:  # a lean table's
+            return None
         values = columns.get(name, ())
         if dtype is object:
             out = np.empty(len(values), object)
@@ -465,7 +476,9 @@ def _table(scope: str, rows: list, pg: bool) -> DeviceTable:
             return out
         return np.array(values, dtype)
 
-    def seconds(name: str) -> np.ndarray:
+    def seconds(name: str) -> np.ndarray | None:
+        if name not in names:
+            return None
         values = columns.get(name, ())
         if pg or name == "last_seen":
             return np.array(values, np.float64)
