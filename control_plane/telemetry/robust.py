@@ -37,6 +37,11 @@ from control_plane.store.rollup_records import (
     DeviceRollup,
     DeviceTable,
 )
+from control_plane.telemetry.own_quantiles import (  # noqa: F401 - robust's API
+    DeviceQuantiles,
+    device_quantiles,
+    min_samples,
+)
 from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
 CAP_FACTOR = 4.0
@@ -349,84 +354,6 @@ def _quantile_index(agg: Aggregate, q: float) -> int:
 
 
 # -- latency: each device's own quantile, compared as trimmed means ------------------------
-
-
-def min_samples(q: float) -> int:
-    """Return the timed inferences a device needs for its own q-quantile to mean anything."""
-    return max(2, math.ceil(1 / (1 - q) - 1e-9))
-
-
-@dataclass(frozen=True)
-class DeviceQuantiles:
-    """Each qualifying device's own q-quantile on one config (or all configs merged)."""
-
-    positions: np.ndarray  # device positions in the Devices they come from
-    log_us: np.ndarray  # natural log of the quantile in µs (floored at 1 µs)
-    samples: np.ndarray  # timed inferences behind each
-
-
-def device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQuantiles:
-    """Return the q-quantile of each device with `min_samples(q)` on `config` (None: all)."""
-    found = devices.quantile_memo.get((q, config))
-    if found is None:
-        found = devices.quantile_memo[q, config] = _device_quantiles(devices, q, config)
-    return found
-
-
-def _device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQuantiles:
-    if config is not None and config not in devices.configs:
-        empty = np.zeros(0)
-        return DeviceQuantiles(np.zeros(0, np.intp), empty, empty)
-    entries = (
-        np.ones(len(devices.positions), bool)
-        if config is None
-        else devices.entry_config == devices.configs.index(config)
-    )
-    n_dev = len(devices)
-    counts = np.bincount(
-        devices.entry_device[entries], weights=devices.latency_count[entries], minlength=n_dev
-    )
-    wanted = np.flatnonzero(counts >= min_samples(q))
-    if not wanted.size:
-        empty = np.zeros(0)
-        return DeviceQuantiles(wanted, empty, empty)
-    row = np.full(n_dev, -1, np.intp)
-    row[wanted] = np.arange(len(wanted))
-    hist_entry_ok = entries[devices.hist_entry]
-    hist_row = row[devices.entry_device[devices.hist_entry]]
-    keep = hist_entry_ok & (hist_row >= 0)
-    # One row of buckets per device, over the buckets any of them filled (below and above
-    # that range every row is empty: the quantile's bucket is within it).
-    filled = devices.hist_index[keep]
-    first = int(filled.min()) if filled.size else 0
-    span = int(filled.max()) - first + 1 if filled.size else 1
-    dense = np.bincount(
-        hist_row[keep] * span + (filled - first),
-        weights=devices.hist_count[keep],
-        minlength=len(wanted) * span,
-    ).reshape(len(wanted), span)
-    n = dense.sum(axis=1)
-    rank = np.maximum(1.0, np.ceil(q * n - 1e-9))
-    index = first + np.argmax(np.cumsum(dense, axis=1) >= rank[:, None] - 1e-9, axis=1)
-    index[n == 0] = 0  # timed inferences but no buckets (never stored): read as its low
-    low, high = _observed_range(devices, entries)
-    low, high = low[wanted], high[wanted]
-    middle = MIN_NS * 2 ** ((index - 0.5) / BUCKETS_PER_DOUBLING)  # the bucket's geometric mid
-    value_ns = np.where(index == 0, low, np.where(index == N_BUCKETS - 1, high, middle))
-    value_ns = np.clip(value_ns, low, high)  # within what the device saw, as quantile_us reads
-    log_us = np.log(np.maximum(value_ns / 1000, MIN_NS / 1000))
-    return DeviceQuantiles(wanted, log_us, n)
-
-
-def _observed_range(devices: Devices, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return per device the lowest and highest latency it reported on `entries` (ns)."""
-    timed = entries & (devices.latency_count > 0)
-    low = np.full(len(devices), np.inf)
-    high = np.full(len(devices), -np.inf)
-    owner = devices.entry_device[timed]
-    np.minimum.at(low, owner, np.nan_to_num(devices.latency_min[timed], nan=np.inf))
-    np.maximum.at(high, owner, np.nan_to_num(devices.latency_max[timed], nan=-np.inf))
-    return np.where(np.isfinite(low), low, 0.0), np.where(np.isfinite(high), high, np.inf)
 
 
 def comparable_quantile_configs(

@@ -1,0 +1,166 @@
+"""Each device's own latency quantile (control_plane.telemetry.robust compares them).
+
+A health view asks for the quantiles of some twenty groups of devices (each slice's
+cohorts and the whole rollout's) on each backend config. Where a group holds one row per
+device on a config (a device's rows are one per window: the usual case), a device's
+quantile is its row's, so each row's is found once per table (`_row_quantiles`) and the
+groups pick theirs; otherwise a group's rows are merged per device first.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from control_plane.store.rollup_records import DeviceTable
+from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
+
+if TYPE_CHECKING:
+    from control_plane.telemetry.robust import Devices
+
+# Below this, sums of whole-number counts are exact in float64 in any order: the per-row
+# reading then finds what merging per device finds, to the bit.
+_EXACT = 2.0**52
+
+
+def min_samples(q: float) -> int:
+    """Return the timed inferences a device needs for its own q-quantile to mean anything."""
+    return max(2, math.ceil(1 / (1 - q) - 1e-9))
+
+
+@dataclass(frozen=True)
+class DeviceQuantiles:
+    """Each qualifying device's own q-quantile on one config (or all configs merged)."""
+
+    positions: np.ndarray  # device positions in the Devices they come from
+    log_us: np.ndarray  # natural log of the quantile in µs (floored at 1 µs)
+    samples: np.ndarray  # timed inferences behind each
+
+
+def device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQuantiles:
+    """Return the q-quantile of each device with `min_samples(q)` on `config` (None: all)."""
+    found = devices.quantile_memo.get((q, config))
+    if found is None:
+        found = devices.quantile_memo[q, config] = _device_quantiles(devices, q, config)
+    return found
+
+
+def _device_quantiles(devices: Devices, q: float, config: str | None) -> DeviceQuantiles:
+    if config is not None and config not in devices.configs:
+        empty = np.zeros(0)
+        return DeviceQuantiles(np.zeros(0, np.intp), empty, empty)
+    entries = (
+        np.ones(len(devices.positions), bool)
+        if config is None
+        else devices.entry_config == devices.configs.index(config)
+    )
+    n_dev = len(devices)
+    counts = np.bincount(
+        devices.entry_device[entries], weights=devices.latency_count[entries], minlength=n_dev
+    )
+    wanted = np.flatnonzero(counts >= min_samples(q))
+    if not wanted.size:
+        empty = np.zeros(0)
+        return DeviceQuantiles(wanted, empty, empty)
+    found = _from_rows(devices, q, entries, wanted)
+    if found is not None:
+        return found
+    row = np.full(n_dev, -1, np.intp)
+    row[wanted] = np.arange(len(wanted))
+    hist_entry_ok = entries[devices.hist_entry]
+    hist_row = row[devices.entry_device[devices.hist_entry]]
+    keep = hist_entry_ok & (hist_row >= 0)
+    # One row of buckets per device, over the buckets any of them filled (below and above
+    # that range every row is empty: the quantile's bucket is within it).
+    filled = devices.hist_index[keep]
+    first = int(filled.min()) if filled.size else 0
+    span = int(filled.max()) - first + 1 if filled.size else 1
+    dense = np.bincount(
+        hist_row[keep] * span + (filled - first),
+        weights=devices.hist_count[keep],
+        minlength=len(wanted) * span,
+    ).reshape(len(wanted), span)
+    n = dense.sum(axis=1)
+    rank = np.maximum(1.0, np.ceil(q * n - 1e-9))
+    index = first + np.argmax(np.cumsum(dense, axis=1) >= rank[:, None] - 1e-9, axis=1)
+    index[n == 0] = 0  # timed inferences but no buckets (never stored): read as its low
+    low, high = _observed_range(devices, entries)
+    return DeviceQuantiles(wanted, _log_us(index, low[wanted], high[wanted]), n)
+
+
+def _log_us(index: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """Return the log (µs) of quantiles in buckets `index`, within [low, high] ns."""
+    middle = MIN_NS * 2 ** ((index - 0.5) / BUCKETS_PER_DOUBLING)  # the bucket's geometric mid
+    value_ns = np.where(index == 0, low, np.where(index == N_BUCKETS - 1, high, middle))
+    value_ns = np.clip(value_ns, low, high)  # within what the device saw, as quantile_us reads
+    return np.log(np.maximum(value_ns / 1000, MIN_NS / 1000))
+
+
+def _observed_range(devices: Devices, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return per device the lowest and highest latency it reported on `entries` (ns)."""
+    timed = entries & (devices.latency_count > 0)
+    low = np.full(len(devices), np.inf)
+    high = np.full(len(devices), -np.inf)
+    owner = devices.entry_device[timed]
+    np.minimum.at(low, owner, np.nan_to_num(devices.latency_min[timed], nan=np.inf))
+    np.maximum.at(high, owner, np.nan_to_num(devices.latency_max[timed], nan=-np.inf))
+    return np.where(np.isfinite(low), low, 0.0), np.where(np.isfinite(high), high, np.inf)
+
+
+def _from_rows(
+    devices: Devices, q: float, entries: np.ndarray, wanted: np.ndarray
+) -> DeviceQuantiles | None:
+    """Return the `wanted` devices' quantiles from their rows' (None: not one row each)."""
+    chosen = np.flatnonzero(entries)
+    owner = devices.entry_device[chosen]
+    if np.bincount(owner, minlength=len(devices))[wanted].max() > 1:
+        return None
+    per_row = _row_quantiles(devices.table, q)
+    if per_row is None:
+        return None
+    entry = np.full(len(devices), -1, np.intp)
+    entry[owner] = chosen
+    rows = devices.positions[entry[wanted]]
+    index, n = per_row[0][rows], per_row[1][rows]
+    # As _observed_range reads one row (timed: a wanted device has min_samples >= 2).
+    low, high = devices.table.latency_min_ns[rows], devices.table.latency_max_ns[rows]
+    low = np.where(np.isfinite(low), low, 0.0)
+    high = np.where(np.isfinite(high), high, np.inf)
+    return DeviceQuantiles(wanted, _log_us(index, low, high), n)
+
+
+_ROW_QUANTILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _row_quantiles(table: DeviceTable, q: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Return per row of `table` the bucket of its q-quantile and its samples (cached).
+
+    As `_device_quantiles` reads a device of one row, to the bit: its cumulative counts
+    are whole numbers below 2**52 (exact in any order), and each row's buckets ascend.
+    None where that does not hold.
+    """
+    memo = _ROW_QUANTILES.setdefault(table, {})
+    if q not in memo:
+        memo[q] = _rows_read(table, q)
+    return memo[q]
+
+
+def _rows_read(table: DeviceTable, q: float) -> tuple[np.ndarray, np.ndarray] | None:
+    counts, rows, index = table.hist_count, table.hist_row, table.hist_index
+    same_row = rows[1:] == rows[:-1]
+    if (counts < 0).any() or not counts.sum() < _EXACT or (np.diff(index)[same_row] <= 0).any():
+        return None
+    cum = np.cumsum(counts)
+    start = np.searchsorted(rows, np.arange(len(table) + 1))
+    before = np.concatenate(([0.0], cum))[start]
+    n = before[1:] - before[:-1]
+    rank = np.maximum(1.0, np.ceil(q * n - 1e-9))
+    hit = np.flatnonzero(cum - before[:-1][rows] >= (rank - 1e-9)[rows])
+    first = np.concatenate(([True], rows[hit][1:] != rows[hit][:-1]))  # a row's first hit
+    out = np.zeros(len(table), np.intp)  # a row with no buckets: read as its low, as there
+    out[rows[hit][first]] = index[hit][first]
+    return out, n
