@@ -11,12 +11,27 @@ them.
 from __future__ import annotations
 
 import functools
-from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 DISTRIBUTION = "skiff"
 SERVER_EXTRA = "server"
 # The device side's own commands (device_agent.cli): they need nothing of the server.
 DEVICE_COMMANDS = frozenset({"agent", "infer", "generate"})
+
+
+def entry_points(**selection):
+    """Return `importlib.metadata.entry_points(**selection)`.
+
+    importlib.metadata is imported here, on first use, not with this module: it brings
+    email, csv and zipfile along (about 1 MB resident), and the device agent, which
+    imports this module for its command line, never looks up an entry point.
+    """
+    from importlib.metadata import entry_points as found
+
+    return found(**selection)
 
 
 def own_entry_points(group: str, name: str | None = None) -> list[EntryPoint]:
@@ -43,6 +58,8 @@ def operator_refusal(command: str) -> str | None:
     The operator's commands need the server extra's own requirements; the extras it
     includes (postgres, s3, dashboard, convert) are checked where they are used.
     """
+    from importlib.metadata import PackageNotFoundError
+
     try:
         missing = missing_requirements(SERVER_EXTRA)
     except PackageNotFoundError:
@@ -83,7 +100,7 @@ def _of_extra(req, extra: str) -> bool:
 
 @functools.cache
 def _missing(extra: str, nested: bool) -> tuple[str, ...]:
-    from importlib.metadata import distribution, version
+    from importlib.metadata import PackageNotFoundError, distribution, version
 
     wanted, seen, missing = [extra], set(), []
     while wanted:
