@@ -11,13 +11,11 @@ or plain HTTP to a loopback host only.
 from __future__ import annotations
 
 import asyncio
-import http.client
+import functools
 import ipaddress
 import re
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import AsyncIterator
 
 CHUNK = 256 << 10
@@ -52,14 +50,22 @@ def _loopback(host: str) -> bool:
         return False
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """Refuse redirects: a presigned GET needs none, and one could leave HTTPS or loopback."""
+@functools.cache
+def _opener():
+    """Return the opener of every fetch, which refuses redirects.
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102
-        return None  # urllib then raises HTTPError for the 30x
+    Built, and urllib.request imported (with http.client and email), at the first fetch:
+    the agent daemon holds them for nothing until a Sync answer carries a URL.
+    """
+    import urllib.request
 
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        """Refuse redirects: a presigned GET needs none, and one could leave HTTPS or loopback."""
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+        def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102
+            return None  # urllib then raises HTTPError for the 30x
+
+    return urllib.request.build_opener(NoRedirect)
 
 
 async def fetch_url(url: str, offset: int, size: int) -> AsyncIterator[bytes]:
@@ -69,10 +75,14 @@ async def fetch_url(url: str, offset: int, size: int) -> AsyncIterator[bytes]:
     runs below MIN_RATE: a trickling store must not hold an install for ever. Messages
     never carry the URL (its query is a credential).
     """
+    import http.client
+    import urllib.error
+    import urllib.request
+
     deadline = time.monotonic() + TIMEOUT_S + (size - offset) / MIN_RATE
     request = urllib.request.Request(url, headers={"Range": f"bytes={offset}-{size - 1}"})
     try:
-        response = await asyncio.to_thread(_OPENER.open, request, timeout=TIMEOUT_S)
+        response = await asyncio.to_thread(_opener().open, request, timeout=TIMEOUT_S)
     except urllib.error.HTTPError as exc:
         raise UrlFetchError(f"HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
