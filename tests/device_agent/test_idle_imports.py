@@ -1,7 +1,8 @@
 """An idle agent holds no numpy: it is imported with the first model or pipeline push.
 
 numpy is the largest library the daemon could hold for nothing (about 16 MB resident);
-a device runs the agent all day, mostly with no request in flight.
+a device runs the agent all day, mostly with no request in flight. Nor does it hold
+urllib.request (with http.client): presigned downloads need it, an idle agent does not.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+NOT_AT_IDLE = ("http.client", "urllib.request")
 
 
 def test_the_daemons_modules_import_no_numpy():
@@ -30,6 +32,27 @@ def test_the_daemons_modules_import_no_numpy():
         timeout=120,
     ).stdout
     assert json.loads(out.strip().splitlines()[-1]) is False
+
+
+def test_the_daemon_imports_no_http_client():
+    # What `skiff agent run` imports before it serves (device_agent.commands.start_agent_run).
+    script = (
+        "import json, sys\n"
+        "import device_agent.cli, device_agent.commands, device_agent.agent\n"
+        "import device_agent.local_api, device_agent.client_settings, runtime.hardening\n"
+        "from device_agent.device_facts import _mnn_version\n"
+        "_mnn_version()\n"
+        f"print(json.dumps(sorted(m for m in {NOT_AT_IDLE!r} if m in sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []
 
 
 def test_tensors_still_convert_where_numpy_is_imported_late():
