@@ -176,10 +176,13 @@ class DeviceConnection:
             got = 0
             try:
                 async for message in call:
-                    artifact, size = remaining[0]
-                    while size == 0:  # nothing to send for an empty chunk
+                    while remaining and remaining[0][1] == 0:  # nothing sent for an empty chunk
                         yield remaining.popleft()[0], b""
-                        artifact, size = remaining[0]
+                    if not remaining:
+                        raise DeviceCallError(
+                            grpc.StatusCode.DATA_LOSS, "a piece past the last chunk"
+                        )
+                    artifact, size = remaining[0]
                     if message.artifact != artifact or message.offset != got:
                         raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "chunk out of order")
                     got += len(message.data)
@@ -198,7 +201,8 @@ class DeviceConnection:
                 if remaining:
                     raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "download ended short")
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._chunk_calls:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    # Also when a call in flight beside this one found it first.
                     self._chunk_calls = False
                     continue
                 if not self._retry(exc) or attempt == RETRIES:

@@ -254,8 +254,10 @@ class ChunkStore:
                 raise  # the network or the server: the sync is tried again
             # The control plane lacks the chunk (or no longer assigns it): this version
             # fails to install, the other models of the sync go on.
+            # Every chunk of the call may have come whole before the call failed.
+            which = refs[came] if came < len(refs) else refs[-1]
             raise IntegrityFailure(
-                f"chunk {refs[came].id.hex()[:12]} could not be fetched: {exc}"
+                f"chunk {which.id.hex()[:12]} could not be fetched: {exc}"
             ) from None
 
     def sweep(self, keep: Iterable[bytes]) -> int:

@@ -21,6 +21,7 @@ from control_plane.api.signing_convert import chain_pb
 from control_plane.api.telemetry_convert import report_batch
 from control_plane.api.throttle import Throttle, peer_key
 from control_plane.api.throttle import enroll_throttle as new_enroll_throttle
+from control_plane.blobs.base import CHUNK_SIZE
 from control_plane.fleet.devices import Fleet
 from control_plane.fleet.writer import DeviceWriter
 from control_plane.registry.registry import associated_data
@@ -162,9 +163,14 @@ class _ChunkPieces:
             if self._current is None:
                 if not self._queue:
                     return
-                artifact, size = self._queue.popleft()
+                artifact, size = self._queue[0]
+                if taken and taken + min(size, CHUNK_SIZE) > PIECES_BYTES:
+                    return  # its first piece is the next hop's
+                self._queue.popleft()
                 self._current = [artifact, size, self._read(artifact), 0]
             artifact, size, pieces, offset = self._current
+            if taken and taken + min(size - offset, CHUNK_SIZE) > PIECES_BYTES:
+                return  # a piece of up to CHUNK_SIZE would take the hop past PIECES_BYTES
             piece = next(pieces, None)
             if piece is None:
                 self._close_current()
@@ -189,6 +195,7 @@ class _ChunkPieces:
     def close(self) -> None:
         """Close the chunk being read (blocking until a read in progress returns)."""
         with self._lock:
+            self._queue.clear()  # a read that comes after (the read-ahead's) opens nothing
             if self._current is not None:
                 self._close_current()
 
