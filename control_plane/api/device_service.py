@@ -128,9 +128,10 @@ class _Reader:
 class _ChunkPieces:
     """The pieces of several chunks, in the order asked, read in threads.
 
-    Each `next()` reads up to PIECES_BYTES (one thread hop for many small chunks); a
-    chunk is cut at the size its signed table gives it, and one that ends short of it
-    is an integrity failure (DATA_LOSS), as the blob store no longer holds it whole.
+    Each `next()` reads up to PIECES_BYTES (one thread hop for many small chunks). A
+    chunk must be the size its signed table gives it: one that ends short of it or runs
+    past it is an integrity failure (DATA_LOSS), as the blob store no longer holds it
+    as it was pushed.
     """
 
     def __init__(self, read, artifacts: list[str], sizes: list[int]) -> None:

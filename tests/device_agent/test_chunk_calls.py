@@ -162,13 +162,20 @@ class _Lying(device_service.device_pb2_grpc.DeviceServiceServicer):
 _SIZES = {"a": 10, "b": 20}
 
 
-def _against(fault: str):
+async def serve(servicer) -> tuple[grpc.aio.Server, int]:
+    """Start a device service of `servicer` on a port of its own: (server, port)."""
+    server = grpc.aio.server()
+    device_service.device_pb2_grpc.add_DeviceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def against(servicer: _Lying) -> tuple[list, Exception | None, _Lying]:
+    """Fetch both chunks from `servicer`: (what came, the error it ended on, servicer)."""
+
     async def main():
-        server = grpc.aio.server()
-        servicer = _Lying(fault)
-        device_service.device_pb2_grpc.add_DeviceServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await serve(servicer)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 conn = DeviceConnection(channel, "skd_x")
@@ -176,7 +183,7 @@ def _against(fault: str):
                 try:
                     async for item in conn.download_chunks(list(_SIZES.items())):
                         got.append(item)
-                except DeviceCallError as exc:
+                except Exception as exc:  # noqa: BLE001 - the test says which it expects
                     return got, exc, servicer
                 return got, None, servicer
         finally:
@@ -195,22 +202,22 @@ def _against(fault: str):
     ],
 )
 def test_a_device_refuses_pieces_out_of_order_or_past_or_short_of_a_chunk(fault, says):
-    got, error, _ = _against(fault)
-    assert error is not None and error.code == grpc.StatusCode.DATA_LOSS
+    got, error, _ = against(_Lying(fault))
+    assert isinstance(error, DeviceCallError) and error.code == grpc.StatusCode.DATA_LOSS
     assert says in error.message
     assert all(data == name.encode() * _SIZES[name] for name, data in got)
 
 
 def test_after_a_cut_only_the_chunks_not_yet_whole_are_asked_for_again(monkeypatch):
     monkeypatch.setattr("contract.device_client.backoff_s", lambda attempt: 0)
-    got, error, servicer = _against("cut")
+    got, error, servicer = against(_Lying("cut"))
     assert error is None
     assert got == [("a", b"a" * 10), ("b", b"b" * 20)]
     assert servicer.calls == [["a", "b"], ["b"]]
 
 
 def test_a_control_plane_without_the_call_is_asked_for_each_chunk_with_download():
-    got, error, servicer = _against("unimplemented")
+    got, error, servicer = against(_Lying("unimplemented"))
     assert error is None
     assert got == [("a", b"a" * 10), ("b", b"b" * 20)]
     assert servicer.calls == [["a", "b"]] and servicer.downloads == ["a", "b"]

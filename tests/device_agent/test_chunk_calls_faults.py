@@ -16,15 +16,7 @@ from contract.device_client import DeviceCallError, DeviceConnection
 from control_plane.api import device_service
 from device_agent import chunk_store
 from device_agent.download import IntegrityFailure
-from tests.device_agent.test_chunk_calls import _SIZES, _Lying
-
-
-async def _serve(servicer):
-    server = grpc.aio.server()
-    device_service.device_pb2_grpc.add_DeviceServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, port
+from tests.device_agent.test_chunk_calls import _SIZES, _Lying, against, serve
 
 
 def test_calls_in_flight_at_once_all_fall_back_on_an_older_control_plane():
@@ -34,7 +26,7 @@ def test_calls_in_flight_at_once_all_fall_back_on_an_older_control_plane():
 
     async def main():
         servicer = _Lying("unimplemented")
-        server, port = await _serve(servicer)
+        server, port = await serve(servicer)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 conn = DeviceConnection(channel, "skd_x")
@@ -65,22 +57,7 @@ class _Extra(_Lying):
 
 
 def test_a_message_past_the_last_chunk_is_data_loss_not_an_index_error():
-    async def main():
-        server, port = await _serve(_Extra("fine"))
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                conn = DeviceConnection(channel, "skd_x")
-                got = []
-                try:
-                    async for item in conn.download_chunks(list(_SIZES.items())):
-                        got.append(item)
-                except Exception as exc:  # noqa: BLE001
-                    return got, exc
-                return got, None
-        finally:
-            await server.stop(None)
-
-    got, error = asyncio.run(main())
+    _, error, _ = against(_Extra("fine"))
     assert isinstance(error, DeviceCallError), repr(error)
     assert error.code == grpc.StatusCode.DATA_LOSS
 
