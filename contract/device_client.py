@@ -106,6 +106,16 @@ class DeviceConnection:
                 await asyncio.sleep(backoff_s(attempt))
         raise AssertionError("unreachable")
 
+    async def _after_cut(self, exc: grpc.aio.AioRpcError, attempt: int) -> int:
+        """Wait before a stream cut by `exc` is asked again; return the next attempt.
+
+        Raises DeviceCallError where it may not be retried, or has been too often.
+        """
+        if not self._retry(exc) or attempt == RETRIES:
+            raise self._error(exc) from None
+        await asyncio.sleep(backoff_s(attempt))
+        return attempt + 1
+
     async def enroll(
         self, token: str, attributes: device_pb2.DeviceAttributes, public_keyset: bytes
     ) -> device_pb2.EnrollResponse:
@@ -205,10 +215,7 @@ class DeviceConnection:
                     # Also when a call in flight beside this one found it first.
                     self._chunk_calls = False
                     continue
-                if not self._retry(exc) or attempt == RETRIES:
-                    raise self._error(exc) from None
-                await asyncio.sleep(backoff_s(attempt))
-                attempt += 1
+                attempt = await self._after_cut(exc, attempt)
             finally:
                 call.cancel()
 
@@ -238,9 +245,6 @@ class DeviceConnection:
                 if offset < size:
                     raise DeviceCallError(grpc.StatusCode.DATA_LOSS, "download ended short")
             except grpc.aio.AioRpcError as exc:
-                if not self._retry(exc) or attempt == RETRIES:
-                    raise self._error(exc) from None
-                await asyncio.sleep(backoff_s(attempt))
-                attempt += 1
+                attempt = await self._after_cut(exc, attempt)
             finally:
                 call.cancel()
