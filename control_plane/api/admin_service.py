@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -20,6 +21,7 @@ from control_plane.api.access import caller
 from control_plane.api.auth import ApiTokens, Authenticator
 from control_plane.api.golden_convert import accuracy_pb, golden_pb, golden_request
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
+from control_plane.api.read_ahead import Reader, read_ahead
 from control_plane.api.signing_convert import chain_pb, signing_key_pb
 from control_plane.registry import upload_spool
 from control_plane.registry.contract import MAX_GOLDEN_UPLOAD
@@ -420,13 +422,21 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def PullModel(self, request, context):  # noqa: D102, N802
         self._actor(context)
         header, plaintext = await asyncio.to_thread(self._open_pull, request)
-        yield admin_pb2.PullModelResponse(header=header)
-        n = 0
-        while (chunk := await asyncio.to_thread(next, plaintext, None)) is not None:
-            n += 1
-            if n % RECHECK_CHUNKS == 0:
-                await asyncio.to_thread(self._recheck)
-            yield admin_pb2.PullModelResponse(chunk=chunk)
+        reader, sent = Reader(plaintext), 0
+
+        def read() -> admin_pb2.PullModelResponse | None:
+            chunk = reader.next()
+            return None if chunk is None else admin_pb2.PullModelResponse(chunk=chunk)
+
+        # Each piece is decrypted in a thread while the one before it (first, the header)
+        # is sent.
+        first = admin_pb2.PullModelResponse(header=header)
+        async with contextlib.aclosing(read_ahead(first, read, reader.close)) as responses:
+            async for response in responses:
+                sent += 1
+                if sent % RECHECK_CHUNKS == 0:
+                    await asyncio.to_thread(self._recheck)
+                yield response
 
     @mapped
     def RotateKek(self, request, context):  # noqa: D102, N802

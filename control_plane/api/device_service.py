@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime as dt
 import threading
 
@@ -17,6 +18,7 @@ from contract import errors
 from contract.chunks import MAX_CHUNKS_PER_CALL
 from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
+from control_plane.api.read_ahead import Reader, read_ahead
 from control_plane.api.signing_convert import chain_pb
 from control_plane.api.telemetry_convert import report_batch
 from control_plane.api.throttle import Throttle, peer_key
@@ -104,25 +106,6 @@ def _golden_pb(golden: dict) -> device_pb2.ArtifactDescriptor | None:
         plaintext_size=golden["plaintext_size"],
         associated_data=golden["associated_data"],
     )
-
-
-class _Reader:
-    """An artifact's remaining pieces, read in threads; closed once no read is running."""
-
-    def __init__(self, chunks) -> None:
-        self._chunks, self._lock = chunks, threading.Lock()
-
-    def next(self) -> bytes | None:
-        """Return the next piece, None at the end (blocking: call it in a thread)."""
-        with self._lock:
-            return next(self._chunks, None)
-
-    def close(self) -> None:
-        """Close the blob (blocking until a read in progress returns)."""
-        with self._lock:
-            close = getattr(self._chunks, "close", None)
-            if close is not None:
-                close()
 
 
 class _ChunkPieces:
@@ -415,23 +398,19 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         # The first piece is read with the checks, in one thread hop: a chunk of a chunked
         # model is often one piece, so a Download costs one hop, not three.
         size, chunk, chunks = await asyncio.to_thread(self._open, authorization, request)
-        reader = _Reader(chunks)
-        offset = request.offset
-        try:
-            while chunk is not None:
+        reader, offset = Reader(chunks), request.offset
+        # The next piece is read in a thread while this one is sent; none after the last.
+        read = reader.next if chunk is not None and offset + len(chunk) < size else None
+        async with contextlib.aclosing(read_ahead(chunk, read, reader.close)) as pieces:
+            async for piece in pieces:
                 # Exact: a revocation stops a download in progress. On the loop when the
                 # credential is cached (a dict lookup), in a thread when it must be read.
                 if self._fleet.authenticate(authorization, cached_only=True) is None:
                     await asyncio.to_thread(self._fleet.authenticate, authorization)
-                yield device_pb2.DownloadChunk(offset=offset, data=chunk)
-                offset += len(chunk)
+                yield device_pb2.DownloadChunk(offset=offset, data=piece)
+                offset += len(piece)
                 if offset >= size:  # no hop just to hear that the end is the end
                     break
-                chunk = await asyncio.to_thread(reader.next)
-        finally:
-            # A cancelled call may leave a thread inside next(): the reader closes the
-            # blob once that read is done, in a thread, not waited for here.
-            asyncio.get_running_loop().run_in_executor(None, reader.close)
 
     @mapped_async_stream
     async def DownloadChunks(self, request, context):  # noqa: D102, N802
@@ -439,22 +418,13 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         # The checks and the first read in one thread hop; then each hop reads the next
         # pieces while the ones before it are sent.
         batch, pieces = await asyncio.to_thread(self._open_chunks, authorization, request)
-        ahead = None
-        try:
-            while batch:
-                ahead = asyncio.ensure_future(asyncio.to_thread(pieces.next))
+        async with contextlib.aclosing(read_ahead(batch, pieces.next, pieces.close)) as batches:
+            async for batch in batches:
                 # Exact: a revocation stops a download in progress (as in Download).
                 if self._fleet.authenticate(authorization, cached_only=True) is None:
                     await asyncio.to_thread(self._fleet.authenticate, authorization)
                 for artifact, offset, data in batch:
                     yield device_pb2.DownloadChunk(artifact=artifact, offset=offset, data=data)
-                batch = await ahead
-        finally:
-            if ahead is not None and not ahead.done():
-                ahead.cancel()  # its thread finishes the read; the result is dropped
-            elif ahead is not None and not ahead.cancelled():
-                ahead.exception()  # a call that ended early does not log the read's error
-            asyncio.get_running_loop().run_in_executor(None, pieces.close)
 
     def _checked(self, authorization: str | None, request):
         device = self._fleet.authenticate(authorization)
