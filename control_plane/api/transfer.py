@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from contract import errors
@@ -101,16 +102,22 @@ def write_verified(chunks, out: Path, expected: tuple[int, str], progress: Progr
         raise errors.AlreadyExists(f"{tmp} already exists: remove it and pull again") from None
     digest, size = hashlib.sha256(), 0
     try:
-        with os.fdopen(fd, "wb") as f:
+        # Each piece is hashed and written in a thread while the next one is received
+        # (both release the GIL), one piece behind; in order, and the first error stops it.
+        with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1, "skiff-pull-write") as writer:
+            behind = None
             for response in chunks:
                 chunk = response.chunk  # each read of the field copies it out of the message
                 size += len(chunk)
                 if size > want_size:  # a stream past the signed size stops here, not at the end
                     raise _mismatch(size)
-                digest.update(chunk)
-                f.write(chunk)
+                if behind is not None:
+                    behind.result()
+                behind = writer.submit(_absorb, digest, f, chunk)
                 if progress:
                     progress(size, want_size)
+            if behind is not None:
+                behind.result()
             f.flush()
             os.fsync(f.fileno())
         if size != want_size or digest.hexdigest() != want_sha256:
@@ -118,6 +125,11 @@ def write_verified(chunks, out: Path, expected: tuple[int, str], progress: Progr
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _absorb(digest, f, chunk: bytes) -> None:
+    digest.update(chunk)
+    f.write(chunk)
 
 
 def _mismatch(size: int) -> errors.IntegrityError:

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import os
 import stat
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from contract import errors
 from control_plane.api.transfer import write_verified
 
 MiB = 1 << 20
+WAIT_S = 10  # an upper bound on a loaded machine, never a pace
 
 
 def responses(data: bytes, size: int):
@@ -61,3 +63,58 @@ def test_a_stream_longer_than_signed_stops_at_once(tmp_path):
         write_verified(endless(), tmp_path / "model.mnn", (3 * MiB, "0" * 64), None)
     assert next(sent) == 4  # the fourth chunk was the first too many; none came after
     assert leftovers(tmp_path) == []
+
+
+def test_the_next_piece_is_received_while_the_one_before_it_is_written(tmp_path, monkeypatch):
+    """Hashing and writing run one piece behind the receive, not in turn with it."""
+    from control_plane.api import transfer
+
+    data = os.urandom(3 * MiB)
+    asked_for_second = threading.Event()
+    absorb = transfer._absorb
+    overlapped = []
+
+    def slow_absorb(digest, f, chunk):
+        if not overlapped:  # the first piece: is the second asked for meanwhile?
+            overlapped.append(asked_for_second.wait(WAIT_S))
+        absorb(digest, f, chunk)
+
+    def stream():
+        pieces = responses(data, MiB)
+        yield pieces[0]
+        asked_for_second.set()
+        yield from pieces[1:]
+
+    monkeypatch.setattr(transfer, "_absorb", slow_absorb)
+    out = tmp_path / "model.mnn"
+    write_verified(stream(), out, expected(data), None)
+    assert overlapped == [True]
+    assert out.read_bytes() == data
+
+
+def test_a_failed_write_stops_the_pull_and_leaves_nothing(tmp_path, monkeypatch):
+    from control_plane.api import transfer
+
+    data = os.urandom(4 * MiB)
+    written = []
+    absorb = transfer._absorb
+
+    def failing_absorb(digest, f, chunk):
+        if len(written) == 1:
+            raise OSError(28, "No space left on device")
+        written.append(len(chunk))
+        absorb(digest, f, chunk)
+
+    asked = itertools.count()
+
+    def stream():
+        for piece in responses(data, MiB):
+            next(asked)
+            yield piece
+
+    monkeypatch.setattr(transfer, "_absorb", failing_absorb)
+    out = tmp_path / "model.mnn"
+    with pytest.raises(OSError, match="No space left"):
+        write_verified(stream(), out, expected(data), None)
+    assert next(asked) <= 3  # it stopped one piece behind the failure, not at the end
+    assert not out.exists() and leftovers(tmp_path) == []
