@@ -439,6 +439,7 @@ def main() -> None:
             )
             client.create_rollout(fleet_pb2.CreateRolloutRequest(model=SMALL, version=2))
             wait_serving(stub, SMALL, small_x, 2)
+            wait_probed(state, SMALL)  # v2's probe of the other configs would share the CPU
             n = 20_000 if args.quick else 100_000
             events = activity_events(n, users=1000, seed=3)
             took, fired = pipeline_through_agent(stub, events)
