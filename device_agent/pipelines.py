@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -434,20 +435,17 @@ def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], even
     key_order = _order("key_fields", key_fields, config.key_fields)
     value_order = _order("value_fields", value_fields, config.value_fields)
     n, nk, nv = len(events), len(key_fields), len(value_fields)
-    ts = np.empty(n, dtype=np.int64)
-    types: list[str] = []
-    keys: list[int] = []
-    values: list[float] = []
-    for i, e in enumerate(events):
-        if len(e.keys) != nk or len(e.values) != nv:
-            raise EventsRejected(
-                f"event {i}: {len(e.keys)} keys and {len(e.values)} values; "
-                f"key_fields and value_fields name {nk} and {nv}"
-            )
-        ts[i] = e.ts_ms
-        types.append(e.type)
-        keys.extend(e.keys)
-        values.extend(e.values)
+    # Field by field over all events, not event by event: each attribute read of a
+    # message costs more than the loop around it.
+    keys, values = [e.keys for e in events], [e.values for e in events]
+    if set(map(len, keys)) - {nk} or set(map(len, values)) - {nv}:
+        i = next(i for i in range(n) if len(keys[i]) != nk or len(values[i]) != nv)
+        raise EventsRejected(
+            f"event {i}: {len(keys[i])} keys and {len(values[i])} values; "
+            f"key_fields and value_fields name {nk} and {nv}"
+        )
+    ts = np.fromiter([e.ts_ms for e in events], np.int64, n)
+    types = [e.type for e in events]
     ahead = time.time_ns() // 1_000_000 + MAX_AHEAD_MS
     if n and int(ts.max()) > ahead:
         i = int(np.argmax(ts > ahead))
@@ -456,8 +454,10 @@ def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], even
             "ahead of this device's clock (epoch milliseconds expected)",
             "ahead",
         )
-    key_array = np.array(keys, dtype=np.int64).reshape(n, nk)[:, key_order]
-    value_array = np.array(values, dtype=np.float64).reshape(n, nv)[:, value_order]
+    flat_keys = np.fromiter(itertools.chain.from_iterable(keys), np.int64, n * nk)
+    flat_values = np.fromiter(itertools.chain.from_iterable(values), np.float64, n * nv)
+    key_array = flat_keys.reshape(n, nk)[:, key_order]
+    value_array = flat_values.reshape(n, nv)[:, value_order]
     return ts, types, np.ascontiguousarray(key_array), np.ascontiguousarray(value_array)
 
 

@@ -305,3 +305,33 @@ def test_a_clock_stepping_back_neither_drains_nor_fills_a_bucket():
     assert bucket.level() == pytest.approx(5)
     with pytest.raises(ValueError, match="events_per_s must be > 0"):
         AppLimits(events_per_s=0)
+
+
+def test_events_become_columns_in_the_pipelines_field_order():
+    class Config:
+        key_fields, value_fields = ("user", "shop"), ("amount", "dwell")
+
+    evs = [
+        agent_pb2.Event(ts_ms=NOW + i, type="ab"[i % 2], keys=[i, 100 + i], values=[i / 2, -i])
+        for i in range(5)
+    ]
+    # Given in another order than the pipeline's: the columns come back in its order.
+    ts, types, keys, values = pipelines._arrays(Config, ["shop", "user"], ["dwell", "amount"], evs)
+    assert ts.tolist() == [NOW + i for i in range(5)] and types == list("ababa")
+    assert keys.tolist() == [[100 + i, i] for i in range(5)]
+    assert values.tolist() == [[-i, i / 2] for i in range(5)]
+    assert keys.flags.c_contiguous and values.flags.c_contiguous
+    empty = pipelines._arrays(Config, ["user", "shop"], ["amount", "dwell"], [])
+    assert [len(column) for column in empty] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("bad", [{"keys": [1]}, {"values": [1.0, 2.0, 3.0]}, {"keys": []}])
+def test_an_event_with_the_wrong_number_of_fields_is_named(bad):
+    class Config:
+        key_fields, value_fields = ("user", "shop"), ("amount", "dwell")
+
+    fields = {"keys": [1, 2], "values": [1.0, 2.0]}
+    evs = [agent_pb2.Event(ts_ms=NOW, type="a", **fields) for _ in range(4)]
+    evs.insert(3, agent_pb2.Event(ts_ms=NOW, type="a", **{**fields, **bad}))
+    with pytest.raises(EventsRejected, match="^event 3: .* key_fields and value_fields name 2"):
+        pipelines._arrays(Config, ["user", "shop"], ["amount", "dwell"], evs)
