@@ -418,7 +418,11 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         # The checks and the first read in one thread hop; then each hop reads the next
         # pieces while the ones before it are sent.
         batch, pieces = await asyncio.to_thread(self._open_chunks, authorization, request)
-        async with contextlib.aclosing(read_ahead(batch, pieces.next, pieces.close)) as batches:
+
+        def read() -> list | None:  # a hop that found no pieces is the end
+            return pieces.next() or None
+
+        async with contextlib.aclosing(read_ahead(batch or None, read, pieces.close)) as batches:
             async for batch in batches:
                 # Exact: a revocation stops a download in progress (as in Download).
                 if self._fleet.authenticate(authorization, cached_only=True) is None:

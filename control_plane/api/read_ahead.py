@@ -42,17 +42,18 @@ class Reader:
 async def read_ahead(
     first: T | None, read: Callable[[], T | None] | None, close: Callable[[], None]
 ) -> AsyncIterator[T]:
-    """Yield `first`, then what each `read()` returns, until one returns None or empty.
+    """Yield `first`, then what each `read()` returns, until one returns None.
 
     Each `read()` runs in a thread while the item before it is with the consumer; `read`
     None says that `first` is the last (no thread hop just to hear the end). Use it
     under `contextlib.aclosing`: however the consumer stops (the end, an error, a
     cancelled call), a read still in its thread finishes there and is dropped, its error
-    unlogged, and `close()` then runs in a thread, not waited for.
+    unlogged, and `close()` then runs in a thread, not waited for. Only None ends it: an
+    empty item (a blob store's empty read) is passed on, not taken for the end.
     """
     item, ahead = first, None
     try:
-        while item:
+        while item is not None:
             if read is None:
                 yield item
                 return

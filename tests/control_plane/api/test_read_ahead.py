@@ -136,3 +136,14 @@ def test_a_cancelled_call_closes_the_source_once_its_read_returns():
         assert await _wait_for(closed)
 
     asyncio.run(main())
+
+
+def test_an_empty_item_is_passed_on_not_taken_for_the_end():
+    """A blob store's empty read ended a Download early, silently: only None ends it."""
+    items = iter([b"", b"c", None])
+
+    async def main():
+        async with _closing(b"", lambda: next(items), lambda: None) as stream:
+            return [item async for item in stream]
+
+    assert asyncio.run(main()) == [b"", b"", b"c"]
