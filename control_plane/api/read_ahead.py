@@ -65,4 +65,5 @@ async def read_ahead(
             ahead.cancel()  # its thread finishes the read; the result is dropped
         elif ahead is not None and not ahead.cancelled():
             ahead.exception()  # a call that ended early does not log the read's error
+        item = ahead = None  # a piece read ahead (plaintext, for a pull) is not kept
         asyncio.get_running_loop().run_in_executor(None, close)
