@@ -30,6 +30,9 @@ this machine. Reported:
   `pipeline_vs_in_process` divides it by the events per second of the same pipeline
   and model run in one process (`runtime.pipeline.Pipeline` + an in-process
   `runtime.Model`, one run per firing): what an app embedding the runtime would get.
+  `pipeline_batched_events_per_s` and `pipeline_batched_vs_in_process`: the same with the
+  results read through `SubscribeBatches` (a message per batch, not per result), the
+  same events an hour later.
 
     python bench/agent.py            # 100 MB model, 60 s idle
     python bench/agent.py --quick    # 10 MB model, 10 s idle; under a minute
@@ -222,8 +225,11 @@ def in_process_us(data_path: Path, x: np.ndarray, runs: int) -> float:
 BATCH = 1000
 
 
-def pipeline_through_agent(stub, events) -> tuple[float, int]:
-    """Push `events` in batches; return seconds until every result arrived, and firings."""
+def pipeline_through_agent(stub, events, *, batched: bool = False) -> tuple[float, int]:
+    """Push `events` in batches; return seconds until every result arrived, and firings.
+
+    The results come one a message (Subscribe) or `batched` (SubscribeBatches).
+    """
     ts, types, keys, values = events
     requests = [
         agent_pb2.PushEventsRequest(
@@ -240,13 +246,15 @@ def pipeline_through_agent(stub, events) -> tuple[float, int]:
         for lo in range(0, len(ts), BATCH)
     ]
     got = [0]
-    call = stub.Subscribe(agent_pb2.SubscribeRequest(model=SMALL))
+    subscribe = stub.SubscribeBatches if batched else stub.Subscribe
+    call = subscribe(agent_pb2.SubscribeRequest(model=SMALL))
 
     def read() -> None:
         with contextlib.suppress(grpc.RpcError):
-            for result in call:
-                assert not result.error, result.error
-                got[0] += 1
+            for message in call:
+                for result in message.results if batched else [message]:
+                    assert not result.error, result.error
+                    got[0] += 1
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -443,6 +451,10 @@ def main() -> None:
             n = 20_000 if args.quick else 100_000
             events = activity_events(n, users=1000, seed=3)
             took, fired = pipeline_through_agent(stub, events)
+            # The same events an hour later: the engine has moved past the first ones.
+            later = activity_events(n, users=1000, seed=3, start_ms=int(events[0][-1]) + 3_600_000)
+            batched_took, batched_fired = pipeline_through_agent(stub, later, batched=True)
+            assert batched_fired == fired, (batched_fired, fired)
             v2 = tmp / "small-2.mnn"
             v2.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=2)))
             base_took, base_fired = pipeline_in_process(v2, events)
@@ -452,10 +464,13 @@ def main() -> None:
             results["pipeline_events_per_s"] = round(n / took)
             results["in_process_events_per_s"] = round(n / base_took)
             results["pipeline_vs_in_process"] = round(base_took / took, 3)
+            results["pipeline_batched_events_per_s"] = round(n / batched_took)
+            results["pipeline_batched_vs_in_process"] = round(base_took / batched_took, 3)
             print(
                 f"pipeline: {n} events -> {fired} firings -> results to a subscriber: "
                 f"{n / took:,.0f} events/s through the agent, {n / base_took:,.0f} in-process "
-                f"(ratio {base_took / took:.2f})",
+                f"(ratio {base_took / took:.2f}); results in batches (SubscribeBatches): "
+                f"{n / batched_took:,.0f} events/s (ratio {base_took / batched_took:.2f})",
                 flush=True,
             )
             client.close()

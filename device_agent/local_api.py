@@ -49,6 +49,10 @@ from protos import agent_pb2, agent_pb2_grpc
 log = logging.getLogger("skiff.agent")
 
 PUSH_THREADS = 2
+# What one SubscribeBatches message holds at most: results, and bytes of outputs (unless
+# one result alone is more), well under MAX_MESSAGE_BYTES.
+BATCH_RESULTS = 1024
+BATCH_BYTES = 4 << 20
 # What one Generate may ask: a prompt (or chat) of this many characters, this many tokens.
 MAX_PROMPT_CHARS = 256 << 10
 MAX_MESSAGES = 256
@@ -186,6 +190,33 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         )
 
     async def Subscribe(self, request, context):  # noqa: D102, N802
+        sub = await self._subscribe(request, context)
+        try:
+            while True:
+                result, dropped = await sub.next()
+                if result is None:
+                    return
+                yield result_pb(result, dropped)
+        finally:
+            self._pipelines.unsubscribe(sub)
+
+    async def SubscribeBatches(self, request, context):  # noqa: D102, N802
+        sub = await self._subscribe(request, context)
+        try:
+            while True:
+                batch, ended = await sub.next_batch(BATCH_RESULTS, BATCH_BYTES)
+                if batch:
+                    yield agent_pb2.PipelineResults(results=[result_pb(r, d) for r, d in batch])
+                if ended:
+                    return
+        finally:
+            self._pipelines.unsubscribe(sub)
+
+    async def _subscribe(self, request, context):
+        """Open a subscription and send the headers; abort with why it cannot be had.
+
+        The headers go at once: the app knows its subscription is live before it pushes.
+        """
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
         try:
@@ -197,15 +228,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         except Overloaded as exc:
             await _abort_overloaded(context, exc)
         try:
-            # Headers now: the app knows its subscription is live before it pushes.
             await context.send_initial_metadata(())
-            while True:
-                result, dropped = await sub.next()
-                if result is None:
-                    return
-                yield result_pb(result, dropped)
-        finally:
+        except BaseException:
             self._pipelines.unsubscribe(sub)
+            raise
+        return sub
 
     async def Generate(self, request, context):  # noqa: D102, N802
         from runtime import DeadlineExceeded, InvalidInput, RuntimeFailure, WorkerCrashed

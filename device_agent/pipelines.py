@@ -31,7 +31,6 @@ whole (Overloaded) before it queues for the model.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -41,13 +40,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from device_agent.local_quotas import MAX_EVENTS, AppLimits, Overloaded, RateLimits
+from device_agent.pipeline_results import Result, Subscription
 from device_agent.report_outbox import Collector
 from device_agent.serving import NotServing, Serving
 from device_agent.state import one_line
 
 TYPE_CHECKING = False  # an idle agent (no pipeline pushed to) never imports numpy
 if TYPE_CHECKING:
-    import numpy as np
+    pass
 
 log = logging.getLogger("skiff.agent")
 
@@ -56,8 +56,6 @@ PUSH_BYTES = 128 << 20
 # Events further ahead of this device's clock are refused: one bad timestamp would move
 # the engine's watermark on, and every event after it would be "late".
 MAX_AHEAD_MS = 3_600_000
-QUEUE_RESULTS = 1024
-QUEUE_BYTES = 64 << 20
 
 
 class EventsRejected(ValueError):
@@ -85,26 +83,6 @@ class Closed(Exception):
 
 
 @dataclass
-class Result:
-    """One firing's outcome: outputs, or the error that stopped its model run."""
-
-    model: str
-    version: int
-    trigger: str
-    key: int
-    ts: int
-    window_start: int
-    window_end: int
-    outputs: dict[str, np.ndarray] = field(default_factory=dict)
-    error: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        """Memory its outputs hold (what a subscriber's queue is bounded by)."""
-        return 256 + sum(a.nbytes for a in self.outputs.values())
-
-
-@dataclass
 class PushSummary:
     """What one PushEvents did."""
 
@@ -112,53 +90,6 @@ class PushSummary:
     accepted: int
     firings: int
     errors: int
-
-
-class Subscription:
-    """One app's stream of a model's results.
-
-    Bounded by QUEUE_RESULTS results and QUEUE_BYTES of outputs: the oldest go first.
-    """
-
-    def __init__(self, model: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.model = model
-        self._loop = loop
-        self._queue: collections.deque[Result | None] = collections.deque()
-        self._bytes = 0
-        self._ready = asyncio.Event()
-        self.dropped = 0
-
-    def offer(self, result: Result | None) -> None:
-        """Queue a result (None ends the stream); on the subscription's loop only."""
-        self._queue.append(result)
-        if result is not None:
-            self._bytes += result.nbytes
-        while len(self._queue) > 1 and (
-            len(self._queue) > QUEUE_RESULTS or self._bytes > QUEUE_BYTES
-        ):
-            dropped = self._queue.popleft()
-            if dropped is None:  # never drop the end of the stream
-                self._queue.appendleft(None)
-                break
-            self._bytes -= dropped.nbytes
-            self.dropped += 1
-        self._ready.set()
-
-    def offer_all(self, results: list[Result]) -> None:
-        """Queue a push's results in order; on the subscription's loop only."""
-        for result in results:
-            self.offer(result)
-
-    async def next(self) -> tuple[Result | None, int]:
-        """Wait for the next result; return it (None: stream over) and the drops before it."""
-        while not self._queue:
-            self._ready.clear()
-            await self._ready.wait()
-        result = self._queue.popleft()
-        if result is not None:
-            self._bytes -= result.nbytes
-        dropped, self.dropped = self.dropped, 0
-        return result, dropped
 
 
 @dataclass

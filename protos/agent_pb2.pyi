@@ -429,6 +429,26 @@ class PipelineResult(_message.Message):
 Global___PipelineResult: _TypeAlias = PipelineResult  # noqa: Y015
 
 @_typing.final
+class PipelineResults(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___PipelineResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___PipelineResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PipelineResults: _TypeAlias = PipelineResults  # noqa: Y015
+
+@_typing.final
 class ChatMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -54,6 +54,11 @@ class AgentServiceStub:
                 request_serializer=protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=protos_dot_agent__pb2.PipelineResult.FromString,
                 _registered_method=True)
+        self.SubscribeBatches = channel.unary_stream(
+                '/skiff.agent.v1.AgentService/SubscribeBatches',
+                request_serializer=protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=protos_dot_agent__pb2.PipelineResults.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/skiff.agent.v1.AgentService/Generate',
                 request_serializer=protos_dot_agent__pb2.GenerateRequest.SerializeToString,
@@ -98,6 +103,17 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeBatches(self, request, context):
+        """Subscribe, in batches: each message holds the results waiting when it is sent (all
+        of a push's firings, or more), in firing order: at most 1024 results, and no more
+        than 4 MiB of outputs unless one result alone is larger. One message per batch, not
+        per result: for apps that take many results a second. The same subscription limits
+        and `dropped_before` as Subscribe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Generates text with a language model's serving version, streamed as it comes: text
         deltas, then one last reply with the summary. A caller that cancels stops the
@@ -132,6 +148,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=protos_dot_agent__pb2.SubscribeRequest.FromString,
                     response_serializer=protos_dot_agent__pb2.PipelineResult.SerializeToString,
+            ),
+            'SubscribeBatches': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeBatches,
+                    request_deserializer=protos_dot_agent__pb2.SubscribeRequest.FromString,
+                    response_serializer=protos_dot_agent__pb2.PipelineResults.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -247,6 +268,33 @@ class AgentService:
             '/skiff.agent.v1.AgentService/Subscribe',
             protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
             protos_dot_agent__pb2.PipelineResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skiff.agent.v1.AgentService/SubscribeBatches',
+            protos_dot_agent__pb2.SubscribeRequest.SerializeToString,
+            protos_dot_agent__pb2.PipelineResults.FromString,
             options,
             channel_credentials,
             insecure,

@@ -235,14 +235,15 @@ def test_firings_over_the_run_budget_hold_back_the_next_push_and_say_until_when(
 
 def test_subscribers_beyond_the_limit_are_refused_until_one_leaves(local):
     agent = local(AppLimits(subscribers=3))
-    subs = [Subscriber(agent.state) for _ in range(2)]
+    # Batched subscriptions hold the same slots.
+    subs = [Subscriber(agent.state), Subscriber(agent.state, batched=True)]
     channel = grpc.insecure_channel(f"unix:{socket_path(agent.state)}")
     request = agent_pb2.SubscribeRequest(model=MODEL)
     silent = agent_pb2_grpc.AgentServiceStub(channel).Subscribe(request)
     silent.initial_metadata()
     for sub in subs:
         sub.subscribed()
-    extra = Subscriber(agent.state)
+    extra = Subscriber(agent.state, batched=True)
     error = extra.wait_ended()
     assert error is not None and error.code() == EXHAUSTED, error
     assert f"{MODEL} already has 3 subscribers, at most 3 per model" in error.details()

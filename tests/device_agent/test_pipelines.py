@@ -49,20 +49,24 @@ def push(state, events, model=MODEL, **fields) -> agent_pb2.PushEventsResponse:
 class Subscriber:
     """An app reading a model's results in a thread."""
 
-    def __init__(self, state, model=MODEL) -> None:
+    def __init__(self, state, model=MODEL, *, batched=False) -> None:
         self.results: list[agent_pb2.PipelineResult] = []
+        self.messages = 0
         self.error: grpc.RpcError | None = None
         self.ended = False
         self._changed = threading.Condition()
-        self._call = stub(state).Subscribe(agent_pb2.SubscribeRequest(model=model))
+        subscribe = stub(state).SubscribeBatches if batched else stub(state).Subscribe
+        self._call = subscribe(agent_pb2.SubscribeRequest(model=model))
+        self._batched = batched
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
         try:
-            for result in self._call:
+            for message in self._call:
                 with self._changed:
-                    self.results.append(result)
+                    self.messages += 1
+                    self.results += message.results if self._batched else [message]
                     self._changed.notify_all()
         except grpc.RpcError as exc:
             self.error = exc
@@ -108,8 +112,9 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
         wait_serving(state, version, proc)
         status = stub(state).Status(agent_pb2.StatusRequest(), timeout=10)
         assert list(status.models[0].pipeline_triggers) == ["checkout"]
-        sub = Subscriber(state)
+        sub, batches = Subscriber(state), Subscriber(state, batched=True)
         sub.subscribed()  # registered before the first push
+        batches.subscribed()
 
         # The same events through a local copy of the pipeline give the expected inputs.
         spec = parse_pipeline(activity_pipeline())
@@ -133,6 +138,10 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
         assert [(r.trigger, r.key, r.event_ts_ms) for r in results] == [
             ("checkout", f.key, f.ts) for f in expected
         ]
+        # In batches: the same results, in the same order, at most one message a push.
+        assert batches.wait_for(fired) == results
+        assert batches.messages <= 3 < fired
+        batches.cancel()
         for result, firing in list(zip(results, expected, strict=True))[:5]:
             assert result.version == version and not result.error
             direct = stub(state).Infer(

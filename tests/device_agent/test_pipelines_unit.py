@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from device_agent import pipelines
+from device_agent import pipeline_results, pipelines
 from device_agent.local_quotas import AppLimits, Overloaded, TokenBucket
 from device_agent.pipelines import (
     MAX_EVENTS,
@@ -218,7 +218,7 @@ def test_a_failed_carry_over_starts_the_new_pipeline_empty(monkeypatch):
 
 
 def test_a_slow_subscriber_is_bounded_by_bytes_as_well_as_results(monkeypatch):
-    monkeypatch.setattr(pipelines, "QUEUE_BYTES", 10_000)
+    monkeypatch.setattr(pipeline_results, "QUEUE_BYTES", 10_000)
 
     async def scenario() -> None:
         sub = Subscription("m", asyncio.get_running_loop())
@@ -335,3 +335,39 @@ def test_an_event_with_the_wrong_number_of_fields_is_named(bad):
     evs.insert(3, agent_pb2.Event(ts_ms=NOW, type="a", **{**fields, **bad}))
     with pytest.raises(EventsRejected, match="^event 3: .* key_fields and value_fields name 2"):
         pipelines._arrays(Config, ["user", "shop"], ["amount", "dwell"], evs)
+
+
+def test_a_batch_takes_what_waits_in_order_within_its_bounds(monkeypatch):
+    monkeypatch.setattr(pipeline_results, "QUEUE_RESULTS", 6)
+
+    async def scenario() -> None:
+        sub = Subscription("m", asyncio.get_running_loop())
+        kb = {"y": np.zeros(250, np.float32)}  # 1000 bytes of outputs, 1256 with the rest
+        for i in range(8):  # two too many: the oldest two are dropped
+            sub.offer(Result("m", 1, "t", i, i, 0, 1, outputs=kb))
+        batch, ended = await sub.next_batch(3, 1 << 20)
+        assert [(r.key, d) for r, d in batch] == [(2, 2), (3, 0), (4, 0)] and not ended
+        batch, ended = await sub.next_batch(10, 2600)  # bytes: two results fit, not three
+        assert [(r.key, d) for r, d in batch] == [(5, 0), (6, 0)] and not ended
+        batch, _ = await sub.next_batch(10, 10)  # one result alone over the bytes still goes
+        assert [r.key for r, _ in batch] == [7]
+        waiting = asyncio.ensure_future(sub.next_batch(10, 1 << 20))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing waits: it waits
+        sub.offer_all([Result("m", 1, "t", 8, 8, 0, 1)])
+        sub.offer(None)
+        batch, ended = await waiting
+        assert [r.key for r, _ in batch] == [8] and ended  # the end comes with the last
+
+    asyncio.run(scenario())
+
+
+def test_the_end_of_the_stream_ends_a_batch_with_what_came_before_it():
+    async def scenario() -> None:
+        sub = Subscription("m", asyncio.get_running_loop())
+        sub.offer_all([Result("m", 1, "t", i, i, 0, 1) for i in range(3)])
+        sub.offer(None)
+        batch, ended = await sub.next_batch(10, 1 << 20)
+        assert [r.key for r, _ in batch] == [0, 1, 2] and ended
+
+    asyncio.run(scenario())
