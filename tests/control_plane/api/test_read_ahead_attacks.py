@@ -79,6 +79,34 @@ def stuck_in_read_ahead() -> list[str]:
     return found
 
 
+def _cancelled_at(start, stops: list[int]) -> None:
+    """Start one call per stop, all at once; cancel each after that many messages."""
+
+    def one(stop: int) -> None:
+        call, got = start(), 0
+        try:
+            for _ in call:
+                got += 1
+                if got > stop:
+                    call.cancel()
+                    break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.CANCELLED, exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(stops)) as pool:
+        list(pool.map(one, stops))
+
+
+def _stops_cleanly(server, caplog, unraisable) -> None:
+    """No thread left in a read or close; the server stops in bounded time; nothing bad logged."""
+    assert stuck_in_read_ahead() == []
+    t0 = time.monotonic()
+    server.stop(grace=5)
+    assert time.monotonic() - t0 < 15
+    bad = [r.getMessage() for r in caplog.records if any(b in r.getMessage() for b in BAD)]
+    assert bad == [] and unraisable == [], (bad, unraisable)
+
+
 @pytest.fixture
 def unraisable(monkeypatch):
     seen = []
@@ -112,33 +140,14 @@ def test_pulls_cancelled_at_random_points_close_everything(
     _patch_pull(monkeypatch, published, source)
     channel, stub = _pull_stub(published)
     metadata = (("authorization", f"Bearer {published.token}"),)
-    rng = random.Random(7)
-    stops = [rng.randrange(0, 41) for _ in range(50)]
-
-    def one(stop: int) -> int:
-        call = stub.PullModel(admin_pb2.PullModelRequest(name="det", version=1), metadata=metadata)
-        got = 0
-        try:
-            for _ in call:
-                got += 1
-                if got > stop:
-                    call.cancel()
-                    break
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.CANCELLED, exc
-        return got
-
-    with caplog.at_level(logging.DEBUG), concurrent.futures.ThreadPoolExecutor(50) as pool:
-        list(pool.map(one, stops))
+    stops = [random.Random(7).randrange(0, 41) for _ in range(50)]
+    request = admin_pb2.PullModelRequest(name="det", version=1)
+    with caplog.at_level(logging.DEBUG):
+        _cancelled_at(lambda: stub.PullModel(request, metadata=metadata), stops)
         assert source.all_closed(), (source.opened, source.closed)
     channel.close()
     assert source.opened == 50
-    assert stuck_in_read_ahead() == []
-    t0 = time.monotonic()
-    published.server.stop(grace=5)
-    assert time.monotonic() - t0 < 15
-    bad = [r.getMessage() for r in caplog.records if any(b in r.getMessage() for b in BAD)]
-    assert bad == [] and unraisable == [], (bad, unraisable)
+    _stops_cleanly(published.server, caplog, unraisable)
 
 
 def test_a_revoked_admin_token_gets_no_piece_read_after_a_recheck(published, monkeypatch):
@@ -199,32 +208,13 @@ def test_downloads_cancelled_at_random_points_close_everything(
     _patch_download(monkeypatch, source)
     channel, stub = _download_stub(cp)
     metadata = (("authorization", f"Bearer {device.credential}"),)
-    rng = random.Random(11)
-    stops = [rng.randrange(0, 31) for _ in range(50)]
-
-    def one(stop: int) -> int:
-        call = stub.Download(device_pb2.DownloadRequest(artifact="a" * 64), metadata=metadata)
-        got = 0
-        try:
-            for _ in call:
-                got += 1
-                if got > stop:
-                    call.cancel()
-                    break
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.CANCELLED, exc
-        return got
-
-    with caplog.at_level(logging.DEBUG), concurrent.futures.ThreadPoolExecutor(50) as pool:
-        list(pool.map(one, stops))
+    stops = [random.Random(11).randrange(0, 31) for _ in range(50)]
+    request = device_pb2.DownloadRequest(artifact="a" * 64)
+    with caplog.at_level(logging.DEBUG):
+        _cancelled_at(lambda: stub.Download(request, metadata=metadata), stops)
         assert source.all_closed(), (source.opened, source.closed)
     channel.close()
-    assert stuck_in_read_ahead() == []
-    t0 = time.monotonic()
-    cp.server.stop(grace=5)
-    assert time.monotonic() - t0 < 15
-    bad = [r.getMessage() for r in caplog.records if any(b in r.getMessage() for b in BAD)]
-    assert bad == [] and unraisable == [], (bad, unraisable)
+    _stops_cleanly(cp.server, caplog, unraisable)
 
 
 def test_a_revoked_device_gets_no_piece_read_after_its_revocation(cp, enroll_token, monkeypatch):
