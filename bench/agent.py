@@ -32,7 +32,9 @@ this machine. Reported:
   `runtime.Model`, one run per firing): what an app embedding the runtime would get.
   `pipeline_batched_events_per_s` and `pipeline_batched_vs_in_process`: the same with the
   results read through `SubscribeBatches` (a message per batch, not per result), the
-  same events an hour later.
+  same events an hour later; `pipeline_columns_events_per_s` and
+  `pipeline_columns_vs_in_process`: that, with the events pushed as `EventColumns` (no
+  message per event), an hour later again.
 
     python bench/agent.py            # 100 MB model, 60 s idle
     python bench/agent.py --quick    # 10 MB model, 10 s idle; under a minute
@@ -225,26 +227,30 @@ def in_process_us(data_path: Path, x: np.ndarray, runs: int) -> float:
 BATCH = 1000
 
 
-def pipeline_through_agent(stub, events, *, batched: bool = False) -> tuple[float, int]:
+def pipeline_through_agent(
+    stub, events, *, batched: bool = False, columns: bool = False
+) -> tuple[float, int]:
     """Push `events` in batches; return seconds until every result arrived, and firings.
 
-    The results come one a message (Subscribe) or `batched` (SubscribeBatches).
+    The events go as one message each (`Event`) or as `columns` (`EventColumns`); the
+    results come one a message (Subscribe) or `batched` (SubscribeBatches).
     """
     ts, types, keys, values = events
-    requests = [
-        agent_pb2.PushEventsRequest(
-            model=SMALL,
-            key_fields=["user"],
-            value_fields=["dwell_ms", "amount"],
-            events=event_messages(
-                ts[lo : lo + BATCH],
-                types[lo : lo + BATCH],
-                keys[lo : lo + BATCH],
-                values[lo : lo + BATCH],
-            ),
-        )
-        for lo in range(0, len(ts), BATCH)
-    ]
+    fields = {"model": SMALL, "key_fields": ["user"], "value_fields": ["dwell_ms", "amount"]}
+    requests = []
+    for lo in range(0, len(ts), BATCH):
+        part = slice(lo, lo + BATCH)
+        if columns:
+            cols = agent_pb2.EventColumns(
+                ts_ms=ts[part].tolist(),
+                types=types[part],
+                keys=keys[part].ravel().tolist(),
+                values=values[part].ravel().tolist(),
+            )
+            requests.append(agent_pb2.PushEventsRequest(**fields, columns=cols))
+        else:
+            evs = event_messages(ts[part], types[part], keys[part], values[part])
+            requests.append(agent_pb2.PushEventsRequest(**fields, events=evs))
     got = [0]
     subscribe = stub.SubscribeBatches if batched else stub.Subscribe
     call = subscribe(agent_pb2.SubscribeRequest(model=SMALL))
@@ -451,10 +457,16 @@ def main() -> None:
             n = 20_000 if args.quick else 100_000
             events = activity_events(n, users=1000, seed=3)
             took, fired = pipeline_through_agent(stub, events)
-            # The same events an hour later: the engine has moved past the first ones.
-            later = activity_events(n, users=1000, seed=3, start_ms=int(events[0][-1]) + 3_600_000)
+            # The same events an hour later (the engine has moved past the first ones), with
+            # the results in batches, then also the events as columns.
+            hour = 3_600_000
+            later = activity_events(n, users=1000, seed=3, start_ms=int(events[0][-1]) + hour)
             batched_took, batched_fired = pipeline_through_agent(stub, later, batched=True)
-            assert batched_fired == fired, (batched_fired, fired)
+            last = activity_events(n, users=1000, seed=3, start_ms=int(later[0][-1]) + hour)
+            columns_took, columns_fired = pipeline_through_agent(
+                stub, last, batched=True, columns=True
+            )
+            assert batched_fired == columns_fired == fired, (batched_fired, columns_fired, fired)
             v2 = tmp / "small-2.mnn"
             v2.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=2)))
             base_took, base_fired = pipeline_in_process(v2, events)
@@ -466,11 +478,15 @@ def main() -> None:
             results["pipeline_vs_in_process"] = round(base_took / took, 3)
             results["pipeline_batched_events_per_s"] = round(n / batched_took)
             results["pipeline_batched_vs_in_process"] = round(base_took / batched_took, 3)
+            results["pipeline_columns_events_per_s"] = round(n / columns_took)
+            results["pipeline_columns_vs_in_process"] = round(base_took / columns_took, 3)
             print(
                 f"pipeline: {n} events -> {fired} firings -> results to a subscriber: "
                 f"{n / took:,.0f} events/s through the agent, {n / base_took:,.0f} in-process "
                 f"(ratio {base_took / took:.2f}); results in batches (SubscribeBatches): "
-                f"{n / batched_took:,.0f} events/s (ratio {base_took / batched_took:.2f})",
+                f"{n / batched_took:,.0f} events/s (ratio {base_took / batched_took:.2f}); and "
+                f"the events as columns (EventColumns): {n / columns_took:,.0f} events/s "
+                f"(ratio {base_took / columns_took:.2f})",
                 flush=True,
             )
             client.close()

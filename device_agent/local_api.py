@@ -40,7 +40,14 @@ from device_agent.llm_serving import (
     LlmServing,
 )
 from device_agent.local_quotas import Overloaded, pushback_ms
-from device_agent.pipelines import Closed, EventsRejected, NoPipeline, Pipelines, Result
+from device_agent.pipelines import (
+    Closed,
+    Columns,
+    EventsRejected,
+    NoPipeline,
+    Pipelines,
+    Result,
+)
 from device_agent.report_outbox import Collector
 from device_agent.serving import NotServing, Serving
 from device_agent.state import AgentError, one_line
@@ -153,8 +160,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def PushEvents(self, request, context):  # noqa: D102, N802
         if not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        events = request.events
+        if request.HasField("columns"):
+            if events:
+                await context.abort(_INVALID, "give events or columns, not both")
+            events = Columns(request.columns)
         try:  # on the loop, before the push queues: a flood is turned away at the door
-            self._pipelines.admit(request.model, len(request.events))
+            self._pipelines.admit(request.model, len(events))
         except NoPipeline as exc:
             await context.abort(_no_pipeline_code(exc), str(exc))
         except EventsRejected as exc:
@@ -174,7 +186,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     request.model,
                     list(request.key_fields),
                     list(request.value_fields),
-                    request.events,
+                    events,
                     lambda: gone.is_set() or time.monotonic() > deadline,
                 ),
             )

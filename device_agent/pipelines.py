@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -246,10 +247,10 @@ class Pipelines:
         name: str,
         key_fields: Sequence[str],
         value_fields: Sequence[str],
-        events: Sequence,
+        events: Sequence | Columns,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> PushSummary:
-        """Apply a batch of `agent_pb2.Event`s and run the model at each firing.
+        """Apply a batch of `agent_pb2.Event`s (or `Columns`), run the model at each firing.
 
         Let it in with `admit` first: pushes are not paced here, only their firings
         counted against the model's runs a second. Raises NoPipeline, or EventsRejected
@@ -357,15 +358,47 @@ def _carry_over(name: str, new: _Active, old: _Active) -> bool:
         return False
 
 
-def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], events: Sequence):
-    """Return (ts, types, keys, values) in the pipeline's field order; EventsRejected if not."""
+class Columns:
+    """A push's events given as columns (`agent_pb2.EventColumns`); len() is their number."""
+
+    def __init__(self, columns) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(self.columns.ts_ms)
+
+    def flat(self, nk: int, nv: int):
+        """Return (ts, types, keys, values), keys and values flat.
+
+        EventsRejected if a column does not hold one entry an event (keys and values: one
+        a field of an event).
+        """
+        import numpy as np
+
+        c, n = self.columns, len(self)
+        for what, have, want in (
+            ("types", len(c.types), n),
+            ("keys", len(c.keys), n * nk),
+            ("values", len(c.values), n * nv),
+        ):
+            if have != want:
+                raise EventsRejected(
+                    f"columns: {have} {what} for {n} events of {nk} key and {nv} value "
+                    f"fields ({want} expected)"
+                )
+        return (
+            np.array(c.ts_ms, dtype=np.int64),
+            list(c.types),
+            np.array(c.keys, dtype=np.int64),
+            np.array(c.values, dtype=np.float64),
+        )
+
+
+def _rows_flat(events: Sequence, nk: int, nv: int):
+    """Return (ts, types, keys, values) of `agent_pb2.Event`s, keys and values flat."""
     import numpy as np
 
-    if len(events) > MAX_EVENTS:
-        raise EventsRejected(f"{len(events)} events in one push; at most {MAX_EVENTS}")
-    key_order = _order("key_fields", key_fields, config.key_fields)
-    value_order = _order("value_fields", value_fields, config.value_fields)
-    n, nk, nv = len(events), len(key_fields), len(value_fields)
+    n = len(events)
     # Field by field over all events, not event by event: each attribute read of a
     # message costs more than the loop around it.
     keys, values = [e.keys for e in events], [e.values for e in events]
@@ -375,8 +408,28 @@ def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], even
             f"event {i}: {len(keys[i])} keys and {len(values[i])} values; "
             f"key_fields and value_fields name {nk} and {nv}"
         )
-    ts = np.fromiter([e.ts_ms for e in events], np.int64, n)
-    types = [e.type for e in events]
+    return (
+        np.fromiter([e.ts_ms for e in events], np.int64, n),
+        [e.type for e in events],
+        np.fromiter(itertools.chain.from_iterable(keys), np.int64, n * nk),
+        np.fromiter(itertools.chain.from_iterable(values), np.float64, n * nv),
+    )
+
+
+def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], events):
+    """Return (ts, types, keys, values) in the pipeline's field order; EventsRejected if not.
+
+    `events`: `agent_pb2.Event`s, or `Columns`.
+    """
+    import numpy as np
+
+    if len(events) > MAX_EVENTS:
+        raise EventsRejected(f"{len(events)} events in one push; at most {MAX_EVENTS}")
+    key_order = _order("key_fields", key_fields, config.key_fields)
+    value_order = _order("value_fields", value_fields, config.value_fields)
+    n, nk, nv = len(events), len(key_fields), len(value_fields)
+    flat = events.flat if isinstance(events, Columns) else functools.partial(_rows_flat, events)
+    ts, types, flat_keys, flat_values = flat(nk, nv)
     ahead = time.time_ns() // 1_000_000 + MAX_AHEAD_MS
     if n and int(ts.max()) > ahead:
         i = int(np.argmax(ts > ahead))
@@ -385,8 +438,6 @@ def _arrays(config, key_fields: Sequence[str], value_fields: Sequence[str], even
             "ahead of this device's clock (epoch milliseconds expected)",
             "ahead",
         )
-    flat_keys = np.fromiter(itertools.chain.from_iterable(keys), np.int64, n * nk)
-    flat_values = np.fromiter(itertools.chain.from_iterable(values), np.float64, n * nv)
     key_array = flat_keys.reshape(n, nk)[:, key_order]
     value_array = flat_values.reshape(n, nv)[:, value_order]
     return ts, types, np.ascontiguousarray(key_array), np.ascontiguousarray(value_array)

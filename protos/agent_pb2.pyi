@@ -300,6 +300,7 @@ class PushEventsRequest(_message.Message):
     KEY_FIELDS_FIELD_NUMBER: _builtins.int
     VALUE_FIELDS_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     @_builtins.property
     def key_fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -309,6 +310,12 @@ class PushEventsRequest(_message.Message):
     def value_fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___Event]: ...
+    @_builtins.property
+    def columns(self) -> Global___EventColumns:
+        """The same events as columns, for apps that push many at once: no message an event.
+        Give `events` or `columns`, not both.
+        """
+
     def __init__(
         self,
         *,
@@ -316,14 +323,51 @@ class PushEventsRequest(_message.Message):
         key_fields: _abc.Iterable[_builtins.str] | None = ...,
         value_fields: _abc.Iterable[_builtins.str] | None = ...,
         events: _abc.Iterable[Global___Event] | None = ...,
+        columns: Global___EventColumns | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "key_fields", b"key_fields", "model", b"model", "value_fields", b"value_fields"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "events", b"events", "key_fields", b"key_fields", "model", b"model", "value_fields", b"value_fields"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushEventsRequest: _TypeAlias = PushEventsRequest  # noqa: Y015
+
+@_typing.final
+class EventColumns(_message.Message):
+    """Events as columns: event i is ts_ms[i], types[i], keys[i*K, (i+1)*K) and
+    values[i*V, (i+1)*V), with K and V the numbers of key_fields and value_fields.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TS_MS_FIELD_NUMBER: _builtins.int
+    TYPES_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ts_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        ts_ms: _abc.Iterable[_builtins.int] | None = ...,
+        types: _abc.Iterable[_builtins.str] | None = ...,
+        keys: _abc.Iterable[_builtins.int] | None = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "ts_ms", b"ts_ms", "types", b"types", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventColumns: _TypeAlias = EventColumns  # noqa: Y015
 
 @_typing.final
 class PushEventsResponse(_message.Message):

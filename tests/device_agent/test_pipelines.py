@@ -187,6 +187,16 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
                 "key_fields must name the pipeline's fields ['user']",
             ),
             ([good], {"value_fields": ["amount", "amount"]}, "value_fields must name"),
+            (
+                [],
+                {"columns": agent_pb2.EventColumns(ts_ms=[t0], types=["tap"], keys=[1])},
+                "columns: 0 values for 1 events of 1 key and 2 value fields (2 expected)",
+            ),
+            (
+                [good],
+                {"columns": agent_pb2.EventColumns(ts_ms=[t0], types=["tap"], keys=[1])},
+                "give events or columns, not both",
+            ),
         ]:
             error = rpc_error(push, state, events, **fields)
             expected = grpc.StatusCode.OUT_OF_RANGE if fragment == "late" else INVALID
@@ -214,6 +224,35 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
         assert reply.firings == len(ours) == 1
         (last,) = sub.wait_for(fired + 1)[fired:]
         assert last.event_ts_ms == late[1] and last.key == 3
+        # The same as columns (fields in any order here too).
+        later = [t0 + 10, t0 + 15]
+        columns = agent_pb2.EventColumns(
+            ts_ms=later, types=["tap", "purchase"], keys=[4, 4], values=[0.0, 200.0, 50.0, 0.0]
+        )
+        reply = push(state, [], columns=columns, value_fields=["amount", "dwell_ms"])
+        ours = local.push(
+            np.array(later, dtype=np.int64),
+            ["tap", "purchase"],
+            np.array([[4], [4]], dtype=np.int64),
+            np.array([[200.0, 0.0], [0.0, 50.0]]),
+        )
+        assert reply.accepted == 2 and reply.firings == len(ours) == 1
+        (last,) = sub.wait_for(fired + 2)[fired + 1 :]
+        assert last.event_ts_ms == later[1] and last.key == 4
+        np.testing.assert_array_equal(
+            to_array(last.outputs[0]),
+            to_array(
+                stub(state)
+                .Infer(
+                    agent_pb2.InferRequest(
+                        model=MODEL, inputs=[to_tensor("x", ours[0].inputs["x"])]
+                    ),
+                    timeout=30,
+                )
+                .outputs[0]
+            ),
+        )
+        fired += 1
 
         # Telemetry counts the firings.
         device = device_id(state)

@@ -371,3 +371,44 @@ def test_the_end_of_the_stream_ends_a_batch_with_what_came_before_it():
         assert [r.key for r, _ in batch] == [0, 1, 2] and ended
 
     asyncio.run(scenario())
+
+
+def test_columns_give_the_same_arrays_as_events():
+    class Config:
+        key_fields, value_fields = ("user", "shop"), ("amount", "dwell")
+
+    evs = [
+        agent_pb2.Event(ts_ms=NOW + i, type="ab"[i % 3 // 2], keys=[i, 7 * i], values=[i, -i / 3])
+        for i in range(7)
+    ]
+    columns = agent_pb2.EventColumns(
+        ts_ms=[e.ts_ms for e in evs],
+        types=[e.type for e in evs],
+        keys=[k for e in evs for k in e.keys],
+        values=[v for e in evs for v in e.values],
+    )
+    fields = (["shop", "user"], ["dwell", "amount"])  # not the pipeline's order
+    rows = pipelines._arrays(Config, *fields, evs)
+    cols = pipelines._arrays(Config, *fields, pipelines.Columns(columns))
+    assert rows[1] == cols[1]
+    for a, b in zip(rows[:1] + rows[2:], cols[:1] + cols[2:], strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype and b.flags.c_contiguous
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"types": ["a"]}, "columns: 1 types for 2 events of 1 key and 1 value fields"),
+        ({"keys": [1, 2, 3]}, "columns: 3 keys for 2 events .* \\(2 expected\\)"),
+        ({"values": []}, "columns: 0 values for 2 events"),
+    ],
+)
+def test_columns_of_the_wrong_lengths_are_refused(bad, message):
+    p = Pipelines(FakeServing(), Collector())
+    p.activate("m", slot(1, spec()), FakeModel())
+    good = {"ts_ms": [NOW, NOW + 1], "types": ["a", "b"], "keys": [1, 1], "values": [1.0, 2.0]}
+    columns = pipelines.Columns(agent_pb2.EventColumns(**{**good, **bad}))
+    with pytest.raises(EventsRejected, match=message):
+        push(p, columns)
+    assert push(p, pipelines.Columns(agent_pb2.EventColumns(**good))).accepted == 2
