@@ -56,8 +56,9 @@ from protos import agent_pb2, agent_pb2_grpc
 log = logging.getLogger("skiff.agent")
 
 PUSH_THREADS = 2
-# What one SubscribeBatches message holds at most: results, and bytes of outputs (unless
-# one result alone is more), well under MAX_MESSAGE_BYTES.
+# What one SubscribeBatches message holds at most: results, and bytes (`Result.nbytes`:
+# outputs with their names, at least their size as messages; unless one result alone is
+# more), well under MAX_MESSAGE_BYTES.
 BATCH_RESULTS = 1024
 BATCH_BYTES = 4 << 20
 # What one Generate may ask: a prompt (or chat) of this many characters, this many tokens.

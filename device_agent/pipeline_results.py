@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 QUEUE_RESULTS = 1024
 QUEUE_BYTES = 64 << 20
+# A tensor message's bytes besides its data and name, at most: tags and lengths, a dtype
+# name, and a shape of up to MAX_RANK dimensions as varints.
+_TENSOR_BYTES = 128
 
 
 @dataclass
@@ -35,8 +38,16 @@ class Result:
 
     @property
     def nbytes(self) -> int:
-        """Memory its outputs hold (what a subscriber's queue is bounded by)."""
-        return 256 + sum(a.nbytes for a in self.outputs.values())
+        """Memory its outputs hold, at least its size as a message (what bounds a queue, a batch).
+
+        Names and strings count too: a model of many small outputs with long names sends
+        far more than its data, and a batch of them must stay under the message limit.
+        """
+        strings = len(self.model) + len(self.trigger) + len(self.error.encode())
+        tensors = sum(
+            a.nbytes + len(name.encode()) + _TENSOR_BYTES for name, a in self.outputs.items()
+        )
+        return 256 + strings + tensors
 
 
 class Subscription:

@@ -342,12 +342,12 @@ def test_a_batch_takes_what_waits_in_order_within_its_bounds(monkeypatch):
 
     async def scenario() -> None:
         sub = Subscription("m", asyncio.get_running_loop())
-        kb = {"y": np.zeros(250, np.float32)}  # 1000 bytes of outputs, 1256 with the rest
+        kb = {"y": np.zeros(250, np.float32)}  # 1000 bytes of outputs, 1387 with the rest
         for i in range(8):  # two too many: the oldest two are dropped
             sub.offer(Result("m", 1, "t", i, i, 0, 1, outputs=kb))
         batch, ended = await sub.next_batch(3, 1 << 20)
         assert [(r.key, d) for r, d in batch] == [(2, 2), (3, 0), (4, 0)] and not ended
-        batch, ended = await sub.next_batch(10, 2600)  # bytes: two results fit, not three
+        batch, ended = await sub.next_batch(10, 2800)  # bytes: two results fit, not three
         assert [(r.key, d) for r, d in batch] == [(5, 0), (6, 0)] and not ended
         batch, _ = await sub.next_batch(10, 10)  # one result alone over the bytes still goes
         assert [r.key for r, _ in batch] == [7]
