@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from contract.limits import MODEL_NAME
 from contract.local_api import (
     MAX_MESSAGE_BYTES,
     MAX_TENSORS,
@@ -159,8 +160,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         return self._status()
 
     async def PushEvents(self, request, context):  # noqa: D102, N802
-        if not request.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        await _check_model(request.model, context)
         events = request.events
         if request.HasField("columns"):
             if events:
@@ -230,8 +230,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
         The headers go at once: the app knows its subscription is live before it pushes.
         """
-        if not request.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        await _check_model(request.model, context)
         try:
             sub = self._pipelines.subscribe(request.model)
         except NoPipeline as exc:
@@ -362,6 +361,17 @@ def summary_pb(summary, info: dict) -> agent_pb2.GenerateSummary:
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _REJECTED = {"late": grpc.StatusCode.OUT_OF_RANGE, "cancelled": grpc.StatusCode.CANCELLED}
+
+
+async def _check_model(name: str, context) -> None:
+    """Abort unless `name` can be a model's: the errors that name it must fit a status."""
+    if not name:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+    if not MODEL_NAME.fullmatch(name):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"model {name!r:.70} is not a model name ({MODEL_NAME.pattern})",
+        )
 
 
 async def _abort_overloaded(context, exc: Overloaded) -> None:

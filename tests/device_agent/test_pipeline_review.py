@@ -548,6 +548,21 @@ def test_batched_and_plain_subscribers_share_the_slots(local):
         assert reader.wait_for(1)[0].key == 1
 
 
+@pytest.mark.parametrize("model", ["", "x" * 100_000, "Not A Name"], ids=["empty", "long", "bad"])
+def test_a_model_name_that_cannot_be_one_is_refused_readably(local, model):
+    agent = local()
+    calls = [
+        lambda: next(iter(agent.stub.SubscribeBatches(agent_pb2.SubscribeRequest(model=model)))),
+        lambda: next(iter(agent.stub.Subscribe(agent_pb2.SubscribeRequest(model=model)))),
+        lambda: agent.stub.PushEvents(agent_pb2.PushEventsRequest(model=model), timeout=30),
+    ]
+    for call in calls:
+        error = rpc_error(call)
+        assert error.code() == INVALID, error.details()
+        assert len(error.details()) < 200
+    assert agent.pipelines.left.empty() and not agent.pipelines.subs
+
+
 def test_batch_bounds_are_the_documented_ones():
     assert local_api.BATCH_RESULTS == 1024 and local_api.BATCH_BYTES == 4 << 20
     assert local_api.BATCH_BYTES < MAX_MESSAGE_BYTES
