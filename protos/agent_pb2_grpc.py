@@ -106,7 +106,7 @@ class AgentServiceServicer:
     def SubscribeBatches(self, request, context):
         """Subscribe, in batches: each message holds the results waiting when it is sent (all
         of a push's firings, or more), in firing order: at most 1024 results, and no more
-        than 4 MiB of outputs unless one result alone is larger. One message per batch, not
+        than about 4 MiB unless one result alone is larger. One message per batch, not
         per result: for apps that take many results a second. The same subscription limits
         and `dropped_before` as Subscribe.
         """

@@ -22,6 +22,7 @@ from device_agent.local_quotas import MAX_EVENTS, AppLimits
 from device_agent.pipelines import Columns, EventsRejected, Pipelines
 from device_agent.report_outbox import Collector
 from protos import agent_pb2, agent_pb2_grpc
+from tests.device_agent.subscriber import Subscriber
 from tests.device_agent.test_pipelines_unit import NOW, FakeClock, FakeModel, slot, spec
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -138,58 +139,11 @@ def local(tmp_path):
         agent.close()
 
 
-class Reader:
-    """A subscriber reading in a thread: messages, and the results they hold."""
-
-    def __init__(self, agent: FakeLocal, *, batched: bool = True, model: str = "m") -> None:
-        self.messages: list = []
-        self.results: list[agent_pb2.PipelineResult] = []
-        self.error: grpc.RpcError | None = None
-        self.ended = False
-        self._changed = threading.Condition()
-        call = agent.stub.SubscribeBatches if batched else agent.stub.Subscribe
-        self.call = call(agent_pb2.SubscribeRequest(model=model))
-        self._batched = batched
-        self.call.initial_metadata()  # the agent holds the subscription now
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        try:
-            for message in self.call:
-                with self._changed:
-                    count = len(message.results) if self._batched else 1
-                    self.messages.append((count, message.ByteSize()))
-                    self.results += message.results if self._batched else [message]
-                    self._changed.notify_all()
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            with self._changed:
-                self.ended = True
-                self._changed.notify_all()
-
-    def wait_for(self, n: int, timeout: float = 60) -> list[agent_pb2.PipelineResult]:
-        with self._changed:
-            self._changed.wait_for(lambda: len(self.results) >= n or self.ended, timeout)
-            assert len(self.results) >= n, (len(self.results), n, self.error)
-            return self.results[:n]
-
-    def wait_accounted(self, total: int, timeout: float = 60) -> list:
-        """Wait until the results received and those said to be dropped make `total`."""
-
-        def accounted() -> int:
-            return len(self.results) + sum(r.dropped_before for r in self.results)
-
-        with self._changed:
-            self._changed.wait_for(lambda: accounted() >= total or self.ended, timeout)
-            assert accounted() == total, (len(self.results), accounted(), total, self.error)
-            return list(self.results)
-
-    def wait_ended(self, timeout: float = 30) -> grpc.RpcError | None:
-        self._thread.join(timeout)
-        assert self.ended
-        return self.error
+def Reader(agent, *, batched: bool = True, model: str = "m") -> Subscriber:  # noqa: N802
+    """A subscriber of `agent`'s model, SubscribeBatches unless not `batched`, subscribed."""
+    reader = Subscriber(agent.stub, model, batched=batched)
+    reader.subscribed()
+    return reader
 
 
 def rpc_error(call, *args, **kw) -> grpc.RpcError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -13,6 +12,7 @@ from control_plane.demo import sample_models
 from control_plane.demo.sample_pipeline import activity_events, activity_pipeline, event_messages
 from protos import agent_pb2
 from runtime.pipeline import Pipeline, parse_pipeline
+from tests.device_agent import subscriber
 from tests.device_agent.conftest import MODEL
 from tests.device_agent.test_agent import rollout
 from tests.device_agent.test_serving import (
@@ -46,54 +46,11 @@ def push(state, events, model=MODEL, **fields) -> agent_pb2.PushEventsResponse:
     return stub(state).PushEvents(request, timeout=60)
 
 
-class Subscriber:
-    """An app reading a model's results in a thread."""
+class Subscriber(subscriber.Subscriber):
+    """An app reading the results of a model (MODEL by default) on the agent of `state`."""
 
     def __init__(self, state, model=MODEL, *, batched=False) -> None:
-        self.results: list[agent_pb2.PipelineResult] = []
-        self.messages = 0
-        self.error: grpc.RpcError | None = None
-        self.ended = False
-        self._changed = threading.Condition()
-        subscribe = stub(state).SubscribeBatches if batched else stub(state).Subscribe
-        self._call = subscribe(agent_pb2.SubscribeRequest(model=model))
-        self._batched = batched
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        try:
-            for message in self._call:
-                with self._changed:
-                    self.messages += 1
-                    self.results += message.results if self._batched else [message]
-                    self._changed.notify_all()
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            with self._changed:
-                self.ended = True
-                self._changed.notify_all()
-
-    def subscribed(self) -> None:
-        """Wait until the agent holds the subscription (it answers with headers then)."""
-        self._call.initial_metadata()
-        assert not self.ended, self.error
-
-    def wait_for(self, n: int, timeout: float = 30) -> list[agent_pb2.PipelineResult]:
-        with self._changed:
-            self._changed.wait_for(lambda: len(self.results) >= n or self.ended, timeout)
-            assert len(self.results) >= n, (len(self.results), n, self.error)
-            return self.results[:n]
-
-    def wait_ended(self, timeout: float = 30) -> grpc.RpcError | None:
-        self._thread.join(timeout)
-        assert self.ended
-        return self.error
-
-    def cancel(self) -> None:
-        self._call.cancel()
-        self._thread.join(10)
+        super().__init__(stub(state), model, batched=batched)
 
 
 def rpc_error(call, *args, **kw) -> grpc.RpcError:
@@ -140,7 +97,7 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
         ]
         # In batches: the same results, in the same order, at most one message a push.
         assert batches.wait_for(fired) == results
-        assert batches.messages <= 3 < fired
+        assert len(batches.messages) <= 3 < fired
         batches.cancel()
         for result, firing in list(zip(results, expected, strict=True))[:5]:
             assert result.version == version and not result.error
@@ -274,6 +231,5 @@ def test_events_fire_the_pipeline_and_results_reach_subscribers(cp, tmp_path):
     finally:
         stderr = stop_daemon(proc)
     # Stopping ends the subscription cleanly, well within the drain.
-    sub._thread.join(10)
-    assert not sub._thread.is_alive()
+    assert sub.stopped()
     assert "Traceback" not in stderr
