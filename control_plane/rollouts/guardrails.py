@@ -58,11 +58,11 @@ from dataclasses import dataclass, field, replace
 
 from contract import errors
 from control_plane.store.rollup_records import Aggregate, DeviceRollup, llm_figures
+from control_plane.telemetry.own_quantiles import device_ratio
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
     Devices,
     design_effect,
-    device_ratio,
     left_out,
     quantile_weights,
     robust_rate,

@@ -1,10 +1,13 @@
-"""Each device's own latency quantile (control_plane.telemetry.robust compares them).
+"""Each device's own latency quantile, and its comparison across cohorts (`device_ratio`).
 
 A health view asks for the quantiles of some twenty groups of devices (each slice's
 cohorts and the whole rollout's) on each backend config. Where a group holds one row per
 device on a config (a device's rows are one per window: the usual case), a device's
 quantile is its row's, so each row's is found once per table (`_row_quantiles`) and the
 groups pick theirs; otherwise a group's rows are merged per device first.
+
+`device_ratio` compares two cohorts' device quantiles as trimmed means of their logs (one
+of the two readings of a latency rule: control_plane.rollouts.guardrails.judge).
 """
 
 from __future__ import annotations
@@ -164,3 +167,116 @@ def _rows_read(table: DeviceTable, q: float) -> tuple[np.ndarray, np.ndarray] | 
     out = np.zeros(len(table), np.intp)  # a row with no buckets: read as its low, as there
     out[rows[hit][first]] = index[hit][first]
     return out, n
+
+
+# -- compared across cohorts as trimmed means ------------------------------------------
+
+
+def comparable_quantile_configs(
+    candidate: Devices, baseline: Devices, q: float, k: int
+) -> list[str]:
+    """Return the configs compared like with like, for latency quantile `q`.
+
+    Those on which each cohort has more than 2k devices with their own q-quantile
+    (`min_samples(q)` timed inferences).
+    """
+    common = set(candidate.configs) & set(baseline.configs)
+    return sorted(
+        c
+        for c in common
+        if min(
+            len(device_quantiles(candidate, q, c).positions),
+            len(device_quantiles(baseline, q, c).positions),
+        )
+        > 2 * k
+    )
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    """A trimmed mean over devices, with Yuen's variance of it (winsorized)."""
+
+    mean: float
+    variance: float  # of the trimmed mean
+    kept: int
+    left_out: np.ndarray  # positions (into the values given) left out
+
+
+def trimmed(values: np.ndarray, k: int) -> Trimmed:
+    """Return the mean of `values` without the k highest and k lowest, and its variance.
+
+    Yuen's estimate: the winsorized variance (the k lowest set to the next value up, the
+    k highest to the next down) over h(h-1)/(n-1), h the values kept. Needs n > 2k.
+    """
+    n = len(values)
+    h = n - 2 * k
+    if h < 1:
+        raise ValueError(f"{n} values cannot be trimmed by {k} each way")
+    order = np.argsort(values, kind="stable")
+    ranked = values[order]
+    kept = ranked[k : n - k]
+    winsorized = np.clip(ranked, ranked[k], ranked[n - k - 1])
+    spread = float(np.var(winsorized, ddof=1)) if n > 1 else 0.0
+    variance = (n - 1) * spread / (h * (h - 1)) if h > 1 else math.inf
+    gone = np.concatenate([order[:k], order[n - k :]]) if k else np.zeros(0, np.intp)
+    return Trimmed(float(kept.mean()), variance, h, gone)
+
+
+@dataclass(frozen=True)
+class DeviceRatio:
+    """Candidate over baseline of the devices' own q-quantiles (trimmed means of logs)."""
+
+    log_ratio: float
+    standard_error: float
+    candidate_us: float
+    baseline_us: float
+    left_out: dict[str, list[str]]
+    slower: dict[str, float]  # candidate device id -> its log ratio to the baseline
+
+
+def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> DeviceRatio | None:
+    """Compare each device's own q-quantile across cohorts; None with too few devices.
+
+    Per config each cohort ran on more than 2k devices with `min_samples(q)` timed
+    inferences (all configs merged per device only when the cohorts share none; sharing
+    some without enough devices on them, None), of which at least two are left after
+    trimming (a config with fewer has no spread to weigh it by): the k highest and k lowest device
+    quantiles of each cohort are left out, the trimmed means of their logs compared, and
+    the difference's standard error is Yuen's, over devices: as wide as devices differ.
+    """
+    configs = comparable_quantile_configs(candidate, baseline, q, k)
+    if not configs:
+        if set(candidate.configs) & set(baseline.configs):
+            return None  # a config in common, too few devices on it: not mixed across configs
+        configs = [None]
+    total = log_ratio = log_c = log_b = variance = 0.0
+    left: dict[str, set] = {"candidate": set(), "baseline": set()}
+    slower: dict[str, float] = {}
+    for config in configs:
+        dc, db = device_quantiles(candidate, q, config), device_quantiles(baseline, q, config)
+        if min(len(dc.log_us), len(db.log_us)) <= 2 * k + 1:
+            # Fewer than two devices left after trimming: no spread to weigh this config
+            # by (Yuen's variance is infinite), and one such config must not void the
+            # others' evidence.
+            continue
+        tc, tb = trimmed(dc.log_us, k), trimmed(db.log_us, k)
+        weight = tc.kept * tb.kept / (tc.kept + tb.kept)
+        total += weight
+        log_ratio += weight * (tc.mean - tb.mean)
+        log_c, log_b = log_c + weight * tc.mean, log_b + weight * tb.mean
+        variance += weight * weight * (tc.variance + tb.variance)
+        left["candidate"].update(candidate.ids[dc.positions[i]] for i in tc.left_out)
+        left["baseline"].update(baseline.ids[db.positions[i]] for i in tb.left_out)
+        for position, value in zip(dc.positions, dc.log_us, strict=True):
+            device = candidate.ids[position]
+            slower[device] = max(slower.get(device, -math.inf), float(value - tb.mean))
+    if not total:
+        return None
+    return DeviceRatio(
+        log_ratio / total,
+        math.sqrt(variance) / total,
+        math.exp(log_c / total),
+        math.exp(log_b / total),
+        {who: sorted(ids) for who, ids in left.items() if ids},
+        slower,
+    )
