@@ -377,8 +377,8 @@ def judge(
     sample["left_out"] = _left_out(candidate, c_weights) | _left_out(
         baseline, b_weights, "baseline"
     )
-    judged_c = Pooled(candidate.members.pooled(c_weights), candidate.members.by_config(c_weights))
-    judged_b = Pooled(baseline.members.pooled(b_weights), baseline.members.by_config(b_weights))
+    judged_c = Pooled(*candidate.members.pooled_all(c_weights))
+    judged_b = Pooled(*baseline.members.pooled_all(b_weights))
     for who, cohort, judged in (
         ("candidate", candidate, judged_c),
         ("baseline", baseline, judged_b),

@@ -125,13 +125,69 @@ class Devices:
         scale = self._scale(weights, config)
         if scale is None:
             return Aggregate()
-        exact = weights is None
+        held = self.hist_count * scale[self.hist_entry]
+        buckets = np.bincount(self.hist_index, weights=held, minlength=N_BUCKETS)[:N_BUCKETS]
+        agg = self._pool(scale, buckets, weights is None)
+        if self.table.ttft is not None:
+            agg.ttft = self.ttft().pooled(weights, config).histogram_only()
+        return agg
+
+    def pooled_all(
+        self, weights: np.ndarray | None = None
+    ) -> tuple[Aggregate, dict[str, Aggregate]]:
+        """Return `pooled(weights)` and `by_config(weights)`, each histogram read once."""
+        scale = self._scale(weights, None)
+        held = self.hist_count * scale[self.hist_entry]
+        buckets = np.bincount(self.hist_index, weights=held, minlength=N_BUCKETS)[:N_BUCKETS]
+        whole = self._pool(scale, buckets, weights is None)
+        per_config = self._by_config(weights, self.config_buckets(held))
+        if self.table.ttft is not None:
+            ttft, ttft_configs = self.ttft().pooled_all(weights)
+            whole.ttft = ttft.histogram_only()
+            for config, agg in per_config.items():
+                agg.ttft = ttft_configs[config].histogram_only()
+        return whole, per_config
+
+    def by_config(self, weights: np.ndarray | None = None) -> dict[str, Aggregate]:
+        """Return `pooled` per backend config."""
+        scale = self._scale(weights, None)
+        per_config = self._by_config(
+            weights, self.config_buckets(self.hist_count * scale[self.hist_entry])
+        )
+        if self.table.ttft is not None:
+            for config, agg in self.ttft().by_config(weights).items():
+                per_config[config].ttft = agg.histogram_only()
+        return per_config
+
+    def _by_config(self, weights: np.ndarray | None, buckets: np.ndarray) -> dict[str, Aggregate]:
+        return {
+            config: self._pool(self._scale(weights, config), buckets[i], weights is None)
+            for i, config in enumerate(self.configs)
+        }
+
+    def config_buckets(self, held: np.ndarray) -> np.ndarray:
+        """Return per config (a row each, as `configs`) the histogram of `held` samples.
+
+        `held` is per histogram entry, as `hist_count` scaled. One pass for every config:
+        each config's buckets sum the same samples in the same order as `pooled`'s of
+        that config (whose other configs' samples count 0), so the same floats, to the bit.
+        """
+        width = N_BUCKETS + 1  # an index past the last bucket (never stored) is dropped
+        sums = np.bincount(self._config_bucket, weights=held, minlength=len(self.configs) * width)
+        return sums.reshape(len(self.configs), width)[:, :N_BUCKETS]
+
+    @functools.cached_property
+    def _config_bucket(self) -> np.ndarray:
+        width = N_BUCKETS + 1
+        return self.entry_config[self.hist_entry] * width + np.minimum(self.hist_index, N_BUCKETS)
+
+    def _pool(self, scale: np.ndarray | None, buckets: np.ndarray, exact: bool) -> Aggregate:
+        """Return `pooled` of entries scaled by `scale`, their histogram summed (`buckets`)."""
         agg = Aggregate()
+        if scale is None:
+            return agg
         for name, total in zip(COUNTERS, scale @ self.counters, strict=True):
             setattr(agg, name, round(total) if exact else float(total))
-        buckets = np.bincount(
-            self.hist_index, weights=self.hist_count * scale[self.hist_entry], minlength=N_BUCKETS
-        )[:N_BUCKETS]
         agg.buckets = np.rint(buckets).astype(np.int64) if exact else buckets
         count, total_ns = float(scale @ self.latency_count), float(scale @ self.latency_sum)
         if count > 0:
@@ -147,8 +203,6 @@ class Devices:
             rows = self.positions[scale > 0]
             for signals in self.table.crash_signals[rows[self.table.with_signals[rows]]]:
                 agg.crash_signals.update(signals)
-        if self.table.ttft is not None:
-            agg.ttft = self.ttft().pooled(weights, config).histogram_only()
         return agg
 
     def timed(self, weights: np.ndarray, config: str | None = None) -> float:
@@ -158,12 +212,18 @@ class Devices:
 
     def _scale(self, weights: np.ndarray | None, config: str | None) -> np.ndarray | None:
         """Return each entry's scale in `pooled` (None: the devices never ran `config`)."""
-        entries = np.ones(len(self.positions), np.float64)
-        if config is not None:
-            if config not in self.configs:
-                return None
-            entries = (self.entry_config == self.configs.index(config)).astype(np.float64)
+        if config is None:
+            entries = np.ones(len(self.positions), np.float64)
+        elif config in self.configs:
+            entries = self._config_entries[self.configs.index(config)]
+        else:
+            return None
         return entries if weights is None else weights[self.entry_device] * entries
+
+    @functools.cached_property
+    def _config_entries(self) -> list[np.ndarray]:
+        """Return per config 1.0 for its entries, 0.0 for the rest (never changed)."""
+        return [(self.entry_config == i).astype(np.float64) for i in range(len(self.configs))]
 
     def ttft(self) -> Devices:
         """Return the same devices with time to first token as their latency (built once)."""
@@ -180,10 +240,6 @@ class Devices:
         ran[self.entry_config[timed], self.entry_device[timed]] = True
         counts = ran.sum(axis=1)
         return [c for c, n in zip(self.configs, counts, strict=True) if n >= at_least]
-
-    def by_config(self, weights: np.ndarray | None = None) -> dict[str, Aggregate]:
-        """Return `pooled` per backend config."""
-        return {config: self.pooled(weights, config) for config in self.configs}
 
     def device(self, position: int) -> Devices:
         """Return one device's rows as a group of its own."""
@@ -309,17 +365,26 @@ def quantile_weights(
         slots = np.full(max(1, len(devices.configs)), -1, np.intp)
         q_index = np.zeros(len(configs), np.intp)
         share = np.zeros(len(configs))
+        entry_scale = scale[devices.entry_device]
+        # Each config's histogram as `devices.pooled(scale, config)` sums it, in one pass.
+        per_config = (
+            None
+            if pooled
+            else devices.config_buckets(devices.hist_count * entry_scale[devices.hist_entry])
+        )
         for slot, config in enumerate(configs):
-            agg = devices.pooled(scale, config)
-            q_index[slot] = _quantile_index(agg, q)
-            share[slot] = weight[config] / total / max(size[config], 1e-12)
             if config is None:
+                q_index[slot] = _quantile_index(size[config], devices.pooled(scale).buckets, q)
                 slots[:] = slot
             elif config in devices.configs:
-                slots[devices.configs.index(config)] = slot
+                at = devices.configs.index(config)
+                q_index[slot] = _quantile_index(size[config], per_config[at], q)
+                slots[at] = slot
+            else:
+                q_index[slot] = -1  # as of an empty aggregate
+            share[slot] = weight[config] / total / max(size[config], 1e-12)
         entry_slot = slots[devices.entry_config]
         below = devices.below(entry_slot, q_index)
-        entry_scale = scale[devices.entry_device]
         per_entry = np.where(
             entry_slot >= 0,
             share[np.maximum(entry_slot, 0)] * entry_scale * (q * devices.latency_count - below),
@@ -344,12 +409,16 @@ def _harmonic(sizes: Sequence[float]) -> float:
     return math.prod(sizes) / sum(sizes)
 
 
-def _quantile_index(agg: Aggregate, q: float) -> int:
-    """Return the bucket holding the nearest-rank q-quantile (-1 when empty)."""
-    if not agg.latency_count:
+def _quantile_index(count: float, buckets: np.ndarray, q: float) -> int:
+    """Return the bucket holding the nearest-rank q-quantile of `count` samples (-1: none).
+
+    As of an aggregate with that latency count and those buckets (`pooled`'s count is 0
+    unless positive).
+    """
+    if not count > 0:
         return -1
-    rank = min(agg.latency_count, max(1, math.ceil(q * agg.latency_count - 1e-9)))
-    return int(np.searchsorted(np.cumsum(agg.buckets), rank - 1e-9))
+    rank = min(count, max(1, math.ceil(q * count - 1e-9)))
+    return int(np.searchsorted(np.cumsum(buckets), rank - 1e-9))
 
 
 # The log of what each histogram bucket holds (its geometric middle; under- and overflow
