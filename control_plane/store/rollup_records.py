@@ -776,7 +776,7 @@ def _nullable(values) -> np.ndarray:
 
 def decode_many(blobs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode many `encode_buckets` blobs at once: (row, index, count) per bucket held."""
-    sizes = np.fromiter((len(b) for b in blobs), np.int64, len(blobs))
+    sizes = np.fromiter(map(len, blobs), np.int64, len(blobs))
     if (sizes % 10).any():
         raise ValueError("sparse histogram of a wrong length")
     n = sizes // 10
@@ -784,17 +784,14 @@ def decode_many(blobs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndar
     if not total:
         return _NO_INDEX, _NO_INDEX, _NO_COUNT
     buf = np.frombuffer(b"".join(blobs), np.uint8)
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    row = np.repeat(np.arange(len(blobs)), n)
-    k = np.arange(total) - np.repeat(np.concatenate(([0], np.cumsum(n)[:-1])), n)
-    at = np.repeat(offsets, n) + 2 * k
-    index = buf[at].astype(np.intp) | (buf[at + 1].astype(np.intp) << 8)
-    at = np.repeat(offsets + 2 * n, n) + 8 * k
-    # Every 8 bytes from each offset, as a view: picking rows of it copies each count's
-    # bytes once, with no (buckets x 8) index array.
-    windows = np.lib.stride_tricks.sliding_window_view(buf, 8)
-    count = windows[at].view("<i8").ravel()
-    return row.astype(np.intp), index, count.astype(np.float64)
+    # Each blob is its 2n index bytes, then its 8n count bytes: pick each kind's bytes
+    # with one mask over the joined blobs (a third of the time of gathering them).
+    runs = np.empty(2 * len(blobs), np.int64)
+    runs[0::2], runs[1::2] = 2 * n, 8 * n
+    is_index = np.repeat(np.tile(np.array([True, False]), len(blobs)), runs)
+    index = buf[is_index].view("<u2").astype(np.intp)
+    count = buf[~is_index].view("<i8").astype(np.float64)
+    return np.repeat(np.arange(len(blobs), dtype=np.intp), n), index, count
 
 
 class RollupStore(abc.ABC):
