@@ -1,0 +1,136 @@
+"""A scope's device rows read as columns (`SqlRollupStore.device_table`).
+
+A rollout's health view or a version's backend table reads tens of thousands of device
+rows (control_plane.store.rollup_records.DeviceTable): they are selected in the form
+cheapest to read (`_table_columns`), taken as the driver's own tuples, and turned into
+columns in one pass (`_table`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import replace
+
+import numpy as np
+from sqlalchemy import Double, String, Text, cast, func, select
+from sqlalchemy import exc as sa_exc
+
+from control_plane.store import orm
+from control_plane.store.rollup_records import COUNTERS, DeviceTable, decode_many
+from control_plane.store.sql_fleet import aware
+
+_D = orm.DeviceRollupRow.__table__
+
+
+def read_device_table(conn, scope: str, names: tuple[str, ...], where: list) -> DeviceTable:
+    """Return the columns `names` of the rows of `scope` that `where` selects, as a table."""
+    pg = conn.dialect.name == "postgresql"
+    stmt = select(*_table_columns(pg, names)).where(*where)
+    # Bound values converted as SQLAlchemy stores them (a datetime's text on SQLite); the
+    # selected columns need no processing (`_table_columns`), so the driver's own tuples
+    # are taken as they come (a Row each cost ~1.5 us: 60 ms of a 40k-row health view).
+    result = conn.execute(stmt)
+    dbapi_error = conn.dialect.loaded_dbapi.Error
+    try:
+        rows = result.cursor.fetchall()
+    except dbapi_error as exc:  # SQLite reads rows as it fetches: sorted like any
+        raise sa_exc.DBAPIError.instance(str(stmt), None, exc, dbapi_error) from exc
+    finally:
+        result.close()
+    return _table(scope, names, rows, pg)
+
+
+def _table_columns(pg: bool, names: tuple[str, ...]) -> list:
+    """Return what `device_table` selects: the columns `names`, cheaper to read.
+
+    Times as Unix seconds (or SQLite's text of a window start, a few distinct) and crash
+    signals as JSON text, so tens of thousands of rows do not cost a datetime and a JSON
+    document each. PostgreSQL's seconds are cast to double precision, as Python's
+    float() of the numeric would round them, so the driver makes no Decimal of each.
+    """
+    c = _D.c
+    out = []
+    for name in names:
+        if name in ("window_start", "last_seen") and pg:
+            out.append(cast(func.extract("epoch", c[name]), Double()).label(name))
+        elif name == "window_start":
+            out.append(cast(c[name], String).label(name))  # few distinct: parsed once each
+        elif name == "last_seen":
+            out.append(((func.julianday(c[name]) - 2440587.5) * 86400.0).label(name))
+        elif name == "crash_signals":
+            out.append(cast(c[name], Text).label(name))
+        else:
+            out.append(c[name])
+    return out
+
+
+def _table(scope: str, names: tuple[str, ...], rows: list, pg: bool) -> DeviceTable:
+    """Return rows selected by `_table_columns(pg, names)` as a DeviceTable."""
+    columns = dict(zip(names, zip(*rows, strict=True), strict=True)) if rows else {}
+
+    def col(name: str, dtype=object) -> np.ndarray | None:
+        if name not in names:  # a lean table's
+            return None
+        values = columns.get(name, ())
+        if dtype is object:
+            out = np.empty(len(values), object)
+            out[:] = values
+            return out
+        return np.array(values, dtype)
+
+    def seconds(name: str) -> np.ndarray | None:
+        if name not in names:
+            return None
+        values = columns.get(name, ())
+        if pg or name == "last_seen":
+            return np.array(values, np.float64)
+        parsed: dict[str, float] = {}
+        for stored in set(values):
+            parsed[stored] = aware(dt.datetime.fromisoformat(stored)).timestamp()
+        return np.array([parsed[v] for v in values], np.float64)
+
+    def nullable(name: str) -> np.ndarray:
+        return np.array([np.nan if v is None else v for v in columns.get(name, ())], np.float64)
+
+    counters = np.array([columns.get(name, ()) for name in COUNTERS], np.float64)
+    signals = col("crash_signals")
+    signals[:] = [json.loads(v) if v and v != "{}" else {} for v in signals]
+    hist_row, hist_index, hist_count = decode_many(columns.get("latency_buckets", ()))
+    table = DeviceTable(
+        scope=scope,
+        window=seconds("window_start"),
+        cohort=col("cohort"),
+        model=col("model"),
+        version=col("version", np.int64),
+        variant=col("variant"),
+        config=col("config"),
+        device_id=col("device_id"),
+        device_class=col("device_class"),
+        last_seen=seconds("last_seen"),
+        reports=col("reports", np.int64),
+        counters=counters.T.reshape(len(rows), len(COUNTERS)),
+        latency_count=col("latency_count", np.float64),
+        latency_sum_ns=col("latency_sum_ns", np.float64),
+        latency_min_ns=nullable("latency_min_ns"),
+        latency_max_ns=nullable("latency_max_ns"),
+        crash_signals=signals,
+        hist_row=hist_row,
+        hist_index=hist_index,
+        hist_count=hist_count,
+    )
+    ttft_count = col("ttft_count", np.float64)
+    if not ttft_count.any():
+        return table
+    hist_row, hist_index, hist_count = decode_many(columns["ttft_buckets"])
+    source = replace(
+        table,
+        latency_count=ttft_count,
+        latency_sum_ns=col("ttft_sum_ns", np.float64),
+        latency_min_ns=nullable("ttft_min_ns"),
+        latency_max_ns=nullable("ttft_max_ns"),
+        hist_row=hist_row,
+        hist_index=hist_index,
+        hist_count=hist_count,
+    )
+    return table.with_ttft(source)
