@@ -27,18 +27,33 @@ def read_device_table(conn, scope: str, names: tuple[str, ...], where: list) -> 
     """Return the columns `names` of the rows of `scope` that `where` selects, as a table."""
     pg = conn.dialect.name == "postgresql"
     stmt = select(*_table_columns(pg, names)).where(*where)
-    # Bound values converted as SQLAlchemy stores them (a datetime's text on SQLite); the
-    # selected columns need no processing (`_table_columns`), so the driver's own tuples
-    # are taken as they come (a Row each cost ~1.5 us: 60 ms of a 40k-row health view).
-    result = conn.execute(stmt)
+    return _table(scope, names, _fetch_tuples(conn, stmt, pg), pg)
+
+
+def _fetch_tuples(conn, stmt, pg: bool) -> list[tuple]:
+    """Return the rows of `stmt` as the driver's own tuples.
+
+    The selected columns need no processing (`_table_columns`), so no Row is made of each
+    (~1.5 us a row: 60 ms of a 40k-row health view). On SQLite, bound values are converted
+    as SQLAlchemy stores them (a datetime's text). PostgreSQL sends the rows in binary: no
+    text parsed per cell, and bytea as stored, not hex-encoded (a fifth less time to fetch
+    a health view's rows); its bound values (strings, integers, aware datetimes) need no
+    processing there, psycopg adapts them.
+    """
     dbapi_error = conn.dialect.loaded_dbapi.Error
     try:
-        rows = result.cursor.fetchall()
+        if pg:
+            compiled = stmt.compile(dialect=conn.dialect)
+            with conn.connection.driver_connection.cursor(binary=True) as cursor:
+                cursor.execute(compiled.string, compiled.params)
+                return cursor.fetchall()
+        result = conn.execute(stmt)
+        try:
+            return result.cursor.fetchall()
+        finally:
+            result.close()
     except dbapi_error as exc:  # SQLite reads rows as it fetches: sorted like any
         raise sa_exc.DBAPIError.instance(str(stmt), None, exc, dbapi_error) from exc
-    finally:
-        result.close()
-    return _table(scope, names, rows, pg)
 
 
 def _table_columns(pg: bool, names: tuple[str, ...]) -> list:
