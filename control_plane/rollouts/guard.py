@@ -142,14 +142,16 @@ class Guard:
         # baseline is too thin to judge against: see `cohorts`.
         table = self._store.device_table(record.id, windows_since=since, lean=True)
         older: list = []
-        memo: dict[str, str] = {}
+        codes: dict[str, int] = {}  # slice value -> its code
+        class_code: dict[str, int] = {}  # device class -> its slice's code
 
-        def slice_of(device_class: str) -> str:
-            value = memo.get(device_class)
-            if value is None:
-                value = dimension.value(class_values(device_class)) if dimension else ""
-                memo[device_class] = value
-            return value
+        def slice_codes(classes: np.ndarray) -> np.ndarray:
+            """Return per row the code of its slice (each distinct class parsed once)."""
+            for device_class in dict.fromkeys(classes):
+                if device_class not in class_code:
+                    value = dimension.value(class_values(device_class)) if dimension else ""
+                    class_code[device_class] = codes.setdefault(value, len(codes))
+            return np.fromiter(map(class_code.__getitem__, classes), np.intp, len(classes))
 
         made: dict[bytes, Cohort] = {}
 
@@ -165,9 +167,14 @@ class Guard:
                 found = made[key] = Cohort(Devices(table, positions))
             return found
 
-        sliced = np.array([slice_of(c) for c in table.device_class], dtype=object)
+        sliced = slice_codes(table.device_class)
         kinds = {c: table.cohort == c for c in (CANDIDATE, BASELINE)}
-        slice_masks = {v: sliced == v for v in set(sliced[table.cohort != OUTSIDE])}
+        value_of = dict(map(reversed, codes.items()))
+        found, first = np.unique(sliced[table.cohort != OUTSIDE], return_index=True)
+        # The set of the values in row order, as of every row's: it iterates (the whole
+        # rollout's rows are joined in its order) as that set would.
+        inside = set(value_of[code] for code in found[np.argsort(first)])
+        slice_masks = {v: sliced == codes[v] for v in inside}
 
         def cohorts(value: str, window: dt.datetime) -> dict[str, np.ndarray]:
             """Return cohort -> positions of the slice's rows in the window."""
@@ -194,10 +201,9 @@ class Guard:
                     )
                 )
                 table = table.concat(older[0])
-                extra = np.array([slice_of(c) for c in older[0].device_class], dtype=object)
-                sliced = np.concatenate([sliced, extra])
+                sliced = np.concatenate([sliced, slice_codes(older[0].device_class)])
                 kinds = {c: table.cohort == c for c in (CANDIDATE, BASELINE)}
-                slice_masks = {v: sliced == v for v in slice_masks}
+                slice_masks = {v: sliced == codes[v] for v in slice_masks}
             current[BASELINE] = np.flatnonzero(slice_masks[value] & kinds[BASELINE])
             return current
 
