@@ -62,7 +62,7 @@ from control_plane.telemetry.own_quantiles import device_ratio
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
     Devices,
-    design_effect,
+    design_effects,
     left_out,
     quantile_weights,
     robust_rate,
@@ -279,7 +279,7 @@ def _quantile_bounds(
     """Return (low, high) of the quantile's order-statistic interval, at bucket edges.
 
     The interval's ranks are those of n / `deff` independent draws (the design effect of
-    samples clustered in devices: robust.design_effect), read as fractions of the whole.
+    samples clustered in devices: robust.design_effects), read as fractions of the whole.
     """
     n = agg.latency_count / max(deff, 1.0)
     spread = z * math.sqrt(n * q * (1 - q))
@@ -388,7 +388,7 @@ def judge(
             return lacking
     # Both cohorts' margins widened by how much the baseline's devices differ among
     # themselves (healthy by assumption; the candidate's spread could be the regression).
-    deff = {c: design_effect(baseline.members, b_weights, c) for c in (configs or [None])}
+    deff = design_effects(baseline.members, b_weights, configs or [None])
     sample["design_effect"] = {str(c): round(d, 2) for c, d in deff.items()}
     value, bound = latency_ratio(judged_c, judged_b, q, configs, deff)
     figures = (value, bound, judged_c.aggregate.quantile_us(q), judged_b.aggregate.quantile_us(q))
