@@ -58,11 +58,11 @@ from dataclasses import dataclass, field, replace
 
 from contract import errors
 from control_plane.store.rollup_records import Aggregate, DeviceRollup, llm_figures
+from control_plane.telemetry.design_effect import design_effects
 from control_plane.telemetry.own_quantiles import device_ratio
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
     Devices,
-    design_effects,
     left_out,
     quantile_weights,
     robust_rate,
@@ -279,7 +279,7 @@ def _quantile_bounds(
     """Return (low, high) of the quantile's order-statistic interval, at bucket edges.
 
     The interval's ranks are those of n / `deff` independent draws (the design effect of
-    samples clustered in devices: robust.design_effects), read as fractions of the whole.
+    samples clustered in devices: telemetry.design_effect), read as fractions of the whole.
     """
     n = agg.latency_count / max(deff, 1.0)
     spread = z * math.sqrt(n * q * (1 - q))

@@ -41,7 +41,7 @@ from control_plane.telemetry.own_quantiles import (  # noqa: F401 - robust's API
     device_quantiles,
     min_samples,
 )
-from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
+from runtime.histogram import N_BUCKETS
 
 CAP_FACTOR = 4.0
 DEFAULT_OUTLIERS = 1
@@ -419,79 +419,3 @@ def _quantile_index(count: float, buckets: np.ndarray, q: float) -> int:
         return -1
     rank = min(count, max(1, math.ceil(q * count - 1e-9)))
     return int(np.searchsorted(np.cumsum(buckets), rank - 1e-9))
-
-
-# The log of what each histogram bucket holds (its geometric middle; under- and overflow
-# read at their inner edge): what the spread of latencies within and between devices is
-# measured on.
-_LOG_MID = np.log(
-    MIN_NS * 2 ** ((np.clip(np.arange(N_BUCKETS), 1, N_BUCKETS - 2) - 0.5) / BUCKETS_PER_DOUBLING)
-)
-
-
-def design_effects(
-    devices: Devices, weights: np.ndarray, configs: Sequence[str | None]
-) -> dict[str | None, float]:
-    """Return how much fewer independent samples a cohort's timed inferences are worth.
-
-    Latencies of one device go together (a slow phone is slow all day), so n inferences
-    from g devices carry less than n independent draws: the design effect of cluster
-    sampling, 1 + (m - 1) * ICC, with m the size-weighted mean samples per device and ICC
-    the share of the variance of log latency that lies between devices (one-way ANOVA
-    estimate, clipped to [0, 1]), over the devices kept (`weights` > 0, as scaled), on
-    each of `configs` (None: every config). The histograms are read once for them all:
-    each config's sums add the same samples in the same order as a pass of its own.
-    """
-    per_hist = weights[devices.entry_device][devices.hist_entry]
-    keep = per_hist > 0
-    owner = devices.entry_device[devices.hist_entry[keep]]
-    counts = devices.hist_count[keep] * per_hist[keep]
-    logs = _LOG_MID[devices.hist_index[keep]]
-    terms = (counts, counts * logs, counts * logs * logs)
-    width = len(devices)
-
-    def sums(at: np.ndarray, rows: int) -> list[np.ndarray]:
-        # Per device (a row per config where `at` names the config too): samples, logs
-        # and squared logs.
-        return [
-            np.bincount(at, weights=t, minlength=rows * width).reshape(rows, width) for t in terms
-        ]
-
-    every = sums(owner, 1) if None in configs else None
-    named = [c for c in configs if c is not None and c in devices.configs]
-    per_config = (
-        sums(devices.entry_config[devices.hist_entry[keep]] * width + owner, len(devices.configs))
-        if named
-        else None
-    )
-    out = {}
-    for config in configs:
-        if config is None:
-            out[config] = _design_effect(*(s[0] for s in every))
-        elif config in named:
-            at = devices.configs.index(config)
-            out[config] = _design_effect(*(s[at] for s in per_config))
-        else:
-            out[config] = 1.0
-    return out
-
-
-def _design_effect(n: np.ndarray, total: np.ndarray, square: np.ndarray) -> float:
-    """Return the design effect of per-device sums of samples, of logs and of squared logs."""
-    held = n > 0
-    g = int(held.sum())
-    if g < 2:
-        return 1.0
-    mean = total[held] / n[held]
-    square = square[held]
-    n = n[held]
-    total = n.sum()
-    within = float(np.maximum(square / n - mean * mean, 0) @ n)
-    grand = float(mean @ n) / total
-    msb = float(n @ (mean - grand) ** 2) / (g - 1)
-    msw = within / max(total - g, 1.0)
-    n0 = (total - float(n @ n) / total) / (g - 1)
-    denominator = msb + (n0 - 1) * msw
-    icc = min(1.0, max(0.0, (msb - msw) / denominator)) if denominator > 0 else 0.0
-    m = float(n @ n) / total
-    return max(1.0, 1 + (m - 1) * icc)

@@ -6,14 +6,7 @@ import numpy as np
 import pytest
 
 from control_plane.store.rollup_records import EPOCH, Aggregate, DeviceKey, DeviceRollup
-from control_plane.telemetry.robust import (
-    _LOG_MID,
-    Devices,
-    _design_effect,
-    capped,
-    design_effects,
-    quantile_weights,
-)
+from control_plane.telemetry.robust import Devices, capped, quantile_weights
 from runtime.histogram import LatencyHistogram
 
 CONFIGS = ("CPU/normal/t2/mem-normal", "OPENCL/low/t4/mem-normal", "NPU/high/t1/mem-low")
@@ -82,30 +75,3 @@ def test_pooling_every_config_at_once_gives_each_configs_own_pooling(seed, ttft)
             _same(agg, devices.pooled(weights, config))
         for config, agg in devices.by_config(weights).items():
             _same(agg, devices.pooled(weights, config))
-
-
-def _one_design_effect(devices: Devices, weights: np.ndarray, config: str | None) -> float:
-    """The design effect on one config, its histogram read on its own (the reference)."""
-    entries = np.ones(len(devices.positions), bool)
-    if config is not None:
-        entries = devices.entry_config == devices.configs.index(config)
-    per_hist = (weights[devices.entry_device] * entries)[devices.hist_entry]
-    keep = per_hist > 0
-    owner = devices.entry_device[devices.hist_entry[keep]]
-    counts = devices.hist_count[keep] * per_hist[keep]
-    logs = _LOG_MID[devices.hist_index[keep]]
-    sums = [np.bincount(owner, weights=w, minlength=len(devices)) for w in (counts, counts * logs)]
-    square = np.bincount(owner, weights=counts * logs * logs, minlength=len(devices))
-    return _design_effect(sums[0], sums[1], square)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_design_effects_of_every_config_at_once_are_each_configs_own(seed):
-    devices = _devices(seed, ttft=False)
-    (weights,), _ = quantile_weights([devices], 0.95, 2)
-    configs = [None, *devices.configs, "GPU/none"]
-    got = design_effects(devices, weights, configs)
-    assert list(got) == configs and got["GPU/none"] == 1.0
-    for config in configs[:-1]:
-        assert repr(got[config]) == repr(_one_design_effect(devices, weights, config))
-    assert any(d > 1 for d in got.values())  # the devices differ: something to measure
