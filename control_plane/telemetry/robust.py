@@ -191,19 +191,26 @@ class Devices:
         agg.buckets = np.rint(buckets).astype(np.int64) if exact else buckets
         count, total_ns = float(scale @ self.latency_count), float(scale @ self.latency_sum)
         if count > 0:
+            # The lowest and highest of the timed entries kept (NaN: none reported).
             timed = (scale > 0) & (self.latency_count > 0)
-            lows, highs = self.latency_min[timed], self.latency_max[timed]
+            low = np.fmin.reduce(np.where(timed, self.latency_min, np.nan))
+            high = np.fmax.reduce(np.where(timed, self.latency_max, np.nan))
             agg._add_latency(
                 round(count) if exact else count,
                 round(total_ns) if exact else total_ns,
-                int(np.nanmin(lows)) if np.isfinite(lows).any() else None,
-                int(np.nanmax(highs)) if np.isfinite(highs).any() else None,
+                int(low) if np.isfinite(low) else None,
+                int(high) if np.isfinite(high) else None,
             )
         if exact:
-            rows = self.positions[scale > 0]
-            for signals in self.table.crash_signals[rows[self.table.with_signals[rows]]]:
+            kept = self._with_signals[scale[self._with_signals] > 0]
+            for signals in self.table.crash_signals[self.positions[kept]]:
                 agg.crash_signals.update(signals)
         return agg
+
+    @functools.cached_property
+    def _with_signals(self) -> np.ndarray:
+        """Return the entries whose rows name crash signals (few, if any)."""
+        return np.flatnonzero(self.table.with_signals[self.positions])
 
     def timed(self, weights: np.ndarray, config: str | None = None) -> float:
         """Return `pooled(weights, config).latency_count`, without pooling the rest."""
