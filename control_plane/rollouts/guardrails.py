@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 
 from contract import errors
 from control_plane.store.rollup_records import Aggregate, DeviceRollup, llm_figures
-from control_plane.telemetry.design_effect import design_effects
+from control_plane.telemetry.design_effect import design_effect
 from control_plane.telemetry.own_quantiles import device_ratio
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
@@ -388,7 +388,7 @@ def judge(
             return lacking
     # Both cohorts' margins widened by how much the baseline's devices differ among
     # themselves (healthy by assumption; the candidate's spread could be the regression).
-    deff = design_effects(baseline.members, b_weights, configs or [None])
+    deff = {c: design_effect(baseline.members, b_weights, c) for c in (configs or [None])}
     sample["design_effect"] = {str(c): round(d, 2) for c, d in deff.items()}
     value, bound = latency_ratio(judged_c, judged_b, q, configs, deff)
     figures = (value, bound, judged_c.aggregate.quantile_us(q), judged_b.aggregate.quantile_us(q))

@@ -1,14 +1,13 @@
 """How much fewer independent samples a cohort's timed inferences are worth (design effect).
 
 A latency rule's margin treats inferences as independent draws; they are not quite (a
-slow device gives many slow inferences). `design_effects` measures by how much, over
+slow device gives many slow inferences). `design_effect` measures by how much, over
 the devices a trim kept (control_plane.telemetry.robust), and
 control_plane.rollouts.guardrails widens the margin by it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,9 +26,7 @@ _LOG_MID = np.log(
 )
 
 
-def design_effects(
-    devices: Devices, weights: np.ndarray, configs: Sequence[str | None]
-) -> dict[str | None, float]:
+def design_effect(devices: Devices, weights: np.ndarray, config: str | None = None) -> float:
     """Return how much fewer independent samples a cohort's timed inferences are worth.
 
     Latencies of one device go together (a slow phone is slow all day), so n inferences
@@ -37,51 +34,28 @@ def design_effects(
     sampling, 1 + (m - 1) * ICC, with m the size-weighted mean samples per device and ICC
     the share of the variance of log latency that lies between devices (one-way ANOVA
     estimate, clipped to [0, 1]), over the devices kept (`weights` > 0, as scaled), on
-    each of `configs` (None: every config). The histograms are read once for them all:
-    each config's sums add the same samples in the same order as a pass of its own.
+    `config` (None: every config).
     """
-    per_hist = weights[devices.entry_device][devices.hist_entry]
+    entries = np.ones(len(devices.positions), bool)
+    if config is not None:
+        if config not in devices.configs:
+            return 1.0
+        entries = devices.entry_config == devices.configs.index(config)
+    scale = weights[devices.entry_device] * entries
+    per_hist = scale[devices.hist_entry]
     keep = per_hist > 0
+    if not keep.any():
+        return 1.0
     owner = devices.entry_device[devices.hist_entry[keep]]
     counts = devices.hist_count[keep] * per_hist[keep]
     logs = _LOG_MID[devices.hist_index[keep]]
-    terms = (counts, counts * logs, counts * logs * logs)
-    width = len(devices)
-
-    def sums(at: np.ndarray, rows: int) -> list[np.ndarray]:
-        # Per device (a row per config where `at` names the config too): samples, logs
-        # and squared logs.
-        return [
-            np.bincount(at, weights=t, minlength=rows * width).reshape(rows, width) for t in terms
-        ]
-
-    every = sums(owner, 1) if None in configs else None
-    named = [c for c in configs if c is not None and c in devices.configs]
-    per_config = (
-        sums(devices.entry_config[devices.hist_entry[keep]] * width + owner, len(devices.configs))
-        if named
-        else None
-    )
-    out = {}
-    for config in configs:
-        if config is None:
-            out[config] = _design_effect(*(s[0] for s in every))
-        elif config in named:
-            at = devices.configs.index(config)
-            out[config] = _design_effect(*(s[at] for s in per_config))
-        else:
-            out[config] = 1.0
-    return out
-
-
-def _design_effect(n: np.ndarray, total: np.ndarray, square: np.ndarray) -> float:
-    """Return the design effect of per-device sums of samples, of logs and of squared logs."""
+    n = np.bincount(owner, weights=counts, minlength=len(devices))
     held = n > 0
     g = int(held.sum())
     if g < 2:
         return 1.0
-    mean = total[held] / n[held]
-    square = square[held]
+    mean = np.bincount(owner, weights=counts * logs, minlength=len(devices))[held] / n[held]
+    square = np.bincount(owner, weights=counts * logs * logs, minlength=len(devices))[held]
     n = n[held]
     total = n.sum()
     within = float(np.maximum(square / n - mean * mean, 0) @ n)
