@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import json
 import os
 import shlex
@@ -56,7 +55,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -64,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
+from _agent_pipeline import pipeline_figures  # noqa: E402
 from propagation import start_servers, stop_servers  # noqa: E402
 
 from contract.chunks import ChunkTable, unpack_keys  # noqa: E402
@@ -72,9 +71,7 @@ from control_plane.api.client import AdminClient  # noqa: E402
 from control_plane.api.transport import client_tls  # noqa: E402
 from control_plane.demo import sample_models  # noqa: E402
 from control_plane.demo.sample_pipeline import (  # noqa: E402
-    activity_events,
     activity_pipeline,
-    event_messages,
 )
 from control_plane.home import read_token  # noqa: E402
 from control_plane.settings import load_config  # noqa: E402
@@ -84,7 +81,6 @@ from device_agent.local_api import socket_path, to_tensor  # noqa: E402
 from device_agent.plaintext import from_chunks  # noqa: E402
 from device_agent.state import StateDir  # noqa: E402
 from protos import agent_pb2, agent_pb2_grpc, fleet_pb2  # noqa: E402
-from runtime.pipeline import Pipeline, parse_pipeline  # noqa: E402
 
 BIG, SMALL = "big", "small"
 # What a device runs: the `skiff` console script (device_agent.cli:main), which never
@@ -222,74 +218,6 @@ def in_process_us(data_path: Path, x: np.ndarray, runs: int) -> float:
             model.run({"x": x})
             times.append((time.perf_counter_ns() - start) / 1000)
     return statistics.median(times)
-
-
-BATCH = 1000
-
-
-def pipeline_through_agent(
-    stub, events, *, batched: bool = False, columns: bool = False
-) -> tuple[float, int]:
-    """Push `events` in batches; return seconds until every result arrived, and firings.
-
-    The events go as one message each (`Event`) or as `columns` (`EventColumns`); the
-    results come one a message (Subscribe) or `batched` (SubscribeBatches).
-    """
-    ts, types, keys, values = events
-    fields = {"model": SMALL, "key_fields": ["user"], "value_fields": ["dwell_ms", "amount"]}
-    requests = []
-    for lo in range(0, len(ts), BATCH):
-        part = slice(lo, lo + BATCH)
-        if columns:
-            cols = agent_pb2.EventColumns(
-                ts_ms=ts[part].tolist(),
-                types=types[part],
-                keys=keys[part].ravel().tolist(),
-                values=values[part].ravel().tolist(),
-            )
-            requests.append(agent_pb2.PushEventsRequest(**fields, columns=cols))
-        else:
-            evs = event_messages(ts[part], types[part], keys[part], values[part])
-            requests.append(agent_pb2.PushEventsRequest(**fields, events=evs))
-    got = [0]
-    subscribe = stub.SubscribeBatches if batched else stub.Subscribe
-    call = subscribe(agent_pb2.SubscribeRequest(model=SMALL))
-
-    def read() -> None:
-        with contextlib.suppress(grpc.RpcError):
-            for message in call:
-                for result in message.results if batched else [message]:
-                    assert not result.error, result.error
-                    got[0] += 1
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    time.sleep(0.5)
-    start = time.perf_counter()
-    fired = sum(stub.PushEvents(r, timeout=300).firings for r in requests)
-    while got[0] < fired:
-        time.sleep(0.001)
-    took = time.perf_counter() - start
-    call.cancel()
-    return took, fired
-
-
-def pipeline_in_process(mnn: Path, events) -> tuple[float, int]:
-    """The same events through the same pipeline and model in this process."""
-    from runtime import Model
-
-    ts, types, keys, values = events
-    spec = parse_pipeline(activity_pipeline())
-    with Model.from_bytes(mnn.read_bytes(), isolation="in_process") as model:
-        pipeline = Pipeline(spec, spec.fit([{"name": "x", "shape": [1, 16], "dtype": "float32"}]))
-        start = time.perf_counter()
-        fired = 0
-        for lo in range(0, len(ts), BATCH):
-            hi = lo + BATCH
-            for firing in pipeline.push(ts[lo:hi], types[lo:hi], keys[lo:hi], values[lo:hi]):
-                model.run(firing.inputs)
-                fired += 1
-        return time.perf_counter() - start, fired
 
 
 ECHO = "/skiff.bench.Echo/Echo"
@@ -454,41 +382,7 @@ def main() -> None:
             client.create_rollout(fleet_pb2.CreateRolloutRequest(model=SMALL, version=2))
             wait_serving(stub, SMALL, small_x, 2)
             wait_probed(state, SMALL)  # v2's probe of the other configs would share the CPU
-            n = 20_000 if args.quick else 100_000
-            events = activity_events(n, users=1000, seed=3)
-            took, fired = pipeline_through_agent(stub, events)
-            # The same events an hour later (the engine has moved past the first ones), with
-            # the results in batches, then also the events as columns.
-            hour = 3_600_000
-            later = activity_events(n, users=1000, seed=3, start_ms=int(events[0][-1]) + hour)
-            batched_took, batched_fired = pipeline_through_agent(stub, later, batched=True)
-            last = activity_events(n, users=1000, seed=3, start_ms=int(later[0][-1]) + hour)
-            columns_took, columns_fired = pipeline_through_agent(
-                stub, last, batched=True, columns=True
-            )
-            assert batched_fired == columns_fired == fired, (batched_fired, columns_fired, fired)
-            v2 = tmp / "small-2.mnn"
-            v2.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=2)))
-            base_took, base_fired = pipeline_in_process(v2, events)
-            assert fired == base_fired, (fired, base_fired)
-            results["pipeline_events"] = n
-            results["pipeline_firings"] = fired
-            results["pipeline_events_per_s"] = round(n / took)
-            results["in_process_events_per_s"] = round(n / base_took)
-            results["pipeline_vs_in_process"] = round(base_took / took, 3)
-            results["pipeline_batched_events_per_s"] = round(n / batched_took)
-            results["pipeline_batched_vs_in_process"] = round(base_took / batched_took, 3)
-            results["pipeline_columns_events_per_s"] = round(n / columns_took)
-            results["pipeline_columns_vs_in_process"] = round(base_took / columns_took, 3)
-            print(
-                f"pipeline: {n} events -> {fired} firings -> results to a subscriber: "
-                f"{n / took:,.0f} events/s through the agent, {n / base_took:,.0f} in-process "
-                f"(ratio {base_took / took:.2f}); results in batches (SubscribeBatches): "
-                f"{n / batched_took:,.0f} events/s (ratio {base_took / batched_took:.2f}); and "
-                f"the events as columns (EventColumns): {n / columns_took:,.0f} events/s "
-                f"(ratio {base_took / columns_took:.2f})",
-                flush=True,
-            )
+            results.update(pipeline_figures(stub, SMALL, tmp, 20_000 if args.quick else 100_000))
             client.close()
         finally:
             if agent is not None:
