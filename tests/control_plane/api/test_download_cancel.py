@@ -14,6 +14,8 @@ from control_plane.api import device_service
 from control_plane.api.device_service import DeviceServicer
 from protos import device_pb2
 
+WAIT_S = 10  # an upper bound on a loaded machine, never a pace
+
 
 class _Fleet:
     def authenticate(self, authorization, *, cached_only=False):
@@ -32,18 +34,34 @@ class _Context:
         raise RuntimeError("aborted")
 
 
+async def _cancel_next(stream, inside: threading.Event) -> str:
+    """Ask for the stream's next message; cancel that once a thread is inside the read
+    behind it (the device went away). Return how the call ended."""
+    task = asyncio.ensure_future(stream.__anext__())
+    await asyncio.to_thread(inside.wait, WAIT_S)
+    task.cancel()
+    try:
+        await task
+        return "returned"
+    except asyncio.CancelledError:
+        return "cancelled"
+    except BaseException as exc:  # noqa: BLE001
+        return f"raised {exc!r}"
+
+
 def test_cancel_during_a_threaded_read_closes_cleanly(caplog):
-    inside, release = threading.Event(), threading.Event()
+    inside, release, was_closed = threading.Event(), threading.Event(), threading.Event()
     closed = []
 
     def pieces():
         try:
             yield b"a" * 10
             inside.set()
-            release.wait(5)  # a slow disk / S3 read
+            release.wait(WAIT_S)  # a slow disk / S3 read
             yield b"b" * 10
         finally:
             closed.append(True)
+            was_closed.set()
 
     servicer = DeviceServicer.__new__(DeviceServicer)
     servicer._fleet = _Fleet()
@@ -55,22 +73,9 @@ def test_cancel_during_a_threaded_read_closes_cleanly(caplog):
         stream = servicer.Download(device_pb2.DownloadRequest(artifact="x", offset=0), ctx)
         first = await stream.__anext__()
         assert first.data == b"a" * 10
-        task = asyncio.ensure_future(stream.__anext__())
-        while not inside.is_set():
-            await asyncio.sleep(0.01)
-        task.cancel()  # the client went away while the thread reads
-        try:
-            await task
-            outcome = "returned"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-        except BaseException as exc:  # noqa: BLE001
-            outcome = f"raised {exc!r}"
+        outcome = await _cancel_next(stream, inside)
         release.set()
-        for _ in range(500):  # the blob is closed once the read in progress is done
-            if closed:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(was_closed.wait, WAIT_S)  # once the read in progress is done
         return outcome
 
     with caplog.at_level(logging.WARNING):
@@ -84,17 +89,18 @@ def test_cancel_during_a_threaded_read_closes_cleanly(caplog):
 def test_a_chunk_call_cancelled_while_its_next_pieces_are_read_closes_cleanly(caplog, monkeypatch):
     """DownloadChunks reads the next pieces while it sends the ones before: the device
     going away then leaves a thread inside a read, and the chunk is closed after it."""
-    inside, release = threading.Event(), threading.Event()
+    inside, release, was_closed = threading.Event(), threading.Event(), threading.Event()
     closed = []
 
     def pieces(name):
         try:
             yield b"a" * 10
             inside.set()
-            release.wait(5)
+            release.wait(WAIT_S)
             yield b"b" * 10
         finally:
             closed.append(name)
+            was_closed.set()
 
     monkeypatch.setattr(device_service, "PIECES_BYTES", 10)  # one piece a read
     servicer = DeviceServicer.__new__(DeviceServicer)
@@ -111,23 +117,10 @@ def test_a_chunk_call_cancelled_while_its_next_pieces_are_read_closes_cleanly(ca
         stream = servicer.DownloadChunks(device_pb2.DownloadChunksRequest(artifacts=["c"]), ctx)
         first = await stream.__anext__()
         assert (first.artifact, first.offset, first.data) == ("c", 0, b"a" * 10)
-        task = asyncio.ensure_future(stream.__anext__())
-        while not inside.is_set():
-            await asyncio.sleep(0.01)
-        task.cancel()
-        try:
-            await task
-            outcome = "returned"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-        except BaseException as exc:  # noqa: BLE001
-            outcome = f"raised {exc!r}"
+        outcome = await _cancel_next(stream, inside)
         assert not closed  # the read in progress holds the chunk open
         release.set()
-        for _ in range(500):
-            if closed:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(was_closed.wait, WAIT_S)
         return outcome
 
     with caplog.at_level(logging.WARNING):
