@@ -111,7 +111,20 @@ def _table(scope: str, names: tuple[str, ...], rows: list, pg: bool) -> DeviceTa
     counters = np.array([columns.get(name, ()) for name in COUNTERS], np.float64)
     signals = col("crash_signals")
     signals[:] = [json.loads(v) if v and v != "{}" else {} for v in signals]
-    hist_row, hist_index, hist_count = decode_many(columns.get("latency_buckets", ()))
+
+    def latency(prefix: str) -> dict[str, np.ndarray]:
+        """Return the columns of one histogram (`latency_*`, `ttft_*`) as the latency fields."""
+        hist_row, hist_index, hist_count = decode_many(columns.get(f"{prefix}_buckets", ()))
+        return {
+            "latency_count": col(f"{prefix}_count", np.float64),
+            "latency_sum_ns": col(f"{prefix}_sum_ns", np.float64),
+            "latency_min_ns": nullable(f"{prefix}_min_ns"),
+            "latency_max_ns": nullable(f"{prefix}_max_ns"),
+            "hist_row": hist_row,
+            "hist_index": hist_index,
+            "hist_count": hist_count,
+        }
+
     table = DeviceTable(
         scope=scope,
         window=seconds("window_start"),
@@ -125,27 +138,10 @@ def _table(scope: str, names: tuple[str, ...], rows: list, pg: bool) -> DeviceTa
         last_seen=seconds("last_seen"),
         reports=col("reports", np.int64),
         counters=counters.T.reshape(len(rows), len(COUNTERS)),
-        latency_count=col("latency_count", np.float64),
-        latency_sum_ns=col("latency_sum_ns", np.float64),
-        latency_min_ns=nullable("latency_min_ns"),
-        latency_max_ns=nullable("latency_max_ns"),
         crash_signals=signals,
-        hist_row=hist_row,
-        hist_index=hist_index,
-        hist_count=hist_count,
+        **latency("latency"),
     )
-    ttft_count = col("ttft_count", np.float64)
-    if not ttft_count.any():
+    if not col("ttft_count", np.float64).any():
         return table
-    hist_row, hist_index, hist_count = decode_many(columns["ttft_buckets"])
-    source = replace(
-        table,
-        latency_count=ttft_count,
-        latency_sum_ns=col("ttft_sum_ns", np.float64),
-        latency_min_ns=nullable("ttft_min_ns"),
-        latency_max_ns=nullable("ttft_max_ns"),
-        hist_row=hist_row,
-        hist_index=hist_index,
-        hist_count=hist_count,
-    )
+    source = replace(table, **latency("ttft"))
     return table.with_ttft(source)
