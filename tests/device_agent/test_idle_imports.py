@@ -7,12 +7,8 @@ urllib.request (with http.client): presigned downloads need it, an idle agent do
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from tests.fresh_interpreter import printed_json
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NOT_AT_IDLE = ("http.client", "urllib.request")
 
 
@@ -23,15 +19,7 @@ def test_the_daemons_modules_import_no_numpy():
         "import device_agent.commands, device_agent.serving, device_agent.pipelines\n"
         "print(json.dumps('numpy' in sys.modules))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    assert json.loads(out.strip().splitlines()[-1]) is False
+    assert printed_json(script) is False
 
 
 def test_the_daemon_imports_no_http_client():
@@ -44,15 +32,7 @@ def test_the_daemon_imports_no_http_client():
         "_mnn_version()\n"
         f"print(json.dumps(sorted(m for m in {NOT_AT_IDLE!r} if m in sys.modules)))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    assert json.loads(out.strip().splitlines()[-1]) == []
+    assert printed_json(script) == []
 
 
 def test_tensors_still_convert_where_numpy_is_imported_late():
@@ -65,8 +45,5 @@ def test_tensors_still_convert_where_numpy_is_imported_late():
         "back = to_array(to_tensor('x', x))\n"
         "print(json.dumps([before, back.tolist()]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    before, back = json.loads(out.strip().splitlines()[-1])
+    before, back = printed_json(script)
     assert before is False and back == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

@@ -7,8 +7,6 @@ of them, so only a new one can tell what an import really pulls in.
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import runtime
+from tests.fresh_interpreter import printed_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("numpy", "MNN", "runtime._native._core")
@@ -24,15 +23,7 @@ HEAVY = ("numpy", "MNN", "runtime._native._core")
 def _loaded_after(script: str) -> dict:
     """Run `script` in a fresh interpreter; return the JSON it prints on its last line."""
     prelude = f"import json, sys\nheavy = lambda: [m for m in {HEAVY!r} if m in sys.modules]\n"
-    out = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(script)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return printed_json(prelude + textwrap.dedent(script))
 
 
 def test_importing_runtime_loads_no_numpy_mnn_or_native_engine():
