@@ -240,7 +240,6 @@ def test_rollup_rows_from_before_language_models_read_beside_theirs(db_url):
     """Rows that existed when 0011 added time to first token read with rows that have it."""
     from alembic import command
 
-    from control_plane.store import orm
     from control_plane.store.rollup_records import EPOCH, FLEET, Aggregate, DeviceDelta, DeviceKey
     from runtime.histogram import SCHEME, bucket_of
 
@@ -249,21 +248,7 @@ def test_rollup_rows_from_before_language_models_read_beside_theirs(db_url):
     command.downgrade(config, "0010")
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     with store._engine.begin() as conn:
-        conn.execute(
-            orm.DeviceRow.__table__.insert(),
-            [
-                {
-                    "id": f"dev_{i}",
-                    "credential_sha256": f"{i:064x}",
-                    "public_keyset": b"k",
-                    "attributes": {},
-                    "stamped_attributes": {},
-                    "enrollment_token_id": "t",
-                    "enrolled_at": now,
-                }
-                for i in (1, 2)
-            ],
-        )
+        _insert_devices(conn, (1, 2), now)
         conn.exec_driver_sql(  # a row as 0010's roller left it: no language-model columns
             "INSERT INTO device_rollups (key, scope, window_start, cohort, model, version,"
             " variant, config, device_id, device_class, last_seen, reports, inferences,"
@@ -302,29 +287,35 @@ def test_rollup_rows_from_before_language_models_read_beside_theirs(db_url):
     store.close()
 
 
+def _insert_devices(conn, numbers, enrolled_at: dt.datetime) -> None:
+    """Insert devices dev_<n> for each n, straight into the table (no enrollment)."""
+    from control_plane.store import orm
+
+    conn.execute(
+        orm.DeviceRow.__table__.insert(),
+        [
+            {
+                "id": f"dev_{i}",
+                "credential_sha256": f"{i:064x}",
+                "public_keyset": b"k",
+                "attributes": {},
+                "stamped_attributes": {},
+                "enrollment_token_id": "t",
+                "enrolled_at": enrolled_at,
+            }
+            for i in numbers
+        ],
+    )
+
+
 def _device_rows(store) -> None:
     """Two windows, two cohorts, two configs; crash signals, time to first token, gaps."""
-    from control_plane.store import orm
     from control_plane.store.rollup_records import Aggregate, DeviceDelta, DeviceKey
     from runtime.histogram import SCHEME, bucket_of
 
     now = dt.datetime(2026, 11, 23, 12, 0, 0, 250_000, tzinfo=dt.UTC)
     with store._engine.begin() as conn:
-        conn.execute(
-            orm.DeviceRow.__table__.insert(),
-            [
-                {
-                    "id": f"dev_{i}",
-                    "credential_sha256": f"{i:064x}",
-                    "public_keyset": b"k",
-                    "attributes": {},
-                    "stamped_attributes": {},
-                    "enrollment_token_id": "t",
-                    "enrolled_at": now,
-                }
-                for i in range(4)
-            ],
-        )
+        _insert_devices(conn, range(4), now)
     windows = (dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(2026, 11, 20, tzinfo=dt.UTC))
     deltas = {}
     for i in range(4):
