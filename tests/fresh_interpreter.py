@@ -7,6 +7,7 @@ what an import really pulls in.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def printed_json(script: str):
-    """Run `script`; return the JSON it printed on its last line (it must exit 0)."""
+def printed_json(script: str, env: dict[str, str] | None = None):
+    """Run `script` (with `env` added to the environment); return the JSON it printed on
+    its last line (it must exit 0)."""
     out = subprocess.run(
         [sys.executable, "-c", script],
         cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         check=True,

@@ -170,10 +170,7 @@ class Guard:
         sliced = slice_codes(table.device_class)
         kinds = {c: table.cohort == c for c in (CANDIDATE, BASELINE)}
         value_of = dict(map(reversed, codes.items()))
-        found, first = np.unique(sliced[table.cohort != OUTSIDE], return_index=True)
-        # The set of the values in row order, as of every row's: it iterates (the whole
-        # rollout's rows are joined in its order) as that set would.
-        inside = set(value_of[code] for code in found[np.argsort(first)])
+        inside = sorted(value_of[code] for code in np.unique(sliced[table.cohort != OUTSIDE]))
         slice_masks = {v: sliced == codes[v] for v in inside}
 
         def cohorts(value: str, window: dt.datetime) -> dict[str, np.ndarray]:
@@ -232,7 +229,7 @@ class Guard:
         # The whole rollout: every slice still in.
         out = record.rolled_back_slices()
         merged: dict[str, list[np.ndarray]] = {}
-        for value in slice_masks:
+        for value in inside:
             if value in out:
                 continue
             for cohort, positions in cohorts(value, since).items():
@@ -244,7 +241,8 @@ class Guard:
             "",
             record.state,
             since,
-            {c: np.concatenate(parts) for c, parts in merged.items()},
+            # In row order, whatever the slices' order: the same rows, the same view.
+            {c: np.sort(np.concatenate(parts)) for c, parts in merged.items()},
             cohort_of,
         )
         reports, devices = self._store.cohort_totals(record.id, OUTSIDE)
