@@ -51,7 +51,7 @@ from tests.control_plane.sim.test_guardrails import (
     create,
     create_sliced,
     fleet_on_v1,
-    show,
+    wait_completed,
 )
 
 ARTIFACTS = Path(os.environ.get("SKIFF_TEST_ARTIFACTS", "build/test-artifacts")) / "dashboard"
@@ -157,11 +157,7 @@ def _run_fleet(site: Site, ready: threading.Event, failed: list) -> None:
         async with fleet_on_v1(cp, inject) as sim:
             r = await asyncio.to_thread(create_sliced, cp)
             site.guarded = r.id
-
-            def completed():
-                return show(cp, r.id)["state"] == "completed"
-
-            await asyncio.to_thread(wait_for, completed, 90, "the guarded rollout to complete")
+            await asyncio.to_thread(wait_completed, cp, r.id)
             await asyncio.sleep(1.0)  # a last report from every device, rolled up
             await sim.stop_reporting()
             await asyncio.to_thread(cp.app.roller.roll)

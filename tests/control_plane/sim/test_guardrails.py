@@ -8,6 +8,7 @@ import contextlib
 import datetime as dt
 import json
 import subprocess
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -61,6 +62,32 @@ def show(cp, rollout_id: str) -> dict:
         return rollout_dict(client.get_rollout(rollout_id))
 
 
+def wait_completed(cp, rollout_id: str, stall_s: float = 90.0) -> dict:
+    """Wait for the rollout to complete; return its `rollout show` document.
+
+    Bounded by progress, not by a total: the wait runs on while each `stall_s` brings a new
+    audit event (a stage advanced, a slice rolled back), which a loaded machine slows but
+    does not stop. A rollout that settles in another state fails at once; either failure
+    names where the rollout stood.
+    """
+    deadline, seen, doc = time.monotonic() + stall_s, -1, {}
+    while time.monotonic() < deadline:
+        doc = show(cp, rollout_id)
+        if doc["state"] == "completed":
+            return doc
+        if doc["state"] not in ("active", "paused"):
+            break
+        if len(doc["audit"]) > seen:
+            seen, deadline = len(doc["audit"]), time.monotonic() + stall_s
+        time.sleep(0.1)
+    health = {s["slice"]: s["state"] for s in doc.get("health", {}).get("slices", ())}
+    raise AssertionError(
+        f"rollout {rollout_id} did not complete: state {doc.get('state')!r}, "
+        f"stage {doc.get('stage')}, audit {[e['action'] for e in doc.get('audit', ())]}, "
+        f"slices {health}, overall {doc.get('health', {}).get('overall')}"
+    )
+
+
 def create_sliced(cp) -> fleet_pb2.Rollout:
     """Roll det:2 out in two stages, sliced by SoC, under latency and crash rules."""
     return create(
@@ -94,12 +121,7 @@ def test_a_slow_slice_is_rolled_back_while_the_rest_advances(guarded):
     async def scenario() -> tuple[dict, dict]:
         async with fleet_on_v1(cp, inject) as sim:
             r = await asyncio.to_thread(create_sliced, cp)
-
-            def rolled_back():
-                doc = show(cp, r.id)
-                return doc if doc["state"] == "completed" else None
-
-            doc = await asyncio.to_thread(wait_for, rolled_back, 120, "the rollout to complete")
+            doc = await asyncio.to_thread(wait_completed, cp, r.id)
             socs = {d.id: d.identity.attributes["soc"] for d in sim.devices}
             fast = [i for i, soc in socs.items() if soc == FAST_SOC]
             slow = [i for i, soc in socs.items() if soc == SLOW_SOC]
