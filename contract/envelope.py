@@ -37,9 +37,7 @@ from tink import secret_key_access, streaming_aead
 from tink.proto import aes_gcm_hkdf_streaming_pb2, common_pb2, tink_pb2
 
 from contract import errors
-
-SEGMENT_SIZE = 1 << 20
-"""Ciphertext segment size in bytes (header and tag included)."""
+from contract.segments import SEGMENT_SIZE
 
 _HEADER_SIZE = 1 + 32 + 7  # length byte + salt (= derived key size) + nonce prefix
 _TAG_SIZE = 16

@@ -17,8 +17,12 @@ import hashlib
 from collections.abc import Iterable, Iterator
 
 from contract import errors
-from contract.envelope import SEGMENT_SIZE
 
+SEGMENT_SIZE = 1 << 20
+"""Ciphertext segment size in bytes (header and tag included): `contract.envelope`'s.
+
+Defined here, where nothing imports Tink: a device needs it to check a download, long
+before it decrypts anything (an idle agent holds no Tink)."""
 DIGEST = 32
 
 __all__ = ["SegmentChecker", "SegmentHasher", "decode_digests", "encode_digests", "segment_count"]

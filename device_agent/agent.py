@@ -29,6 +29,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -40,7 +41,6 @@ from contract.assignment import (
 )
 from contract.attribute_messages import attributes_pb
 from contract.device_client import DeviceCallError, DeviceConnection, backoff_s, open_channel
-from contract.key_wrap import DeviceKeyPair, KeyUnwrapError
 from contract.pinned_keys import PinnedKeyRing
 from contract.server_clock import ServerClock, skew_notice, skewed
 from contract.transport import ClientTls, is_plaintext
@@ -61,6 +61,9 @@ from device_agent.reporting import AUTH_CODES, Reporter
 from device_agent.serving import Serving
 from device_agent.state import AgentError, Identity, StateDir
 from protos import device_pb2
+
+if TYPE_CHECKING:
+    from contract.key_wrap import DeviceKeyPair
 
 log = logging.getLogger("skiff.agent")
 
@@ -152,12 +155,6 @@ class Agent(ServingSlots):
         try:
             self._channel = open_channel(self.server, self._tls)
             self.identity = await self._identity()
-            try:
-                self._keys = DeviceKeyPair.from_private(self.identity.private_keyset)
-            except Exception:  # noqa: BLE001 - Tink's own error types
-                raise AgentError(
-                    f"{self.state.identity_file}: the device key set is damaged"
-                ) from None
         except BaseException:
             await self.close()
             raise
@@ -221,6 +218,8 @@ class Agent(ServingSlots):
             raise AgentError(
                 f"{self.state.path} holds no device identity: pass --enroll-token to enroll"
             )
+        from contract.key_wrap import DeviceKeyPair
+
         keys = DeviceKeyPair.generate()  # the private half never leaves the state dir
         attributes = self._attributes or {}
         conn = self._connection()
@@ -244,11 +243,30 @@ class Agent(ServingSlots):
         log.info("enrolled as %s", identity.device_id)
         return identity
 
+    def _key_pair(self) -> DeviceKeyPair:
+        """Return the device's key pair, loaded on first use.
+
+        Tink (about 13 MB resident) is imported then, with the first version to install:
+        an agent with nothing assigned holds none. A damaged key set fails that install
+        (and each one after it), naming the file; the agent keeps running.
+        """
+        if self._keys is None:
+            from contract.key_wrap import DeviceKeyPair
+
+            try:
+                self._keys = DeviceKeyPair.from_private(self.identity.private_keyset)
+            except Exception:  # noqa: BLE001 - Tink's own error types
+                raise AgentError(
+                    f"{self.state.identity_file}: the device key set is damaged"
+                ) from None
+        return self._keys
+
     def _unwrap(self, wrapped: bytes, version_uid: str) -> bytes:
+        from contract.key_wrap import KeyUnwrapError
+
+        keys = self._key_pair()
         try:
-            return self._keys.unwrap(
-                wrapped, device_id=self.identity.device_id, version_uid=version_uid
-            )
+            return keys.unwrap(wrapped, device_id=self.identity.device_id, version_uid=version_uid)
         except KeyUnwrapError as exc:
             raise IntegrityFailure(
                 f"version {version_uid}: data key does not unwrap ({exc})"

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING
 
 from contract import errors
 from contract.device_client import DeviceConnection
-from contract.envelope import SEGMENT_SIZE
-from contract.segments import SegmentChecker, verified_prefix
+from contract.segments import SEGMENT_SIZE, SegmentChecker, verified_prefix
 from device_agent.state import AgentError, fsync_dir, write_all
 from device_agent.url_fetch import UrlFetchError, fetch_url, usable_url
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.chunks import ChunkTable
-from contract.envelope import decrypt_stream
 from device_agent.chunk_store import ChunkStore, OpenedChunks
 from device_agent.download import IntegrityFailure
 
@@ -61,6 +60,8 @@ def from_artifact(
     """Return the plaintext of one Tink-encrypted artifact file."""
 
     def pieces() -> Iterator[bytes]:
+        from contract.envelope import decrypt_stream  # Tink: not held by an idle agent
+
         with open(path, "rb") as f:
             yield from decrypt_stream(key, f, associated_data=associated_data)
 

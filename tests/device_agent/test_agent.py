@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -23,6 +25,7 @@ from protos import fleet_pb2
 from tests.device_agent.conftest import MODEL, blob_path
 
 SKIFF = [sys.executable, "-m", "control_plane.cli"]
+DEVICE_SKIFF = [sys.executable, "-m", "device_agent"]  # what the `skiff` script runs
 
 
 def rollout(cp, version: int, selector: str = "") -> fleet_pb2.Rollout:
@@ -206,9 +209,11 @@ def test_an_answer_signed_by_another_key_is_refused(cp, tmp_path):
 def test_the_daemon_follows_the_watch_stream_and_stops_on_sigterm(cp, tmp_path):
     state = tmp_path / "state"
     ca = cp.config.home / "tls" / "ca.pem"
-    proc = subprocess.Popen(
-        [*SKIFF, "agent", "run", "--server", f"127.0.0.1:{cp.port}", "--ca", str(ca)]
-        + ["--state", str(state), "--enroll-token", token(cp), "--json-log"],
+    asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled before, as on every boot
+    (state / "sync.json").unlink()  # written again by the daemon's first sync
+    proc = subprocess.Popen(  # as a device runs it: not through the operator's commands
+        [*DEVICE_SKIFF, "agent", "run", "--server", f"127.0.0.1:{cp.port}", "--ca", str(ca)]
+        + ["--state", str(state), "--json-log"],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -217,11 +222,16 @@ def test_the_daemon_follows_the_watch_stream_and_stops_on_sigterm(cp, tmp_path):
         while not (state / "sync.json").exists():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
+        # Synced, Watching, nothing assigned: the daemon holds neither numpy nor Tink (about
+        # 30 MB resident together); both come with the first version to install.
+        idle = _mapped_libraries(proc.pid)
+        assert not [lib for lib in idle if "numpy" in lib or "tink" in lib], idle
         rollout(cp, 2)  # pushed over Watch: no poll is due for minutes
         while (status(state)["models"].get(MODEL) or {}).get("active") is None:
             assert time.monotonic() < deadline, "the agent never installed v2"
             time.sleep(0.2)
         assert status(state)["running"]
+        assert [lib for lib in _mapped_libraries(proc.pid) if "tink" in lib]
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
@@ -231,6 +241,35 @@ def test_the_daemon_follows_the_watch_stream_and_stops_on_sigterm(cp, tmp_path):
     credential = json.loads((state / "identity.json").read_text())["credential"]
     assert credential not in stderr
     assert not status(state)["running"]
+
+
+def _mapped_libraries(pid: int) -> set[str]:
+    """Return the shared libraries process `pid` has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split()[-1] for line in maps if ".so" in line.split()[-1]}
+
+
+def test_a_damaged_device_key_set_fails_the_install_naming_it_and_the_agent_goes_on(cp, tmp_path):
+    """The key pair is read with the first version to install, not at start (an idle
+    agent holds no Tink): a damaged one fails each sync that needs it, in one line."""
+    state = tmp_path / "state"
+    asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled, nothing assigned
+    identity = state / "identity.json"
+    body = json.loads(identity.read_text())
+    body["private_keyset"] = base64.b64encode(b"\x08\x01not a key set").decode()
+    identity.write_text(json.dumps(body))
+    rollout(cp, 1)
+
+    async def scenario() -> None:
+        async with agent(cp, state) as a:
+            for _ in range(2):
+                assert await a._try_sync() is False
+                error = a.state.load_sync().last_error
+                assert error == f"{identity}: the device key set is damaged", error
+            assert a.installer.active() == {}
+
+    asyncio.run(scenario())
+    assert not list((state / "artifacts").glob("*.part"))
 
 
 def test_a_version_failing_its_self_test_is_never_activated(cp, tmp_path, monkeypatch):
