@@ -112,8 +112,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             WorkerCrashed,
         )
 
-        if not request.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        await _check_model(request.model, context)
         if self._llm.serving(request.model) is not None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -250,8 +249,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         from runtime import DeadlineExceeded, InvalidInput, RuntimeFailure, WorkerCrashed
 
         name = request.model
-        if not name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        await _check_model(name, context)
         if self._llm.serving(name) is None:
             if self._serving.serving(name) is not None:
                 await context.abort(

@@ -202,6 +202,8 @@ def test_a_model_name_that_cannot_be_one_is_refused_readably(local, model):
         lambda: next(iter(agent.stub.SubscribeBatches(agent_pb2.SubscribeRequest(model=model)))),
         lambda: next(iter(agent.stub.Subscribe(agent_pb2.SubscribeRequest(model=model)))),
         lambda: agent.stub.PushEvents(agent_pb2.PushEventsRequest(model=model), timeout=30),
+        lambda: agent.stub.Infer(agent_pb2.InferRequest(model=model), timeout=30),
+        lambda: next(iter(agent.stub.Generate(agent_pb2.GenerateRequest(model=model)))),
     ]
     for call in calls:
         error = rpc_error(call)
