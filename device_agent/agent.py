@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ from device_agent.report_outbox import (
 )
 from device_agent.reporting import AUTH_CODES, Reporter
 from device_agent.serving import Serving
-from device_agent.state import AgentError, Identity, StateDir
+from device_agent.state import AgentError, DamagedKeySet, Identity, StateDir
 from protos import device_pb2
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class Agent(ServingSlots):
         self._channel: grpc.aio.Channel | None = None
         self._conn: DeviceConnection | None = None
         self._keys: DeviceKeyPair | None = None
+        self._keys_lock = threading.Lock()
         self.identity: Identity | None = None
         self.installer: Installer | None = None
         self.reporter: Reporter | None = None
@@ -179,6 +181,12 @@ class Agent(ServingSlots):
         )
         on_activated = self._activate if self.pipelines else None
         self.installer = Installer(self.state, self._unwrap, on_activated)
+        if self.installer.active():  # serving what is installed unwraps its keys
+            try:
+                await asyncio.to_thread(self._key_pair)
+            except DamagedKeySet:
+                await self.close()
+                raise
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -246,20 +254,22 @@ class Agent(ServingSlots):
     def _key_pair(self) -> DeviceKeyPair:
         """Return the device's key pair, loaded on first use.
 
-        Tink (about 13 MB resident) is imported then, with the first version to install:
-        an agent with nothing assigned holds none. A damaged key set fails that install
-        (and each one after it), naming the file; the agent keeps running.
+        Tink (about 13 MB resident) is imported then: at start if a version is installed
+        (serving it unwraps its key), else with the first version to install, so an agent
+        with nothing installed holds none. A damaged key set then fails the start, or
+        that install (reported, and tried again at each sync), naming the file.
         """
-        if self._keys is None:
-            from contract.key_wrap import DeviceKeyPair
+        with self._keys_lock:  # installs unwrap in threads: parse the key set once
+            if self._keys is None:
+                from contract.key_wrap import DeviceKeyPair
 
-            try:
-                self._keys = DeviceKeyPair.from_private(self.identity.private_keyset)
-            except Exception:  # noqa: BLE001 - Tink's own error types
-                raise AgentError(
-                    f"{self.state.identity_file}: the device key set is damaged"
-                ) from None
-        return self._keys
+                try:
+                    self._keys = DeviceKeyPair.from_private(self.identity.private_keyset)
+                except Exception:  # noqa: BLE001 - Tink's own error types
+                    raise DamagedKeySet(
+                        f"{self.state.identity_file}: the device key set is damaged"
+                    ) from None
+            return self._keys
 
     def _unwrap(self, wrapped: bytes, version_uid: str) -> bytes:
         from contract.key_wrap import KeyUnwrapError

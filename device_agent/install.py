@@ -45,6 +45,7 @@ from device_agent.download import DiskFull, Downloads, IntegrityFailure
 from device_agent.plaintext import Plaintext, from_artifact, from_chunks
 from device_agent.state import (
     AgentError,
+    DamagedKeySet,
     SelfTestFailed,
     StateDir,
     fsync_dir,
@@ -285,7 +286,7 @@ class Installer:
                 except BaseException:
                     model.close()
                     raise
-        except (IntegrityFailure, SelfTestFailed, DiskFull) as exc:
+        except (IntegrityFailure, SelfTestFailed, DiskFull, DamagedKeySet) as exc:
             self._write_pointer(
                 m.model,
                 {
@@ -296,8 +297,9 @@ class Installer:
                         "uid": m.uid,
                         "artifact": m.ciphertext_sha256,
                         "reason": str(exc),
-                        # A bad download or a full disk is tried again at the next
-                        # sync; a failed self-test is not, until the assignment changes.
+                        # A bad download, a full disk or a damaged key set is tried
+                        # again at the next sync; a failed self-test is not, until the
+                        # assignment changes.
                         "kind": _failure_kind(exc),
                         "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                     },
@@ -603,6 +605,8 @@ def _slot_table(slot: dict) -> ChunkTable:
 def _failure_kind(exc: Exception) -> str:
     if isinstance(exc, SelfTestFailed):
         return "self-test"
+    if isinstance(exc, DamagedKeySet):
+        return "device-key"
     return "disk" if isinstance(exc, DiskFull) else "integrity"
 
 

@@ -38,6 +38,14 @@ class AgentError(Exception):
     """The agent cannot go on; the message says why in one line."""
 
 
+class DamagedKeySet(AgentError):
+    """The device's private key set (identity.json) does not parse: no data key unwraps.
+
+    Not the version's fault: an install that meets it fails and is tried again (the same
+    device, mended or re-enrolled, may install the same bytes).
+    """
+
+
 class SelfTestFailed(AgentError):
     """The version does not load or does not reproduce its golden outputs here."""
 

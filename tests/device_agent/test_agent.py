@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from contract.assignment import AssignmentRejected
 from contract.pinned_keys import PinnedKeyRing
 from device_agent.agent import Agent
-from device_agent.state import Identity, StateDir
+from device_agent.state import AgentError, Identity, StateDir
 from protos import fleet_pb2
 from tests.device_agent.conftest import MODEL, blob_path
 
@@ -224,14 +224,14 @@ def test_the_daemon_follows_the_watch_stream_and_stops_on_sigterm(cp, tmp_path):
             time.sleep(0.1)
         # Synced, Watching, nothing assigned: the daemon holds neither numpy nor Tink (about
         # 30 MB resident together); both come with the first version to install.
-        idle = _mapped_libraries(proc.pid)
-        assert not [lib for lib in idle if "numpy" in lib or "tink" in lib], idle
+        idle = _mapped_packages(proc.pid)
+        assert "grpc" in idle and not idle & {"numpy", "numpy.libs", "tink"}, idle
         rollout(cp, 2)  # pushed over Watch: no poll is due for minutes
         while (status(state)["models"].get(MODEL) or {}).get("active") is None:
             assert time.monotonic() < deadline, "the agent never installed v2"
             time.sleep(0.2)
         assert status(state)["running"]
-        assert [lib for lib in _mapped_libraries(proc.pid) if "tink" in lib]
+        assert "tink" in _mapped_packages(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
@@ -243,33 +243,59 @@ def test_the_daemon_follows_the_watch_stream_and_stops_on_sigterm(cp, tmp_path):
     assert not status(state)["running"]
 
 
-def _mapped_libraries(pid: int) -> set[str]:
-    """Return the shared libraries process `pid` has mapped."""
+def _mapped_packages(pid: int) -> set[str]:
+    """Return the installed packages (site-packages folders) process `pid` maps code from."""
     maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return {line.split()[-1] for line in maps if ".so" in line.split()[-1]}
+    paths = {line.split()[-1] for line in maps if "/site-packages/" in line}
+    return {p.split("/site-packages/", 1)[1].split("/", 1)[0] for p in paths}
 
 
-def test_a_damaged_device_key_set_fails_the_install_naming_it_and_the_agent_goes_on(cp, tmp_path):
-    """The key pair is read with the first version to install, not at start (an idle
-    agent holds no Tink): a damaged one fails each sync that needs it, in one line."""
-    state = tmp_path / "state"
-    asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled, nothing assigned
+def _damage_key_set(state) -> Path:
     identity = state / "identity.json"
     body = json.loads(identity.read_text())
     body["private_keyset"] = base64.b64encode(b"\x08\x01not a key set").decode()
     identity.write_text(json.dumps(body))
+    return identity
+
+
+def test_a_damaged_device_key_set_fails_the_install_naming_it_and_the_agent_goes_on(cp, tmp_path):
+    """With nothing installed the key pair is read with the first version to install, not
+    at start (an idle agent holds no Tink): a damaged one fails each install, reported to
+    the control plane in one line, and the next sync tries again."""
+    state = tmp_path / "state"
+    asyncio.run(once(cp, state, enroll_token=token(cp)))  # enrolled, nothing assigned
+    identity = _damage_key_set(state)
     rollout(cp, 1)
+    reason = f"{identity}: the device key set is damaged"
 
     async def scenario() -> None:
         async with agent(cp, state) as a:
-            for _ in range(2):
-                assert await a._try_sync() is False
-                error = a.state.load_sync().last_error
-                assert error == f"{identity}: the device key set is damaged", error
+            for _ in range(2):  # not given up on: a mended key set installs
+                outcome = await a.sync_once()
+                assert not outcome.converged
+                (install,) = outcome.installs
+                assert (install.result, install.reason) == ("failed", reason)
             assert a.installer.active() == {}
+            reported = [i for batch in a.outbox.pending() for i in batch.installs]
+            assert [(i.result, i.reason) for i in reported] == [("failed", reason)] * 2
 
     asyncio.run(scenario())
     assert not list((state / "artifacts").glob("*.part"))
+
+
+def test_a_damaged_device_key_set_with_a_version_installed_fails_the_start(cp, tmp_path):
+    """Serving what is installed unwraps its key: the start fails in one line, as it did
+    before the key pair was read lazily, never a model 'loading' for ever."""
+    state = tmp_path / "state"
+    rollout(cp, 1)
+    asyncio.run(once(cp, state, enroll_token=token(cp)))
+    identity = _damage_key_set(state)
+    with pytest.raises(AgentError) as failed:
+        asyncio.run(once(cp, state))
+    assert str(failed.value) == f"{identity}: the device key set is damaged"
+    result = run_agent_cli(cp, state)
+    assert result.returncode != 0 and not result.stdout
+    assert result.stderr.strip().endswith(f"{identity}: the device key set is damaged")
 
 
 def test_a_version_failing_its_self_test_is_never_activated(cp, tmp_path, monkeypatch):
