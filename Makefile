@@ -36,8 +36,8 @@ demo: install
 # Two workers (2 cores; most tests wait on servers and subprocesses), then the tests that
 # load the whole machine on their own.
 test: install system-deps lint check-protos sanitize
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m 'not serial'
-	$(BIN)/python -m pytest -m serial
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m 'not serial' --durations=40
+	$(BIN)/python -m pytest -m serial --durations=5
 
 # Tools the tests drive from outside Python (Debian packages); chromium and its driver
 # for the dashboard's browser tests.
