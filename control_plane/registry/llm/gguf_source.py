@@ -178,14 +178,14 @@ def open_gguf(path: str | os.PathLike[str]) -> GgufModel:
 
     Raises errors.InvalidModel for anything that is not a well-formed, supported model.
     """
-    import gguf
+    from control_plane.registry.llm.gguf_reader import gguf_reader
 
     path = os.fspath(path)
     size = os.stat(path).st_size
     with open(path, "rb") as f:
         _check_header(f, size)
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = gguf_reader(path)
     except Exception as exc:  # noqa: BLE001 - gguf raises ValueError, IndexError, ...
         raise errors.InvalidModel(f"not a readable GGUF file ({type(exc).__name__})") from None
     tensors = {t.name: t for t in reader.tensors}
