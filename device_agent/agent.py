@@ -181,10 +181,14 @@ class Agent(ServingSlots):
         )
         on_activated = self._activate if self.pipelines else None
         self.installer = Installer(self.state, self._unwrap, on_activated)
-        if self.installer.active():  # serving what is installed unwraps its keys
+        try:
+            installed = bool(self.installer.active())
+        except AgentError:  # a damaged install pointer: named where it is read, as before
+            installed = False
+        if installed:  # serving what is installed unwraps its keys
             try:
                 await asyncio.to_thread(self._key_pair)
-            except DamagedKeySet:
+            except BaseException:
                 await self.close()
                 raise
         return self
