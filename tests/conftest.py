@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -94,12 +96,43 @@ def module_pg_url() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="session")
+def sqlite_schema_template(tmp_path_factory) -> Path:
+    """An SQLite database migrated to head, once per worker: `db_url` copies it.
+
+    Migrating a new database from nothing costs ~0.3 s (Alembic replays every revision);
+    hundreds of store tests each start from an empty schema at head, so they copy one.
+    The migrations themselves are tested from nothing and back
+    (tests/control_plane/store/test_store_conformance.py).
+    """
+    from control_plane.store.sql_store import SqlStore
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "skiff.db"
+    SqlStore(f"sqlite:///{path}").close()
+    assert not path.with_name("skiff.db-wal").exists()  # all of it is in the file
+    return path
+
+
+@pytest.fixture(scope="session")
+def pg_schema_template() -> Iterator[str]:
+    """A PostgreSQL database migrated to head, once per worker: `db_url` copies it."""
+    from control_plane.store.sql_store import SqlStore
+
+    with fresh_pg_database() as url:
+        SqlStore(url).close()  # nobody stays connected: CREATE DATABASE ... TEMPLATE needs it
+        yield url
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request, tmp_path) -> str:
-    """Every store test runs on SQLite and on PostgreSQL."""
+def db_url(request, tmp_path) -> Iterator[str]:
+    """Every store test runs on SQLite and on PostgreSQL, on a new database at head."""
     if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'skiff.db'}"
-    return request.getfixturevalue("pg_url")
+        path = tmp_path / "skiff.db"
+        shutil.copyfile(request.getfixturevalue("sqlite_schema_template"), path)
+        yield f"sqlite:///{path}"
+        return
+    with fresh_pg_database(template=request.getfixturevalue("pg_schema_template")) as url:
+        yield url
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
