@@ -26,11 +26,9 @@ import asyncio
 import contextlib
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -48,7 +46,8 @@ from contract.transport import ClientTls, is_plaintext
 from device_agent.agent_serving import ServingSlots
 from device_agent.clock_reading import load_reading, save_reading
 from device_agent.device_facts import detected, with_detected
-from device_agent.install import Installer, InstallOutcome, IntegrityFailure
+from device_agent.device_keys import DeviceKeys
+from device_agent.install import Installer, InstallOutcome
 from device_agent.llm_serving import LlmServing
 from device_agent.local_quotas import AppLimits
 from device_agent.pipelines import Pipelines
@@ -60,11 +59,8 @@ from device_agent.report_outbox import (
 )
 from device_agent.reporting import AUTH_CODES, Reporter
 from device_agent.serving import Serving
-from device_agent.state import AgentError, DamagedKeySet, Identity, StateDir
+from device_agent.state import AgentError, Identity, StateDir
 from protos import device_pb2
-
-if TYPE_CHECKING:
-    from contract.key_wrap import DeviceKeyPair
 
 log = logging.getLogger("skiff.agent")
 
@@ -125,8 +121,7 @@ class Agent(ServingSlots):
         self._app_limits = app_limits
         self._channel: grpc.aio.Channel | None = None
         self._conn: DeviceConnection | None = None
-        self._keys: DeviceKeyPair | None = None
-        self._keys_lock = threading.Lock()
+        self._keys: DeviceKeys | None = None
         self.identity: Identity | None = None
         self.installer: Installer | None = None
         self.reporter: Reporter | None = None
@@ -157,6 +152,9 @@ class Agent(ServingSlots):
         try:
             self._channel = open_channel(self.server, self._tls)
             self.identity = await self._identity()
+            self._keys = DeviceKeys(
+                self.identity.device_id, self.identity.private_keyset, self.state.identity_file
+            )
         except BaseException:
             await self.close()
             raise
@@ -187,7 +185,7 @@ class Agent(ServingSlots):
             installed = False
         if installed:  # serving what is installed unwraps its keys
             try:
-                await asyncio.to_thread(self._key_pair)
+                await asyncio.to_thread(self._keys.load)
             except BaseException:
                 await self.close()
                 raise
@@ -255,36 +253,8 @@ class Agent(ServingSlots):
         log.info("enrolled as %s", identity.device_id)
         return identity
 
-    def _key_pair(self) -> DeviceKeyPair:
-        """Return the device's key pair, loaded on first use.
-
-        Tink (about 13 MB resident) is imported then: at start if a version is installed
-        (serving it unwraps its key), else with the first version to install, so an agent
-        with nothing installed holds none. A damaged key set then fails the start, or
-        that install (reported, and tried again at each sync), naming the file.
-        """
-        with self._keys_lock:  # installs unwrap in threads: parse the key set once
-            if self._keys is None:
-                from contract.key_wrap import DeviceKeyPair
-
-                try:
-                    self._keys = DeviceKeyPair.from_private(self.identity.private_keyset)
-                except Exception:  # noqa: BLE001 - Tink's own error types
-                    raise DamagedKeySet(
-                        f"{self.state.identity_file}: the device key set is damaged"
-                    ) from None
-            return self._keys
-
     def _unwrap(self, wrapped: bytes, version_uid: str) -> bytes:
-        from contract.key_wrap import KeyUnwrapError
-
-        keys = self._key_pair()
-        try:
-            return keys.unwrap(wrapped, device_id=self.identity.device_id, version_uid=version_uid)
-        except KeyUnwrapError as exc:
-            raise IntegrityFailure(
-                f"version {version_uid}: data key does not unwrap ({exc})"
-            ) from None
+        return self._keys.unwrap(wrapped, version_uid)
 
     # -- sync --------------------------------------------------------------------------------
 
