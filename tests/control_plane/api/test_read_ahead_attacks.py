@@ -18,6 +18,7 @@ import pytest
 
 from contract import errors
 from control_plane.api import admin_service
+from control_plane.api.access import caller
 from control_plane.api.device_service import DeviceServicer
 from protos import admin_pb2, admin_pb2_grpc, device_pb2, device_pb2_grpc
 from tests.control_plane.api.device_helpers import Device
@@ -43,14 +44,17 @@ class Source:
         self.opened = self.closed = 0
         self.revoked = threading.Event()
         self.read_after_revoke: list[int] = []  # indexes of pieces read once revoked
+        self.reads: list[tuple[str, int]] = []  # (label, index) of every piece, in read order
 
-    def gen(self):
+    def gen(self, label: str = ""):
         with self.lock:
             self.opened += 1
         try:
             for i in range(self.n):
-                if self.revoked.is_set():
-                    self.read_after_revoke.append(i)
+                with self.lock:
+                    if self.revoked.is_set():
+                        self.read_after_revoke.append(i)
+                    self.reads.append((label, i))
                 yield bytes([i % 251]) * self.piece
         finally:
             with self.lock:
@@ -120,7 +124,7 @@ def _patch_pull(monkeypatch, cp, source: Source):
     def pull(name, number, variant=""):
         record, chosen, plaintext = real_pull(name, number, variant)
         plaintext.close()
-        return record, chosen, source.gen()
+        return record, chosen, source.gen(label=caller().name)  # the token that pulls
 
     monkeypatch.setattr(cp.app.registry, "pull", pull)
 
@@ -151,11 +155,35 @@ def test_pulls_cancelled_at_random_points_close_everything(
 
 
 def test_a_revoked_admin_token_gets_no_piece_read_after_a_recheck(published, monkeypatch):
-    """Revoked mid-pull: the pull stops within RECHECK_CHUNKS responses; another
-    token's concurrent pull (its caller() in the threads) goes on to the end."""
+    """Revoked mid-pull: the first recheck that starts after the revocation (one each
+    RECHECK_CHUNKS responses) refuses, and no piece is read after it but the one already
+    in flight; another token's concurrent pull goes on to the end.
+
+    Counted by events, not by time: the server's rechecks and the source's reads are
+    recorded in one order, so a loaded machine that sends more or fewer pieces between
+    the revocation and the recheck changes nothing asserted.
+    """
     monkeypatch.setattr(admin_service, "RECHECK_CHUNKS", 8)
     source = Source(n=200, piece=256 << 10)
     _patch_pull(monkeypatch, published, source)
+    rechecks: list[tuple[bool, bool]] = []  # the victim's: (started once revoked, refused)
+    refused_at: list[int] = []  # len(source.reads) when the victim's recheck refused
+    real_recheck = admin_service.AdminServicer._recheck
+
+    def recheck(self) -> None:
+        if caller().name != "victim":
+            return real_recheck(self)
+        started_revoked = source.revoked.is_set()
+        try:
+            real_recheck(self)
+        except Exception:
+            with source.lock:
+                refused_at.append(len(source.reads))
+            rechecks.append((started_revoked, True))
+            raise
+        rechecks.append((started_revoked, False))
+
+    monkeypatch.setattr(admin_service.AdminServicer, "_recheck", recheck)
     with published.client() as client:
         made = client.create_api_token(role="admin", name="victim")
     victim = (("authorization", f"Bearer {made.secret}"),)
@@ -167,20 +195,27 @@ def test_a_revoked_admin_token_gets_no_piece_read_after_a_recheck(published, mon
     it = iter(call)
     next(it), next(it)  # header, one chunk
     with published.client() as client:
-        client.revoke_api_token(made.token.id)
+        client.revoke_api_token(made.token.id)  # committed when this returns
     source.revoked.set()
-    indexes = []
     with pytest.raises(grpc.RpcError) as caught:
-        for response in it:
-            indexes.append(response.chunk[0])
+        for _ in it:
+            pass
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # The pieces of the victim's stream read once the token was revoked (the other
-    # stream's reads are recorded too: only the victim's indexes matter here).
-    first_after = min(source.read_after_revoke, default=10**9)
-    sent_after = [i for i in indexes if i >= first_after]
-    assert len(sent_after) < 8, (sent_after, first_after)
     assert sum(1 for r in other if r.chunk) == 200
     channel.close()
+    assert source.all_closed(), (source.opened, source.closed)
+    # One recheck refused and ended the pull, and none that started once the revocation
+    # was committed let it go on: the pull stopped at the first recheck after the
+    # revocation, within RECHECK_CHUNKS responses of it. (One that started between the
+    # commit and `revoked.set()` may be the one that refused.)
+    assert [refused for _, refused in rechecks].count(True) == 1 == len(refused_at), rechecks
+    assert rechecks[-1][1], rechecks
+    assert [refused for started_revoked, refused in rechecks if started_revoked] in ([], [True])
+    # After that refusal, at most the piece whose read was already in its thread.
+    late = [i for label, i in source.reads[refused_at[0] :] if label == "victim"]
+    assert len(late) <= 1, (late, refused_at)
+    victim_reads = [i for label, i in source.reads if label == "victim"]
+    assert len(victim_reads) < source.n, "the victim's pull was read to the end"
 
 
 # -- Download ---------------------------------------------------------------------------------
