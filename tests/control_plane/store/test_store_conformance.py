@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from contract import errors
+from control_plane.store import migrate
 from control_plane.store.base import KekState, NewVersion, StaleKek, VariantRecord, WrappedKey
 from control_plane.store.migrate import alembic_config
 from control_plane.store.sql_store import SqlStore
@@ -227,6 +228,39 @@ def test_migrations_are_idempotent_and_reversible(db_url):
     command.downgrade(config, "base")
     command.upgrade(config, "head")
     assert store.list_models() == []
+    store.close()
+
+
+def test_a_schema_at_head_is_not_migrated_again_and_an_older_one_is(db_url, monkeypatch):
+    """The start-up check reads the version table; only a schema behind runs Alembic."""
+    from alembic import command
+
+    store = SqlStore(db_url)
+    engine = store._engine
+    assert migrate.current_revisions(engine) == migrate.head_revisions() != frozenset()
+    runs = []
+    real = command.upgrade
+    monkeypatch.setattr(command, "upgrade", lambda *a, **k: (runs.append(a[1]), real(*a, **k)))
+    SqlStore(db_url).close()
+    assert runs == []
+    command.downgrade(alembic_config(engine), "0010")
+    assert migrate.current_revisions(engine) == {"0010"}
+    SqlStore(db_url).close()
+    assert runs == ["head"] and migrate.current_revisions(engine) == migrate.head_revisions()
+    store.close()
+
+
+def test_the_migrations_build_the_schema_the_orm_declares(db_url):
+    """Migrated from nothing (the template is), the schema is the ORM's: no drift."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from control_plane.store.orm import Base
+
+    store = SqlStore(db_url)
+    with store._engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
     store.close()
 
 
