@@ -1,8 +1,10 @@
 """An independent numpy fp32 forward pass over a `GgufModel`, to check converted bundles.
 
-It shares nothing with the MNN graph builder but the dequantized weights: full causal
-attention recomputed from scratch for every call (no KV cache), fine for short prompts.
-Follows HF's llama / Gemma 3 implementations (rotate-half RoPE on un-permuted weights).
+It shares nothing with the MNN graph builder but the dequantized weights. `logits` runs
+full causal attention over the whole sequence; `greedy` keeps each layer's keys and values
+between its steps, so a step runs its one new position, not the whole sequence again
+(the same arithmetic: tests/control_plane/registry/llm/test_reference.py). Follows HF's
+llama / Gemma 3 implementations (rotate-half RoPE on un-permuted weights).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import numpy as np
 from control_plane.registry.llm.gguf_source import GgufModel
 
 __all__ = ["Reference"]
+
+# Each layer's keys (after RoPE) and values of the positions already run: [pos, kv_heads, dim].
+KvCache = list[tuple[np.ndarray, np.ndarray]]
 
 
 class Reference:
@@ -33,33 +38,45 @@ class Reference:
         return self._head(self._hidden(ids))
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
-        """Return the `n` tokens greedy decoding appends to `ids` (recomputed each step).
+        """Return the `n` tokens greedy decoding appends to `ids`.
 
-        Only the last position goes through the output head: with Gemma's 262k vocabulary
-        the head dominates a short forward pass.
+        The prompt runs once; each step then runs only its new token, against the keys
+        and values the positions before it left in the cache. Only the last position goes
+        through the output head: with Gemma's 262k vocabulary the head dominates a step.
         """
-        seq = list(ids)
-        for _ in range(n):
-            seq.append(int(np.argmax(self._head(self._hidden(seq)[-1:])[0])))
-        return seq[len(ids) :]
+        out: list[int] = []
+        cache: KvCache = []
+        x = self._hidden(ids, cache) if n > 0 else None
+        while len(out) < n:
+            out.append(int(np.argmax(self._head(x[-1:])[0])))
+            if len(out) < n:
+                x = self._hidden(out[-1:], cache)
+        return out
 
     def _head(self, x: np.ndarray) -> np.ndarray:
         m = self.model
         head = "token_embd.weight" if m.tied_embeddings else "output.weight"
         return x @ self._t(head).T
 
-    def _hidden(self, ids: list[int]) -> np.ndarray:
-        """Return the final-normed hidden states [len(ids), hidden]."""
+    def _hidden(self, ids: list[int], cache: KvCache | None = None) -> np.ndarray:
+        """Return the final-normed hidden states [len(ids), hidden].
+
+        With `cache`, `ids` follow the positions it holds (none, at first), and their keys
+        and values are appended to it; without, `ids` are the whole sequence.
+        """
         m = self.model
         emb = self._t("token_embd.weight")
         x = emb[np.asarray(ids, np.int64)].astype(np.float32)
         if m.arch == "gemma3":
             x = x * np.float32(math.sqrt(m.hidden))
-        n = len(ids)
+        start = cache[0][0].shape[0] if cache else 0
+        end = start + len(ids)
         for i in range(m.n_layers):
             window = m.sliding_window if m.is_sliding(i) else 0
             base = m.rope_base_local if m.is_sliding(i) else m.rope_base
-            x = self._layer(i, x, _mask(n, window), _rope(n, m.head_dim, base))
+            cos, sin = _rope(end, m.head_dim, base)
+            rope = (cos[start:], sin[start:])
+            x = self._layer(i, x, _mask(end, window)[start:], rope, cache)
         return _rms(x, self._t("output_norm.weight"), m.rms_eps)
 
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -68,7 +85,12 @@ class Reference:
         return y + self._t(bias) if self.model.has(bias) else y
 
     def _layer(
-        self, i: int, x: np.ndarray, mask: np.ndarray, rope: tuple[np.ndarray, np.ndarray]
+        self,
+        i: int,
+        x: np.ndarray,
+        mask: np.ndarray,
+        rope: tuple[np.ndarray, np.ndarray],
+        cache: KvCache | None = None,
     ) -> np.ndarray:
         m, p, n = self.model, f"blk.{i}.", x.shape[0]
         gemma = m.arch == "gemma3"
@@ -80,6 +102,13 @@ class Reference:
             q = _rms(q, self._t(p + "attn_q_norm.weight"), m.rms_eps)
             k = _rms(k, self._t(p + "attn_k_norm.weight"), m.rms_eps)
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        if cache is not None:
+            if i < len(cache):
+                k = np.concatenate([cache[i][0], k])
+                v = np.concatenate([cache[i][1], v])
+                cache[i] = (k, v)
+            else:
+                cache.append((k, v))
         rep = m.heads // m.kv_heads
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / np.float32(math.sqrt(m.head_dim)) + mask
@@ -109,7 +138,10 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 def _mask(n: int, window: int) -> np.ndarray:
-    """Additive causal mask [n, n]; with a window, key j is visible from q iff q-window < j."""
+    """Additive causal mask [n, n]; with a window, key j is visible from q iff q-window < j.
+
+    Row q is position q's: a cached step takes the rows of its new positions.
+    """
     q, k = np.arange(n)[:, None], np.arange(n)[None, :]
     allowed = k <= q
     if window:
