@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_HOME ?= .skiff-demo
 
-.PHONY: demo test install system-deps lint check-protos protos bench clean sanitize
+.PHONY: demo test install system-deps lint check-protos protos bench clean sanitize bytecode
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,15 +34,23 @@ $(STAMP): pyproject.toml Makefile $(NATIVE_SOURCES) | $(BIN)/python
 
 install: $(STAMP)
 
-demo: install
+demo: install bytecode
 	rm -rf $(DEMO_HOME)
 	$(BIN)/skiff demo --home $(DEMO_HOME) --real-models
 
 # Two workers (2 cores; most tests wait on servers and subprocesses), then the tests that
 # load the whole machine on their own.
-test: install system-deps lint check-protos sanitize
+test: install system-deps lint check-protos sanitize bytecode
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m 'not serial' --durations=40
 	$(BIN)/python -m pytest -m serial --durations=5
+
+# The checkout's bytecode, written once (after check-protos, which rewrites protos/):
+# where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, every process a
+# run starts (a server, an agent, each CLI call) would otherwise compile our modules
+# again, 0.15-0.3 s of CPU each; a `skiff token create` went from 0.72 to 0.42 s.
+bytecode: install
+	$(BIN)/python -m compileall -q -j 0 contract control_plane device_agent runtime dashboards \
+	  protos tests bench scripts
 
 # Tools the tests drive from outside Python (Debian packages); chromium and its driver
 # for the dashboard's browser tests.

@@ -7,7 +7,8 @@ from typing import Any
 
 from contract import errors
 from contract.limits import check_text
-from control_plane.registry.golden import DEFAULT_MIN_COSINE, MAX_HINTS, GoldenRequest
+from control_plane.registry.contract import DEFAULT_MIN_COSINE
+from control_plane.registry.golden_request import MAX_HINTS, GoldenRequest
 from protos import admin_pb2, common_pb2
 
 __all__ = ["accuracy_pb", "golden_pb", "golden_request"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ import numpy as np
 from contract import errors
 from control_plane.registry import accuracy_bars
 from control_plane.registry.contract import DEFAULT_MIN_COSINE, MAX_GOLDEN_UPLOAD
+from control_plane.registry.golden_request import MAX_HINTS, GoldenRequest
 from control_plane.registry.mnn_tools import TensorSpec
 from runtime.golden import MAX_GOLDEN_BYTES, Golden, Tolerance, output_errors
 from runtime.npz import read_npz, write_npz
@@ -31,6 +32,7 @@ __all__ = [
     "GoldenRequest",
     "DEFAULT_MIN_COSINE",
     "MAX_GOLDEN_UPLOAD",
+    "MAX_HINTS",
     "accuracy",
     "golden_inputs",
     "reference_golden",
@@ -43,49 +45,9 @@ MAX_GOLDEN_INPUT_BYTES = 64 << 20
 # How far a device's run of a variant may fall below what the registry measured for it
 # (other backends, other kernels) before its self-test fails.
 SELF_TEST_SLACK = 0.005
-MAX_HINTS = 256  # --input-shape / --input-range entries per push
 SEED = 0  # seeded inputs are reproducible: the same model and flags give the same data
 _FLOAT_DTYPES = ("float16", "float32", "float64")
 _INT_DTYPES = ("int8", "uint8", "int16", "int32", "int64")
-
-
-@dataclass(frozen=True)
-class GoldenRequest:
-    """What a push says about golden inputs and the accuracy bar."""
-
-    golden: bytes = b""  # the publisher's .npz; b"" = build seeded inputs
-    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    input_ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-    min_cosine: float = DEFAULT_MIN_COSINE
-    allow_degraded: bool = False
-
-    def check(self) -> None:
-        """Validate everything that does not need the model; InvalidArgument names it."""
-        if not 0.0 < self.min_cosine <= 1.0 or math.isnan(self.min_cosine):
-            raise errors.InvalidArgument(f"min cosine {self.min_cosine} must be in (0, 1]")
-        if len(self.golden) > MAX_GOLDEN_UPLOAD:
-            raise errors.InvalidArgument(
-                f"golden inputs take {len(self.golden) >> 20} MiB "
-                f"(limit {MAX_GOLDEN_UPLOAD >> 20} MiB)"
-            )
-        if len(self.input_shapes) + len(self.input_ranges) > MAX_HINTS:
-            raise errors.InvalidArgument(f"more than {MAX_HINTS} input shapes and ranges")
-        for name, shape in self.input_shapes.items():
-            if not shape or any(d < 1 for d in shape):
-                raise errors.InvalidArgument(
-                    f"input shape for {name!r:.64} must be positive dimensions, got {list(shape)}"
-                )
-        for name, (low, high) in self.input_ranges.items():
-            if not (math.isfinite(high - low) and low <= high):
-                raise errors.InvalidArgument(
-                    f"input range for {name!r:.64} must be finite with low <= high, "
-                    f"got {low}:{high}"
-                )
-
-    @property
-    def source(self) -> str:
-        """Say where the golden inputs come from: "publisher" or "seeded"."""
-        return "publisher" if self.golden else "seeded"
 
 
 @dataclass(frozen=True)

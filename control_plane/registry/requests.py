@@ -21,7 +21,7 @@ from contract.limits import (  # noqa: F401 - re-exported: the names' old home
 )
 from control_plane.registry import upload_spool
 from control_plane.registry.contract import DERIVED_VARIANTS, LLM_VARIANTS, unknown_variants
-from control_plane.registry.golden import GoldenRequest
+from control_plane.registry.golden_request import GoldenRequest
 
 if TYPE_CHECKING:
     from runtime.pipeline_spec import PipelineSpec
