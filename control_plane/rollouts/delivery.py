@@ -199,6 +199,14 @@ class Delivery:
             )
             for model, d in sorted(desired.items())
         )
+        known = {k.key_id for k in chain}
+        if any(a.version.signing_key_id not in known for a in assignments):
+            # Another replica, or another worker of this server, rotated the signing key
+            # since this one last read the chain, and the rotation re-signed the manifests
+            # just read: the answer must carry the key that signed them.
+            if cached_only:
+                raise NotCached("signing key")
+            chain = self._signer.chain(fresh=True)
         # To the microsecond: devices measure their clock's offset from issued_at.
         now = self._clock()
         expires = now + self._ttl

@@ -216,3 +216,34 @@ def test_rotate_to_a_kms_key(tmp_path, onnx_path, moto_endpoint):
         assert not list((plane.config.home / "keys").glob("signing_ed25519_*.pem"))
     finally:
         plane.stop()
+
+
+def test_a_replica_whose_chain_is_stale_still_sends_the_key_that_signed_its_manifests(
+    published, enroll_token, monkeypatch
+):
+    """Another replica (or worker) rotates; this one has not re-read the chain yet.
+
+    The rotation re-signed every manifest in the database, so a version this replica
+    reads now is signed by a key its cached chain does not hold: its answer must carry
+    that key, or the device refuses the manifest (seen on `--workers 2` replicas).
+    """
+    from control_plane.registry import signers
+
+    monkeypatch.setattr(signers, "REFRESH_S", 3600.0)  # the chain stays cached: no timing
+    cp = published
+    with cp.client() as client:
+        _roll_out(client)
+    other = start_control_plane(cp.config.home, db=cp.config.db)  # caches of its own
+    try:
+        device = Device.enroll(other.address, enroll_token, ANDROID)  # reads other's chain
+        with cp.client() as client:
+            rotated = client.rotate_signing_key(overlap_s=3600)
+        assert other.registry.signer.chain()[-1].key_id == rotated.previous.key_id  # stale
+        assert device.sync().models["det"].version == 1
+        assert rotated.active.key_id in {k.key_id for k in device.ring.keys}
+        answer = device.sync_raw()
+        m = answer.models[0]
+        verify_manifest(m.manifest, m.manifest_signature, rotated.active.public_key_pem)
+        assert rotated.active.key_id in {k.key_id for k in answer.signing_keys}
+    finally:
+        other.stop()
