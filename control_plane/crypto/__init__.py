@@ -48,6 +48,10 @@ _LAZY = dict.fromkeys(_KEK_NAMES, "control_plane.crypto.kek")
 _LAZY |= dict.fromkeys(_ENVELOPE_NAMES, "contract.envelope")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

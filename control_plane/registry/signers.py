@@ -123,6 +123,17 @@ class SigningKeys(Signer):
         """Return the signer of the active (newest) key."""
         return self._signer_for(self.chain()[-1])
 
+    def active_and_chain(
+        self, *, fresh: bool = False
+    ) -> tuple[Signer, tuple[SigningKeyRecord, ...]]:
+        """Return the active key's signer and the chain it heads, from one read of it.
+
+        What signs an answer and the chain sent with it must agree: `active()` and
+        `chain()` called one after the other may straddle a re-read.
+        """
+        chain = self.chain(fresh=fresh)
+        return self._signer_for(chain[-1]), chain
+
     def _signer_for(self, record: SigningKeyRecord) -> Signer:
         signer = self._signers.get(record.key_id)
         if signer is None:

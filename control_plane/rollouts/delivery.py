@@ -24,6 +24,7 @@ from contract.assignment import AssignmentRejected, load_public_keys, verify_sig
 from control_plane.blobs import BlobStore
 from control_plane.crypto import KeyEncryptionKey
 from control_plane.crypto.device_keys import device_encrypter, wrap_context
+from control_plane.crypto.signing import Signer
 from control_plane.registry.registry import associated_data
 from control_plane.registry.signers import SigningKeys
 from control_plane.rollouts.resolver import Desired, Resolver
@@ -43,6 +44,9 @@ _ENCRYPTER_CACHE = 100_000
 MIN_NONCE, MAX_NONCE = 16, 64
 # A `cached_only` answer wraps at most this many keys (~0.1 ms each): more, off the loop.
 LOOP_WRAPS = 4
+# How long a signing key id that a fresh read of the chain did not hold is not looked
+# for again (the chain's own refresh interval, control_plane.registry.signers.REFRESH_S).
+UNKNOWN_KEY_RECHECK_S = 5.0
 # The largest document a device may send back (256 models make about 150 KiB).
 MAX_ACK_DOCUMENT = 1 << 20
 
@@ -152,6 +156,10 @@ class Delivery:
         # their model lists shared: devices of one stage are told the same models.
         self._recent: collections.OrderedDict[str, _Signed] = collections.OrderedDict()
         self._models: dict[tuple[ModelState, ...], tuple[ModelState, ...]] = {}
+        # Signing key ids a fresh read of the chain did not hold, until when not to look.
+        self._unknown_keys: dict[str, float] = {}
+        # When an Ack that no cached key verifies may next re-read the chain.
+        self._ack_recheck_after = float("-inf")
 
     def desired(self, device_id: str, attrs: Mapping) -> tuple[int, dict[str, Desired]]:
         """Return the current revision and this device's desired models."""
@@ -174,7 +182,6 @@ class Delivery:
         """
         if nonce and not MIN_NONCE <= len(nonce) <= MAX_NONCE:
             raise errors.InvalidArgument(f"nonce must be {MIN_NONCE} to {MAX_NONCE} bytes")
-        signer = self._signer
         if cached_only:
             ready = self._signer.active_if_ready()
             if ready is None:
@@ -183,7 +190,7 @@ class Delivery:
                 raise NotCached("presigning may refresh the store's credentials")
             signer, chain = ready
         else:
-            chain = self._signer.chain()
+            signer, chain = self._signer.active_and_chain()
         snap = self._resolver.current() if cached_only else self._resolver.snapshot()
         if snap is None:
             raise NotCached("rollouts changed")
@@ -199,14 +206,7 @@ class Delivery:
             )
             for model, d in sorted(desired.items())
         )
-        known = {k.key_id for k in chain}
-        if any(a.version.signing_key_id not in known for a in assignments):
-            # Another replica, or another worker of this server, rotated the signing key
-            # since this one last read the chain, and the rotation re-signed the manifests
-            # just read: the answer must carry the key that signed them.
-            if cached_only:
-                raise NotCached("signing key")
-            chain = self._signer.chain(fresh=True)
+        signer, chain = self._chain_for(assignments, signer, chain, cached_only)
         # To the microsecond: devices measure their clock's offset from issued_at.
         now = self._clock()
         expires = now + self._ttl
@@ -244,6 +244,31 @@ class Delivery:
             revision, assignments, signed.body, signed.signature, signed.key_id, chain
         )
 
+    def _chain_for(
+        self, assignments: tuple[Assignment, ...], signer: Signer, chain: tuple, cached_only: bool
+    ) -> tuple[Signer, tuple]:
+        """Return (`signer`, `chain`), both re-read if a manifest's signer is not in it.
+
+        Another replica, or another worker of this server, may have rotated the signing
+        key since this one last read the chain, and the rotation re-signed the manifests
+        just read: the answer must carry the key that signed them. A key that a re-read
+        does not find either (a database restored or edited by hand) is not looked for
+        again for UNKNOWN_KEY_RECHECK_S, so it cannot cost every Sync a database read.
+        """
+        known = {k.key_id for k in chain}
+        missing = {a.version.signing_key_id for a in assignments} - known
+        now = self._monotonic()
+        if not any(now >= self._unknown_keys.get(key, float("-inf")) for key in missing):
+            return signer, chain
+        if cached_only:
+            raise NotCached("signing key")
+        signer, chain = self._signer.active_and_chain(fresh=True)
+        if len(self._unknown_keys) > _VERSION_CACHE:
+            self._unknown_keys.clear()
+        for key in missing - {k.key_id for k in chain}:
+            self._unknown_keys[key] = now + UNKNOWN_KEY_RECHECK_S
+        return signer, chain
+
     def accepted(
         self,
         device_id: str,
@@ -270,7 +295,7 @@ class Delivery:
                 device_id, recent.revision, recent.expires_at, recent.models, record
             )
         try:
-            doc = verify_signed(document, signature, self._verifying_keys())
+            doc = self._verified(document, signature)
         except AssignmentRejected as exc:
             raise errors.InvalidArgument(
                 f"not an assignment this control plane signed: {exc}"
@@ -362,6 +387,24 @@ class Delivery:
             if a.wrapped_data_key
             else "",
         }
+
+    def _verified(self, document: bytes, signature: bytes) -> dict:
+        """Return the document if a key valid now signed it (AssignmentRejected if not).
+
+        Another worker of this server, or another replica, may have signed it with a key
+        rotated in since this one last read the chain: a document no cached key verifies
+        is checked once more against the chain read afresh, at most once each
+        UNKNOWN_KEY_RECHECK_S, so Acks with bad signatures cannot cost a database read each.
+        """
+        try:
+            return verify_signed(document, signature, self._verifying_keys())
+        except AssignmentRejected:
+            now = self._monotonic()
+            if now < self._ack_recheck_after:
+                raise
+            self._ack_recheck_after = now + UNKNOWN_KEY_RECHECK_S
+            self._signer.chain(fresh=True)
+            return verify_signed(document, signature, self._verifying_keys())
 
     def _verifying_keys(self) -> list:
         pems = tuple(self._signer.valid_public_keys())

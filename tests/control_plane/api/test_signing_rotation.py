@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from contract import errors
 from contract.assignment import AssignmentRejected, key_id_of, new_nonce, verify_sync
+from contract.device_client import DeviceCallError
 from contract.pinned_keys import endorsement_body
 from control_plane.app import build_signing_keys
 from control_plane.crypto import verify_manifest
@@ -239,6 +240,12 @@ def test_a_replica_whose_chain_is_stale_still_sends_the_key_that_signed_its_mani
         with cp.client() as client:
             rotated = client.rotate_signing_key(overlap_s=3600)
         assert other.registry.signer.chain()[-1].key_id == rotated.previous.key_id  # stale
+        # An answer the rotating server signed with the new key, acknowledged here.
+        device.address = cp.address
+        signed_there = device.sync_raw()
+        assert signed_there.signing_key_id == rotated.active.key_id
+        device.address = other.address
+        device.ack(signed_there)
         assert device.sync().models["det"].version == 1
         assert rotated.active.key_id in {k.key_id for k in device.ring.keys}
         answer = device.sync_raw()
@@ -247,3 +254,59 @@ def test_a_replica_whose_chain_is_stale_still_sends_the_key_that_signed_its_mani
         assert rotated.active.key_id in {k.key_id for k in answer.signing_keys}
     finally:
         other.stop()
+
+
+def test_a_manifest_signer_no_chain_holds_costs_one_chain_read_not_one_per_sync(
+    published, enroll_token, monkeypatch
+):
+    """A version whose recorded signer is in no chain (a database restored or edited by
+    hand) is looked for once per UNKNOWN_KEY_RECHECK_S, not with every Sync's database read.
+    """
+    from sqlalchemy import update
+
+    from control_plane.store import orm
+
+    cp = published
+    with cp.client() as client:
+        _roll_out(client)
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    assert device.sync().models["det"].version == 1
+    with cp.registry.store._scope() as session:
+        session.execute(update(orm.VersionRow).values(signing_key_id="deadbeefdeadbeef"))
+    delivery = cp.app.delivery
+    delivery._versions = type(delivery._versions)(16)  # the edited record, read afresh
+    now = [1000.0]
+    monkeypatch.setattr(delivery, "_monotonic", lambda: now[0])
+    store = cp.registry.signer._store
+    reads = []
+    real = store.signing_keys
+    monkeypatch.setattr(store, "signing_keys", lambda: (reads.append(1), real())[1])
+    for _ in range(10):
+        device.sync_raw()
+    assert len(reads) == 1
+    now[0] += 5.1  # past UNKNOWN_KEY_RECHECK_S: looked for once more
+    for _ in range(3):
+        device.sync_raw()
+    assert len(reads) == 2
+
+
+def test_acks_no_key_verifies_cost_one_chain_read_each_interval(
+    published, enroll_token, monkeypatch
+):
+    """An Ack whose signature no cached key verifies re-reads the chain (another worker
+    may have signed it with a key rotated in since), but not for every such Ack."""
+    cp = published
+    device = Device.enroll(cp.address, enroll_token, ANDROID)
+    response = device.sync_raw()
+    response.document_signature = bytes(64)  # signed by nobody
+    delivery = cp.app.delivery
+    now = [1000.0]
+    monkeypatch.setattr(delivery, "_monotonic", lambda: now[0])
+    store = cp.registry.signer._store
+    reads = []
+    real = store.signing_keys
+    monkeypatch.setattr(store, "signing_keys", lambda: (reads.append(1), real())[1])
+    for _ in range(10):
+        with pytest.raises(DeviceCallError, match="not an assignment this control plane signed"):
+            device.ack(response)
+    assert len(reads) == 1
