@@ -165,7 +165,9 @@ def test_an_answer_under_an_ended_key_is_checked_off_the_event_loop(
     assert code_of(lambda: ack(device, answer.document, answer.document_signature)) == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
-    assert where == [False]
+    # Checked again once the chain is read afresh (another worker may hold a newer key):
+    # every check in a thread.
+    assert where in ([False], [False, False]), where
 
 
 def test_a_document_of_another_size_is_never_hashed_on_the_event_loop(
