@@ -256,6 +256,17 @@ def test_a_replica_whose_chain_is_stale_still_sends_the_key_that_signed_its_mani
         other.stop()
 
 
+def _chain_reads_at_frozen_time(cp, monkeypatch) -> tuple[list[float], list[int]]:
+    """Freeze delivery's monotonic clock (now[0] moves it) and count reads of the chain."""
+    now = [1000.0]
+    monkeypatch.setattr(cp.app.delivery, "_monotonic", lambda: now[0])
+    store = cp.registry.signer._store
+    reads: list[int] = []
+    real = store.signing_keys
+    monkeypatch.setattr(store, "signing_keys", lambda: (reads.append(1), real())[1])
+    return now, reads
+
+
 def test_a_manifest_signer_no_chain_holds_costs_one_chain_read_not_one_per_sync(
     published, enroll_token, monkeypatch
 ):
@@ -275,12 +286,7 @@ def test_a_manifest_signer_no_chain_holds_costs_one_chain_read_not_one_per_sync(
         session.execute(update(orm.VersionRow).values(signing_key_id="deadbeefdeadbeef"))
     delivery = cp.app.delivery
     delivery._versions = type(delivery._versions)(16)  # the edited record, read afresh
-    now = [1000.0]
-    monkeypatch.setattr(delivery, "_monotonic", lambda: now[0])
-    store = cp.registry.signer._store
-    reads = []
-    real = store.signing_keys
-    monkeypatch.setattr(store, "signing_keys", lambda: (reads.append(1), real())[1])
+    now, reads = _chain_reads_at_frozen_time(cp, monkeypatch)
     for _ in range(10):
         device.sync_raw()
     assert len(reads) == 1
@@ -299,13 +305,7 @@ def test_acks_no_key_verifies_cost_one_chain_read_each_interval(
     device = Device.enroll(cp.address, enroll_token, ANDROID)
     response = device.sync_raw()
     response.document_signature = bytes(64)  # signed by nobody
-    delivery = cp.app.delivery
-    now = [1000.0]
-    monkeypatch.setattr(delivery, "_monotonic", lambda: now[0])
-    store = cp.registry.signer._store
-    reads = []
-    real = store.signing_keys
-    monkeypatch.setattr(store, "signing_keys", lambda: (reads.append(1), real())[1])
+    now, reads = _chain_reads_at_frozen_time(cp, monkeypatch)
     for _ in range(10):
         with pytest.raises(DeviceCallError, match="not an assignment this control plane signed"):
             device.ack(response)
