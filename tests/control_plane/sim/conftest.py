@@ -54,6 +54,26 @@ def wait_for(check, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def wait_progressing(check, progress, stall_s: float, what: str, cap_s: float = 900.0):
+    """Wait for `check()` to return something truthy, bounded by progress, not a total.
+
+    The wait runs on while `progress()` (what the awaited thing depends on: reports in, audit
+    events) changes at least once every `stall_s`, which a loaded machine slows but does not
+    stop; it fails when nothing moved for `stall_s`, or after `cap_s` in all.
+    """
+    start = time.monotonic()
+    deadline, last = start + stall_s, progress()
+    while time.monotonic() < min(deadline, start + cap_s):
+        value = check()
+        if value:
+            return value
+        now = progress()
+        if now != last:
+            last, deadline = now, time.monotonic() + stall_s
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}: no progress for {stall_s} s (last {last})")
+
+
 def _template(home: Path, **settings) -> Path:
     """Push det:1 and det:2 into a new home; return it, stopped."""
     cp = start_control_plane(home, **settings)

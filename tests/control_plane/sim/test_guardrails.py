@@ -20,7 +20,7 @@ from control_plane.sim import FleetSimulator, SimOptions
 from control_plane.sim.profile import parse_profile
 from protos import fleet_pb2
 from tests.control_plane.cli.test_cli import skiff
-from tests.control_plane.sim.conftest import MODEL, copy_home, serve, wait_for
+from tests.control_plane.sim.conftest import MODEL, copy_home, serve, wait_for, wait_progressing
 from tests.control_plane.sim.test_fleet import enrolled
 
 FAST = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
@@ -237,18 +237,31 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
                 ok = states.get(f"soc={SLOW_SOC}") == want and len(rollbacks) >= after
                 return doc if ok else None
 
-            def waited(want: str, after: int, timeout: float, what: str):
+            def progress() -> tuple:
+                """What a verdict on the slow slice waits for: its reports, and the audit."""
+                doc = seen[0] if seen else {}
+                health = doc.get("health") or {}
+                cohorts = [
+                    (s["candidate"]["inferences"], s["baseline"]["inferences"])
+                    for s in health.get("slices", ())
+                    if s["slice"] == f"soc={SLOW_SOC}"
+                ]
+                return len(doc.get("audit", ())), cohorts
+
+            def waited(want: str, after: int, stall_s: float, what: str):
                 try:
-                    return wait_for(lambda: slice_state(want, after), timeout, what)
-                except AssertionError:  # say what the rollout looked like instead
+                    return wait_progressing(
+                        lambda: slice_state(want, after), progress, stall_s, what
+                    )
+                except AssertionError as stalled:  # say what the rollout looked like too
                     doc = seen[0] if seen else {}
                     raise AssertionError(
-                        f"timed out waiting for {what}: state {doc.get('state')}, "
+                        f"{stalled}; state {doc.get('state')}, "
                         f"health {json.dumps(doc.get('health'))[:3000]}, audit "
                         f"{[e['action'] for e in doc.get('audit', [])]}"
                     ) from None
 
-            first = await asyncio.to_thread(waited, "rolled_back", 1, 90, "the slice rolled back")
+            first = await asyncio.to_thread(waited, "rolled_back", 1, 60, "the slice rolled back")
             slow = [d.id for d in sim.devices if d.identity.attributes["soc"] == SLOW_SOC]
             await sim.wait_synced(MODEL, 1, installed=True, devices=slow, timeout=30)
             text = (await asyncio.to_thread(_cli, cp, "rollout", "show", rid)).stdout
@@ -264,7 +277,7 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
             half = stage_limit([50.0, 100.0], 0)
             staged = [d for d in slow if bucket(rid, d) < half]
             await sim.wait_synced(MODEL, 2, installed=True, devices=staged, timeout=30)
-            again = await asyncio.to_thread(waited, "rolled_back", 2, 150, "a second rollback")
+            again = await asyncio.to_thread(waited, "rolled_back", 2, 60, "a second rollback")
             return rid, first, text, readmitted, again
 
     rid, first, text, readmitted, again = asyncio.run(scenario())
