@@ -95,7 +95,9 @@ class FleetSimulator:
         self.cache = ArtifactCache()
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: dict[str, asyncio.Task] = {}
-        self._changed = asyncio.Event()
+        # Each wait_synced's (devices changed since it last looked, its wake-up): a waiter
+        # looks again at what changed, not at the whole fleet on every Sync.
+        self._waiters: list[tuple[set[str], asyncio.Event]] = []
         self._enrolling = 0  # devices `enroll` has yet to enroll (the live view counts them)
 
     async def __aenter__(self) -> FleetSimulator:
@@ -119,8 +121,10 @@ class FleetSimulator:
         """Return the control plane address (replica) a device talks to."""
         return self._address[device_id]
 
-    def _notified(self, _device: SimDevice) -> None:
-        self._changed.set()
+    def _notified(self, device: SimDevice) -> None:
+        for touched, wake in self._waiters:
+            touched.add(device.id)
+            wake.set()
 
     def adopt(self, identities: Sequence[Identity]) -> list[SimDevice]:
         """Add already-enrolled devices (from a state file); returns them."""
@@ -257,23 +261,27 @@ class FleetSimulator:
         if len(by_id) != len(wanted):
             raise errors.InvalidArgument("wait_synced names devices this fleet does not have")
         deadline = time.monotonic() + timeout
-        pending = set(wanted)
-        while True:
-            done = {i for i in pending if target in _times(by_id[i], installed)}
-            pending -= done
-            if not pending:
-                return {i: _times(d, installed)[target] for i, d in by_id.items()}
-            self._changed.clear()
-            left = deadline - time.monotonic()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(left, 0))
-            except TimeoutError:
-                what = "installed" if installed else "synced"
-                raise errors.Unavailable(
-                    f"{len(pending)} of {len(wanted)} devices have not {what} "
-                    f"{model}:{version} ({variant}) after {timeout:g}s "
-                    f"({_describe([by_id[i] for i in sorted(pending)[:3]])})"
-                ) from None
+        touched, wake = waiter = (set(), asyncio.Event())
+        self._waiters.append(waiter)
+        try:
+            pending = {i for i in wanted if target not in _times(by_id[i], installed)}
+            while pending:
+                left = deadline - time.monotonic()
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout=max(left, 0))
+                except TimeoutError:
+                    what = "installed" if installed else "synced"
+                    raise errors.Unavailable(
+                        f"{len(pending)} of {len(wanted)} devices have not {what} "
+                        f"{model}:{version} ({variant}) after {timeout:g}s "
+                        f"({_describe([by_id[i] for i in sorted(pending)[:3]])})"
+                    ) from None
+                wake.clear()
+                pending -= {i for i in touched & pending if target in _times(by_id[i], installed)}
+                touched.clear()
+        finally:
+            self._waiters.remove(waiter)
+        return {i: _times(d, installed)[target] for i, d in by_id.items()}
 
     def in_stage(self, rollout: fleet_pb2.Rollout, stage: int) -> set[str]:
         """Return the devices of this fleet a rollout's `stage` (from 0) includes.
