@@ -16,6 +16,7 @@ import threading
 
 from contract import errors
 from contract.chunks import MAX_CHUNKS_PER_CALL
+from control_plane.api.coalesce import Coalesced
 from control_plane.api.fleet_convert import attributes_dict, states, timestamp
 from control_plane.api.grpc_errors import mapped, mapped_async, mapped_async_stream
 from control_plane.api.read_ahead import Reader, read_ahead
@@ -210,6 +211,8 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         self._chain_pb: tuple[tuple, list] = ((), [])
         self._recent: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._recent_lock = threading.Lock()
+        # Streams opened together (every device after a restart) read their devices together.
+        self._watch_states = Coalesced(lambda ids: self._store.watch_states(ids))
 
     @mapped
     def Enroll(self, request, context):  # noqa: D102, N802
@@ -340,18 +343,20 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                 return device_pb2.AckResponse()
         return await asyncio.to_thread(self._ack, authorization, request)
 
-    def _watch_state(self, device_id: str):
-        record = self._store.get_device(device_id)
-        if record.revoked_at is not None:
+    async def _watch_state(self, device_id: str):
+        state = await self._watch_states.get(device_id)
+        if state is None:
+            raise errors.NotFound(f"device {device_id!r} not found")
+        if state.revoked:
             raise errors.PermissionDenied(f"device {device_id} is revoked")
-        return record.attributes, fingerprint({s.model: s for s in record.synced})
+        return state.attributes, fingerprint({s.model: s for s in state.synced})
 
     @mapped_async_stream
     async def Watch(self, request, context):  # noqa: D102, N802
         device = await asyncio.to_thread(self._fleet.authenticate, _authorization(context))
         # The stream is registered before the device is read back from the database, so
         # a revocation is either seen in that read or closes the registered stream.
-        load = lambda: asyncio.to_thread(self._watch_state, device.id)  # noqa: E731
+        load = lambda: self._watch_state(device.id)  # noqa: E731
         async for revision in self._watchers.stream(device.id, request.revision, load):
             yield device_pb2.WatchEvent(revision=revision)
 

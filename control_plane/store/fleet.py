@@ -41,6 +41,15 @@ class ModelState:
 
 
 @dataclass(frozen=True)
+class WatchState:
+    """What opening a device's Watch stream reads: attributes, revocation, what it synced."""
+
+    attributes: dict
+    revoked: bool
+    synced: tuple[ModelState, ...]
+
+
+@dataclass(frozen=True)
 class DeviceRecord:
     """An enrolled device as stored."""
 
@@ -120,6 +129,13 @@ class FleetStore(abc.ABC):
     @abc.abstractmethod
     def list_devices(self, *, after: str = "", limit: int | None = None) -> list[DeviceRecord]:
         """Return devices by id: those after `after`, at most `limit` (None: every one)."""
+
+    @abc.abstractmethod
+    def watch_states(self, device_ids: Sequence[str]) -> dict[str, WatchState]:
+        """Return each named device's WatchState (unknown ids are left out).
+
+        In a few statements for many devices: a reconnect storm opens thousands of streams.
+        """
 
     @abc.abstractmethod
     def device_attributes(self, device_ids: Sequence[str]) -> dict[str, dict]:

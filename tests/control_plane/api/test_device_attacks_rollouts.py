@@ -41,17 +41,17 @@ def test_watch_opened_while_revocation_commits_is_closed(plane, run_id, monkeypa
     cp = plane
     device = enroll(cp, run_id)
     device.sync()
-    real = cp.app.store.get_device
+    real = cp.app.store.watch_states
     fired: list[str] = []
 
-    def record_then_revocation_commits(device_id):
-        record = real(device_id)
+    def read_then_revocation_commits(device_ids):
+        states = real(device_ids)
         if not fired:
-            fired.append(device_id)
-            cp.app.fleet.revoke(device_id, reason="stolen")
-        return record
+            fired.extend(device_ids)
+            cp.app.fleet.revoke(device_ids[0], reason="stolen")
+        return states
 
-    monkeypatch.setattr(cp.app.store, "get_device", record_then_revocation_commits)
+    monkeypatch.setattr(cp.app.store, "watch_states", read_then_revocation_commits)
     with Watching(device) as watching:
         watching.wait(1, timeout=3)
         open_after = cp.app.watchers.is_online(device.id)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from contract import errors
 from control_plane.sim import FleetSimulator, SimOptions
-from tests.control_plane.sim.conftest import MODEL, restart
+from tests.control_plane.sim.conftest import MODEL, restart, wait_for
 from tests.control_plane.sim.test_sim_cli import rollout
 
 FAST = SimOptions(devices_per_channel=8, sync_jitter_s=0.05)
@@ -101,3 +102,43 @@ def test_wait_synced_says_how_many_are_missing(cp_holder):
                 await sim.wait_synced(MODEL, 2, devices=["dev_nobody"], timeout=0.3)
 
     asyncio.run(scenario())
+
+
+def test_streams_opened_together_read_their_devices_together(cp_holder, monkeypatch):
+    """A reconnect storm reads its devices in batches, not one read a stream.
+
+    The first read (of the first stream or two) is held; every stream opened meanwhile
+    waits for the next read, which takes all of them at once.
+    """
+    cp, n = cp_holder["cp"], 30
+    real = cp.app.store.watch_states
+    reads: list[list[str]] = []
+    first_in, release = threading.Event(), threading.Event()
+
+    def held(device_ids):
+        reads.append(list(device_ids))
+        if len(reads) == 1:
+            first_in.set()
+            release.wait(60)
+        return real(device_ids)
+
+    async def scenario() -> set[str]:
+        async with FleetSimulator([cp.address], options=FAST, tls=cp.tls) as sim:
+            with cp.client() as client:
+                token = client.create_enrollment_token(uses=n).token
+            await sim.enroll(n, token)
+            assert await sim.sync_all() == 0
+            monkeypatch.setattr(cp.app.store, "watch_states", held)
+            sim.watch_all()
+            registered = lambda: len(cp.app.watchers._by_device) == n  # noqa: E731
+            try:
+                assert await asyncio.to_thread(first_in.wait, 30)
+                await asyncio.to_thread(wait_for, registered, 30, f"{n} streams")
+            finally:
+                release.set()
+            await online(cp, n)
+            return {d.id for d in sim.devices}
+
+    devices = asyncio.run(scenario())
+    assert len(reads) == 2, [len(r) for r in reads]
+    assert sorted(reads[0] + reads[1]) == sorted(devices)  # each device read once

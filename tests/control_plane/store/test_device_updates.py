@@ -161,3 +161,28 @@ def test_fleet_attributes_of_a_revoked_device_are_not_read(store):
     a, b = _devices(store, 2)
     store.revoke_device(a, at=T0, reason="lost")
     assert [i for i, _ in store.live_device_attributes()] == [b]
+
+
+def test_watch_states_read_many_devices_as_get_device_reads_each(store):
+    """What a Watch stream reads for its device, read for many at once (a reconnect storm)."""
+    ids = _devices(store, 3)
+    many = ids + [f"dev_missing_{i}" for i in range(1200)]  # over the 500-id chunk, twice
+    a, b, c = ids
+    store.apply_device_updates(
+        [
+            DeviceUpdate(a, T0, attributes=ODD, synced=(ModelState("z", 2, "q8"),)),
+            DeviceUpdate(a, T0, synced=(ModelState("z", 2, "q8"), ModelState("det", 1, ""))),
+            DeviceUpdate(b, T0, installed=(ModelState("det", 3, "fp32"),)),  # not synced
+        ]
+    )
+    store.revoke_device(c, at=T0, reason="lost")
+    states = store.watch_states(many)
+    assert sorted(states) == sorted(ids)  # unknown ids are left out, revoked ones are not
+    for device_id, state in states.items():
+        record = store.get_device(device_id)
+        assert state.attributes == record.attributes
+        assert state.revoked == (record.revoked_at is not None)
+        assert state.synced == record.synced
+    assert states[a].synced == (ModelState("det", 1, ""), ModelState("z", 2, "q8"))
+    assert states[b].synced == () and states[c].revoked and not states[a].revoked
+    assert store.watch_states([]) == {}
