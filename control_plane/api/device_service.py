@@ -353,7 +353,12 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
     @mapped_async_stream
     async def Watch(self, request, context):  # noqa: D102, N802
-        device = await asyncio.to_thread(self._fleet.authenticate, _authorization(context))
+        authorization = _authorization(context)
+        # A cached credential is checked on the loop (a digest and a dict lookup), as Sync
+        # and Ack do; only a lookup in the database takes a thread.
+        device = self._fleet.authenticate(authorization, cached_only=True)
+        if device is None:
+            device = await asyncio.to_thread(self._fleet.authenticate, authorization)
         # The stream is registered before the device is read back from the database, so
         # a revocation is either seen in that read or closes the registered stream.
         load = lambda: self._watch_state(device.id)  # noqa: E731
