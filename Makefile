@@ -38,10 +38,17 @@ demo: install bytecode
 	rm -rf $(DEMO_HOME)
 	$(BIN)/skiff demo --home $(DEMO_HOME) --real-models
 
-# Two workers (2 cores; most tests wait on servers and subprocesses), then the tests that
-# load the whole machine on their own.
-test: install system-deps lint check-protos sanitize bytecode
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m 'not serial' --durations=40
+# Three workers on 2 cores (most tests wait on servers and subprocesses: two left a fifth
+# of the CPU idle), with the sanitizer's C++ build and tests beside them (its output only
+# if it fails); then the tests that load the whole machine on their own.
+test: install system-deps lint check-protos bytecode
+	@mkdir -p build
+	@$(MAKE) --no-print-directory sanitize > build/sanitize.log 2>&1 & sanitizer=$$!; \
+	$(BIN)/python -m pytest -n 3 --dist loadgroup -m 'not serial' --durations=40; \
+	status=$$?; \
+	if wait $$sanitizer; then tail -n 3 build/sanitize.log; \
+	else cat build/sanitize.log; echo "make sanitize failed (above)" >&2; exit 1; fi; \
+	exit $$status
 	$(BIN)/python -m pytest -m serial --durations=5
 
 # The checkout's bytecode, written once (after check-protos, which rewrites protos/):
