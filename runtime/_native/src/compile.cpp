@@ -107,6 +107,14 @@ void add_edges(Group& group, const std::vector<Node>& nodes, int32_t n_types) {
     if (nodes[i].gap_children) slot[i] = group.n_any++;
   }
   group.n_nodes = static_cast<int32_t>(nodes.size());
+  // One event reaches a node through its one edge, of the node's type: an event reaches
+  // at most the nodes of its type that have `->` children.
+  std::vector<int32_t> reachable(static_cast<size_t>(n_types), 0);
+  for (const Node& n : nodes) {
+    if (n.contiguous_children) {
+      group.max_reached = std::max(group.max_reached, ++reachable[static_cast<size_t>(n.type)]);
+    }
+  }
   // (type, sort key, edge): the sort key is -depth for free edges, the parent's type for
   // `->` ones; ties keep trie order.
   std::vector<std::tuple<int32_t, int32_t, size_t, Edge>> free, contiguous;

@@ -94,6 +94,9 @@ struct Group {
   bool live = false;  // some member trigger is not removed (else no key state is kept)
   int32_t n_any = 0;  // nodes with `~>` children (per-key `any` slots)
   int32_t n_nodes = 0;
+  // The most nodes with `->` children one event can reach (those of its type): the
+  // room for a key's `last` list (Partition).
+  int32_t max_reached = 0;
   // Edges of type t: root and `~>` ones in [free_begin[t], free_begin[t + 1]) of
   // `free_edges`, `->` ones in [contiguous_begin[t], contiguous_begin[t + 1]).
   std::vector<Edge> free_edges, contiguous_edges;

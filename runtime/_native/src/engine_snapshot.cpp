@@ -56,9 +56,9 @@ void Engine::Impl::load(Reader& r) {
     }
     Partition part;
     int64_t idle = 0;
-    load_partition(r, config, compiled.groups[group], watermark, part, idle);
+    load_partition(r, config, compiled.groups[group], group, watermark, part, idle);
     if (table.find(group, part.key) >= 0) Reader::fail("a key twice");
-    part.group = part.layout = group;
+    part.group = group;
     reset_windows(compiled.groups[group], part.logs, part.windows);
     const auto p = static_cast<int32_t>(parts.size());
     parts.push_back(std::move(part));

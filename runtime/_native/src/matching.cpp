@@ -110,14 +110,16 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
       if (e->parent_type > p.last_type) break;
       continue;
     }
-    for (const auto& [node, from] : p.last) {
-      if (node == e->parent) {
-        if (holds(*e)) advance(*e, from);
+    for (const Reached* r = p.last; r != p.last + p.n_last; ++r) {
+      if (r->first == e->parent) {
+        if (holds(*e)) advance(*e, r->second);
         break;
       }
     }
   }
-  p.last.assign(reached, reached + n_reached);  // no allocation once the key's is grown
+  // The block has room for them: an event reaches at most Group::max_reached nodes.
+  std::copy(reached, reached + n_reached, p.last);
+  p.n_last = static_cast<int32_t>(n_reached);
   p.last_type = type;
 }
 

@@ -108,16 +108,17 @@ inline void load_ring(Reader& r, EventLog& log, bool sorted, int64_t watermark, 
 }
 
 inline void save_partition(Writer& w, const Partition& p, int64_t activity) {
+  const size_t n_any = p.block.n_any();
   w.put<int32_t>(p.group);
   w.put<int64_t>(p.key);
   w.put<int64_t>(activity);
   w.put<int32_t>(p.last_type);
-  w.put<uint64_t>(p.any.size());
-  for (const int64_t a : p.any) w.put<int64_t>(a);
-  w.put<uint64_t>(p.last.size());
-  for (const auto& [node, start] : p.last) {
-    w.put<int32_t>(node);
-    w.put<int64_t>(start);
+  w.put<uint64_t>(n_any);
+  for (size_t a = 0; a < n_any; ++a) w.put<int64_t>(p.any[a]);
+  w.put<uint64_t>(static_cast<uint64_t>(p.n_last));
+  for (int32_t k = 0; k < p.n_last; ++k) {
+    w.put<int32_t>(p.last[k].first);
+    w.put<int64_t>(p.last[k].second);
   }
   for (const KeyLog& log : p.logs) {
     save_ring(w, log.arrival);
@@ -128,28 +129,29 @@ inline void save_partition(Writer& w, const Partition& p, int64_t activity) {
 }
 
 // Reads a key's state for `group` (already checked to be a live group of `compiled`).
-inline void load_partition(Reader& r, const Config& config, const Group& group, int64_t watermark,
-                           Partition& p, int64_t& activity) {
+inline void load_partition(Reader& r, const Config& config, const Group& group,
+                           int32_t group_index, int64_t watermark, Partition& p,
+                           int64_t& activity) {
   p.key = r.get<int64_t>();
   activity = r.get<int64_t>();
   if (activity > watermark) Reader::fail("key active after the watermark");
   p.last_type = r.get<int32_t>();
   if (p.last_type < -1 || p.last_type >= config.n_types) Reader::fail("bad last event type");
   if (r.count(sizeof(int64_t)) != static_cast<size_t>(group.n_any)) Reader::fail("bad match state");
-  p.any.resize(static_cast<size_t>(group.n_any));
-  for (int64_t& a : p.any) a = r.get<int64_t>();
+  p.lay_out(group, group_index);
+  for (int32_t a = 0; a < group.n_any; ++a) p.any[a] = r.get<int64_t>();
+  // No event reaches more nodes than the block has room for (Group::max_reached).
   const size_t n_last = r.count(sizeof(int32_t) + sizeof(int64_t));
-  if (n_last > static_cast<size_t>(group.n_nodes)) Reader::fail("bad match state");
-  p.last.resize(n_last);
-  for (auto& [node, start] : p.last) {
-    node = r.get<int32_t>();
-    start = r.get<int64_t>();
-    if (node < 0 || node >= group.n_nodes) Reader::fail("bad trie node");
+  if (n_last > p.block.last_room()) Reader::fail("bad match state");
+  p.n_last = static_cast<int32_t>(n_last);
+  for (size_t k = 0; k < n_last; ++k) {
+    p.last[k].first = r.get<int32_t>();
+    p.last[k].second = r.get<int64_t>();
+    if (p.last[k].first < 0 || p.last[k].first >= group.n_nodes) Reader::fail("bad trie node");
   }
-  p.logs.clear();
-  for (const LogSpec& spec : group.logs) {
-    p.logs.emplace_back(spec.columns.size());
-    KeyLog& log = p.logs.back();
+  for (size_t l = 0; l < group.logs.size(); ++l) {
+    const LogSpec& spec = group.logs[l];
+    KeyLog& log = p.logs[l];
     // Count windows keep at most 2 * keep + 16 rows, time windows without a sorted ring
     // kScanRows; sorted rings only with a reach.
     const size_t counts = static_cast<size_t>(2 * spec.keep + 16) * (spec.keep > 0);

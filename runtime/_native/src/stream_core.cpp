@@ -114,13 +114,12 @@ int32_t Engine::Impl::partition(int32_t group, int64_t key) {
   part.group = group;
   part.key = key;
   part.last_type = -1;
-  part.any.assign(g.n_any, kNone);  // reuses the slot's memory
-  part.last.clear();
-  if (part.layout != group) {
-    part.logs.clear();
-    for (const LogSpec& spec : g.logs) part.logs.emplace_back(spec.columns.size());
-    part.layout = group;
-  }
+  part.n_last = 0;
+  if (part.layout != group || part.block.n_any() != static_cast<size_t>(g.n_any) ||
+      part.block.last_room() != static_cast<size_t>(g.max_reached)) {
+    part.lay_out(g, group);
+  }  // else the slot's block is reused
+  std::fill(part.any, part.any + g.n_any, kNone);
   for (KeyLog& log : part.logs) {
     log.arrival.clear();
     log.sorted.clear();
@@ -219,8 +218,7 @@ Stats Engine::stats() const {
   st.watermark = s.watermark;
   st.state_bytes = static_cast<int64_t>(s.table.bytes());
   for (const Partition& p : s.parts) {
-    st.state_bytes += static_cast<int64_t>(sizeof(Partition) + p.any.capacity() * sizeof(int64_t) +
-                                           p.last.capacity() * sizeof(p.last[0]));
+    st.state_bytes += static_cast<int64_t>(sizeof(Partition) + p.block.bytes());
     for (const KeyLog& log : p.logs) {
       const EventLog &arrival = log.arrival, &sorted = log.sorted;
       st.state_bytes += static_cast<int64_t>(arrival.bytes() + sorted.bytes());

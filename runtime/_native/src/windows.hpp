@@ -19,6 +19,7 @@
 // vouch for 2**-40 relative accuracy, the window is summed exactly from the log.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -109,7 +110,21 @@ struct alignas(64) KeyLog {  // aligned: both rings' headers in one cache line
   uint64_t appends = 0;  // rows ever appended to `sorted`
   size_t trim_at = 16;   // trim `sorted` when it holds this many rows
 };
-using KeyLogs = std::vector<KeyLog>;
+// A key's logs, one per LogSpec of its group: a view of the KeyLogs in the key's state
+// block (partition.hpp), which owns them.
+class KeyLogs {
+ public:
+  KeyLogs() = default;
+  KeyLogs(KeyLog* logs, size_t n) : logs_(logs), n_(n) {}
+  KeyLog& operator[](size_t i) const { return logs_[i]; }
+  size_t size() const { return n_; }
+  KeyLog* begin() const { return logs_; }
+  KeyLog* end() const { return logs_ + n_; }
+
+ private:
+  KeyLog* logs_ = nullptr;
+  size_t n_ = 0;
+};
 
 // Buffers reused across firings (one per engine).
 struct WindowScratch {
