@@ -205,7 +205,10 @@ class Watchers:
         self._opened.add(device_id)
         try:
             w.attrs, synced = await load()
-            snap = await asyncio.to_thread(self._resolver.snapshot)
+            # Fresh (loaded after the latest change): on the loop; else read in a thread.
+            snap = self._resolver.current()
+            if snap is None:
+                snap = await asyncio.to_thread(self._resolver.snapshot)
             w.fingerprint = fingerprint(snap.desired(device_id, w.attrs))
             if w.fingerprint != synced and revision < snap.revision:
                 w.push(snap.revision)  # it missed a change while it was away
