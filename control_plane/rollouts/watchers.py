@@ -38,10 +38,16 @@ class _Watcher:
     attrs: Mapping
     fingerprint: Fingerprint
     queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=1))
+    closed: bool = False  # revoked or replaced: what is queued stays the last item
 
     def push(self, item: int) -> None:
         # Only the newest revision matters; a device that has not read the last one yet
-        # gets this one instead.
+        # gets this one instead. A close (revoked, replaced) is final: nothing replaces it,
+        # or a revision pushed after it (the stream's own "you missed a change" while it
+        # loads) would leave a stream no one holds open for good.
+        if self.closed:
+            return
+        self.closed = item in (_REVOKED, _REPLACED)
         if self.queue.full():
             self.queue.get_nowait()
         self.queue.put_nowait(item)

@@ -61,6 +61,37 @@ def test_watch_opened_while_revocation_commits_is_closed(plane, run_id, monkeypa
     assert isinstance(error, DeviceCallError) and error.code == grpc.StatusCode.PERMISSION_DENIED
 
 
+def test_a_revoked_device_behind_its_desired_state_loses_its_stream_too(plane, run_id, monkeypatch):
+    """The same race, for a device that never synced what it should run (helper-53).
+
+    Opening, the stream tells such a device it missed a change: that push replaced the
+    revocation queued meanwhile, so the stream sent one revision and then stayed open for
+    good, held by no one (out of the registry, never pushed to or closed again). Any device
+    can be behind: it only has to watch from revision 0 and not sync.
+    """
+    cp = plane
+    device = enroll(cp, run_id)
+    rollout(cp, run_id, 1)  # its desired state: det:1, which it never syncs
+    real = cp.app.store.watch_states
+    fired: list[str] = []
+
+    def read_then_revocation_commits(device_ids):
+        states = real(device_ids)
+        if not fired:
+            fired.extend(device_ids)
+            cp.app.fleet.revoke(device_ids[0], reason="stolen")
+        return states
+
+    monkeypatch.setattr(cp.app.store, "watch_states", read_then_revocation_commits)
+    with Watching(device, revision=0) as watching:
+        watching.wait(2, timeout=30)  # returns as soon as the stream ends
+        events, error = list(watching.events), watching.error
+    assert fired == [device.id]
+    assert isinstance(error, DeviceCallError), f"still open after {events}"
+    assert error.code == grpc.StatusCode.PERMISSION_DENIED
+    assert not cp.app.watchers.is_online(device.id)
+
+
 def test_watch_hears_a_change_while_another_thread_reloads_the_snapshot(plane, run_id, monkeypatch):
     """A Watch stream can miss a change for good (until the 300 s poll), rollbacks too.
 
