@@ -32,10 +32,21 @@ class Coalesced(Generic[K, V]):
     async def get(self, key: K) -> V | None:
         """Return `read_many`'s value for `key` (None where it has none); its error, raised."""
         future = asyncio.get_running_loop().create_future()
-        self._queued.setdefault(key, []).append(future)
-        if self._reader is None:
+        waiting = self._queued.setdefault(key, [])
+        waiting.append(future)
+        # A reader cancelled before its first step never ran its `finally`: start another.
+        if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read())
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The caller left (a stream closed) while its key waited: drop its future, so
+            # one device reconnecting during a long read does not pile them up.
+            if future in waiting:
+                waiting.remove(future)
+                if not waiting and self._queued.get(key) is waiting:
+                    del self._queued[key]
+            raise
 
     async def _read(self) -> None:
         batch: dict[K, list[asyncio.Future]] = {}

@@ -114,3 +114,39 @@ def test_stopping_the_loop_mid_read_leaves_no_waiter_hanging():
 
     results = asyncio.run(scenario())
     assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+
+
+def test_a_reader_cancelled_before_it_ran_does_not_wedge_the_loader():
+    loader = Coalesced(lambda keys: {k: k.upper() for k in keys})
+
+    async def scenario():
+        first = asyncio.create_task(loader.get("a"))
+        await asyncio.sleep(0)  # get() ran: its reader task exists but has not started
+        loader._reader.cancel()  # so its `finally` never runs
+        await asyncio.sleep(0)
+        return await asyncio.wait_for(loader.get("b"), 10), await asyncio.wait_for(first, 10)
+
+    assert asyncio.run(scenario()) == ("B", "A")
+
+
+def test_callers_that_leave_during_a_long_read_leave_nothing_queued():
+    table = Table({"x": 1})
+    loader = Coalesced(table.read_many)
+
+    async def scenario():
+        table.hold.clear()
+        first = asyncio.create_task(loader.get("x"))
+        await asyncio.to_thread(table.inside.wait, 10)
+        for _ in range(100):  # one device reconnecting again and again, each time cancelled
+            leaving = asyncio.create_task(loader.get("dev_a"))
+            await asyncio.sleep(0)
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+        queued = dict(loader._queued)
+        table.hold.set()
+        return queued, await first
+
+    queued, first = asyncio.run(scenario())
+    assert queued == {} and first == 1
+    assert table.reads == [["x"]]  # nobody was left to read dev_a for
