@@ -29,6 +29,25 @@ from tests.control_plane.api.device_helpers import Watching
 # -- problems the review confirmed (each failed before its fix) -------------------------------
 
 
+def _revoked_right_after_its_read(cp, monkeypatch) -> list[str]:
+    """Revoke the device right after its Watch stream reads it back; return that read's ids.
+
+    The revocation's change reaches the watchers while the stream is still loading.
+    """
+    real = cp.app.store.watch_states
+    fired: list[str] = []
+
+    def read_then_revocation_commits(device_ids):
+        states = real(device_ids)
+        if not fired:
+            fired.extend(device_ids)
+            cp.app.fleet.revoke(device_ids[0], reason="stolen")
+        return states
+
+    monkeypatch.setattr(cp.app.store, "watch_states", read_then_revocation_commits)
+    return fired
+
+
 def test_watch_opened_while_revocation_commits_is_closed(plane, run_id, monkeypatch):
     """A Watch stream registered just after a revocation stays open.
 
@@ -41,17 +60,7 @@ def test_watch_opened_while_revocation_commits_is_closed(plane, run_id, monkeypa
     cp = plane
     device = enroll(cp, run_id)
     device.sync()
-    real = cp.app.store.watch_states
-    fired: list[str] = []
-
-    def read_then_revocation_commits(device_ids):
-        states = real(device_ids)
-        if not fired:
-            fired.extend(device_ids)
-            cp.app.fleet.revoke(device_ids[0], reason="stolen")
-        return states
-
-    monkeypatch.setattr(cp.app.store, "watch_states", read_then_revocation_commits)
+    fired = _revoked_right_after_its_read(cp, monkeypatch)
     with Watching(device) as watching:
         watching.wait(1, timeout=3)
         open_after = cp.app.watchers.is_online(device.id)
@@ -72,17 +81,7 @@ def test_a_revoked_device_behind_its_desired_state_loses_its_stream_too(plane, r
     cp = plane
     device = enroll(cp, run_id)
     rollout(cp, run_id, 1)  # its desired state: det:1, which it never syncs
-    real = cp.app.store.watch_states
-    fired: list[str] = []
-
-    def read_then_revocation_commits(device_ids):
-        states = real(device_ids)
-        if not fired:
-            fired.extend(device_ids)
-            cp.app.fleet.revoke(device_ids[0], reason="stolen")
-        return states
-
-    monkeypatch.setattr(cp.app.store, "watch_states", read_then_revocation_commits)
+    fired = _revoked_right_after_its_read(cp, monkeypatch)
     with Watching(device, revision=0) as watching:
         watching.wait(2, timeout=30)  # returns as soon as the stream ends
         events, error = list(watching.events), watching.error
