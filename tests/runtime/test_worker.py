@@ -210,15 +210,21 @@ def test_a_crashed_request_does_not_wait_for_the_restart(monkeypatch):
 
 @pytest.fixture
 def spawned(monkeypatch):
-    """Every worker process started during the test."""
-    procs = []
+    """Every worker process an executor started (or took warm) in the test's own thread.
 
-    class Recorded(subprocess.Popen):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            procs.append(self)
+    Not every `subprocess.Popen` of the process: a worker that another test's executor
+    restarts, or spawns warm, in a thread of its own may start meanwhile (it happened).
+    """
+    procs, owner = [], threading.get_ident()
+    start = worker_module._processes.start
 
-    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    def recorded(*args, **kwargs):
+        started = start(*args, **kwargs)
+        if threading.get_ident() == owner:
+            procs.append(started.proc)
+        return started
+
+    monkeypatch.setattr(worker_module._processes, "start", recorded)
     return procs
 
 
