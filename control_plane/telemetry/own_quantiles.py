@@ -243,11 +243,15 @@ def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> Dev
     trimming (a config with fewer has no spread to weigh it by): the k highest and k lowest device
     quantiles of each cohort are left out, the trimmed means of their logs compared, and
     the difference's standard error is Yuen's, over devices: as wide as devices differ.
+
+    Where no config can be weighed on its own (a slice of 6 candidates, 3 on each of two
+    configs, with k = 1), each candidate device is read against its config's baseline
+    level instead (`_against_levels`).
     """
     configs = comparable_quantile_configs(candidate, baseline, q, k)
     if not configs:
         if set(candidate.configs) & set(baseline.configs):
-            return None  # a config in common, too few devices on it: not mixed across configs
+            return _against_levels(candidate, baseline, q, k)  # never mixed raw across configs
         configs = [None]
     total = log_ratio = log_c = log_b = variance = 0.0
     left: dict[str, set] = {"candidate": set(), "baseline": set()}
@@ -271,7 +275,7 @@ def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> Dev
             device = candidate.ids[position]
             slower[device] = max(slower.get(device, -math.inf), float(value - tb.mean))
     if not total:
-        return None
+        return _against_levels(candidate, baseline, q, k)
     return DeviceRatio(
         log_ratio / total,
         math.sqrt(variance) / total,
@@ -279,4 +283,58 @@ def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> Dev
         math.exp(log_b / total),
         {who: sorted(ids) for who, ids in left.items() if ids},
         slower,
+    )
+
+
+def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> DeviceRatio | None:
+    """Compare each candidate device with its config's baseline level; None if none can be.
+
+    A config's level is the trimmed mean of its baseline devices' log quantiles, on configs
+    with more than 2k + 1 of them (so their spread is measured); each candidate device on
+    such configs gives one value, its log quantile less its config's level (the mean of its
+    configs' where it ran several: one device, one value), and the trimmed mean of those
+    values, k left out each way, is the log ratio. So a slice too thin to compare config by
+    config is still compared like with like, and a device alone on a config (in either
+    cohort) has no level to be read against. The standard error adds, to Yuen's over the
+    candidate devices, each level's own, weighted by the share of candidates read against
+    it. Needs more than 2k + 1 candidate devices.
+    """
+    levels: dict[str, tuple[DeviceQuantiles, Trimmed]] = {}
+    for config in sorted(set(candidate.configs) & set(baseline.configs)):
+        db = device_quantiles(baseline, q, config)
+        if len(db.log_us) > 2 * k + 1:
+            levels[config] = (db, trimmed(db.log_us, k))
+    share = np.zeros((len(candidate), len(levels)))  # device x level: its configs' weights
+    total = np.zeros(len(candidate))
+    for j, (config, (_, level)) in enumerate(levels.items()):
+        dc = device_quantiles(candidate, q, config)
+        share[dc.positions, j] = 1.0
+        total[dc.positions] += dc.log_us - level.mean
+    read = np.flatnonzero(share.sum(axis=1))
+    if len(read) <= 2 * k + 1:
+        return None
+    count = share[read].sum(axis=1)
+    mine = trimmed(total[read] / count, k)
+    kept = np.setdiff1d(np.arange(len(read)), mine.left_out)
+    weights = (share[read][kept] / count[kept, None]).sum(axis=0) / len(kept)  # per level
+    variance = mine.variance + sum(
+        w * w * level.variance for w, (_, level) in zip(weights, levels.values(), strict=True)
+    )
+    base_log = float(weights @ np.array([level.mean for _, level in levels.values()]))
+    left = {"candidate": sorted(candidate.ids[read[i]] for i in mine.left_out)}
+    left["baseline"] = sorted(
+        {
+            baseline.ids[db.positions[i]]
+            for j, (db, level) in enumerate(levels.values())
+            if weights[j]
+            for i in level.left_out
+        }
+    )
+    return DeviceRatio(
+        mine.mean,
+        math.sqrt(variance),
+        math.exp(mine.mean + base_log),
+        math.exp(base_log),
+        {who: ids for who, ids in left.items() if ids},
+        {candidate.ids[p]: float(total[p] / count[i]) for i, p in enumerate(read)},
     )

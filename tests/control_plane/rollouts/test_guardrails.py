@@ -503,6 +503,76 @@ def test_a_config_with_too_few_devices_to_measure_a_spread_does_not_hide_a_slowd
     assert v.value == pytest.approx(3, rel=0.2) and v.bound > 1.2
 
 
+def _phones(rng, n, config, median_us, prefix, samples=4000):
+    """Devices of one config as the simulator makes them: each its own level (0.15 apart
+    in log), its samples 0.3 apart."""
+    return [
+        device_row(
+            f"dev_{prefix}{i:03d}",
+            rng.lognormal(np.log(median_us * np.exp(0.15 * rng.standard_normal())), 0.3, samples),
+            config=config,
+        )
+        for i in range(n)
+    ]
+
+
+def _thin_slice(seed, slower=1.0, samples=4000):
+    """A slice of 6 candidates, 3 on each config (too few to compare either config alone
+    with one device left out each way), against 14 baseline devices."""
+    rng = np.random.default_rng(seed)
+    candidate = [
+        *_phones(rng, 3, GPU, slower * 550, "g", samples),
+        *_phones(rng, 3, CPU, slower * 1000, "c", samples),
+    ]
+    base = [*_phones(rng, 8, GPU, 550, "bg", samples), *_phones(rng, 6, CPU, 1000, "bc", samples)]
+    return candidate, base
+
+
+def test_a_slice_too_thin_on_every_config_is_compared_against_each_configs_level():
+    """CI's readmission scenario again, with 3 and 3: no config could be weighed, so only
+    the pooled reading judged, whose margin grows with every report (the design effect) and
+    whose baseline edge is read from ever rarer samples. A 3x slowdown caught in the first
+    second passed forever after. Each device is now read against its config's baseline
+    level, however many samples come in."""
+    for samples in (400, 40_000):
+        candidate, base = _thin_slice(1, slower=3.0, samples=samples)
+        v = judge(P95, Cohort(candidate), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == FAIL, v
+        assert "of each device's own" in v.detail
+        assert v.value == pytest.approx(3, rel=0.2) and v.bound > 2
+
+
+def test_a_thin_healthy_slice_is_not_halted_by_noise():
+    for seed in range(20):
+        candidate, base = _thin_slice(100 + seed)
+        v = judge(P95, Cohort(candidate), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == PASS and 0.7 < v.value < 1.4, v
+
+
+def test_one_device_cannot_swing_a_thin_slice_read_against_levels():
+    # Reporting 100x slower alone, on both configs at once (so it would count twice if a
+    # value were per config and not per device), it is left out: the slice passes.
+    candidate, base = _thin_slice(7)
+    slow = np.full(4000, 100_000.0)
+    liar = [device_row("dev_liar", slow, config=config) for config in (GPU, CPU)]
+    v = judge(P95, Cohort([*candidate, *liar]), Cohort(base), min_devices=3, min_inferences=300)
+    assert v.status == PASS, v
+    # Nor can one device reporting 100x faster hide a slice that is 3x slower.
+    candidate, base = _thin_slice(8, slower=3.0)
+    fast = device_row("dev_liar", np.full(4000, 5.0), config=GPU)
+    v = judge(P95, Cohort([*candidate, fast]), Cohort(base), min_devices=3, min_inferences=300)
+    assert v.status == FAIL and v.bound > 1.5, v
+    # A config only one baseline device ran has no level: a candidate on it is not read.
+    candidate, base = _thin_slice(9)
+    own = "VULKAN/high/t7/mem-low"
+    lone = [device_row("dev_lone", np.full(4000, 1.0), config=own)]
+    odd = device_row("dev_odd", np.full(4000, 1_000_000.0), config=own)
+    v = judge(
+        P95, Cohort([*candidate, odd]), Cohort([*base, *lone]), min_devices=3, min_inferences=300
+    )
+    assert v.status == PASS, v
+
+
 def test_device_quantiles_are_each_devices_own_nearest_rank_quantile():
     # Devices on two configs, some with too few samples for a p99; asked twice (the health
     # view does), the answer is the same arrays.

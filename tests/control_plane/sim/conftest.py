@@ -71,7 +71,8 @@ def wait_progressing(check, progress, stall_s: float, what: str, cap_s: float = 
         if now != last:
             last, deadline = now, time.monotonic() + stall_s
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}: no progress for {stall_s} s (last {last})")
+    why = f"no progress for {stall_s} s" if time.monotonic() >= deadline else f"{cap_s} s in all"
+    raise AssertionError(f"timed out waiting for {what}: {why} (last {last})")
 
 
 def _template(home: Path, **settings) -> Path:

@@ -249,16 +249,24 @@ def test_a_readmitted_slice_is_judged_afresh_from_the_command_line(guarded):
                 return len(doc.get("audit", ())), cohorts
 
             def waited(want: str, after: int, stall_s: float, what: str):
+                # Reports keep coming whether or not a verdict does: bounded at 3 minutes
+                # (a verdict takes seconds once the minimum sample is in).
                 try:
                     return wait_progressing(
-                        lambda: slice_state(want, after), progress, stall_s, what
+                        lambda: slice_state(want, after), progress, stall_s, what, cap_s=180
                     )
                 except AssertionError as stalled:  # say what the rollout looked like too
                     doc = seen[0] if seen else {}
+                    slices = (doc.get("health") or {}).get("slices", [])
                     raise AssertionError(
-                        f"{stalled}; state {doc.get('state')}, "
-                        f"health {json.dumps(doc.get('health'))[:3000]}, audit "
-                        f"{[e['action'] for e in doc.get('audit', [])]}"
+                        f"{stalled}; state {doc.get('state')}, audit "
+                        f"{[e['action'] for e in doc.get('audit', [])]}, slices "
+                        + "; ".join(
+                            f"{x['slice']} {x['state']} {x['candidate']['devices']} vs "
+                            f"{x['baseline']['devices']} devices: "
+                            + ", ".join(r.get("detail") or r["status"] for r in x["rules"])
+                            for x in slices
+                        )
                     ) from None
 
             first = await asyncio.to_thread(waited, "rolled_back", 1, 60, "the slice rolled back")
