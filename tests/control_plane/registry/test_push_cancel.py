@@ -65,9 +65,15 @@ def test_ctrl_c_mid_upload_says_so_and_stores_nothing(tmp_path):
         )
         try:
             _uploading(server.pid)
+            # Held mid-upload: a loaded machine could otherwise let the rest of the file
+            # through (and the server refuse it) before the Ctrl-C lands.
+            os.kill(server.pid, signal.SIGSTOP)
         finally:
             push.send_signal(signal.SIGINT)
-            out, err = push.communicate(timeout=60)
+            try:
+                out, err = push.communicate(timeout=60)
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
         assert push.returncode == 130, err
         assert err == "skiff: push cancelled: nothing stored (the upload was cut short)\n"
         assert out == ""
