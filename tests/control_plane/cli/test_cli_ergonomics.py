@@ -400,11 +400,22 @@ def test_a_viewer_is_told_which_command_needs_which_role(cli, monkeypatch):
 def _spawn(env: dict, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*SKIFF, *args],
-        env={**os.environ, **env},
+        env={**os.environ, **env, "PYTHONFAULTHANDLER": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _ended(process: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+    """Return what the command printed once it ended; if it hangs, fail with where it was
+    (every thread's stack: PYTHONFAULTHANDLER dumps them on SIGABRT)."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        out, err = process.communicate(timeout=30)
+        raise AssertionError(f"{process.args[3:]} did not end in {timeout} s:\n{err}") from None
 
 
 def test_rollout_wait_returns_when_a_promote_reaches_the_stage(fleet, cli):
@@ -415,7 +426,7 @@ def test_rollout_wait_returns_when_a_promote_reaches_the_stage(fleet, cli):
         assert said.startswith(f"skiff: {rid}: active, stage 1 of 2 (50%)")
         assert said.rstrip().endswith("waiting for stage 2")
         _ok(cli, "rollout", "promote", rid)
-        out, _ = waiting.communicate(timeout=60)
+        out, _ = _ended(waiting)
     finally:
         waiting.kill()
     assert waiting.returncode == 0
@@ -448,7 +459,7 @@ def test_rollout_show_watch_appends_lines_when_piped_and_stops_when_finished(fle
         assert "active, stage 2 of 2 (100%)" in watching.stdout.readline()
         _ok(cli, "rollout", "rollback", rid)
         assert "rolled_back, stage 2 of 2 (100%)" in watching.stdout.readline()
-        rest, err = watching.communicate(timeout=60)
+        rest, err = _ended(watching)
     finally:
         watching.kill()
     assert watching.returncode == 0 and rest == "" and err == ""
@@ -460,7 +471,7 @@ def test_rollout_show_watch_ends_quietly_on_ctrl_c(fleet, cli):
     try:
         assert rid in watching.stdout.readline()
         watching.send_signal(signal.SIGINT)
-        _, err = watching.communicate(timeout=60)
+        _, err = _ended(watching)
     finally:
         watching.kill()
     assert watching.returncode == 130 and "Traceback" not in err
