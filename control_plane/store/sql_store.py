@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from contract import errors
@@ -44,6 +44,19 @@ _VERSION_RETRIES = 5
 # time; overflow beyond this is for rare peaks.
 POOL_SIZE = 24
 _AUTOCOMMIT = "AUTOCOMMIT"
+# libpq's settings for a PostgreSQL connection, where the URL does not set them: a server
+# that vanishes mid-query (a failover, a cut network) fails the query within about 30 s
+# instead of at the kernel's TCP timeout (minutes to hours). A read that hung would hold
+# everything queued behind it: every Watch that opens on a replica shares one read
+# (control_plane.api.coalesce). connect_timeout bounds the wait on an unreachable server.
+PG_CONNECT = {
+    "connect_timeout": 5,
+    "keepalives": 1,  # an idle connection (waiting for a slow query's answer) is probed
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,  # ms a sent query may wait for the server's TCP ack
+}
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -103,13 +116,13 @@ def _make_engine(url: str, *, read_only: bool, autocommit: bool, pool: dict) -> 
             event.listen(engine, "begin", _sqlite_begin_read if read_only else _sqlite_begin)
         return engine
     if url.startswith("postgresql"):
-        # pool_pre_ping turns a server restart into one reconnect instead of an error;
-        # connect_timeout bounds how long a call waits on an unreachable server.
+        # pool_pre_ping turns a server restart into one reconnect instead of an error.
+        given = make_url(url).query
         return create_engine(
             url,
             pool_pre_ping=True,
             **pool,
-            connect_args={"connect_timeout": 5},
+            connect_args={k: v for k, v in PG_CONNECT.items() if k not in given},
             hide_parameters=True,
         )
     raise errors.InvalidArgument(f"unsupported database URL scheme: {url.split(':', 1)[0]}")
