@@ -238,20 +238,33 @@ def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> Dev
     """Compare each device's own q-quantile across cohorts; None with too few devices.
 
     Per config each cohort ran on more than 2k devices with `min_samples(q)` timed
-    inferences (all configs merged per device only when the cohorts share none; sharing
-    some without enough devices on them, None), of which at least two are left after
-    trimming (a config with fewer has no spread to weigh it by): the k highest and k lowest device
-    quantiles of each cohort are left out, the trimmed means of their logs compared, and
-    the difference's standard error is Yuen's, over devices: as wide as devices differ.
+    inferences (all configs merged per device only when the cohorts share none), of which
+    at least two are left after trimming (a config with fewer has no spread to weigh it
+    by): the k highest and k lowest device quantiles of each cohort are left out, the
+    trimmed means of their logs compared, and the difference's standard error is Yuen's,
+    over devices: as wide as devices differ.
 
-    Where no config can be weighed on its own (a slice of 6 candidates, 3 on each of two
-    configs, with k = 1), each candidate device is read against its config's baseline
-    level instead (`_against_levels`).
+    Where configs are too thin for that, each candidate device is read against its
+    config's baseline level instead (`_against_levels`): that reading decides whenever it
+    reads more candidate devices than the configs compared apart hold. So a slice of 6
+    candidates, 3 on each of two configs (k = 1), is judged on all 6, and one device that
+    joins a config as its fourth cannot narrow the judgement to that config's 4.
     """
+    shared = set(candidate.configs) & set(baseline.configs)
+    levels = _against_levels(candidate, baseline, q, k) if shared else None
+    apart = _config_by_config(candidate, baseline, q, k, shared)
+    if apart is None or (levels is not None and len(levels.slower) > len(apart.slower)):
+        return levels
+    return apart
+
+
+def _config_by_config(
+    candidate: Devices, baseline: Devices, q: float, k: int, shared: set
+) -> DeviceRatio | None:
     configs = comparable_quantile_configs(candidate, baseline, q, k)
     if not configs:
-        if set(candidate.configs) & set(baseline.configs):
-            return _against_levels(candidate, baseline, q, k)  # never mixed raw across configs
+        if shared:
+            return None  # never mixed raw across configs
         configs = [None]
     total = log_ratio = log_c = log_b = variance = 0.0
     left: dict[str, set] = {"candidate": set(), "baseline": set()}
@@ -275,7 +288,7 @@ def device_ratio(candidate: Devices, baseline: Devices, q: float, k: int) -> Dev
             device = candidate.ids[position]
             slower[device] = max(slower.get(device, -math.inf), float(value - tb.mean))
     if not total:
-        return _against_levels(candidate, baseline, q, k)
+        return None
     return DeviceRatio(
         log_ratio / total,
         math.sqrt(variance) / total,
@@ -293,11 +306,15 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
     with more than 2k + 1 of them (so their spread is measured); each candidate device on
     such configs gives one value, its log quantile less its config's level (the mean of its
     configs' where it ran several: one device, one value), and the trimmed mean of those
-    values, k left out each way, is the log ratio. So a slice too thin to compare config by
-    config is still compared like with like, and a device alone on a config (in either
-    cohort) has no level to be read against. The standard error adds, to Yuen's over the
-    candidate devices, each level's own, weighted by the share of candidates read against
-    it. Needs more than 2k + 1 candidate devices.
+    values, k left out each way, is the log ratio. So a thin slice is still compared like
+    with like, and a device alone on a config (in either cohort) has no level to be read
+    against. Needs more than 2k + 1 candidate devices.
+
+    The standard error is of a mean over the devices kept, from their spread within their
+    configs (a slowdown on one config only is an effect, not noise between devices), never
+    below what the baseline's own spread within its configs gives for that many devices
+    (a handful of candidates measures its spread poorly, and a few hostile ones must not
+    narrow it), plus each level's own variance, weighted by its share of the candidates.
     """
     levels: dict[str, tuple[DeviceQuantiles, Trimmed]] = {}
     for config in sorted(set(candidate.configs) & set(baseline.configs)):
@@ -313,11 +330,20 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
     read = np.flatnonzero(share.sum(axis=1))
     if len(read) <= 2 * k + 1:
         return None
-    count = share[read].sum(axis=1)
-    mine = trimmed(total[read] / count, k)
+    share = share[read] / share[read].sum(axis=1, keepdims=True)  # each device's row sums to 1
+    values = total[read] / np.count_nonzero(share, axis=1)
+    mine = trimmed(values, k)
     kept = np.setdiff1d(np.arange(len(read)), mine.left_out)
-    weights = (share[read][kept] / count[kept, None]).sum(axis=0) / len(kept)  # per level
-    variance = mine.variance + sum(
+    h = len(kept)
+    weights = share[kept].sum(axis=0) / h  # per level
+    # Within configs: each kept value less its configs' mean over the kept devices.
+    used = weights > 0
+    means = (share[kept][:, used].T @ values[kept]) / share[kept][:, used].sum(axis=0)
+    residual = values[kept] - share[kept][:, used] @ means
+    within = float(residual @ residual) / max(h - int(used.sum()), 1)
+    spreads = [_spread(db.log_us, k) for db, _ in levels.values()]
+    floor = sum((n - 1) * s for n, s in spreads) / max(sum(n - 1 for n, _ in spreads), 1)
+    variance = max(within, floor) / h + sum(
         w * w * level.variance for w, (_, level) in zip(weights, levels.values(), strict=True)
     )
     base_log = float(weights @ np.array([level.mean for _, level in levels.values()]))
@@ -336,5 +362,13 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
         math.exp(mine.mean + base_log),
         math.exp(base_log),
         {who: ids for who, ids in left.items() if ids},
-        {candidate.ids[p]: float(total[p] / count[i]) for i, p in enumerate(read)},
+        {candidate.ids[p]: float(values[i]) for i, p in enumerate(read)},
     )
+
+
+def _spread(values: np.ndarray, k: int) -> tuple[int, float]:
+    """Return (n, the winsorized variance) of `values`, k set to the next value each way."""
+    ranked = np.sort(values)
+    n = len(ranked)
+    winsorized = np.clip(ranked, ranked[k], ranked[n - k - 1])
+    return n, float(np.var(winsorized, ddof=1))

@@ -573,6 +573,29 @@ def test_one_device_cannot_swing_a_thin_slice_read_against_levels():
     assert v.status == PASS, v
 
 
+def test_a_fourth_device_on_one_config_cannot_narrow_a_thin_slice_to_that_config():
+    """Found in review: one device joining the GPU's 3 made that config comparable alone
+    (2 devices kept after trimming) and dropped the CPU's 3; a 3x slowdown then passed
+    (2.41x, at least 1.137). The reading that covers more candidate devices decides."""
+    for seed in range(8):
+        candidate, base = _thin_slice(50_000 + seed, slower=3.0)
+        fast = device_row("dev_liar", np.full(4000, 5.0), config=GPU)
+        v = judge(P95, Cohort([*candidate, fast]), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == FAIL and v.bound > 2, v
+        assert "dev_liar" in v.sample["left_out"]["candidate"]
+
+
+def test_a_slowdown_on_one_config_of_a_thin_slice_is_not_taken_for_spread():
+    """Found in review: the GPU's 3 devices 3x slower, the CPU's unchanged: the gap between
+    the two configs was counted as spread between devices (1.86x, at least 0.648). Spread
+    is measured within configs (and never below the baseline's)."""
+    rng = np.random.default_rng(3)
+    candidate = [*_phones(rng, 3, GPU, 3 * 550, "g"), *_phones(rng, 3, CPU, 1000, "c")]
+    base = [*_phones(rng, 8, GPU, 550, "bg"), *_phones(rng, 6, CPU, 1000, "bc")]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=3, min_inferences=300)
+    assert v.status == FAIL and 1.4 < v.value < 2.2 and v.bound > 1.2, v
+
+
 def test_device_quantiles_are_each_devices_own_nearest_rank_quantile():
     # Devices on two configs, some with too few samples for a p99; asked twice (the health
     # view does), the answer is the same arrays.
