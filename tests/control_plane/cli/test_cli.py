@@ -17,6 +17,17 @@ from control_plane.demo import sample_models
 from tests.control_plane.helpers import spawn_server
 
 SKIFF = [sys.executable, "-m", "control_plane.cli"]
+# `skiff` as a terminal's shell starts it, for tests that press Ctrl-C: SIGINT at its
+# default. A run started in the background of a script (`make test &`) has SIGINT ignored,
+# its children inherit that, and Python keeps an inherited SIGINT ignored, as every
+# program should: such a test would then wait for a Ctrl-C that never comes.
+SKIFF_AT_A_TERMINAL = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+    *SKIFF[1:],
+]
 
 
 def skiff(

@@ -24,6 +24,7 @@ from protos import fleet_pb2
 from tests.control_plane.api.device_helpers import Device
 from tests.control_plane.cli.test_cli import (  # noqa: F401
     SKIFF,
+    SKIFF_AT_A_TERMINAL,
     _error_line,
     model_file,
     server,
@@ -399,7 +400,7 @@ def test_a_viewer_is_told_which_command_needs_which_role(cli, monkeypatch):
 
 def _spawn(env: dict, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [*SKIFF, *args],
+        [*SKIFF_AT_A_TERMINAL, *args],
         env={**os.environ, **env, "PYTHONFAULTHANDLER": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -415,7 +416,9 @@ def _ended(process: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGABRT)
         out, err = process.communicate(timeout=30)
-        raise AssertionError(f"{process.args[3:]} did not end in {timeout} s:\n{err}") from None
+        raise AssertionError(
+            f"{process.args[len(SKIFF_AT_A_TERMINAL) :]} did not end in {timeout} s:\n{err}"
+        ) from None
 
 
 def test_rollout_wait_returns_when_a_promote_reaches_the_stage(fleet, cli):

@@ -24,7 +24,7 @@ from control_plane.demo import sample_models
 from control_plane.home import init_home, read_token
 from control_plane.settings import load_config
 from protos import admin_pb2, admin_pb2_grpc
-from tests.control_plane.cli.test_cli import SKIFF
+from tests.control_plane.cli.test_cli import SKIFF_AT_A_TERMINAL
 from tests.control_plane.helpers import spawn_server, start_control_plane, stop_server, tls_of
 
 BIG = 512 << 20  # a sparse file: seconds to upload, nothing to write to disk
@@ -57,7 +57,7 @@ def test_ctrl_c_mid_upload_says_so_and_stores_nothing(tmp_path):
     env = {**os.environ, "SKIFF_HOME": str(home), "SKIFF_SERVER": address, "SKIFF_TOKEN": ""}
     try:
         push = subprocess.Popen(
-            [*SKIFF, "model", "push", str(big), "--name", "big"],
+            [*SKIFF_AT_A_TERMINAL, "model", "push", str(big), "--name", "big"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
