@@ -33,16 +33,32 @@ SKIFF_AT_A_TERMINAL = [
 def skiff(
     *args: str, env: dict | None = None, check: bool = True, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    result = subprocess.run(
+    process = subprocess.Popen(
         [*SKIFF, *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1"},
     )
+    out, err = ended(process, timeout, what=f"skiff {args}")
+    result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
     if check and result.returncode != 0:
         raise AssertionError(f"skiff {args} failed ({result.returncode}): {result.stderr}")
     return result
+
+
+def ended(process: subprocess.Popen, timeout: float = 60, *, what: str = "") -> tuple[str, str]:
+    """Return what a command printed once it ended; if it hangs, fail with where it was.
+
+    Started with PYTHONFAULTHANDLER=1, a Python command dumps every thread's stack on the
+    SIGABRT sent here (seen once: a push that had printed its refusal never exited).
+    """
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _, err = process.communicate(timeout=30)
+        raise AssertionError(f"{what or process.args} did not end in {timeout} s:\n{err}") from None
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from tests.control_plane.cli.test_cli import (  # noqa: F401
     SKIFF,
     SKIFF_AT_A_TERMINAL,
     _error_line,
+    ended,
     model_file,
     server,
     skiff,
@@ -408,17 +409,8 @@ def _spawn(env: dict, *args: str) -> subprocess.Popen:
     )
 
 
-def _ended(process: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
-    """Return what the command printed once it ended; if it hangs, fail with where it was
-    (every thread's stack: PYTHONFAULTHANDLER dumps them on SIGABRT)."""
-    try:
-        return process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGABRT)
-        out, err = process.communicate(timeout=30)
-        raise AssertionError(
-            f"{process.args[len(SKIFF_AT_A_TERMINAL) :]} did not end in {timeout} s:\n{err}"
-        ) from None
+def _ended(process: subprocess.Popen) -> tuple[str, str]:
+    return ended(process, what=" ".join(process.args[len(SKIFF_AT_A_TERMINAL) :]))
 
 
 def test_rollout_wait_returns_when_a_promote_reaches_the_stage(fleet, cli):
