@@ -228,14 +228,15 @@ class Agent(ServingSlots):
             raise AgentError(
                 f"{self.state.path} holds no device identity: pass --enroll-token to enroll"
             )
-        from contract.key_wrap import DeviceKeyPair
+        from device_agent.device_keys import new_key_pair
 
-        keys = DeviceKeyPair.generate()  # the private half never leaves the state dir
+        # The private half never leaves the state dir (made in a child: no Tink here).
+        private_keyset, public_keyset = await asyncio.to_thread(new_key_pair)
         attributes = self._attributes or {}
         conn = self._connection()
         try:
             reply = await conn.enroll(
-                self._enroll_token, attributes_pb(self._reported(attributes)), keys.public_keyset()
+                self._enroll_token, attributes_pb(self._reported(attributes)), public_keyset
             )
         except DeviceCallError as exc:
             if exc.code in AUTH_CODES or exc.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -245,7 +246,7 @@ class Agent(ServingSlots):
             server=self.server,
             device_id=reply.device_id,
             credential=reply.credential,
-            private_keyset=keys.private_keyset(),
+            private_keyset=private_keyset,
             pinned=PinnedKeyRing.from_enrollment(reply, self.server_clock.now_datetime()),
             attributes=attributes,
         )

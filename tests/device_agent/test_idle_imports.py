@@ -8,6 +8,12 @@ nor Tink (about 13 MB resident), which unwraps and decrypts what the agent insta
 
 from __future__ import annotations
 
+import sys
+
+import pytest
+
+from contract.key_wrap import DeviceKeyPair
+from device_agent.device_keys import _LENGTH, _read_pair, new_key_pair
 from tests.fresh_interpreter import printed_json
 
 NOT_AT_IDLE = ("http.client", "urllib.request", "tink")
@@ -48,3 +54,42 @@ def test_tensors_still_convert_where_numpy_is_imported_late():
     )
     before, back = printed_json(script)
     assert before is False and back == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_the_key_pair_made_at_enrollment_leaves_no_tink_behind():
+    # Made in a child, so an agent that has just enrolled idles as small as one that
+    # started with its identity (bench/agent.py: idle_rss_mb against idle_rss_restarted_mb).
+    script = (
+        "import json, sys\n"
+        "from device_agent.device_keys import new_key_pair\n"
+        "pairs = [new_key_pair() for _ in range(2)]\n"
+        "print(json.dumps(['tink' in sys.modules, [[k.hex() for k in p] for p in pairs]]))\n"
+    )
+    held, pairs = printed_json(script)
+    assert held is False
+    (private, public), (other, _) = [[bytes.fromhex(k) for k in p] for p in pairs]
+    assert DeviceKeyPair.from_private(private).public_keyset() == public
+    assert other != private  # a new pair each time
+
+
+def test_the_key_pair_is_made_here_when_no_child_can_run(monkeypatch, caplog):
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    private, public = new_key_pair()
+    assert DeviceKeyPair.from_private(private).public_keyset() == public
+    assert "making the key pair in a child failed" in caplog.text
+    assert private.hex() not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        b"",
+        _LENGTH.pack(5) + b"abc",
+        _LENGTH.pack(1) + b"a",
+        _LENGTH.pack(0) + _LENGTH.pack(1) + b"a",
+        _LENGTH.pack(1) + b"a" + _LENGTH.pack(1) + b"b" + b"!",
+    ],
+)
+def test_a_key_pair_that_comes_back_wrong_is_refused(out):
+    with pytest.raises(ValueError, match="key pair came back"):
+        _read_pair(out)
