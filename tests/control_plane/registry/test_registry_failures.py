@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
+from pathlib import Path
 
 import boto3
 import grpc
@@ -367,29 +370,38 @@ def test_uploads_beyond_the_limit_are_refused_at_once(tmp_path):
         plane.stop()
 
 
+def _spooling() -> int:
+    """Return how many uploads this process's servers are spooling (a memfd each)."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += "memfd:skiff-model" in os.readlink(fd)
+    return count
+
+
 def test_concurrent_calls_are_capped_by_the_setting(tmp_path):
     plane = start_control_plane(tmp_path / "home", max_concurrent_rpcs=2)
     release = threading.Event()
     channel, stub, metadata = _stub(plane)
     futures = []
+    before = _spooling()
     try:
         for _ in range(2):
             started = threading.Event()
             futures.append(_stalled_upload(stub, metadata, release, started))
-            assert started.wait(10)
-        # `started` is the client sending its first chunk; the server counts the call a
-        # moment later (under load, after a check sent at once). Until both uploads hold
-        # their slots a check may pass; once they do, every check is refused.
+            assert started.wait(60)
+        # Both calls hold their slots once the server spools them, whatever the load: a
+        # third call is then refused. (Waiting for a refusal within 10 s failed on a
+        # loaded run.)
+        deadline = time.monotonic() + 120
+        while _spooling() < before + 2:
+            assert time.monotonic() < deadline, "the two uploads never reached the server"
+            time.sleep(0.01)
         health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                break
-            assert time.monotonic() < deadline, "a third call was never refused"
-            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as refused:
+            health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
     finally:
         release.set()
         for future in futures:
