@@ -50,8 +50,13 @@ def new_key_pair(timeout_s: float = KEYGEN_TIMEOUT_S) -> tuple[bytes, bytes]:
     enrolling matters more than those megabytes.
     """
     try:
+        # -I: isolated, so neither the working directory nor PYTHON* variables can put
+        # another module in the place of the one that makes the device's private key.
         done = subprocess.run(
-            [sys.executable, "-c", _MAKE_PAIR], capture_output=True, timeout=timeout_s, check=True
+            [sys.executable, "-I", "-c", _MAKE_PAIR],
+            capture_output=True,
+            timeout=timeout_s,
+            check=True,
         )
         return _read_pair(done.stdout)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:

@@ -93,3 +93,21 @@ def test_the_key_pair_is_made_here_when_no_child_can_run(monkeypatch, caplog):
 def test_a_key_pair_that_comes_back_wrong_is_refused(out):
     with pytest.raises(ValueError, match="key pair came back"):
         _read_pair(out)
+
+
+def test_a_module_in_the_working_directory_cannot_make_the_key_pair(tmp_path):
+    # An agent started in a directory others can write to: their struct.py, or a
+    # contract/ package, would shadow ours in a plain `python -c` (its sys.path starts
+    # with the working directory), as would one on PYTHONPATH. The child runs isolated.
+    (tmp_path / "struct.py").write_text("raise SystemExit('planted struct ran')\n")
+    (tmp_path / "contract").mkdir()
+    (tmp_path / "contract" / "__init__.py").write_text("raise SystemExit('planted')\n")
+    script = (
+        "import json, os, sys\n"
+        "from device_agent.device_keys import new_key_pair\n"
+        f"os.chdir({str(tmp_path)!r})\n"
+        f"os.environ['PYTHONPATH'] = {str(tmp_path)!r}\n"
+        "new_key_pair()\n"
+        "print(json.dumps('tink' in sys.modules))\n"
+    )
+    assert printed_json(script) is False  # made in the child, not by the fallback here
