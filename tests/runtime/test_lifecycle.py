@@ -137,6 +137,12 @@ def test_status_reads_answer_while_a_fallback_loads(stopped_spawns):
         os.kill(proc.pid, signal.SIGCONT)
         crashing.join(timeout=BOUND_S)
         assert isinstance(box["error"], WorkerCrashed)
+        # The resumed worker still has its start and its load ahead: a run sent before it
+        # serves would spend its 0.5 s deadline on them (seen on a loaded run).
+        deadline = time.monotonic() + BOUND_S
+        while _bounded(model.telemetry)["state"] != "serving":
+            assert time.monotonic() < deadline, "the fallback never loaded"
+            time.sleep(0.01)
         assert model.run(x16())["y"].shape == (1, 4) and model.config == CPU_1
         assert len(model.crashes) == 1  # the request that timed out counted for nothing
     finally:
