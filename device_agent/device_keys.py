@@ -60,12 +60,9 @@ def new_key_pair(timeout_s: float = KEYGEN_TIMEOUT_S) -> tuple[bytes, bytes]:
         )
         return _read_pair(done.stdout)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        why = (
-            exc.stderr.decode(errors="replace").strip().splitlines()[-1:]
-            if getattr(exc, "stderr", None)
-            else [str(exc)]
-        )
-        log.warning("making the key pair in a child failed (%s): making it here", why[0][:300])
+        said = (getattr(exc, "stderr", None) or b"").decode(errors="replace").strip()
+        why = said.splitlines()[-1] if said else str(exc)  # the child's last words, if any
+        log.warning("making the key pair in a child failed (%s): making it here", why[:300])
     from contract.key_wrap import DeviceKeyPair
 
     pair = DeviceKeyPair.generate()

@@ -32,6 +32,7 @@ __all__ = [
     "WARM_IDLE_S",
     "Started",
     "child_env",
+    "discard_warm",
     "kill",
     "prewarm",
     "signal_name",
@@ -164,6 +165,15 @@ def _take_warm(module: str, fds: tuple[int, ...], env: dict[str, str]) -> Starte
         warm.discard()
         return None
     return warm
+
+
+def discard_warm() -> None:
+    """End every prewarmed worker still waiting to be taken (a later `start` spawns afresh)."""
+    with _warm_lock:
+        left = [started for started, _ in _warm.values()]
+        _warm.clear()
+    for started in left:
+        started.discard()
 
 
 def _expire(module: str, started: Started) -> None:

@@ -200,6 +200,7 @@ class Trimmed:
     variance: float  # of the trimmed mean
     kept: int
     left_out: np.ndarray  # positions (into the values given) left out
+    spread: float  # the winsorized variance of the values themselves
 
 
 def trimmed(values: np.ndarray, k: int) -> Trimmed:
@@ -219,7 +220,7 @@ def trimmed(values: np.ndarray, k: int) -> Trimmed:
     spread = float(np.var(winsorized, ddof=1)) if n > 1 else 0.0
     variance = (n - 1) * spread / (h * (h - 1)) if h > 1 else math.inf
     gone = np.concatenate([order[:k], order[n - k :]]) if k else np.zeros(0, np.intp)
-    return Trimmed(float(kept.mean()), variance, h, gone)
+    return Trimmed(float(kept.mean()), variance, h, gone, spread)
 
 
 @dataclass(frozen=True)
@@ -341,7 +342,7 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
     means = (share[kept][:, used].T @ values[kept]) / share[kept][:, used].sum(axis=0)
     residual = values[kept] - share[kept][:, used] @ means
     within = float(residual @ residual) / max(h - int(used.sum()), 1)
-    spreads = [_spread(db.log_us, k) for db, _ in levels.values()]
+    spreads = [(len(db.log_us), level.spread) for db, level in levels.values()]
     floor = sum((n - 1) * s for n, s in spreads) / max(sum(n - 1 for n, _ in spreads), 1)
     variance = max(within, floor) / h + sum(
         w * w * level.variance for w, (_, level) in zip(weights, levels.values(), strict=True)
@@ -364,11 +365,3 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
         {who: ids for who, ids in left.items() if ids},
         {candidate.ids[p]: float(values[i]) for i, p in enumerate(read)},
     )
-
-
-def _spread(values: np.ndarray, k: int) -> tuple[int, float]:
-    """Return (n, the winsorized variance) of `values`, k set to the next value each way."""
-    ranked = np.sort(values)
-    n = len(ranked)
-    winsorized = np.clip(ranked, ranked[k], ranked[n - k - 1])
-    return n, float(np.var(winsorized, ddof=1))

@@ -8,7 +8,9 @@ carries the CA along (see Address).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import os
 import shutil
 import signal
 import subprocess
@@ -192,3 +194,12 @@ def spawn_server(
     line = proc.stdout.readline()
     assert "listening on" in line, line
     return proc, Address(line.split("listening on ")[1].split()[0], home_tls(home))
+
+
+def spooling(pid: int | str = "self") -> int:
+    """Return how many uploads process `pid`'s servers are spooling (a memfd each)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += "memfd:skiff-model" in os.readlink(fd)
+    return count

@@ -59,11 +59,7 @@ def stopped_spawns(monkeypatch):
     state = {"skip": 1, "count": 0, "stopped": [], "event": threading.Event()}
     # A worker an earlier test left prewarmed in this process would be taken for the
     # restart without a spawn, unstopped (seen: DID NOT RAISE DeadlineExceeded).
-    with _processes._warm_lock:
-        left = [started for started, _ in _processes._warm.values()]
-        _processes._warm.clear()
-    for started in left:
-        started.discard()
+    _processes.discard_warm()
     real = _processes.spawn
 
     def spawn(argv, options):

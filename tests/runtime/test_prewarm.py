@@ -27,11 +27,7 @@ def model_fd():
 @pytest.fixture(autouse=True)
 def no_warm_left():
     yield
-    with _processes._warm_lock:
-        left = [started for started, _ in _processes._warm.values()]
-        _processes._warm.clear()
-    for started in left:
-        started.discard()
+    _processes.discard_warm()
 
 
 def _warm_pid() -> int:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,22 +24,23 @@ from control_plane.home import init_home, read_token
 from control_plane.settings import load_config
 from protos import admin_pb2, admin_pb2_grpc
 from tests.control_plane.cli.test_cli import SKIFF_AT_A_TERMINAL
-from tests.control_plane.helpers import spawn_server, start_control_plane, stop_server, tls_of
+from tests.control_plane.helpers import (
+    spawn_server,
+    spooling,
+    start_control_plane,
+    stop_server,
+    tls_of,
+)
 
 BIG = 512 << 20  # a sparse file: seconds to upload, nothing to write to disk
 
 
 def _uploading(server_pid: int, timeout: float = 120) -> None:
     """Wait until the server spools an upload (its memfd is open), the mid-upload moment."""
-    fds = Path(f"/proc/{server_pid}/fd")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for fd in fds.iterdir():
-            try:
-                if "memfd:skiff-model" in os.readlink(fd):
-                    return
-            except OSError:
-                continue  # closed meanwhile
+        if spooling(server_pid):
+            return
         time.sleep(0.01)
     raise AssertionError("the server never started receiving the upload")
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
-from pathlib import Path
 
 import boto3
 import grpc
@@ -18,7 +15,7 @@ from contract import errors
 from control_plane.demo import sample_models
 from protos import admin_pb2, admin_pb2_grpc
 from tests.conftest import PG_ADMIN_URL
-from tests.control_plane.helpers import channel_to, start_control_plane
+from tests.control_plane.helpers import channel_to, spooling, start_control_plane
 
 CHUNK = 64 * 1024
 
@@ -370,22 +367,12 @@ def test_uploads_beyond_the_limit_are_refused_at_once(tmp_path):
         plane.stop()
 
 
-def _spooling() -> int:
-    """Return how many uploads this process's servers are spooling (a memfd each)."""
-    fds = Path("/proc/self/fd")
-    count = 0
-    for fd in fds.iterdir():
-        with contextlib.suppress(OSError):  # closed meanwhile
-            count += "memfd:skiff-model" in os.readlink(fd)
-    return count
-
-
 def test_concurrent_calls_are_capped_by_the_setting(tmp_path):
     plane = start_control_plane(tmp_path / "home", max_concurrent_rpcs=2)
     release = threading.Event()
     channel, stub, metadata = _stub(plane)
     futures = []
-    before = _spooling()
+    before = spooling()
     try:
         for _ in range(2):
             started = threading.Event()
@@ -395,7 +382,7 @@ def test_concurrent_calls_are_capped_by_the_setting(tmp_path):
         # third call is then refused. (Waiting for a refusal within 10 s failed on a
         # loaded run.)
         deadline = time.monotonic() + 120
-        while _spooling() < before + 2:
+        while spooling() < before + 2:
             assert time.monotonic() < deadline, "the two uploads never reached the server"
             time.sleep(0.01)
         health = health_pb2_grpc.HealthStub(channel)

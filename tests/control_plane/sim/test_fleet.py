@@ -106,11 +106,6 @@ def _server_side(cp, device_ids: list[str]) -> str:
             else f"{device_id}: stream with attributes {dict(w.attrs)}, fingerprint "
             f"{sorted(w.fingerprint)}, closed {w.closed}, {w.queue.qsize()} queued"
         )
-    loop = cp.server._loop
-    for task in asyncio.all_tasks(loop):
-        if "Watch" in repr(task.get_coro()):
-            where = [f"{f.f_code.co_name}:{f.f_lineno}" for f in task.get_stack(limit=6)]
-            said.append(f"task {where}")
     return "; ".join(said)
 
 
