@@ -26,7 +26,13 @@ this machine. Reported:
   bytes back) over a Unix socket, from the same kind of client, with the same
   `InferRequest` serialized on the way out and parsed on the way back; measured in
   blocks interleaved with the Infer calls. `local_api_over_floor_us` is Infer minus it:
-  what the agent itself adds (parsing, checks, the thread hop, the worker round trip).
+  what the agent adds (parsing, checks, the worker round trip, the run itself).
+* `worker_run_p50_us`: the second floor, the worker hop: `runtime.Model.run` through a
+  worker process (as the agent runs every model), from this process, on the config the
+  agent serves with; `in_process_run_p50_us` is then measured on that config too, in
+  blocks interleaved with it. `local_api_over_floors_us` is Infer less the echo and the
+  worker's run: what the agent's own handling costs (the request's conversion and
+  checks, the counting, the event loop's wait for the worker's reply).
 * `pipeline_events_per_s`: shopping events (`control_plane/demo/sample_pipeline.py`, about
   one in thirteen fires the trigger) pushed through `PushEvents` in batches of 1000 until
   every firing's model result reached a `Subscribe` stream in this process.
@@ -209,18 +215,33 @@ def _raw_copy_and_decrypt_chunks(s: StateDir, name: str, slot: dict, key, scratc
     return best
 
 
-def in_process_us(data_path: Path, x: np.ndarray, runs: int) -> float:
+def run_us(data_path: Path, x: np.ndarray, config: str, runs: int) -> dict[str, float]:
+    """Median `runtime.Model.run` in process and through a worker (us), on `config`.
+
+    The worker's round trip (a frame each way over a socketpair to a process of its own)
+    is the second floor under the local API: the agent runs every model in a worker.
+    Measured in interleaved blocks, as the gRPC figures are.
+    """
     from runtime import Model
 
-    with Model.from_bytes(data_path.read_bytes(), isolation="in_process") as model:
-        for _ in range(20):
-            model.run({"x": x})
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter_ns()
-            model.run({"x": x})
-            times.append((time.perf_counter_ns() - start) / 1000)
-    return statistics.median(times)
+    data = data_path.read_bytes()
+    times: dict[str, list[float]] = {"in_process": [], "worker": []}
+    with (
+        Model.from_bytes(data, config=config, isolation="in_process") as local,
+        Model.from_bytes(data, config=config, isolation="worker") as worker,
+    ):
+        models = {"in_process": local, "worker": worker}
+        for model in models.values():
+            for _ in range(50):
+                model.run({"x": x})
+        block = 50
+        for _ in range(max(1, runs // block)):
+            for name, model in models.items():
+                for _ in range(block):
+                    start = time.perf_counter_ns()
+                    model.run({"x": x})
+                    times[name].append((time.perf_counter_ns() - start) / 1000)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 ECHO = "/skiff.bench.Echo/Echo"
@@ -379,20 +400,29 @@ def main() -> None:
             wait_serving(stub, SMALL, small_x, 1)
             request = agent_pb2.InferRequest(model=SMALL, inputs=[to_tensor("x", small_x)])
             runs = 300 if args.quick else 2000
+            config = stub.Infer(request, timeout=30).config  # what the agent's probe chose
             api_us, floor_us = infer_and_floor_us(stub, request, tmp, runs)
             mnn = tmp / "small.mnn"
             mnn.write_bytes(sample_models.onnx_to_mnn_bytes(sample_models.tiny_mlp_onnx(seed=1)))
-            local_us = in_process_us(mnn, small_x, runs)
+            run = run_us(mnn, small_x, config, runs)
+            local_us, worker_us = run["in_process"], run["worker"]
+            # Floors under Infer, each measured: the gRPC hop (bare echo), the worker hop
+            # (a worker's run less an in-process run), the run itself. The rest is the agent.
+            floors_us = floor_us + worker_us
             results["local_api_infer_p50_us"] = round(api_us, 1)
             results["in_process_run_p50_us"] = round(local_us, 1)
+            results["worker_run_p50_us"] = round(worker_us, 1)
             results["local_api_overhead_us"] = round(api_us - local_us, 1)
             results["local_api_floor_us"] = round(floor_us, 1)
             results["local_api_over_floor_us"] = round(api_us - floor_us, 1)
+            results["local_api_over_floors_us"] = round(api_us - floors_us, 1)
             print(
                 f"Infer through the local API p50 {api_us:.0f} us; in-process run p50 "
-                f"{local_us:.0f} us: overhead {api_us - local_us:.0f} us; bare gRPC echo "
-                f"over a Unix socket p50 {floor_us:.0f} us: Infer is {api_us - floor_us:.0f} us "
-                "above that floor",
+                f"{local_us:.0f} us ({config}): overhead {api_us - local_us:.0f} us; bare gRPC "
+                f"echo over a Unix socket p50 {floor_us:.0f} us: Infer is "
+                f"{api_us - floor_us:.0f} us above that floor; a run through a worker p50 "
+                f"{worker_us:.0f} us (its hop {worker_us - local_us:.0f} us): the agent adds "
+                f"{api_us - floors_us:.0f} us above both floors and the run",
                 flush=True,
             )
             client.create_rollout(fleet_pb2.CreateRolloutRequest(model=SMALL, version=2))
