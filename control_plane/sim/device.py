@@ -90,6 +90,11 @@ class SimDevice:
         self.failures: collections.Counter[str] = collections.Counter()
         self.watching = False
         self.reconnects = 0
+        # Where a device that lags stands (for a timeout's message): the last revision its
+        # Watch stream brought and when (time.monotonic()), and since when a Sync has been
+        # under way (None: none is).
+        self.pushed: tuple[int, float] | None = None
+        self.syncing_since: float | None = None
         self.rejected = ""  # why the server refuses this device for good
         self.stop_reports = False  # stop_reporting() asks the report loop to end
         self._last_sync = 0.0
@@ -104,6 +109,7 @@ class SimDevice:
     async def sync(self) -> bool:
         """Sync, install what is newly assigned and report it; False if it failed."""
         async with self._lock:  # a push and a poll must not interleave their rounds
+            self.syncing_since = time.monotonic()
             try:
                 for _ in range(MAX_ROUNDS):
                     if not await self._install(await self._sync_once()):
@@ -121,6 +127,8 @@ class SimDevice:
                 # A signed document that verifies but does not parse: the agent drops the
                 # answer and carries on, and so does the simulated device.
                 self.failures["malformed"] += 1
+            finally:
+                self.syncing_since = None
             return False
 
     async def sync_retrying(self) -> bool:
@@ -208,6 +216,7 @@ class SimDevice:
                 self.watching = True
                 async for revision in self._conn.watch(self.revision):
                     attempt = 0
+                    self.pushed = (revision, time.monotonic())
                     if revision > self.revision:  # else a Sync already brought it
                         await asyncio.sleep(random.uniform(0, jitter_s))
                         await self.sync_retrying()

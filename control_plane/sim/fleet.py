@@ -356,8 +356,20 @@ def _enroll_error(exc: BaseException, address: str, *, enrolled: int) -> errors.
 
 def _describe(devices: Sequence[SimDevice]) -> str:
     """Say where a few lagging devices are, for a timeout's message."""
+    now = time.monotonic()
+
+    def pushed(d: SimDevice) -> str:
+        if d.pushed is None:
+            return "no revision pushed on this stream or any before"
+        return f"revision {d.pushed[0]} pushed {now - d.pushed[1]:.1f} s ago"
+
+    def syncing(d: SimDevice) -> str:
+        if d.syncing_since is None:
+            return ""
+        return f", a Sync under way for {now - d.syncing_since:.1f} s"
+
     return "; ".join(
         f"{d.id}: revision {d.revision}, {'watching' if d.watching else 'not watching'}, "
-        f"{d.syncs} syncs, failed calls {dict(d.failures) or 'none'}"
+        f"{pushed(d)}{syncing(d)}, {d.syncs} syncs, failed calls {dict(d.failures) or 'none'}"
         for d in devices
     )

@@ -117,6 +117,15 @@ def test_wait_synced_says_how_many_are_missing(cp_holder):
             await enrolled(sim, cp, 5)
             with pytest.raises(errors.Unavailable, match=r"5 of 5 devices have not synced det:2"):
                 await sim.wait_synced(MODEL, 2, timeout=0.3)
+            # Each lagging device says what its Watch stream brought and whether a Sync
+            # is under way: where a device stuck after a restart stands.
+            with pytest.raises(errors.Unavailable, match=r"watching, no revision pushed on"):
+                await sim.wait_synced(MODEL, 2, timeout=0.01)
+            await asyncio.to_thread(rollout, cp, 2, "")
+            await sim.wait_synced(MODEL, 2, timeout=30)
+            pushed = r"watching, revision \d+ pushed [\d.]+ s ago, \d+ syncs"
+            with pytest.raises(errors.Unavailable, match=pushed):
+                await sim.wait_synced(MODEL, 3, timeout=0.01)
             with pytest.raises(errors.InvalidArgument):
                 await sim.wait_synced(MODEL, 2, devices=["dev_nobody"], timeout=0.3)
 
