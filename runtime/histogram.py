@@ -111,10 +111,17 @@ class LatencyHistogram:
                 self.max_ns = ns
 
     def record_many_ns(self, ns: np.ndarray) -> None:
-        """Record many latencies at once (an int array of ns), bucketed as `record_ns` does."""
+        """Record many latencies at once (an array of ns), bucketed as `record_ns` does.
+
+        Floats are truncated to whole ns. ValueError, recording nothing, if any is NaN or
+        infinite: cast to int64 they would be arbitrary numbers, counted in some bucket.
+        """
         import numpy as np
 
-        ns = np.maximum(np.asarray(ns, dtype=np.int64), 0)
+        ns = np.asarray(ns)
+        if ns.dtype.kind == "f" and not np.isfinite(ns).all():
+            raise ValueError("latencies must be finite (NaN or infinity given)")
+        ns = np.maximum(ns.astype(np.int64), 0)
         if not len(ns):
             return
         index = np.zeros(len(ns), dtype=np.int64)

@@ -99,3 +99,16 @@ def test_recording_many_at_once_equals_recording_each():
     at_once.record_many_ns(samples[100:])
     at_once.record_many_ns(np.array([], dtype=np.int64))
     assert at_once == one_by_one
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_recording_many_refuses_what_is_not_finite_and_records_nothing(bad):
+    import numpy as np
+
+    h, expected = LatencyHistogram(), LatencyHistogram()
+    h.record_many_ns(np.array([1000.0, 2500.5]))  # floats: truncated to whole ns
+    expected.record_ns(1000)
+    expected.record_ns(2500)
+    with pytest.raises(ValueError, match="finite"):
+        h.record_many_ns(np.array([5000.0, bad, 7000.0]))
+    assert h == expected
