@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "compiled.hpp"
+#include "windows.hpp"  // kScanRows
 
 namespace skiff::stream {
 namespace {
@@ -221,7 +222,7 @@ const Stat& stat_for(WindowSpec& w, const FeatureDef& f, int32_t column,
 
 CompiledTrigger compile_features(const TriggerDef& def, int32_t group_index, Group& group,
                                  std::vector<double>& edges) {
-  CompiledTrigger out{group_index, def.within, 0, -1, {}};
+  CompiledTrigger out{group_index, def.within, 0, -1, {}, {}};
   for (const FeatureDef& f : def.features) {
     const int32_t log = log_for(group, f.of);
     const int32_t column = column_for(group.logs[log], f.field);
@@ -238,6 +239,32 @@ CompiledTrigger compile_features(const TriggerDef& def, int32_t group_index, Gro
     out.width += width;
   }
   return out;
+}
+
+// The trigger's one-pass plan (compiled.hpp), if its features allow one: after all of
+// its group's triggers are compiled (a window's stats are known then).
+ScanPlan scan_plan(const CompiledTrigger& trigger, const Group& group) {
+  ScanPlan plan;
+  constexpr size_t kMaxParts = 8;
+  if (trigger.features.empty() || trigger.features.size() > kMaxParts) return plan;
+  for (const CompiledFeature& f : trigger.features) {
+    const WindowSpec& w = group.windows[static_cast<size_t>(f.window)];
+    if (f.width != 1 || !w.sq_columns.empty() || w.n_bins != 0) return ScanPlan{};
+    if (plan.parts.empty()) plan.log = w.log;
+    if (w.log != plan.log) return ScanPlan{};
+    const auto stat = std::find_if(w.stats.begin(), w.stats.end(),
+                                   [&](const Stat& st) { return st.out == f.out; });
+    if (stat == w.stats.end()) return ScanPlan{};
+    const Agg agg = stat->agg;
+    const bool sums = agg == Agg::Sum || agg == Agg::Mean;
+    if (!(sums || agg == Agg::Count || agg == Agg::Min || agg == Agg::Max || agg == Agg::Last)) {
+      return ScanPlan{};
+    }
+    if (w.kind == WindowKind::Count && w.size > kScanRows) return ScanPlan{};
+    plan.time |= w.kind != WindowKind::Count;
+    plan.parts.push_back(ScanPart{w.kind, w.size, agg, stat->column, f.offset});
+  }
+  return plan;
 }
 
 std::string features_key(const CompiledTrigger& trigger) {
@@ -314,6 +341,9 @@ Compiled compile(const Config& config, const std::vector<TriggerDef>& defs) {
       CompiledTrigger& trigger = out.triggers[t] = compile_features(defs[t], g, group, out.edges);
       trigger.same_features =
           first_with.emplace(features_key(trigger), static_cast<int32_t>(t)).first->second;
+    }
+    for (size_t t = 0; t < defs.size(); ++t) {
+      if (member(defs[t], id)) out.triggers[t].scan = scan_plan(out.triggers[t], group);
     }
     group.logs_by_type.assign(config.n_types, {});
     for (int32_t type = 0; type < config.n_types; ++type) {

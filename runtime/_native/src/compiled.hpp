@@ -77,6 +77,25 @@ struct CompiledFeature {
   int32_t offset;  // first output column
 };
 
+// A trigger whose features are all one-value stats (count, sum, mean, min, max, last)
+// of scanned windows over one log: time windows (read from the arrival ring while the
+// key has no sorted ring) and count windows of kScanRows rows at most. At a firing they
+// are read straight into the feature row (fused_scan.cpp), without query_window's
+// per-window dispatch, stamps and output buffers.
+struct ScanPart {
+  WindowKind kind;
+  int64_t size;
+  Agg agg;
+  int32_t column;  // log column, -1 for count
+  int32_t offset;  // output column
+};
+
+struct ScanPlan {
+  int32_t log = -1;   // -1: no plan (the features are read window by window)
+  bool time = false;  // some part is a time window (needs the key's sorted ring empty)
+  std::vector<ScanPart> parts;
+};
+
 struct CompiledTrigger {
   int32_t group;
   int64_t within;
@@ -85,6 +104,7 @@ struct CompiledTrigger {
   // event with the same features get the same row, computed once.
   int32_t same_features;
   std::vector<CompiledFeature> features;
+  ScanPlan scan;
 };
 
 constexpr int32_t kContiguousIndexTypes = 64;

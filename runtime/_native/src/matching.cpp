@@ -4,6 +4,7 @@
 
 #include "engine_impl.hpp"
 #include "features.hpp"
+#include "fused_scan.hpp"
 
 namespace skiff::stream {
 namespace {
@@ -140,8 +141,11 @@ void Engine::Impl::fire(int32_t trigger, Partition& p, int64_t ts, size_t index,
   } else {
     if (scratch_row.size() < width) scratch_row.resize(width);
     const WindowContext ctx{compiled.groups[trig.group], compiled.edges, watermark, config.lateness};
-    compute_features(trig, ctx, ts, stamp, p.logs, p.windows, window_scratch, scratch_row.data(),
-                     lo, hi);
+    if (trig.scan.log < 0 ||
+        !scan_features(trig, p.logs, config.lateness, ts, scratch_row.data(), lo, hi)) {
+      compute_features(trig, ctx, ts, stamp, p.logs, p.windows, window_scratch,
+                       scratch_row.data(), lo, hi);
+    }
     last_row = {index, trig.same_features, slot, base, lo, hi};
   }
   // push_back, not resize: resize's zero-filling append is an out-of-line call.
