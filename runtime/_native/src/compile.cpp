@@ -9,7 +9,7 @@
 #include <tuple>
 
 #include "compiled.hpp"
-#include "windows.hpp"  // kScanRows
+#include "windows.hpp"  // kScanRows, one_pass
 
 namespace skiff::stream {
 namespace {
@@ -256,10 +256,7 @@ ScanPlan scan_plan(const CompiledTrigger& trigger, const Group& group) {
                                    [&](const Stat& st) { return st.out == f.out; });
     if (stat == w.stats.end()) return ScanPlan{};
     const Agg agg = stat->agg;
-    const bool sums = agg == Agg::Sum || agg == Agg::Mean;
-    if (!(sums || agg == Agg::Count || agg == Agg::Min || agg == Agg::Max || agg == Agg::Last)) {
-      return ScanPlan{};
-    }
+    if (!one_pass(agg)) return ScanPlan{};
     if (w.kind == WindowKind::Count && w.size > kScanRows) return ScanPlan{};
     plan.time |= w.kind != WindowKind::Count;
     plan.parts.push_back(ScanPart{w.kind, w.size, agg, stat->column, f.offset});

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "scan_rows.hpp"
 #include "window_stats.hpp"
 
 namespace skiff::stream {
@@ -139,123 +140,35 @@ void scan_sliding(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
   r.hi = t + 1;
 }
 
-// What a scan loop found: its rows' count, the window's `last` row (kNone: none) and
-// its rows for finish's fallbacks (exact sums, distinct counts).
-struct Found {
-  size_t n;
-  int64_t last;
-  Rows rows;
-};
-
 // Window `w` from the rows a scan loop meets: `loop(take)` calls take(row) for each
 // of the window's rows, in the order finish_scan takes them, and returns what it found.
 // A window with one stat other than std, histogram and distinct (most) is computed as
-// the rows come, exactly as finish_scan computes it from them (the same additions in
-// the same order: the same bits); the others pick the rows (at most `most`) first.
+// the rows come (one_stat: the same bits as finish_scan); the others pick the rows (at
+// most `most`) first.
 template <class Loop>
 void read_rows(const WindowContext& ctx, const WindowSpec& w, size_t most, Loop&& loop,
                WindowScratch& scratch, double* out) {
-  const bool one = w.stats.size() == 1 && w.sq_columns.empty() && w.n_bins == 0;
-  const Agg agg = one ? w.stats[0].agg : Agg::Distinct;
-  const auto column = static_cast<size_t>(one ? w.stats[0].column : 0);
-  double* o = out + (one ? w.stats[0].out : 0);
-  switch (agg) {
-    case Agg::Count:
-    case Agg::Last: {
-      const Found f = loop([](const int64_t*) {});
-      if (agg == Agg::Count) {
-        *o = static_cast<double>(f.n);
-      } else {
-        *o = f.last == kNone ? kNaN : f.rows.log->value(f.last, column);
-      }
-      return;
-    }
-    case Agg::Sum:
-    case Agg::Mean: {
-      RunningSum sum;
-      const Found f = loop([&](const int64_t* row) { sum.add(EventLog::value(row, column)); });
-      const double total = sum.trusted() ? sum.value() : exact_sum(f.rows, w.stats[0].column);
-      *o = agg == Agg::Sum ? total : f.n ? total / static_cast<double>(f.n) : kNaN;
-      return;
-    }
-    case Agg::Max:
-    case Agg::Min: {
-      // As extreme(): the first row, then `>=` (`<=`), ties to the later row; values
-      // are finite, so !(v < best) is v >= best, and true while best is NaN (no row).
-      double best = kNaN;
-      const Found f = agg == Agg::Max ? loop([&](const int64_t* row) {
-        const double v = EventLog::value(row, column);
-        best = !(v < best) ? v : best;
-      })
-                                      : loop([&](const int64_t* row) {
-                                          const double v = EventLog::value(row, column);
-                                          best = !(v > best) ? v : best;
-                                        });
-      *o = f.n ? best : kNaN;
-      return;
-    }
-    default: {
-      const int64_t** picked = pick_room(scratch, most);
-      size_t k = 0;
-      const Found f = loop([&](const int64_t* row) { picked[k++] = row; });
-      finish_scan(ctx, w, picked, f.n, f.rows, f.last, scratch, out);
-    }
+  if (w.stats.size() == 1 && w.sq_columns.empty() && w.n_bins == 0 && one_pass(w.stats[0].agg)) {
+    out[w.stats[0].out] = one_stat(w.stats[0].agg, w.stats[0].column, loop);
+    return;
   }
+  const int64_t** picked = pick_room(scratch, most);
+  size_t k = 0;
+  const Found f = loop([&](const int64_t* row) { picked[k++] = row; });
+  finish_scan(ctx, w, picked, f.n, f.rows, f.last, scratch, out);
 }
 
-// A time window [lo, hi] read from the arrival ring (no sorted ring: a few rows), newest
-// first. Every row arrives at most `lateness` behind the watermark, which is at least
-// the ts of every earlier arrival: past a row older than lo - lateness, all are older
-// than lo.
 void scan_arrival(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
                   const EventLog& log, int64_t lo, int64_t hi, WindowScratch& scratch) {
-  const int64_t stop = lo < kMin + ctx.lateness ? kMin : lo - ctx.lateness;
-  const auto loop = [&](auto&& take) {
-    int64_t last = kNone, last_ts = kMin, first = log.end();
-    size_t n = 0;
-    for (int64_t p = log.end() - 1; p >= log.begin(); --p) {
-      const int64_t* row = log.row(p);
-      if (row[0] < stop) break;
-      first = p;
-      if (row[0] < lo || row[0] > hi) continue;
-      take(row);
-      ++n;
-      // `last`: the greatest ts (ts >= 0 > kMin: the first row is taken); newest
-      // first, so ties go to the latest arrival.
-      if (row[0] > last_ts) {
-        last = p;
-        last_ts = row[0];
-      }
-    }
-    return Found{n, last, Rows{&log, first, log.end(), lo, hi}};
-  };
+  const auto loop = [&](auto&& take) { return arrival_rows(log, lo, hi, ctx.lateness, take); };
   read_rows(ctx, w, log.size(), loop, scratch, r.out.data());
 }
 
 void scan_count(const WindowContext& ctx, const WindowSpec& w, WindowRead& r,
                 const EventLog& log, WindowScratch& scratch) {
-  const Rows rows{&log, std::max(log.begin(), log.end() - w.size), log.end(), kMin, kMax};
-  // Hull and `last` in locals: stored through `r` in the loop, they were written back
-  // at every row (the compiler cannot tell `r` from the rows).
-  int64_t lo = kMax, hi = kMin;
-  const auto loop = [&](auto&& take) {
-    int64_t last = kNone, last_ts = kMin;
-    for (int64_t p = rows.from; p < rows.to; ++p) {
-      const int64_t* row = log.row(p);
-      take(row);
-      const int64_t ts = row[0];
-      if (ts >= last_ts) {  // ts >= 0 > kMin: the first row is taken; ties to the latest
-        last = p;
-        last_ts = ts;
-      }
-      lo = std::min(lo, ts);
-      hi = std::max(hi, ts + 1);
-    }
-    return Found{static_cast<size_t>(rows.to - rows.from), last, rows};
-  };
-  read_rows(ctx, w, static_cast<size_t>(rows.to - rows.from), loop, scratch, r.out.data());
-  r.lo = lo;
-  r.hi = hi;
+  const auto most = static_cast<size_t>(std::min<int64_t>(w.size, log.size()));
+  const auto loop = [&](auto&& take) { return count_rows(log, w.size, r.lo, r.hi, take); };
+  read_rows(ctx, w, most, loop, scratch, r.out.data());
 }
 
 }  // namespace skiff::stream

@@ -1,6 +1,7 @@
 // What a window's outputs are computed from: aggregates over a window's rows (added and
 // removed one by one), the exact fallbacks for sums that cannot vouch for themselves,
-// and the outputs from them. Private to the window code (windows.cpp, window_scan.cpp).
+// and the outputs from them. Private to the window code (windows.cpp, window_scan.cpp,
+// scan_rows.hpp and the fused_scan.cpp that uses it).
 #pragma once
 
 #include <algorithm>

@@ -99,6 +99,20 @@ struct WindowRead {
 // scan at a firing than running state is to keep up to date at every event.
 constexpr int64_t kScanRows = 32;
 
+// Whether a window's one stat can be computed as a scan meets its rows (one_stat,
+// scan_rows.hpp), with no rows picked first: all but std, distinct and histograms.
+inline bool one_pass(Agg agg) {
+  switch (agg) {
+    case Agg::Count:
+    case Agg::Last:
+    case Agg::Sum:
+    case Agg::Mean:
+    case Agg::Max:
+    case Agg::Min: return true;
+    default: return false;
+  }
+}
+
 // A key's rows of one LogSpec: arrival order (count windows), ts order (time windows).
 // The sorted ring is built (then kept) only once a key's time windows hold more than
 // kScanRows rows: while it is empty the arrival ring keeps every row a time window can
