@@ -29,6 +29,7 @@ from control_plane.store.rollup_records import (
     DeviceRollup,
     saturating_add,
 )
+from control_plane.telemetry.design_effect import intraclass
 from control_plane.telemetry.robust import Devices, _compact, device_quantiles, min_samples
 from runtime.histogram import LatencyHistogram
 
@@ -634,3 +635,59 @@ def test_rows_are_grouped_by_code_as_a_sort_would(size, codes):
     expected_values, expected_inverse = np.unique(codes, return_inverse=True)
     assert values.tolist() == expected_values.tolist()
     assert inverse.tolist() == expected_inverse.tolist()
+
+
+def _at(rng, name, config, level, samples=3000):
+    """A device of `config` whose level is `level` in log off its config's median."""
+    median = 550 if config == GPU else 1000
+    return device_row(name, rng.lognormal(np.log(median) + level, 0.3, samples), config=config)
+
+
+def test_a_config_with_few_baseline_devices_is_not_judged_as_if_samples_were_independent():
+    """Found by a Monte-Carlo of the demo's slices (5 candidates of 23 devices, 15 in the
+    baseline): the CPU alone is compared (the GPU has 2 candidates), and of its 3 baseline
+    devices the trim keeps one, whose spread is none: the pooled margin was that of
+    independent samples, and a healthy slice whose 3 CPU candidates happen to be among the
+    slower devices (within 2 sigma of 0.15) failed: 1.414, at least 1.297, of all inferences
+    (the demo's rollback of a healthy sm8450 read 1.542, at least 1.297). How much devices
+    differ is now measured over all the baseline's devices kept, each on its own config."""
+    rng = np.random.default_rng(4)
+    candidate = [
+        *(_at(rng, f"dev_c{i}", CPU, level) for i, level in enumerate((0.1, 0.2, 0.3))),
+        *(_at(rng, f"dev_g{i}", GPU, 0.0) for i in range(2)),
+    ]
+    base = [
+        *(_at(rng, f"dev_bc{i}", CPU, level) for i, level in enumerate((-0.3, -0.15, 0.0))),
+        *(_at(rng, f"dev_bg{i:02d}", GPU, x) for i, x in enumerate(np.linspace(-0.25, 0.25, 12))),
+    ]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=5, min_inferences=500)
+    assert v.status == PASS and v.value > 1.4 and v.bound < 1, v
+    assert v.sample["design_effect"][CPU]["baseline"] > 100  # not 1: samples cluster
+
+
+def test_the_design_effect_counts_each_cohorts_own_samples_per_device():
+    # The devices differ as much in both cohorts (the baseline's measure); a device's
+    # 200 samples weigh less like one sample than its 4000 would.
+    rng = np.random.default_rng(5)
+    candidate = [_at(rng, f"dev_c{i}", GPU, 0.15 * rng.standard_normal(), 200) for i in range(9)]
+    base = [_at(rng, f"dev_b{i}", GPU, 0.15 * rng.standard_normal(), 4000) for i in range(9)]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=5, min_inferences=500)
+    effect = v.sample["design_effect"][GPU]
+    ratio = (effect["baseline"] - 1) / (effect["candidate"] - 1)
+    assert effect["candidate"] > 10 and ratio == pytest.approx(3999 / 199, rel=0.05), effect
+
+
+def test_how_much_devices_differ_is_measured_within_each_config():
+    """The ICC: the share of the variance of log latency between devices, a config's own
+    level (the GPU's 0.55x) not counted as a device's."""
+    rng = np.random.default_rng(6)
+    alike = [_at(rng, f"dev_a{i}", (GPU, CPU)[i % 2], 0.0) for i in range(20)]
+    differ = [
+        _at(rng, f"dev_d{i}", (GPU, CPU)[i % 2], 0.15 * rng.standard_normal()) for i in range(40)
+    ]
+    for rows, low, high in ((alike, 0, 0.01), (differ, 0.1, 0.35)):  # 0.15^2 / 0.335^2: 0.2
+        devices = Devices.of(rows)
+        icc = intraclass(devices, np.ones(len(devices)), devices.configs)
+        assert low <= icc <= high, icc
+    one_each = Devices.of(alike[:2])  # a device per config: nothing to compare it with
+    assert intraclass(one_each, np.ones(2), one_each.configs) is None
