@@ -1,0 +1,213 @@
+"""Latency rules on thin slices: few devices a backend config, devices alone on one, and
+how much a cohort's devices differ (the margins' design effect), withstanding liars."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, judge
+from control_plane.telemetry.design_effect import intraclass
+from control_plane.telemetry.robust import Devices
+from tests.control_plane.rollouts.test_guardrails import (
+    CPU,
+    GPU,
+    P95,
+    cohort,
+    device_row,
+    lognormal,
+    plus,
+)
+
+
+def test_a_device_alone_on_a_backend_config_cannot_swing_the_latency_ratio():
+    """Found in review: a device that is the only one on some config, in both cohorts,
+    had that config compared like with like on its word alone (fast as a candidate, slow
+    as a baseline, or the reverse). Configs are compared only where each cohort has more
+    than 2k devices on them."""
+    limits = {"min_devices": 20, "min_inferences": 1000}
+    own = "VULKAN/high/t7/mem-low"
+    fast, slow = np.full(1600, 1.5), np.full(1600, 100_000_000.0)
+
+    def attacker(cohort_latencies):
+        return device_row("dev_attacker", cohort_latencies, config=own)
+
+    regressed = cohort(30, lognormal(12_000, 3200, 1))
+    base = cohort(30, lognormal(12_000, 2000, 2), prefix="b")
+    v = judge(P95, plus(regressed, attacker(fast)), plus(base, attacker(slow)), **limits)
+    assert v.status == FAIL and v.value > 1.4, v
+    healthy_c = cohort(30, lognormal(12_000, 2000, 3))
+    v = judge(P95, plus(healthy_c, attacker(slow)), plus(base, attacker(fast)), **limits)
+    assert v.status == PASS and v.value < 1.2, v
+
+
+def test_a_config_with_too_few_devices_to_measure_a_spread_does_not_hide_a_slowdown():
+    # CI's readmission scenario: 3x slower on every device, 6 of 9 candidates on the GPU
+    # and 3 on the CPU. With one device left out each way, the CPU's 3 leave one device, no
+    # spread to measure: that config cannot be weighed, but the GPU's 6 still decide.
+    rng = np.random.default_rng(5)
+
+    def devices(n, config, median_us, prefix):
+        return [
+            device_row(
+                f"dev_{prefix}{i:03d}",
+                rng.lognormal(np.log(median_us * np.exp(0.15 * rng.standard_normal())), 0.3, 4000),
+                config=config,
+            )
+            for i in range(n)
+        ]
+
+    slow = Cohort([*devices(6, GPU, 3 * 550, "g"), *devices(3, CPU, 3 * 1000, "c")])
+    base = Cohort([*devices(13, GPU, 550, "bg"), *devices(7, CPU, 1000, "bc")])
+    v = judge(P95, slow, base, min_devices=3, min_inferences=300)
+    assert v.status == FAIL, v
+    assert v.value == pytest.approx(3, rel=0.2) and v.bound > 1.2
+
+
+def _phones(rng, n, config, median_us, prefix, samples=4000):
+    """Devices of one config as the simulator makes them: each its own level (0.15 apart
+    in log), its samples 0.3 apart."""
+    return [
+        device_row(
+            f"dev_{prefix}{i:03d}",
+            rng.lognormal(np.log(median_us * np.exp(0.15 * rng.standard_normal())), 0.3, samples),
+            config=config,
+        )
+        for i in range(n)
+    ]
+
+
+def _thin_slice(seed, slower=1.0, samples=4000):
+    """A slice of 6 candidates, 3 on each config (too few to compare either config alone
+    with one device left out each way), against 14 baseline devices."""
+    rng = np.random.default_rng(seed)
+    candidate = [
+        *_phones(rng, 3, GPU, slower * 550, "g", samples),
+        *_phones(rng, 3, CPU, slower * 1000, "c", samples),
+    ]
+    base = [*_phones(rng, 8, GPU, 550, "bg", samples), *_phones(rng, 6, CPU, 1000, "bc", samples)]
+    return candidate, base
+
+
+def test_a_slice_too_thin_on_every_config_is_compared_against_each_configs_level():
+    """CI's readmission scenario again, with 3 and 3: no config could be weighed, so only
+    the pooled reading judged, whose margin grows with every report (the design effect) and
+    whose baseline edge is read from ever rarer samples. A 3x slowdown caught in the first
+    second passed forever after. Each device is now read against its config's baseline
+    level, however many samples come in."""
+    for samples in (400, 40_000):
+        candidate, base = _thin_slice(1, slower=3.0, samples=samples)
+        v = judge(P95, Cohort(candidate), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == FAIL, v
+        assert "of each device's own" in v.detail
+        assert v.value == pytest.approx(3, rel=0.2) and v.bound > 2
+
+
+def test_a_thin_healthy_slice_is_not_halted_by_noise():
+    for seed in range(20):
+        candidate, base = _thin_slice(100 + seed)
+        v = judge(P95, Cohort(candidate), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == PASS and 0.7 < v.value < 1.4, v
+
+
+def test_one_device_cannot_swing_a_thin_slice_read_against_levels():
+    # Reporting 100x slower alone, on both configs at once (so it would count twice if a
+    # value were per config and not per device), it is left out: the slice passes.
+    candidate, base = _thin_slice(7)
+    slow = np.full(4000, 100_000.0)
+    liar = [device_row("dev_liar", slow, config=config) for config in (GPU, CPU)]
+    v = judge(P95, Cohort([*candidate, *liar]), Cohort(base), min_devices=3, min_inferences=300)
+    assert v.status == PASS, v
+    # Nor can one device reporting 100x faster hide a slice that is 3x slower.
+    candidate, base = _thin_slice(8, slower=3.0)
+    fast = device_row("dev_liar", np.full(4000, 5.0), config=GPU)
+    v = judge(P95, Cohort([*candidate, fast]), Cohort(base), min_devices=3, min_inferences=300)
+    assert v.status == FAIL and v.bound > 1.5, v
+    # A config only one baseline device ran has no level: a candidate on it is not read.
+    candidate, base = _thin_slice(9)
+    own = "VULKAN/high/t7/mem-low"
+    lone = [device_row("dev_lone", np.full(4000, 1.0), config=own)]
+    odd = device_row("dev_odd", np.full(4000, 1_000_000.0), config=own)
+    v = judge(
+        P95, Cohort([*candidate, odd]), Cohort([*base, *lone]), min_devices=3, min_inferences=300
+    )
+    assert v.status == PASS, v
+
+
+def test_a_fourth_device_on_one_config_cannot_narrow_a_thin_slice_to_that_config():
+    """Found in review: one device joining the GPU's 3 made that config comparable alone
+    (2 devices kept after trimming) and dropped the CPU's 3; a 3x slowdown then passed
+    (2.41x, at least 1.137). The reading that covers more candidate devices decides."""
+    for seed in range(8):
+        candidate, base = _thin_slice(50_000 + seed, slower=3.0)
+        fast = device_row("dev_liar", np.full(4000, 5.0), config=GPU)
+        v = judge(P95, Cohort([*candidate, fast]), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == FAIL and v.bound > 2, v
+        assert "dev_liar" in v.sample["left_out"]["candidate"]
+
+
+def test_a_slowdown_on_one_config_of_a_thin_slice_is_not_taken_for_spread():
+    """Found in review: the GPU's 3 devices 3x slower, the CPU's unchanged: the gap between
+    the two configs was counted as spread between devices (1.86x, at least 0.648). Spread
+    is measured within configs (and never below the baseline's)."""
+    rng = np.random.default_rng(3)
+    candidate = [*_phones(rng, 3, GPU, 3 * 550, "g"), *_phones(rng, 3, CPU, 1000, "c")]
+    base = [*_phones(rng, 8, GPU, 550, "bg"), *_phones(rng, 6, CPU, 1000, "bc")]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=3, min_inferences=300)
+    assert v.status == FAIL and 1.4 < v.value < 2.2 and v.bound > 1.2, v
+
+
+def _at(rng, name, config, level, samples=3000):
+    """A device of `config` whose level is `level` in log off its config's median."""
+    median = 550 if config == GPU else 1000
+    return device_row(name, rng.lognormal(np.log(median) + level, 0.3, samples), config=config)
+
+
+def test_a_config_with_few_baseline_devices_is_not_judged_as_if_samples_were_independent():
+    """Found by a Monte-Carlo of the demo's slices (5 candidates of 23 devices, 15 in the
+    baseline): the CPU alone is compared (the GPU has 2 candidates), and of its 3 baseline
+    devices the trim keeps one, whose spread is none: the pooled margin was that of
+    independent samples, and a healthy slice whose 3 CPU candidates happen to be among the
+    slower devices (within 2 sigma of 0.15) failed: 1.414, at least 1.297, of all inferences
+    (the demo's rollback of a healthy sm8450 read 1.542, at least 1.297). How much devices
+    differ is now measured over all the baseline's devices kept, each on its own config."""
+    rng = np.random.default_rng(4)
+    candidate = [
+        *(_at(rng, f"dev_c{i}", CPU, level) for i, level in enumerate((0.1, 0.2, 0.3))),
+        *(_at(rng, f"dev_g{i}", GPU, 0.0) for i in range(2)),
+    ]
+    base = [
+        *(_at(rng, f"dev_bc{i}", CPU, level) for i, level in enumerate((-0.3, -0.15, 0.0))),
+        *(_at(rng, f"dev_bg{i:02d}", GPU, x) for i, x in enumerate(np.linspace(-0.25, 0.25, 12))),
+    ]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=5, min_inferences=500)
+    assert v.status == PASS and v.value > 1.4 and v.bound < 1, v
+    assert v.sample["design_effect"][CPU]["baseline"] > 100  # not 1: samples cluster
+
+
+def test_the_design_effect_counts_each_cohorts_own_samples_per_device():
+    # The devices differ as much in both cohorts (the baseline's measure); a device's
+    # 200 samples weigh less like one sample than its 4000 would.
+    rng = np.random.default_rng(5)
+    candidate = [_at(rng, f"dev_c{i}", GPU, 0.15 * rng.standard_normal(), 200) for i in range(9)]
+    base = [_at(rng, f"dev_b{i}", GPU, 0.15 * rng.standard_normal(), 4000) for i in range(9)]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=5, min_inferences=500)
+    effect = v.sample["design_effect"][GPU]
+    ratio = (effect["baseline"] - 1) / (effect["candidate"] - 1)
+    assert effect["candidate"] > 10 and ratio == pytest.approx(3999 / 199, rel=0.05), effect
+
+
+def test_how_much_devices_differ_is_measured_within_each_config():
+    """The ICC: the share of the variance of log latency between devices, a config's own
+    level (the GPU's 0.55x) not counted as a device's."""
+    rng = np.random.default_rng(6)
+    alike = [_at(rng, f"dev_a{i}", (GPU, CPU)[i % 2], 0.0) for i in range(20)]
+    differ = [
+        _at(rng, f"dev_d{i}", (GPU, CPU)[i % 2], 0.15 * rng.standard_normal()) for i in range(40)
+    ]
+    for rows, low, high in ((alike, 0, 0.01), (differ, 0.1, 0.35)):  # 0.15^2 / 0.335^2: 0.2
+        devices = Devices.of(rows)
+        icc = intraclass(devices, np.ones(len(devices)), devices.configs)
+        assert low <= icc <= high, icc
+    one_each = Devices.of(alike[:2])  # a device per config: nothing to compare it with
+    assert intraclass(one_each, np.ones(2), one_each.configs) is None
