@@ -388,9 +388,9 @@ def judge(
             return lacking
     # Both cohorts' margins widened by how much the baseline's devices differ among
     # themselves (healthy by assumption; the candidate's spread could be the regression),
-    # each by its own samples per device.
+    # each by its own samples per device; robust to k liars on every config it reads.
     deff = design_effects(
-        candidate.members, c_weights, baseline.members, b_weights, configs or [None]
+        candidate.members, c_weights, baseline.members, b_weights, configs or [None], k
     )
     sample["design_effect"] = {
         str(c): {"candidate": round(dc, 2), "baseline": round(db, 2)}

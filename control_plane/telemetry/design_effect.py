@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from control_plane.telemetry.robust import capped
 from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ def design_effects(
     baseline: Devices,
     baseline_weights: np.ndarray,
     configs: Sequence[str | None],
+    k: int = 0,
 ) -> dict[str | None, tuple[float, float]]:
     """Return per config (None: every config) the candidate's and the baseline's design effect.
 
@@ -46,13 +48,16 @@ def design_effects(
     the candidate's spread could be the regression), measured once over all its devices
     kept, each compared with the others on its own config (`intraclass`): on a compared
     config alone it rests on as few as one or two devices kept, which often show no
-    spread by chance, and the margin was then that of independent samples. Where not
-    even that can measure it (one device kept on each config), the margin is still that
-    of independent samples.
+    spread by chance, and the margin was then that of independent samples. Any device
+    may lie, so the ICC is robust to `k` of them on every config it reads (see
+    `intraclass`), those the latency trim never looked at included. Where it cannot be
+    measured (too few devices on every config), the margin is that of independent samples.
     """
-    icc = intraclass(
-        baseline, baseline_weights, baseline.configs if list(configs) != [None] else [None]
-    )
+    # The ICC from every baseline device as capped, not as the latency trim weighed them:
+    # `intraclass` leaves its own k out on each config (by spread, which that trim, by
+    # influence on a quantile, does not look at); trimming twice would leave too few.
+    scales = capped(baseline.per_device("latency_count"))
+    icc = intraclass(baseline, scales, baseline.configs if list(configs) != [None] else [None], k)
     sizes = [
         cluster_sizes(devices, weights, configs)
         for devices, weights in ((candidate, candidate_weights), (baseline, baseline_weights))
@@ -124,7 +129,7 @@ def _row_moments(table: DeviceTable) -> np.ndarray:
 
 
 def intraclass(
-    devices: Devices, weights: np.ndarray, configs: Sequence[str | None] = (None,)
+    devices: Devices, weights: np.ndarray, configs: Sequence[str | None] = (None,), k: int = 0
 ) -> float | None:
     """Return the share of the variance of log latency that lies between devices.
 
@@ -132,6 +137,12 @@ def intraclass(
     as scaled): each device's samples on a config are one cluster, compared with the
     other clusters on that config (a config's own level is no device's; [None]: every
     config as one). None where it cannot be measured: one cluster on each config.
+
+    With `k` > 0, robust to k devices that lie on each config: a config is read only
+    where it has more than 2k + 1 clusters, their means winsorized k each way (a liar far
+    off counts as the k+1-th most extreme device does), and the spread within devices is
+    the median device's, not the pooled one (a liar with a wide or a narrow spread of its
+    own cannot move it past an honest device's).
     """
     cluster, scale = _cluster_of(devices, weights, configs)
     counted = cluster >= 0
@@ -140,18 +151,43 @@ def intraclass(
     n, total, square = (np.bincount(cluster[counted], weights=m, minlength=size) for m in moments)
     held = np.flatnonzero(n > 0)
     n, total, square, group = n[held], total[held], square[held], held % len(configs)
+    mean = total / n
+    spread = np.maximum(square / n - mean * mean, 0)
+    if k > 0:
+        keep, mean = _winsorized(mean, group, k)
+        n, mean, spread, group = n[keep], mean[keep], spread[keep], group[keep]
     present = np.unique(group)
     df_between = len(n) - len(present)
     if df_between < 1:
         return None
     size = np.bincount(group, weights=n)
-    level = np.bincount(group, weights=total)[group] / size[group]
-    mean = total / n
+    level = np.bincount(group, weights=n * mean)[group] / size[group]
     all_n = float(n.sum())
-    within = float(np.maximum(square / n - mean * mean, 0) @ n)
     msb = float(n @ (mean - level) ** 2) / df_between
-    msw = within / max(all_n - len(n), 1.0)
+    if k > 0:
+        msw = float(np.median(spread))
+    else:
+        msw = float(spread @ n) / max(all_n - len(n), 1.0)
     own = np.bincount(group, weights=n * n)[present] / size[present]
     n0 = (all_n - float(own.sum())) / df_between
     denominator = msb + (n0 - 1) * msw
     return min(1.0, max(0.0, (msb - msw) / denominator)) if denominator > 0 else 0.0
+
+
+def _winsorized(mean: np.ndarray, group: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return which clusters `intraclass` reads with k liars a config, and their means.
+
+    A config with more than 2k + 1 clusters is read, each mean clipped to the k+1-th
+    lowest and highest of its config's; one with fewer is not: nothing there could be
+    told from a liar.
+    """
+    keep = np.zeros(len(mean), bool)
+    clipped = mean.copy()
+    for g in np.unique(group):
+        at = np.flatnonzero(group == g)
+        if len(at) <= 2 * k + 1:
+            continue
+        ordered = np.sort(mean[at])
+        clipped[at] = np.clip(mean[at], ordered[k], ordered[len(at) - 1 - k])
+        keep[at] = True
+    return keep, clipped

@@ -211,3 +211,66 @@ def test_how_much_devices_differ_is_measured_within_each_config():
         assert low <= icc <= high, icc
     one_each = Devices.of(alike[:2])  # a device per config: nothing to compare it with
     assert intraclass(one_each, np.ones(2), one_each.configs) is None
+
+
+def _slowed(rng, name, config, slower, samples=2000):
+    """A device of `config`, `slower` times its own level (itself 0.15 apart in log)."""
+    median = (550 if config == GPU else 1000) * slower
+    level = np.log(median) + 0.15 * rng.standard_normal()
+    return device_row(name, rng.lognormal(level, 0.3, samples), config=config)
+
+
+@pytest.mark.parametrize(
+    "liar",
+    [
+        ("CPU", 1e7),  # on a config too thin to compare, 10^4x its level, one narrow bucket
+        ("CPU", 10.0),  # 100x faster than it
+        ("alone", 8e6),  # beside one honest device on a config only the baseline runs
+    ],
+)
+def test_a_baseline_liar_on_a_config_never_compared_cannot_widen_every_margin(liar):
+    """Found by the attack review of the design effect measured over every baseline
+    config: the latency trim looks only at compared configs, so a device alone far off
+    its config's level elsewhere was never left out, set how much devices seemed to
+    differ (design effect 290 -> 1901), and a slice with 6 of 40 devices 6x slower
+    passed (1.26, at least 0.93). The share is now read on configs of more than 2k + 1
+    devices, their levels winsorized k each way and the spread within devices the
+    median device's."""
+    rng = np.random.default_rng(7)
+    candidate = [_slowed(rng, f"dev_g{i:03d}", GPU, 6.0 if i < 6 else 1.0) for i in range(40)]
+    candidate += [_slowed(rng, f"dev_c{i}", CPU, 1.0) for i in range(2)]  # CPU: not compared
+    base = [_slowed(rng, f"dev_bg{i:03d}", GPU, 1.0) for i in range(40)]
+    base += [_slowed(rng, f"dev_bc{i}", CPU, 1.0) for i in range(5)]
+    limits = {"min_devices": 20, "min_inferences": 1000}
+    honest = judge(P95, Cohort(candidate), Cohort(base), **limits)
+    assert honest.status == FAIL and honest.bound >= 1.5, honest
+    where, latency_us = liar
+    config = CPU if where == "CPU" else "VULKAN/high/t7/mem-low"
+    lying = [device_row("dev_liar", np.full(2000, latency_us), config=config)]
+    if where == "alone":
+        lying.append(_slowed(rng, "dev_bvk", config, 1.0))
+    v = judge(P95, Cohort(candidate), Cohort(base + lying), **limits)
+    assert v.status == FAIL and v.bound >= 1.4, v
+    # At most as if an honest device at its config's edge had reported twice.
+    effect = v.sample["design_effect"][GPU]["baseline"]
+    assert effect <= 1.5 * honest.sample["design_effect"][GPU]["baseline"], v
+
+
+def test_how_much_devices_differ_leaves_k_liars_out_on_every_config():
+    rng = np.random.default_rng(8)
+    honest = [_at(rng, f"dev_h{i:02d}", GPU, 0.15 * rng.standard_normal()) for i in range(12)]
+    devices = Devices.of(honest)
+    truth = intraclass(devices, np.ones(len(devices)), devices.configs, 1)
+    # One far off the level, one with a spread of its own 10x wider, one with none.
+    liars = [
+        device_row("dev_far", np.full(3000, 5e6), config=GPU),
+        device_row("dev_wide", rng.lognormal(np.log(550), 3.0, 3000), config=GPU),
+        device_row("dev_flat", np.full(3000, 550.0), config=GPU),
+    ]
+    for liar in liars:
+        with_liar = Devices.of([*honest, liar])
+        icc = intraclass(with_liar, np.ones(len(with_liar)), with_liar.configs, 1)
+        assert icc == pytest.approx(truth, rel=0.5), (liar.device, icc, truth)
+    # A config of 2k + 1 devices or fewer is not read at all: its liar could not be told.
+    few = Devices.of([*honest[:2], liars[0]])
+    assert intraclass(few, np.ones(len(few)), few.configs, 1) is None
