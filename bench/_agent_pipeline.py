@@ -5,20 +5,22 @@ firing's model result reached a subscriber in this process: as `Event` messages 
 `Subscribe`; then, an hour later (the engine has moved past the first ones), with
 `SubscribeBatches`; then as `EventColumns` with `SubscribeBatches`. The baseline is the
 same pipeline and model run in this process (`runtime.pipeline.Pipeline` + an in-process
-`runtime.Model`, one run per firing).
+`runtime.Model`, one run per firing), the median of ROUNDS runs.
 
 The floor under the first way: a bare grpc.aio server in a process of its own (as the
 agent's is) that answers the same `PushEventsRequest`s without reading them and streams,
 for each, as many copies of one real `PipelineResult` as that push fired in the agent,
 to the same kind of reader: what the API's shape (a message per event, a message per
-result) costs with no work behind it.
+result) costs with no work behind it; the median of ROUNDS rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -34,6 +36,7 @@ from runtime.pipeline import Pipeline, parse_pipeline
 
 BATCH = 1000
 HOUR_MS = 3_600_000
+ROUNDS = 5  # the floor and the in-process baseline: medians of this many
 
 
 def pipeline_figures(stub, model: str, tmp: Path, n: int) -> dict:
@@ -144,8 +147,13 @@ def pipeline_through_agent(
     return took, sum(per_push), per_push, sample
 
 
-def pipeline_floor(model: str, events, per_push: list[int], sample: bytes, tmp: Path) -> float:
-    """Seconds the floor's bare server takes for what `pipeline_through_agent` did."""
+def pipeline_floor(
+    model: str, events, per_push: list[int], sample: bytes, tmp: Path, rounds: int = ROUNDS
+) -> float:
+    """Seconds the floor's bare server takes for what `pipeline_through_agent` did.
+
+    The median of `rounds` (a round is a tenth of a second: one alone is noise).
+    """
     path, script = tmp / "pipeline-floor.sock", tmp / "pipeline-floor.json"
     script.write_text(json.dumps({"per_push": per_push, "result": sample.hex()}))
     server = subprocess.Popen([sys.executable, __file__, str(path), str(script)])
@@ -166,9 +174,12 @@ def pipeline_floor(model: str, events, per_push: list[int], sample: bytes, tmp: 
                 response_deserializer=agent_pb2.PipelineResult.FromString,
             )
             requests = push_requests(model, events)
-            took, got, _ = pushed_and_read(push, subscribe, requests, batched=False)
-        assert got == per_push, (got, per_push)
-        return took
+            took = []
+            for _ in range(rounds):
+                seconds, got, _ = pushed_and_read(push, subscribe, requests, batched=False)
+                assert got == per_push, (got, per_push)
+                took.append(seconds)
+        return statistics.median(took)
     finally:
         server.kill()
         server.wait()
@@ -178,7 +189,10 @@ FLOOR = "skiff.bench.PipelineFloor"
 
 
 def serve_floor(path: str, script: str) -> None:
-    """The floor's server: push i answers per_push[i] and queues that many results."""
+    """The floor's server: push i answers per_push[i] and queues that many results.
+
+    Round after round: after the last push, the first again.
+    """
     from device_agent.local_api import SERVER_OPTIONS
 
     told = json.loads(Path(script).read_text())
@@ -186,7 +200,7 @@ def serve_floor(path: str, script: str) -> None:
 
     async def serve() -> None:
         queue: asyncio.Queue[bytes] = asyncio.Queue()
-        pushes = iter(per_push)
+        pushes = itertools.cycle(per_push)
 
         async def push(request: bytes, context) -> bytes:
             fired = next(pushes)
@@ -211,22 +225,31 @@ def serve_floor(path: str, script: str) -> None:
     asyncio.run(serve())
 
 
-def pipeline_in_process(mnn: Path, events) -> tuple[float, int]:
-    """The same events through the same pipeline and model in this process."""
+def pipeline_in_process(mnn: Path, events, rounds: int = ROUNDS) -> tuple[float, int]:
+    """The same events through the same pipeline and model in this process.
+
+    The median of `rounds`, each with a pipeline of its own (as fresh as the agent's).
+    """
     from runtime import Model
 
     ts, types, keys, values = events
     spec = parse_pipeline(activity_pipeline())
+    took, fired = [], set()
     with Model.from_bytes(mnn.read_bytes(), isolation="in_process") as model:
-        pipeline = Pipeline(spec, spec.fit([{"name": "x", "shape": [1, 16], "dtype": "float32"}]))
-        start = time.perf_counter()
-        fired = 0
-        for lo in range(0, len(ts), BATCH):
-            hi = lo + BATCH
-            for firing in pipeline.push(ts[lo:hi], types[lo:hi], keys[lo:hi], values[lo:hi]):
-                model.run(firing.inputs)
-                fired += 1
-        return time.perf_counter() - start, fired
+        for _ in range(rounds):
+            fit = spec.fit([{"name": "x", "shape": [1, 16], "dtype": "float32"}])
+            pipeline = Pipeline(spec, fit)
+            start = time.perf_counter()
+            count = 0
+            for lo in range(0, len(ts), BATCH):
+                hi = lo + BATCH
+                for firing in pipeline.push(ts[lo:hi], types[lo:hi], keys[lo:hi], values[lo:hi]):
+                    model.run(firing.inputs)
+                    count += 1
+            took.append(time.perf_counter() - start)
+            fired.add(count)
+    assert len(fired) == 1, fired
+    return statistics.median(took), fired.pop()
 
 
 if __name__ == "__main__":  # the floor's server, started by pipeline_floor
