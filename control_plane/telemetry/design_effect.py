@@ -1,9 +1,9 @@
 """How much fewer independent samples a cohort's timed inferences are worth (design effect).
 
 A latency rule's margin treats inferences as independent draws; they are not quite (a
-slow device gives many slow inferences). `design_effects` measures by how much, over
-the devices a trim kept (control_plane.telemetry.robust), and
-control_plane.rollouts.guardrails widens the margin by it.
+slow device gives many slow inferences). `design_effects` measures by how much, robust
+to the k devices a verdict must withstand, and control_plane.rollouts.guardrails widens
+the margin by it.
 """
 
 from __future__ import annotations
@@ -45,17 +45,18 @@ def design_effects(
     sampling, 1 + (m - 1) * ICC. m is each cohort's own: the size-weighted mean samples
     of its devices kept (weights > 0, as scaled) on the config. The ICC, the share of the
     variance of log latency between devices, is the baseline's (healthy by assumption;
-    the candidate's spread could be the regression), measured once over all its devices
-    kept, each compared with the others on its own config (`intraclass`): on a compared
-    config alone it rests on as few as one or two devices kept, which often show no
-    spread by chance, and the margin was then that of independent samples. Any device
-    may lie, so the ICC is robust to `k` of them on every config it reads (see
-    `intraclass`), those the latency trim never looked at included. Where it cannot be
-    measured (too few devices on every config), the margin is that of independent samples.
+    the candidate's spread could be the regression), measured once over all its devices,
+    each compared with the others on its own config (`intraclass`): on a compared config
+    alone it rests on as few as one or two devices kept, which often show no spread by
+    chance, and the margin was then that of independent samples. Any device may lie, so
+    the ICC is robust to `k` of them on every config it reads, those the latency trim
+    never looked at included. Where it cannot be measured (too few devices on every
+    config), the margin is that of independent samples.
     """
     # The ICC from every baseline device as capped, not as the latency trim weighed them:
-    # `intraclass` leaves its own k out on each config (by spread, which that trim, by
-    # influence on a quantile, does not look at); trimming twice would leave too few.
+    # that trim looks only at compared configs, and by influence on a quantile, not by
+    # level or spread; `intraclass` withstands k liars on every config itself, and on top
+    # of that trim it would read too few devices to measure anything.
     scales = capped(baseline.per_device("latency_count"))
     icc = intraclass(baseline, scales, baseline.configs if list(configs) != [None] else [None], k)
     sizes = [
