@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -300,16 +300,35 @@ def _config_by_config(
     )
 
 
+def _borrowed(level: Trimmed, spread: float) -> Trimmed:
+    """Return a level with its variance, where it cannot measure one, from `spread`.
+
+    A config with 2k + 1 baseline devices keeps one after trimming: its level is their
+    median, which k of them cannot move beyond the others, but its own spread is
+    unmeasured (Yuen's variance is infinite). Its variance is then the large-sample one of
+    a median, pi/2 * spread / n, over the spread the baseline shows on other configs: a
+    little wider than the exact 0.45 * spread of a median of 3 normal draws.
+    """
+    if level.kept > 1:
+        return level
+    n = level.kept + len(level.left_out)
+    return replace(level, variance=math.pi / 2 * spread / n)
+
+
 def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> DeviceRatio | None:
     """Compare each candidate device with its config's baseline level; None if none can be.
 
     A config's level is the trimmed mean of its baseline devices' log quantiles, on configs
-    with more than 2k + 1 of them (so their spread is measured); each candidate device on
+    with more than 2k of them (with 2k + 1, their median: its variance is borrowed from the
+    baseline's spread on configs where that is measured, `_borrowed`, and with none such
+    nothing is read); each candidate device on
     such configs gives one value, its log quantile less its config's level (the mean of its
     configs' where it ran several: one device, one value), and the trimmed mean of those
     values, k left out each way, is the log ratio. So a thin slice is still compared like
     with like, and a device alone on a config (in either cohort) has no level to be read
-    against. Needs more than 2k + 1 candidate devices.
+    against. Needs more than 2k candidate devices (with 2k + 1, their median is read,
+    its variance that of a mean of one device at the baseline's spread: wider than a
+    median's).
 
     The standard error is of a mean over the devices kept, from their spread within their
     configs (a slowdown on one config only is an effect, not noise between devices), never
@@ -320,8 +339,16 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
     levels: dict[str, tuple[DeviceQuantiles, Trimmed]] = {}
     for config in sorted(set(candidate.configs) & set(baseline.configs)):
         db = device_quantiles(baseline, q, config)
-        if len(db.log_us) > 2 * k + 1:
+        if len(db.log_us) > 2 * k:
             levels[config] = (db, trimmed(db.log_us, k))
+    # The baseline's spread between devices within a config, from the configs where it
+    # can be measured (two devices or more left after trimming): the floor of the
+    # candidates' spread, and what a thin config's level borrows as its own.
+    spreads = [(len(db.log_us), level.spread) for db, level in levels.values() if level.kept > 1]
+    if not spreads:
+        return None
+    floor = sum((n - 1) * s for n, s in spreads) / max(sum(n - 1 for n, _ in spreads), 1)
+    levels = {c: (db, _borrowed(level, floor)) for c, (db, level) in levels.items()}
     share = np.zeros((len(candidate), len(levels)))  # device x level: its configs' weights
     total = np.zeros(len(candidate))
     for j, (config, (_, level)) in enumerate(levels.items()):
@@ -329,7 +356,7 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
         share[dc.positions, j] = 1.0
         total[dc.positions] += dc.log_us - level.mean
     read = np.flatnonzero(share.sum(axis=1))
-    if len(read) <= 2 * k + 1:
+    if len(read) <= 2 * k:
         return None
     share = share[read] / share[read].sum(axis=1, keepdims=True)  # each device's row sums to 1
     values = total[read] / np.count_nonzero(share, axis=1)
@@ -342,8 +369,6 @@ def _against_levels(candidate: Devices, baseline: Devices, q: float, k: int) -> 
     means = (share[kept][:, used].T @ values[kept]) / share[kept][:, used].sum(axis=0)
     residual = values[kept] - share[kept][:, used] @ means
     within = float(residual @ residual) / max(h - int(used.sum()), 1)
-    spreads = [(len(db.log_us), level.spread) for db, level in levels.values()]
-    floor = sum((n - 1) * s for n, s in spreads) / max(sum(n - 1 for n, _ in spreads), 1)
     variance = max(within, floor) / h + sum(
         w * w * level.variance for w, (_, level) in zip(weights, levels.values(), strict=True)
     )

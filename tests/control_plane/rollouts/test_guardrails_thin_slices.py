@@ -191,3 +191,81 @@ def test_a_baseline_liar_on_a_config_never_compared_cannot_widen_every_margin(li
         lying.append(_slowed(rng, "dev_bvk", config, 1.0))
     v = judge(P95, Cohort(candidate), Cohort(base + lying), **limits)
     assert v.status == FAIL and v.bound >= 1.4, v
+
+
+def _readmitted(seed, slower, gpu=(3, 12), cpu=(2, 3), samples=40_000):
+    """CI's readmission slice: 5 candidates against 15 baseline devices, the CPU's 3
+    baseline devices too few to measure a spread on (one device left out each way)."""
+    rng = np.random.default_rng(seed)
+    candidate = [
+        *_phones(rng, gpu[0], GPU, slower * 550, "g", samples),
+        *_phones(rng, cpu[0], CPU, slower * 1000, "c", samples),
+    ]
+    base = [
+        *_phones(rng, gpu[1], GPU, 550, "bg", samples),
+        *_phones(rng, cpu[1], CPU, 1000, "bc", samples),
+    ]
+    return candidate, base
+
+
+@pytest.mark.parametrize("shape", [((3, 12), (2, 3)), ((3, 13), (2, 2)), ((3, 17), (0, 0))])
+def test_a_slice_whose_configs_have_2k_plus_1_baseline_devices_is_read_device_by_device(shape):
+    """Found in CI: a readmitted slice 3x slower (3 GPU and 2 CPU candidates against 12
+    and 3) passed for 3 minutes, 'p95_latency_ratio 2.828 (of all inferences p95), at
+    least 0.806'. The CPU's 3 baseline devices gave it no level (its spread unmeasured),
+    so only the 3 GPU candidates could be read device by device, too few; the pooled
+    reading's margin, widened by 40k samples a device, decided. A config of 2k + 1
+    baseline devices now gives its median as its level, with the spread the baseline
+    shows on the GPU; and 2k + 1 candidates are read by their median."""
+    gpu, cpu = shape
+    for seed in range(10):
+        candidate, base = _readmitted(seed, 3.0, gpu, cpu)
+        v = judge(P95, Cohort(candidate), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == FAIL and "of each device's own" in v.detail, v
+        assert v.value == pytest.approx(3, rel=0.25) and v.bound > 1.5, v
+        healthy, base = _readmitted(100 + seed, 1.0, gpu, cpu)
+        v = judge(P95, Cohort(healthy), Cohort(base), min_devices=3, min_inferences=300)
+        assert v.status == PASS and 0.7 < v.value < 1.4, v
+
+
+@pytest.mark.parametrize("latency_us", [1e7, 5.0])
+def test_one_baseline_liar_among_a_thin_configs_three_cannot_move_its_level(latency_us):
+    # One of the CPU's 3 baseline devices lies, far slower or far faster: the level is the
+    # median, between the two honest devices; a 3x slowdown still fails, a healthy slice
+    # still passes.
+    for seed in range(6):
+        for slower, want in ((3.0, FAIL), (1.0, PASS)):
+            candidate, base = _readmitted(200 + seed, slower, cpu=(2, 2))
+            liar = device_row("dev_liar", np.full(4000, latency_us), config=CPU)
+            v = judge(
+                P95, Cohort(candidate), Cohort([*base, liar]), min_devices=3, min_inferences=300
+            )
+            assert v.status == want, v
+            if want == FAIL:
+                assert v.bound > 1.5, v
+
+
+def test_one_liar_among_three_candidates_can_neither_hide_nor_fake_a_slowdown():
+    for seed in range(6):
+        # Two candidates 3x slower, the third reporting 100x faster: the median is slow.
+        candidate, base = _readmitted(300 + seed, 3.0, gpu=(2, 12), cpu=(0, 3))
+        fast = device_row("dev_liar", np.full(4000, 5.0), config=GPU)
+        v = judge(P95, Cohort([*candidate, fast]), Cohort(base), **_thin_limits())
+        assert v.status == FAIL and v.bound > 1.5, v
+        # Two healthy candidates, the third 100x slower: the median is healthy.
+        candidate, base = _readmitted(400 + seed, 1.0, gpu=(2, 12), cpu=(0, 3))
+        slow = device_row("dev_liar", np.full(4000, 100_000.0), config=GPU)
+        v = judge(P95, Cohort([*candidate, slow]), Cohort(base), **_thin_limits())
+        assert v.status == PASS, v
+
+
+def test_thin_levels_need_a_spread_measured_somewhere():
+    # Every baseline config holds 2k + 1 devices: no spread to lend, so no level is read
+    # device by device, and the pooled reading alone decides (here: a fail, 3x slower).
+    candidate, base = _readmitted(500, 3.0, gpu=(3, 3), cpu=(3, 3), samples=4000)
+    v = judge(P95, Cohort(candidate), Cohort(base), **_thin_limits())
+    assert "of all inferences" in v.detail, v
+
+
+def _thin_limits() -> dict:
+    return {"min_devices": 3, "min_inferences": 300}

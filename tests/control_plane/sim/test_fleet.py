@@ -123,7 +123,10 @@ def test_wait_synced_says_how_many_are_missing(cp_holder):
                 await sim.wait_synced(MODEL, 2, timeout=0.01)
             await asyncio.to_thread(rollout, cp, 2, "")
             await sim.wait_synced(MODEL, 2, timeout=30)
-            pushed = r"watching, revision \d+ pushed [\d.]+ s ago, \d+ syncs"
+            pushed = (
+                r"watching, revision \d+ pushed [\d.]+ s ago"
+                r"(, a Sync under way for [\d.]+ s)?, \d+ syncs"
+            )
             with pytest.raises(errors.Unavailable, match=pushed):
                 await sim.wait_synced(MODEL, 3, timeout=0.01)
             with pytest.raises(errors.InvalidArgument):
