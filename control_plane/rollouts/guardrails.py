@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 
 from contract import errors
 from control_plane.store.rollup_records import Aggregate, DeviceRollup, llm_figures
-from control_plane.telemetry.design_effect import design_effect
+from control_plane.telemetry.design_effect import design_effects
 from control_plane.telemetry.own_quantiles import device_ratio
 from control_plane.telemetry.robust import (
     DEFAULT_OUTLIERS,
@@ -387,9 +387,15 @@ def judge(
         if lacking:
             return lacking
     # Both cohorts' margins widened by how much the baseline's devices differ among
-    # themselves (healthy by assumption; the candidate's spread could be the regression).
-    deff = {c: design_effect(baseline.members, b_weights, c) for c in (configs or [None])}
-    sample["design_effect"] = {str(c): round(d, 2) for c, d in deff.items()}
+    # themselves (healthy by assumption; the candidate's spread could be the regression),
+    # each by its own samples per device; robust to k liars on every config it reads.
+    deff = design_effects(
+        candidate.members, c_weights, baseline.members, b_weights, configs or [None], k
+    )
+    sample["design_effect"] = {
+        str(c): {"candidate": round(dc, 2), "baseline": round(db, 2)}
+        for c, (dc, db) in deff.items()
+    }
     value, bound = latency_ratio(judged_c, judged_b, q, configs, deff)
     figures = (value, bound, judged_c.aggregate.quantile_us(q), judged_b.aggregate.quantile_us(q))
     # Two readings, each robust to k devices; the one the evidence weighs more decides.
@@ -463,7 +469,7 @@ def latency_ratio(
     baseline: Pooled,
     q: float,
     configs: Sequence[str] | None = None,
-    deff: Mapping[str | None, float] | None = None,
+    deff: Mapping[str | None, tuple[float, float]] | None = None,
 ) -> tuple[float, float]:
     """Return the candidate/baseline ratio of quantile `q`, and its margin-side bound.
 
@@ -474,26 +480,27 @@ def latency_ratio(
     on the new version is a draw: pooled, a candidate with more CPU-only devices than the
     baseline looked 1.4x slower on p95 with nothing wrong. A version that moves devices
     to a slower backend does so by falling back, which `fallback_rate` watches. Cohorts
-    with no config to compare are compared pooled. `deff` widens each config's margin
-    (None: pooled) by the design effect of samples clustered in devices.
+    with no config to compare are compared pooled. `deff` widens each config's margins
+    (None: pooled) by the design effects of samples clustered in devices (the candidate's,
+    the baseline's).
     """
     wanted = set(candidate.by_config) if configs is None else set(configs)
     deff = deff or {}
     pairs = [
-        (agg, baseline.by_config[config], deff.get(config, 1.0))
+        (agg, baseline.by_config[config], deff.get(config, (1.0, 1.0)))
         for config, agg in sorted(candidate.by_config.items())
         if config in wanted
         and agg.latency_count
         and baseline.by_config.get(config, Aggregate()).latency_count
-    ] or [(candidate.aggregate, baseline.aggregate, deff.get(None, 1.0))]
+    ] or [(candidate.aggregate, baseline.aggregate, deff.get(None, (1.0, 1.0)))]
     # Below 1 µs the histogram cannot tell latencies apart: compare from 1 µs up.
     floor = MIN_NS / 1000
     log_value = log_bound = total = 0.0
-    for c, b, effect in pairs:
+    for c, b, (c_effect, b_effect) in pairs:
         if not (c.latency_count and b.latency_count):
             continue
-        c_low, _ = _quantile_bounds(c, q, effect)
-        _, b_high = _quantile_bounds(b, q, effect)
+        c_low, _ = _quantile_bounds(c, q, c_effect)
+        _, b_high = _quantile_bounds(b, q, b_effect)
         n_c, n_b = c.latency_count, b.latency_count
         weight = n_c * n_b / (n_c + n_b)
         log_value += weight * math.log(max(c.quantile_us(q), floor) / max(b.quantile_us(q), floor))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, judge
+from control_plane.rollouts.guardrails import FAIL, PASS, Cohort, Pooled, judge, latency_ratio
+from control_plane.telemetry.design_effect import intraclass
+from control_plane.telemetry.robust import Devices
 from tests.control_plane.rollouts.test_guardrails import (
     CPU,
     GPU,
@@ -155,6 +157,69 @@ def test_a_slowdown_on_one_config_of_a_thin_slice_is_not_taken_for_spread():
     assert v.status == FAIL and 1.4 < v.value < 2.2 and v.bound > 1.2, v
 
 
+def _at(rng, name, config, level, samples=3000):
+    """A device of `config` whose level is `level` in log off its config's median."""
+    median = 550 if config == GPU else 1000
+    return device_row(name, rng.lognormal(np.log(median) + level, 0.3, samples), config=config)
+
+
+def test_a_config_with_few_baseline_devices_is_not_judged_as_if_samples_were_independent():
+    """Found by a Monte-Carlo of the demo's slices (5 candidates of 23 devices, 15 in the
+    baseline): the CPU alone is compared (the GPU has 2 candidates), and of its 3 baseline
+    devices the trim keeps one, whose spread is none: the pooled margin was that of
+    independent samples, and a healthy slice whose 3 CPU candidates happen to be among the
+    slower devices (within 2 sigma of 0.15) failed: 1.414, at least 1.297, of all inferences
+    (the demo's rollback of a healthy sm8450 read 1.542, at least 1.297). How much devices
+    differ is now measured over all the baseline's devices kept, each on its own config."""
+    rng = np.random.default_rng(4)
+    candidate = [
+        *(_at(rng, f"dev_c{i}", CPU, level) for i, level in enumerate((0.1, 0.2, 0.3))),
+        *(_at(rng, f"dev_g{i}", GPU, 0.0) for i in range(2)),
+    ]
+    base = [
+        *(_at(rng, f"dev_bc{i}", CPU, level) for i, level in enumerate((-0.3, -0.15, 0.0))),
+        *(_at(rng, f"dev_bg{i:02d}", GPU, x) for i, x in enumerate(np.linspace(-0.25, 0.25, 12))),
+    ]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=5, min_inferences=500)
+    # Both readings pass it: each device's own (the CPU's 3 baseline devices give a level
+    # now) and all inferences pooled, whose margin no longer takes them as independent.
+    assert v.status == PASS and v.bound < 1, v
+    assert v.sample["design_effect"][CPU]["baseline"] > 100  # not 1: samples cluster
+    pooled = Pooled(*Cohort(candidate).members.pooled_all())
+    base_pooled = Pooled(*Cohort(base).members.pooled_all())
+    deff = {CPU: tuple(v.sample["design_effect"][CPU].values())}
+    value, bound = latency_ratio(pooled, base_pooled, 0.95, [CPU], deff)
+    assert value > 1.4 and bound < 1, (value, bound)
+
+
+def test_the_design_effect_counts_each_cohorts_own_samples_per_device():
+    # The devices differ as much in both cohorts (the baseline's measure); a device's
+    # 200 samples weigh less like one sample than its 4000 would.
+    rng = np.random.default_rng(5)
+    candidate = [_at(rng, f"dev_c{i}", GPU, 0.15 * rng.standard_normal(), 200) for i in range(9)]
+    base = [_at(rng, f"dev_b{i}", GPU, 0.15 * rng.standard_normal(), 4000) for i in range(9)]
+    v = judge(P95, Cohort(candidate), Cohort(base), min_devices=5, min_inferences=500)
+    effect = v.sample["design_effect"][GPU]
+    ratio = (effect["baseline"] - 1) / (effect["candidate"] - 1)
+    assert effect["candidate"] > 10 and ratio == pytest.approx(3999 / 199, rel=0.05), effect
+
+
+def test_how_much_devices_differ_is_measured_within_each_config():
+    """The ICC: the share of the variance of log latency between devices, a config's own
+    level (the GPU's 0.55x) not counted as a device's."""
+    rng = np.random.default_rng(6)
+    alike = [_at(rng, f"dev_a{i}", (GPU, CPU)[i % 2], 0.0) for i in range(20)]
+    differ = [
+        _at(rng, f"dev_d{i}", (GPU, CPU)[i % 2], 0.15 * rng.standard_normal()) for i in range(40)
+    ]
+    for rows, low, high in ((alike, 0, 0.01), (differ, 0.1, 0.35)):  # 0.15^2 / 0.335^2: 0.2
+        devices = Devices.of(rows)
+        icc = intraclass(devices, np.ones(len(devices)), devices.configs)
+        assert low <= icc <= high, icc
+    one_each = Devices.of(alike[:2])  # a device per config: nothing to compare it with
+    assert intraclass(one_each, np.ones(2), one_each.configs) is None
+
+
 def _slowed(rng, name, config, slower, samples=2000):
     """A device of `config`, `slower` times its own level (itself 0.15 apart in log)."""
     median = (550 if config == GPU else 1000) * slower
@@ -171,11 +236,13 @@ def _slowed(rng, name, config, slower, samples=2000):
     ],
 )
 def test_a_baseline_liar_on_a_config_never_compared_cannot_widen_every_margin(liar):
-    """Found by the attack review of a design effect measured over every baseline
-    config (tried, then withdrawn): the latency trim looks only at compared configs, so a
-    device alone far off its config's level elsewhere was never left out, and a slice
-    with 6 of 40 devices 6x slower passed. Nothing a device sends on a config that is not
-    compared may move the verdict."""
+    """Found by the attack review of the design effect measured over every baseline
+    config: the latency trim looks only at compared configs, so a device alone far off
+    its config's level elsewhere was never left out, set how much devices seemed to
+    differ (design effect 290 -> 1901), and a slice with 6 of 40 devices 6x slower
+    passed (1.26, at least 0.93). The share is now read on configs of more than 2k + 1
+    devices, their levels winsorized k each way and the spread within devices the
+    median device's."""
     rng = np.random.default_rng(7)
     candidate = [_slowed(rng, f"dev_g{i:03d}", GPU, 6.0 if i < 6 else 1.0) for i in range(40)]
     candidate += [_slowed(rng, f"dev_c{i}", CPU, 1.0) for i in range(2)]  # CPU: not compared
@@ -191,6 +258,29 @@ def test_a_baseline_liar_on_a_config_never_compared_cannot_widen_every_margin(li
         lying.append(_slowed(rng, "dev_bvk", config, 1.0))
     v = judge(P95, Cohort(candidate), Cohort(base + lying), **limits)
     assert v.status == FAIL and v.bound >= 1.4, v
+    # At most as if an honest device at its config's edge had reported twice.
+    effect = v.sample["design_effect"][GPU]["baseline"]
+    assert effect <= 1.5 * honest.sample["design_effect"][GPU]["baseline"], v
+
+
+def test_how_much_devices_differ_leaves_k_liars_out_on_every_config():
+    rng = np.random.default_rng(8)
+    honest = [_at(rng, f"dev_h{i:02d}", GPU, 0.15 * rng.standard_normal()) for i in range(12)]
+    devices = Devices.of(honest)
+    truth = intraclass(devices, np.ones(len(devices)), devices.configs, 1)
+    # One far off the level, one with a spread of its own 10x wider, one with none.
+    liars = [
+        device_row("dev_far", np.full(3000, 5e6), config=GPU),
+        device_row("dev_wide", rng.lognormal(np.log(550), 3.0, 3000), config=GPU),
+        device_row("dev_flat", np.full(3000, 550.0), config=GPU),
+    ]
+    for liar in liars:
+        with_liar = Devices.of([*honest, liar])
+        icc = intraclass(with_liar, np.ones(len(with_liar)), with_liar.configs, 1)
+        assert icc == pytest.approx(truth, rel=0.5), (liar.device, icc, truth)
+    # A config of 2k + 1 devices or fewer is not read at all: its liar could not be told.
+    few = Devices.of([*honest[:2], liars[0]])
+    assert intraclass(few, np.ones(len(few)), few.configs, 1) is None
 
 
 def _readmitted(seed, slower, gpu=(3, 12), cpu=(2, 3), samples=40_000):
