@@ -20,7 +20,9 @@ Reported:
   candidate and baseline figures and rule verdicts, each device capped and the outliers
   left out: control_plane.rollouts.guard) over 10k devices: the device rows the roller
   leaves for a rollout that started 30 days ago, sliced by SoC (per device, backend
-  config and cohort, for the current stage's window and the one before) (aim <= 200 ms).
+  config and cohort, for the current stage's window and the one before) (aim <= 200 ms),
+  computed as a server process computes it: NumPy's BLAS on one thread
+  (control_plane.blas_threads).
 
 Client, server and database share this machine's two cores.
 
@@ -232,6 +234,7 @@ def health_query(name: str, db_url: str | None) -> dict:
     """Fill a database with 30 days of rollups of 10k devices; time the health view."""
     import numpy as np
 
+    from control_plane.blas_threads import one_blas_thread
     from control_plane.rollouts.guard import Guard
     from control_plane.store import orm
     from control_plane.store.rollouts import RolloutRecord
@@ -347,6 +350,7 @@ def health_query(name: str, db_url: str | None) -> dict:
         rollout = dataclasses.replace(rollout, stage_started_at=stage)
 
         rows = len(device_rows)
+        one_blas_thread()  # as a server process runs the guard (control_plane.serve)
         guard = Guard(store, None, classes)
         health = guard.health(rollout)  # warm
         times = []

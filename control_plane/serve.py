@@ -41,6 +41,7 @@ from control_plane.api.fleet_service import FleetServicer, RolloutServicer
 from control_plane.api.health import HealthMonitor
 from control_plane.api.transport import check_listen, listen_credentials, listen_failure
 from control_plane.app import App, build_app, kek_rotation
+from control_plane.blas_threads import one_blas_thread
 from control_plane.home import HomeLock
 from control_plane.serve_workers import check_worker, serve_workers, worker_count
 from control_plane.settings import Config
@@ -383,6 +384,7 @@ def start_server(
         lock.acquire()
     try:
         check_listen(address, reuse_port=replica)
+        one_blas_thread()  # the guard's and roller's small products, not BLAS's pool
         app = build_app(config)
         try:
             server, port = create_server(config, app, address, http=http, reuse_port=replica)
