@@ -27,13 +27,22 @@ struct Engine::Impl {
   std::vector<Partition> parts;
   std::vector<int32_t> free_parts;
   KeyTable table;
-  // LRU list and idle clock per partition slot, kept apart from the (large) partitions
-  // so moving a key to the tail touches one small array, not three partitions; one
-  // 16-byte entry per slot, so a key's links and clock are one cache line, not three.
+  // LRU order: the live keys by Partition::touched, ascending (the least recently used
+  // first). Until an eviction needs it (max_keys reached, or a ttl) it is nowhere else:
+  // an event only writes its key's touch count, in the partition line it reads anyway.
+  // From then on it is also the list `lru` (links per partition slot, kept apart from
+  // the large partitions), so the least recently used key is always at hand. Moving a
+  // key to the list's tail reads its links and writes its neighbours': lines of other
+  // keys on every event, which an engine that never evicts has no need to pay for.
+  struct Touch {
+    int32_t part;
+    uint64_t touched;
+  };
   struct Lru {
     int32_t prev = -1, next = -1;
-    int64_t activity = 0;  // watermark after the key's latest event
   };
+  uint64_t touches = 0;
+  bool ordered = false;  // `lru` is kept (evictions began)
   std::vector<Lru> lru;
   int32_t lru_head = -1, lru_tail = -1;
   int64_t live = 0;
@@ -66,11 +75,18 @@ struct Engine::Impl {
   int32_t touch(int32_t group, int64_t key) {
     const int32_t p = table.find(group, key);
     if (p < 0) return partition(group, key);
-    if (p != lru_tail) {
+    mark(p);
+    return p;
+  }
+  // Makes p (a key that has state) the most recently used key, active at the watermark.
+  void mark(int32_t p) {
+    Partition& part = parts[p];
+    part.touched = ++touches;
+    part.activity = watermark;
+    if (ordered && p != lru_tail) {
       unlink(p);
       link_tail(p);
     }
-    return p;
   }
   void unlink(int32_t p) {
     const int32_t prev = lru[p].prev, next = lru[p].next;
@@ -84,6 +100,13 @@ struct Engine::Impl {
     (lru_tail >= 0 ? lru[lru_tail].next : lru_head) = p;
     lru_tail = p;
   }
+  // The least recently used key, or -1 if none.
+  int32_t oldest() {
+    if (!ordered) keep_order();
+    return lru_head;
+  }
+  std::vector<Touch> by_recency() const;
+  void keep_order();
   void evict(int32_t p);
   void process(const Batch& b, size_t i, int32_t g, Partition& p, Firings& out);
   void reserve(size_t events, Firings& out);

@@ -18,7 +18,7 @@ void Engine::Impl::save(Writer& w) const {
     w.put<int64_t>(t < fired.size() ? fired[t] : 0);
   }
   w.put<uint64_t>(static_cast<uint64_t>(live));
-  for (int32_t p = lru_head; p >= 0; p = lru[p].next) save_partition(w, parts[p], lru[p].activity);
+  for (const Touch& e : by_recency()) save_partition(w, parts[e.part], parts[e.part].activity);
 }
 
 // Reads a snapshot into this fresh state (config and defs set, no keys yet).
@@ -55,16 +55,15 @@ void Engine::Impl::load(Reader& r) {
       Reader::fail("bad group");
     }
     Partition part;
-    int64_t idle = 0;
-    load_partition(r, config, compiled.groups[group], group, watermark, part, idle);
+    load_partition(r, config, compiled.groups[group], group, watermark, part, part.activity);
     if (table.find(group, part.key) >= 0) Reader::fail("a key twice");
     part.group = group;
     reset_windows(compiled.groups[group], part.logs, part.windows);
     const auto p = static_cast<int32_t>(parts.size());
+    part.touched = ++touches;  // in the snapshot's order, least recently used first
     parts.push_back(std::move(part));
-    lru.push_back(Lru{-1, -1, idle});
+    lru.emplace_back();
     table.insert(group, parts.back().key, p);
-    link_tail(p);
     ++live;
   }
   if (!r.done()) Reader::fail("trailing bytes");

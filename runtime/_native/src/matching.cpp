@@ -29,14 +29,15 @@ void Engine::Impl::apply(const Batch& b, size_t i, Firings& out) {
   const int64_t t = b.ts[i];
   watermark = std::max(watermark, t);
   if (config.ttl >= 0) {
-    while (lru_head >= 0 && lru[lru_head].activity < watermark - config.ttl) evict(lru_head);
+    for (int32_t p = oldest(); p >= 0 && parts[p].activity < watermark - config.ttl; p = oldest()) {
+      evict(p);
+    }
   }
   const size_t first = out.trigger_id.size();
   for (size_t g = 0; g < compiled.groups.size(); ++g) {
     if (!compiled.groups[g].live) continue;
     const int64_t key = b.keys[i * config.n_keys + compiled.groups[g].by];
-    const int32_t p = touch(static_cast<int32_t>(g), key);
-    lru[p].activity = watermark;
+    const int32_t p = touch(static_cast<int32_t>(g), key);  // active at the watermark
     process(b, i, static_cast<int32_t>(g), parts[p], out);
   }
   // Firings of one event leave in trigger id order (insertion sort: a handful at most).

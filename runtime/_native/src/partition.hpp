@@ -76,6 +76,11 @@ struct alignas(64) Partition {
   int32_t last_type = -1;   // type of the key's latest event, -1 before the first
   int32_t n_last = 0;       // entries of `last`
   int64_t key = 0;
+  // The key's recency, written on every event in the line the event reads anyway (see
+  // Engine::Impl::mark), so keeping the keys' LRU order costs no line of its own.
+  uint64_t touched = 0;  // the engine's touch count at the key's latest event, 0 if none
+  int64_t activity = 0;  // watermark after the key's latest event
+  // Not read on an event's path:
   int32_t group = -1;
   int32_t layout = -1;  // group whose layout `block` has (slots are reused)
   KeyBlock block;

@@ -82,7 +82,7 @@ void Engine::Impl::reject(const Batch& b, size_t i, int64_t wm) const {
 }
 
 void Engine::Impl::evict(int32_t p) {
-  unlink(p);
+  if (ordered) unlink(p);
   table.erase(parts[p].group, parts[p].key);
   parts[p].group = -1;
   free_parts.push_back(p);
@@ -95,10 +95,7 @@ void Engine::Impl::evict(int32_t p) {
 int32_t Engine::Impl::partition(int32_t group, int64_t key) {
   int32_t p = table.find(group, key);
   if (p >= 0) {
-    if (p != lru_tail) {
-      unlink(p);
-      link_tail(p);
-    }
+    mark(p);
     return p;
   }
   if (free_parts.empty()) {
@@ -128,9 +125,28 @@ int32_t Engine::Impl::partition(int32_t group, int64_t key) {
   }
   reset_windows(g, part.logs, part.windows);
   table.insert(group, key, p);
-  link_tail(p);
-  if (++live > config.max_keys) evict(lru_head);
+  part.touched = ++touches;
+  part.activity = watermark;
+  if (ordered) link_tail(p);
+  if (++live > config.max_keys) evict(oldest());  // not p: it is the newest of two or more
   return p;
+}
+
+// The live keys' (slot, touch count), least recently used first.
+std::vector<Engine::Impl::Touch> Engine::Impl::by_recency() const {
+  std::vector<Touch> keys;
+  keys.reserve(static_cast<size_t>(live));
+  for (size_t p = 0; p < parts.size(); ++p) {
+    if (parts[p].group >= 0) keys.push_back(Touch{static_cast<int32_t>(p), parts[p].touched});
+  }
+  std::sort(keys.begin(), keys.end(), [](const Touch& a, const Touch& b) { return a.touched < b.touched; });
+  return keys;
+}
+
+// Starts keeping `lru`, from the touch counts so far (the first eviction needs it).
+void Engine::Impl::keep_order() {
+  for (const Touch& e : by_recency()) link_tail(e.part);
+  ordered = true;
 }
 
 Engine::Engine(Config config) : impl_(std::make_unique<Impl>()) {
