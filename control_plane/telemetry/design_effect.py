@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from control_plane.telemetry.own_quantiles import winsorized
 from control_plane.telemetry.robust import capped
 from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
@@ -188,7 +189,6 @@ def _winsorized(mean: np.ndarray, group: np.ndarray, k: int) -> tuple[np.ndarray
         at = np.flatnonzero(group == g)
         if len(at) <= 2 * k + 1:
             continue
-        ordered = np.sort(mean[at])
-        clipped[at] = np.clip(mean[at], ordered[k], ordered[len(at) - 1 - k])
+        clipped[at] = winsorized(mean[at], k)
         keep[at] = True
     return keep, clipped

@@ -216,11 +216,19 @@ def trimmed(values: np.ndarray, k: int) -> Trimmed:
     order = np.argsort(values, kind="stable")
     ranked = values[order]
     kept = ranked[k : n - k]
-    winsorized = np.clip(ranked, ranked[k], ranked[n - k - 1])
-    spread = float(np.var(winsorized, ddof=1)) if n > 1 else 0.0
+    spread = float(np.var(winsorized(ranked, k, ranked), ddof=1)) if n > 1 else 0.0
     variance = (n - 1) * spread / (h * (h - 1)) if h > 1 else math.inf
     gone = np.concatenate([order[:k], order[n - k :]]) if k else np.zeros(0, np.intp)
     return Trimmed(float(kept.mean()), variance, h, gone, spread)
+
+
+def winsorized(values: np.ndarray, k: int, ranked: np.ndarray | None = None) -> np.ndarray:
+    """Return `values` with the k lowest set to the next value up, the k highest to the next down.
+
+    `ranked`: the values sorted, if the caller has them. Needs len(values) > 2k.
+    """
+    ranked = np.sort(values) if ranked is None else ranked
+    return np.clip(values, ranked[k], ranked[len(values) - k - 1])
 
 
 @dataclass(frozen=True)
