@@ -66,9 +66,15 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   // triggers were compiled: one event reaches a node through one edge at most).
   std::pair<int32_t, int64_t>* reached = scratch_last.data();
   size_t n_reached = 0;
+  // In locals: `fire` (out of line) could change any member for all the compiler knows,
+  // so each edge would load them again through `this`, `group` and `p`.
+  int64_t* const any = p.any;
+  const Condition* const conditions = group.conditions.data();
+  const int32_t* const terminals = group.terminals.data();
+  const int64_t* const terminal_within = group.terminal_within.data();
   const auto holds = [&](const Edge& e) {
     for (int32_t c = e.cond_begin; c < e.cond_end; ++c) {
-      const Condition& cond = group.conditions[c];
+      const Condition& cond = conditions[c];
       const bool ok = cond.on_value ? compare(cond.cmp, values[cond.field], cond.lit_value)
                                     : compare(cond.cmp, keys[cond.field], cond.lit_key);
       if (!ok) return false;
@@ -77,23 +83,26 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
   };
   // A match of the edge's step ends at this event and started at `start`.
   const auto advance = [&](const Edge& e, int64_t start) {
-    if (e.child_any >= 0) p.any[e.child_any] = std::max(p.any[e.child_any], start);
+    if (e.child_any >= 0) any[e.child_any] = std::max(any[e.child_any], start);
     if (e.child_last >= 0) reached[n_reached++] = {e.child_last, start};
     if (t - start > e.term_span) return;  // ts are in [0, 2**62]: no overflow
     for (int32_t k = e.term_begin; k < e.term_end; ++k) {
-      const int64_t within = group.terminal_within[k];
-      if (within < 0 || start >= t - within) fire(group.terminals[k], p, t, i, out);
+      const int64_t within = terminal_within[k];
+      if (within < 0 || start >= t - within) fire(terminals[k], p, t, i, out);
     }
   };
-  const Edge* edges = group.free_edges.data();
-  for (int32_t j = group.free_begin[type]; j < group.free_begin[type + 1]; ++j) {
-    const Edge& e = edges[j];
-    const int64_t start = e.parent < 0 ? t : p.any[e.parent];
-    if (start != kNone && holds(e)) advance(e, start);
+  const Edge* const free_edges = group.free_edges.data();
+  const Edge* const free_end = free_edges + group.free_begin[type + 1];
+  for (const Edge* e = free_edges + group.free_begin[type]; e != free_end; ++e) {
+    const int64_t start = e->parent < 0 ? t : any[e->parent];
+    // An edge that only ends triggers does nothing for a match too old for all of them:
+    // its conditions need no test.
+    if (start == kNone || (t - start > e->term_span && e->child_any < 0 && e->child_last < 0)) continue;
+    if (holds(*e)) advance(*e, start);
   }
   // `->`: the parent must have been reached by the key's previous event, so it is a
   // node of that event's type: only those edges are visited.
-  edges = group.contiguous_edges.data();
+  const Edge* const edges = group.contiguous_edges.data();
   const Edge* begin = edges + group.contiguous_begin[type];
   const Edge* end = edges + group.contiguous_begin[type + 1];
   if (!group.contiguous_at.empty()) {
@@ -107,12 +116,15 @@ void Engine::Impl::process(const Batch& b, size_t i, int32_t g, Partition& p, Fi
       end = edges + at[1];
     }
   }
+  const int32_t last_type = p.last_type;
+  const Reached* const last = p.last;
+  const Reached* const last_end = last + p.n_last;
   for (const Edge* e = begin; e != end; ++e) {
-    if (e->parent_type != p.last_type) {
-      if (e->parent_type > p.last_type) break;
+    if (e->parent_type != last_type) {
+      if (e->parent_type > last_type) break;
       continue;
     }
-    for (const Reached* r = p.last; r != p.last + p.n_last; ++r) {
+    for (const Reached* r = last; r != last_end; ++r) {
       if (r->first == e->parent) {
         if (holds(*e)) advance(*e, r->second);
         break;
