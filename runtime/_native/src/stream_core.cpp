@@ -41,6 +41,22 @@ void Engine::Impl::validate(const Batch& b) const {
   const bool all_finite = !std::isnan(sums[0] + sums[1] + sums[2] + sums[3]);
   const size_t check_values = all_finite ? 0 : n_values;
   const double* values = b.values.data();
+  if (all_finite) {
+    // No branch an event: the checks are and-ed over the batch, and only a batch that
+    // fails is walked again (below) for its first bad event.
+    const int64_t wm0 = wm, floor0 = floor;
+    bool ok = true;
+    for (size_t i = 0; i < b.size(); ++i) {
+      const int64_t t = b.ts[i];
+      ok &= (static_cast<uint32_t>(b.types[i]) < n_types) &
+            (static_cast<uint64_t>(t) <= static_cast<uint64_t>(kMaxTs)) & (t >= floor);
+      wm = std::max(wm, t);
+      floor = std::max(floor, wm - config.lateness);
+    }
+    if (ok) return;
+    wm = wm0;
+    floor = floor0;
+  }
   for (size_t i = 0; i < b.size(); ++i, values += n_values) {
     const int64_t t = b.ts[i];
     bool finite = true;
