@@ -42,6 +42,7 @@ from control_plane.api.health import HealthMonitor
 from control_plane.api.transport import check_listen, listen_credentials, listen_failure
 from control_plane.app import App, build_app, kek_rotation
 from control_plane.blas_threads import one_blas_thread
+from control_plane.gc_tuning import objects_so_far_kept
 from control_plane.home import HomeLock
 from control_plane.serve_workers import check_worker, serve_workers, worker_count
 from control_plane.settings import Config
@@ -444,6 +445,7 @@ def serve(
     # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
     forbid_core_dumps()
     server, port = start_server(config=config, replica=replica, worker=worker_index)
+    objects_so_far_kept()  # the app as built lives as long as this process
     # Before "listening" is printed: whoever waits for that line may stop us at once, and
     # a SIGTERM before the handler is in place would kill the server without its drain.
     stop = threading.Event()

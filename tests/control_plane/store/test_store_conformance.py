@@ -447,3 +447,32 @@ def test_a_lean_device_table_reads_the_same_rows_without_what_a_health_view_skip
         lean.rows()
     with pytest.raises(ValueError, match="lean"):
         lean.concat(full)
+
+
+def test_a_device_table_is_read_with_the_collector_held_and_resumed(store, monkeypatch):
+    import gc
+
+    from control_plane.store import sql_device_table
+
+    _device_rows(store)
+    fetch, seen = sql_device_table._fetch_tuples, []
+
+    def fetch_and_look(*args):
+        seen.append(gc.isenabled())
+        return fetch(*args)
+
+    monkeypatch.setattr(sql_device_table, "_fetch_tuples", fetch_and_look)
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        table = store.device_table("ro_1", lean=True)
+        assert seen == [False] and gc.isenabled()
+        # Rows without crashes share one read-only mapping, not a dict each.
+        calm = [s for s in table.crash_signals if not s]
+        assert len(calm) > 1 and all(s is calm[0] for s in calm)
+        with pytest.raises(TypeError):
+            calm[0]["SIGSEGV"] = 1
+        assert {"SIGSEGV": 2} in list(table.crash_signals)
+    finally:
+        if not was:
+            gc.disable()
