@@ -455,13 +455,13 @@ def test_a_device_table_is_read_with_the_collector_held_and_resumed(store, monke
     from control_plane.store import sql_device_table
 
     _device_rows(store)
-    fetch, seen = sql_device_table._fetch_tuples, []
+    table_of, seen = sql_device_table._table, []
 
-    def fetch_and_look(*args):
+    def look_and_convert(*args):
         seen.append(gc.isenabled())
-        return fetch(*args)
+        return table_of(*args)
 
-    monkeypatch.setattr(sql_device_table, "_fetch_tuples", fetch_and_look)
+    monkeypatch.setattr(sql_device_table, "_table", look_and_convert)
     was = gc.isenabled()
     gc.enable()
     try:
