@@ -25,8 +25,8 @@ from control_plane.store.rollup_records import COUNTERS, DeviceTable, decode_man
 from control_plane.store.sql_fleet import aware
 
 _D = orm.DeviceRollupRow.__table__
-# What a row without crashes holds: one read-only mapping for all of them, not a dict
-# each (20k dicts a health view, and the collections they set off: 40% of its table).
+# What a row without crashes holds: one read-only mapping for all of them, not an empty
+# dict each (20k of them a health view: 1.3 MB while it lives, half the loop's time).
 _NO_SIGNALS: Mapping[str, int] = MappingProxyType({})
 
 
