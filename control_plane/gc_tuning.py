@@ -12,20 +12,29 @@ view reads some 20k device rows as the driver's tuples and turns them into colum
 of them and, now and then, a full collection that walks every object of the process:
 88 ms each in bench/telemetry.py's health view, one in every three or four views, 25 ms
 of its ~215 ms on average. None of those tuples can be part of a cycle, and all of them
-are freed by reference counting before the read returns, so holding the collector off
-for the read loses nothing: it resumes with no more garbage to find than it had.
+are freed by reference counting before the read returns. Other threads' garbage waits
+meanwhile: reads that overlap one another for longer than MAX_HOLD_S get a collection
+as each of them ends, so the collector is never kept off for long however many there
+are. For server threads: a KeyboardInterrupt between the collector's switch and the
+count of holds could leave it off (serve() handles SIGINT itself), and a gc.disable() by
+other code while a read is under way is undone when the last read ends.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+MAX_HOLD_S = 1.0  # overlapping reads: a collection at the end of each past this
+_clock = time.monotonic  # a test's to replace
 
 _lock = threading.Lock()
 _holds = 0  # reads under way (server threads read at once)
 _resume = False  # whether the collector was enabled when the first of them began
+_since = 0.0  # when the collector was last held off, or last made to catch up
 
 
 def objects_so_far_kept() -> None:
@@ -42,11 +51,12 @@ def objects_so_far_kept() -> None:
 @contextmanager
 def collector_held() -> Iterator[None]:
     """Hold the cyclic collector off until this read and every other one under way end."""
-    global _holds, _resume
+    global _holds, _resume, _since
     with _lock:
         if _holds == 0:
             _resume = gc.isenabled()
             gc.disable()
+            _since = _clock()
         _holds += 1
     try:
         yield
@@ -55,3 +65,8 @@ def collector_held() -> Iterator[None]:
             _holds -= 1
             if _holds == 0 and _resume:
                 gc.enable()
+            catch_up = _holds > 0 and _resume and _clock() - _since > MAX_HOLD_S
+            if catch_up:
+                _since = _clock()
+        if catch_up:  # outside the lock: finalizers run Python code, which may read too
+            gc.collect()

@@ -445,12 +445,12 @@ def serve(
     # It holds plaintext models and keys: no core file, no ptrace by same-user processes.
     forbid_core_dumps()
     server, port = start_server(config=config, replica=replica, worker=worker_index)
-    objects_so_far_kept()  # the app as built lives as long as this process
     # Before "listening" is printed: whoever waits for that line may stop us at once, and
     # a SIGTERM before the handler is in place would kill the server without its drain.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    objects_so_far_kept()  # the app as built lives as long as this process
     host = config.grpc.rsplit(":", 1)[0]
     transport = "TLS" if server.tls else "plaintext, this machine only"
     lines = [f"skiff server listening on {host}:{port} ({transport}; home {config.home})"]

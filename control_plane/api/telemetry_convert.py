@@ -109,7 +109,11 @@ def _version(model: str, version: int, variant: str, what: str) -> None:
 
 
 def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
-    """Return a histogram message as `LatencyHistogram.to_dict()` data, checked."""
+    """Return a histogram message as `LatencyHistogram.to_dict()` data, checked.
+
+    Its bucket pairs are tuples (see below): the same JSON, the same pairs to iterate, but
+    not equal to a dict read back from JSON, whose pairs are lists.
+    """
     # Bounded before anything is built from them: a histogram has N_BUCKETS buckets.
     if len(msg.bucket_index) > N_BUCKETS or len(msg.bucket_count) > N_BUCKETS:
         raise errors.InvalidArgument(f"{what}: more than {N_BUCKETS} buckets")

@@ -523,7 +523,7 @@ class DeviceTable:
     latency_sum_ns: np.ndarray  # float64
     latency_min_ns: np.ndarray  # float64, NaN when none
     latency_max_ns: np.ndarray  # float64, NaN when none
-    crash_signals: np.ndarray  # object: dict
+    crash_signals: np.ndarray  # object: Mapping[str, int] (read-only; shared when empty)
     hist_row: np.ndarray  # intp
     hist_index: np.ndarray  # intp
     hist_count: np.ndarray  # float64

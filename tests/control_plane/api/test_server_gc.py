@@ -56,7 +56,9 @@ def collector_on():
     was = gc.isenabled()
     gc.enable()
     yield
-    if not was:
+    if was:
+        gc.enable()
+    else:
         gc.disable()
 
 
@@ -126,3 +128,35 @@ def test_a_reported_histograms_bucket_pairs_leave_the_collectors_watch():
     stored = json.loads(json.dumps(h))
     assert stored["buckets"] == [[bucket_of(low), 1], [bucket_of(high), 2]]
     assert LatencyHistogram.from_dict(h).to_dict() == stored
+
+
+def test_reads_that_overlap_for_long_let_the_collector_catch_up(collector_on, monkeypatch):
+    from control_plane import gc_tuning
+
+    now = [1000.0]
+    monkeypatch.setattr(gc_tuning, "_clock", lambda: now[0])
+    collections = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            collections.append(now[0])
+
+    gc.callbacks.append(count)
+    try:
+        with collector_held():  # one read, then a relay of overlapping ones
+            previous = collector_held()
+            previous.__enter__()
+            for _ in range(6):
+                now[0] += 0.5
+                following = collector_held()
+                following.__enter__()
+                previous.__exit__(None, None, None)
+                previous = following
+                assert not gc.isenabled()
+            previous.__exit__(None, None, None)
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+    # 3 s held off in all: caught up as the first read past 1 s ended, and again 1.5 s
+    # later; never while a read alone is under way, nor as the last one ends.
+    assert collections == [1001.5, 1003.0], collections

@@ -450,23 +450,31 @@ def test_a_lean_device_table_reads_the_same_rows_without_what_a_health_view_skip
 
 
 def test_a_device_table_is_read_with_the_collector_held_and_resumed(store, monkeypatch):
+    import contextlib
     import gc
 
     from control_plane.store import sql_device_table
 
     _device_rows(store)
-    table_of, seen = sql_device_table._table, []
+    executed, table_of, seen = sql_device_table._executed, sql_device_table._table, []
+
+    @contextlib.contextmanager
+    def look_and_execute(*args):
+        seen.append(("query", gc.isenabled()))  # not while the database runs it
+        with executed(*args) as cursor:
+            yield cursor
 
     def look_and_convert(*args):
-        seen.append(gc.isenabled())
+        seen.append(("rows", gc.isenabled()))
         return table_of(*args)
 
+    monkeypatch.setattr(sql_device_table, "_executed", look_and_execute)
     monkeypatch.setattr(sql_device_table, "_table", look_and_convert)
     was = gc.isenabled()
     gc.enable()
     try:
         table = store.device_table("ro_1", lean=True)
-        assert seen == [False] and gc.isenabled()
+        assert seen == [("query", True), ("rows", False)] and gc.isenabled()
         # Rows without crashes share one read-only mapping, not a dict each.
         calm = [s for s in table.crash_signals if not s]
         assert len(calm) > 1 and all(s is calm[0] for s in calm)
