@@ -599,7 +599,7 @@ class DeviceTable:
     @functools.cached_property
     def with_signals(self) -> np.ndarray:
         """Return per row whether it names any crash signals (one pass, cached)."""
-        return np.fromiter((bool(s) for s in self.crash_signals), bool, len(self))
+        return np.fromiter(map(bool, self.crash_signals), bool, len(self))
 
     @functools.cached_property
     def device_first_row(self) -> np.ndarray:

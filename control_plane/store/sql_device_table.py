@@ -117,10 +117,10 @@ def _table(scope: str, names: tuple[str, ...], rows: list, pg: bool) -> DeviceTa
         parsed: dict[str, float] = {}
         for stored in set(values):
             parsed[stored] = aware(dt.datetime.fromisoformat(stored)).timestamp()
-        return np.array([parsed[v] for v in values], np.float64)
+        return np.fromiter(map(parsed.__getitem__, values), np.float64, len(values))
 
     def nullable(name: str) -> np.ndarray:
-        return np.array([np.nan if v is None else v for v in columns.get(name, ())], np.float64)
+        return np.array(columns.get(name, ()), np.float64)  # NumPy makes None NaN
 
     counters = np.array([columns.get(name, ()) for name in COUNTERS], np.float64)
     signals = col("crash_signals")
