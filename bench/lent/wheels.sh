@@ -6,7 +6,7 @@
 # threadpoolctl: a server process limits BLAS to one thread (control_plane.blas_threads).
 # All of them come to 59 MiB: with the tree (4.3 MiB) just under the tool's 64 MiB, with no
 # room for a base tree beside them. For an A/B of a bench that needs PostgreSQL, leave
-# pygments out (nothing the benches run imports it); else run this tree alone:
+# pygments out (bench/telemetry.py ran there without it); or run this tree alone:
 #   bash bench/lent/setup.sh && cp -r bench /tmp/site/bench && cd /tmp/site &&
 #   PYTHONPATH=/tmp/site python3 bench/telemetry.py --quick
 set -e
