@@ -36,7 +36,8 @@ def read_device_table(conn, scope: str, names: tuple[str, ...], where: list) -> 
     stmt = select(*_table_columns(pg, names)).where(*where)
     with _executed(conn, stmt, pg) as cursor:
         # From the rows' first tuple until `_table` has freed the last, not while the
-        # database works on the query (control_plane.gc_tuning).
+        # query waits or starts (control_plane.gc_tuning); SQLite's scan itself runs as
+        # its rows are fetched.
         with collector_held():
             return _table(scope, names, cursor.fetchall(), pg)
 
