@@ -111,8 +111,8 @@ def _version(model: str, version: int, variant: str, what: str) -> None:
 def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
     """Return a histogram message as `LatencyHistogram.to_dict()` data, checked.
 
-    Its bucket pairs are tuples (see below): the same JSON, the same pairs to iterate, but
-    not equal to a dict read back from JSON, whose pairs are lists.
+    Its buckets are a tuple of pairs (see below): the same JSON, the same pairs to iterate,
+    but not equal to a dict read back from JSON, whose buckets are lists.
     """
     # Bounded before anything is built from them: a histogram has N_BUCKETS buckets.
     if len(msg.bucket_index) > N_BUCKETS or len(msg.bucket_count) > N_BUCKETS:
@@ -145,17 +145,18 @@ def histogram_dict(msg: device_pb2.LatencyHistogram, what: str) -> dict:
             f"{what}: min_ns and max_ns do not fall in its lowest and highest buckets"
         )
     # Canonical (what LatencyHistogram.to_dict writes): merged duplicates, sorted. The
-    # pairs are tuples, not lists: a server holds a few seconds of batches for its roller,
-    # and the collector stops tracking a tuple of ints once it has seen it, where every
-    # list stays for it to walk in each full collection (165k of some 200k objects it
-    # walked under Report load, once a second; bench/telemetry.py). JSON writes both alike.
+    # pairs, and the pairs together, are tuples, not lists: a server holds a few seconds
+    # of batches for its roller, and the collector stops tracking a tuple of ints (then a
+    # tuple of those, then the dict holding them) once it has seen it, where every list
+    # stays for it to walk in each full collection (165k of some 200k objects it walked
+    # under Report load, once a second; bench/telemetry.py). JSON writes both alike.
     return {
         "scheme": SCHEME,
         "count": count,
         "sum_ns": _count(msg.sum_ns, f"{what} sum_ns", 1 << 62),
         "min_ns": low,
         "max_ns": high,
-        "buckets": [(i, buckets[i]) for i in sorted(buckets)],
+        "buckets": tuple((i, buckets[i]) for i in sorted(buckets)),
     }
 
 

@@ -24,7 +24,7 @@ class ModelStatsRecord:
     inferences: int
     errors: int
     pipeline_firings: int
-    latency: dict  # runtime.LatencyHistogram.to_dict() (its bucket pairs may be tuples)
+    latency: dict  # runtime.LatencyHistogram.to_dict() (its buckets may be tuples)
     crashes: tuple[dict, ...] = ()
     fallbacks: tuple[dict, ...] = ()
     # Language models only (device.proto ModelStats): `latency` is then decode time per
