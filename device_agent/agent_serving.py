@@ -147,11 +147,16 @@ class ServingSlots:
         )
         await self._serve_slot(name, previous)
 
-    def status(self) -> agent_pb2.StatusResponse:
-        """Return what the local API's Status answers."""
-        from device_agent.status import read_status
+    async def status(self) -> agent_pb2.StatusResponse:
+        """Return what the local API's Status answers.
 
-        body = read_status(self.state.path)
+        The state directory is read in a thread: its files and the lock probe cost ~1 ms,
+        which on the loop would hold up every other local call (Infer, PushEvents) and the
+        Watch stream. The live figures are read on the loop, where they change.
+        """
+        from device_agent import status
+
+        body = await asyncio.to_thread(status.read_status, self.state.path)
         live = {}
         if self.serving is not None:
             live = {**self.llm_serving.status(), **self.serving.status()}

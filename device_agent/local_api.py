@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -86,7 +86,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(
         self,
         serving: Serving,
-        status: Callable[[], agent_pb2.StatusResponse],
+        status: Callable[[], Awaitable[agent_pb2.StatusResponse]],
         pipelines: Pipelines | None = None,
         *,
         llm_serving: LlmServing | None = None,
@@ -156,7 +156,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         )
 
     async def Status(self, request, context):  # noqa: D102, N802
-        return self._status()
+        return await self._status()
 
     async def PushEvents(self, request, context):  # noqa: D102, N802
         await _check_model(request.model, context)

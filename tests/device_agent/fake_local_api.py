@@ -64,6 +64,10 @@ class Watched(Pipelines):
         self.left.put(sub.model)
 
 
+async def _no_status() -> agent_pb2.StatusResponse:
+    return agent_pb2.StatusResponse()
+
+
 class FakeLocal:
     """The local API over a fake Serving of model "m" (the unit tests' spec)."""
 
@@ -72,7 +76,7 @@ class FakeLocal:
         self.serving = Serving(outputs)
         self.pipelines = Watched(self.serving, Collector(), limits, self.clock)
         self.pipelines.activate("m", slot(1, doc or spec()), FakeModel())
-        self.servicer = AgentServicer(self.serving, agent_pb2.StatusResponse, self.pipelines)
+        self.servicer = AgentServicer(self.serving, _no_status, self.pipelines)
         self._started = threading.Event()
         self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
         self._thread.start()

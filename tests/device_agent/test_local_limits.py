@@ -81,7 +81,7 @@ class LocalAgent:
         await server.stop(5)
         self.servicer.close()
 
-    def _status(self) -> agent_pb2.StatusResponse:
+    async def _status(self) -> agent_pb2.StatusResponse:
         live = self.serving.status()
         return agent_pb2.StatusResponse(
             device_id="local",

@@ -359,3 +359,38 @@ def _plain(a, slot) -> bytes:
         slot["plaintext_sha256"],
         slot["plaintext_size"],
     )
+
+
+def test_status_reads_the_state_directory_off_the_event_loop(cp, tmp_path, monkeypatch):
+    """Status reads files and probes a lock: in a thread, so the loop serves meanwhile."""
+    from device_agent import status as status_module
+
+    real = status_module.read_status
+    entered, release = threading.Event(), threading.Event()
+
+    def held(path):
+        entered.set()
+        assert release.wait(30), "never released"
+        return real(path)
+
+    monkeypatch.setattr(status_module, "read_status", held)
+    rollout(cp, 1)
+
+    async def main():
+        async with agent(cp, tmp_path / "s", enroll_token=token(cp), serve=True) as a:
+            await a.sync_once()
+            pending = asyncio.ensure_future(a.status())
+            # Waited for from another thread: were the read on the loop, the loop would
+            # be stuck in it and this would time out.
+            assert await asyncio.to_thread(entered.wait, 30)
+            ticks = 0
+            for _ in range(3):  # the loop runs other work while the read is held
+                await asyncio.sleep(0)
+                ticks += 1
+            assert ticks == 3 and not pending.done()
+            release.set()
+            status = await pending
+            assert status.device_id == a.identity.device_id
+            assert status.models[0].model == MODEL and status.models[0].active_version == 1
+
+    asyncio.run(main())
