@@ -138,9 +138,13 @@ class Guard:
         since = record.stage_started_at
         dimension = parse_dimension(record.slice_by) if record.slice_by else None
         rules = [parse_rule(t) for t in record.halt_rules]
-        # The current window's rows; older ones (the baseline's only) if a window's own
-        # baseline is too thin to judge against: see `cohorts`.
-        table = self._store.device_table(record.id, windows_since=since, lean=True)
+        # The current window's candidate and baseline rows (the outside cohort is not
+        # compared, its totals are read below; so the index reads this window's rows
+        # alone); older ones (the baseline's only) if a window's own baseline is too thin
+        # to judge against: see `cohorts`.
+        table = self._store.device_table(
+            record.id, windows_since=since, cohorts=(CANDIDATE, BASELINE), lean=True
+        )
         older: list = []
         codes: dict[str, int] = {}  # slice value -> its code
         class_code: dict[str, int] = {}  # device class -> its slice's code
@@ -194,7 +198,7 @@ class Guard:
             if not older:  # read once, appended: positions read so far stay valid
                 older.append(
                     self._store.device_table(
-                        record.id, windows_before=since, cohort=BASELINE, lean=True
+                        record.id, windows_before=since, cohorts=(BASELINE,), lean=True
                     )
                 )
                 table = table.concat(older[0])

@@ -451,8 +451,8 @@ class DeviceRollupRow(Base):
     __table_args__ = (
         # Serves a version's recommendations (scope "", then model and version).
         Index("ix_device_rollups_scope", "scope", "model", "version"),
-        # Serves a rollout's health view (its current window's rows, an older window's
-        # baseline, the outside cohort's totals).
+        # Serves a rollout's health view (its current window's candidate and baseline rows,
+        # an older window's baseline, the outside cohort's totals).
         Index("ix_device_rollups_cohort", "scope", "cohort", "window_start"),
         # Serves retention.
         Index("ix_device_rollups_seen", "scope", "last_seen"),

@@ -861,13 +861,13 @@ class RollupStore(abc.ABC):
         seen_since: dt.datetime | None = None,
         windows_since: dt.datetime | None = None,
         windows_before: dt.datetime | None = None,
-        cohort: str | None = None,
+        cohorts: tuple[str, ...] | None = None,
         lean: bool = False,
     ) -> DeviceTable:
         """Return the device rows of one scope (a rollout id, or FLEET) as a table.
 
         Optionally only one model version's, only rows seen since `seen_since`, only
-        windows starting in [windows_since, windows_before), only one cohort's; `lean`:
+        windows starting in [windows_since, windows_before), only these cohorts'; `lean`:
         without the `LEAN_SKIPS` columns (None in the table), which a health view never
         reads.
         """

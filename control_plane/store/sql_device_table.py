@@ -57,7 +57,8 @@ def _executed(conn, stmt, pg: bool) -> Iterator:
     dbapi_error = conn.dialect.loaded_dbapi.Error
     try:
         if pg:
-            compiled = stmt.compile(dialect=conn.dialect)
+            # IN lists as one placeholder per value (SQLAlchemy expands them at run time).
+            compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
             with conn.connection.driver_connection.cursor(binary=True) as cursor:
                 cursor.execute(compiled.string, compiled.params)
                 yield cursor

@@ -286,7 +286,7 @@ class SqlRollupStore(RollupStore):
         seen_since: dt.datetime | None = None,
         windows_since: dt.datetime | None = None,
         windows_before: dt.datetime | None = None,
-        cohort: str | None = None,
+        cohorts: tuple[str, ...] | None = None,
         lean: bool = False,
     ) -> DeviceTable:
         """Return the device rows of one scope as columns (one pass over the rows)."""
@@ -302,8 +302,10 @@ class SqlRollupStore(RollupStore):
             where.append(c.window_start >= windows_since)
         if windows_before is not None:
             where.append(c.window_start < windows_before)
-        if cohort is not None:
-            where.append(c.cohort == cohort)
+        if cohorts is not None:
+            # With the scope, the leading columns of ix_device_rollups_cohort: a health
+            # view reads its window's rows alone, not every window of the rollout.
+            where.append(c.cohort.in_(cohorts))
         with self._read_connection() as conn:
             return read_device_table(conn, scope, _LEAN_READ if lean else _TABLE_READ, where)
 

@@ -381,12 +381,26 @@ def _device_rows(store) -> None:
                             "buckets": [[bucket_of(7_000_000), 1]],
                         }
                     )
-                cohort = "candidate" if i % 2 else "baseline"
+                cohort = ("baseline", "candidate", "baseline", "outside")[i]
                 key = DeviceKey(
                     "ro_1", window, cohort, "det", 1 + i % 2, "fp32", config, f"dev_{i}"
                 )
                 deltas[key] = DeviceDelta(f'{{"soc": "s{i}"}}', now, reports=2, aggregate=agg)
     store.apply_rollups([], {}, deltas)
+
+
+def test_a_device_table_reads_only_the_cohorts_asked_for(store):
+    _device_rows(store)
+    since = dt.datetime(2026, 11, 10, tzinfo=dt.UTC)
+    every = store.device_table("ro_1")
+    assert set(every.cohort) == {"candidate", "baseline", "outside"}
+    for cohorts in (("outside",), ("candidate", "baseline"), ("baseline", "outside", "candidate")):
+        for filters in ({}, {"windows_since": since}):
+            table = store.device_table("ro_1", cohorts=cohorts, **filters)
+            whole = store.device_table("ro_1", **filters)
+            assert len(table) > 0 and set(table.cohort) == set(cohorts) & set(whole.cohort)
+            assert len(table) == sum(c in cohorts for c in whole.cohort)
+    assert len(store.device_table("ro_1", cohorts=("nobody",))) == 0
 
 
 def test_a_lean_device_table_reads_the_same_rows_without_what_a_health_view_skips(store):
@@ -396,7 +410,12 @@ def test_a_lean_device_table_reads_the_same_rows_without_what_a_health_view_skip
 
     _device_rows(store)
     since = dt.datetime(2026, 11, 10, tzinfo=dt.UTC)
-    for filters in ({}, {"windows_since": since}, {"windows_before": since, "cohort": "baseline"}):
+    for filters in (
+        {},
+        {"windows_since": since},
+        {"windows_since": since, "cohorts": ("candidate", "baseline")},  # a health view's
+        {"windows_before": since, "cohorts": ("baseline",)},
+    ):
         full = store.device_table("ro_1", **filters)
         lean = store.device_table("ro_1", lean=True, **filters)
         assert len(full) == len(lean) > 0
