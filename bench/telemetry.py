@@ -245,14 +245,8 @@ def health_query(name: str, db_url: str | None, *, late: bool = False) -> dict:
     from control_plane.rollouts.guard import Guard
     from control_plane.store import orm
     from control_plane.store.rollouts import RolloutRecord
-    from control_plane.store.rollup_records import (
-        BASELINE,
-        CANDIDATE,
-        COUNTERS,
-        OUTSIDE,
-        DeviceKey,
-        encode_buckets,
-    )
+    from control_plane.store.rollup_aggregate import COUNTERS, encode_buckets
+    from control_plane.store.rollup_records import BASELINE, CANDIDATE, OUTSIDE, DeviceKey
     from control_plane.store.sql_store import SqlStore
     from control_plane.telemetry.classes import parse_device_class
     from control_plane.telemetry.roller import HOUR, bucket_start

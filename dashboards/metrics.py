@@ -43,7 +43,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from control_plane.rollouts.lifecycle import RolloutState
-from control_plane.store.rollup_records import Aggregate
+from control_plane.store.rollup_aggregate import Aggregate
 from control_plane.telemetry.classes import class_values, parse_dimension
 from control_plane.telemetry.roller import MINUTE
 from runtime.histogram import BUCKETS_PER_DOUBLING, N_BUCKETS

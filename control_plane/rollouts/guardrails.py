@@ -57,7 +57,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from contract import errors
-from control_plane.store.rollup_records import Aggregate, DeviceRollup, llm_figures
+from control_plane.store.rollup_aggregate import Aggregate, llm_figures
+from control_plane.store.rollup_records import DeviceRollup
 from control_plane.telemetry.design_effect import design_effects
 from control_plane.telemetry.own_quantiles import device_ratio
 from control_plane.telemetry.robust import (

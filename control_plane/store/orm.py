@@ -427,7 +427,7 @@ class RollupRow(Base):
     latency_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
-    # Language models (rollup_records.Aggregate): tokens, cancellations, time to first token.
+    # Language models (rollup_aggregate.Aggregate): tokens, cancellations, time to first token.
     tokens_in: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens_out: Mapped[int] = mapped_column(BigInteger, default=0)
     cancellations: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -489,7 +489,7 @@ class DeviceRollupRow(Base):
     latency_min_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_max_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     latency_buckets: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
-    # Language models (rollup_records.Aggregate): tokens, cancellations, time to first token.
+    # Language models (rollup_aggregate.Aggregate): tokens, cancellations, time to first token.
     tokens_in: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens_out: Mapped[int] = mapped_column(BigInteger, default=0)
     cancellations: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -1,7 +1,7 @@
 """A scope's device rows read as columns (`SqlRollupStore.device_table`).
 
 A rollout's health view or a version's backend table reads tens of thousands of device
-rows (control_plane.store.rollup_records.DeviceTable): they are selected in the form
+rows (control_plane.store.device_table.DeviceTable): they are selected in the form
 cheapest to read (`_table_columns`), taken as the driver's own tuples, and turned into
 columns in one pass (`_table`).
 """
@@ -21,7 +21,8 @@ from sqlalchemy import exc as sa_exc
 
 from control_plane.gc_tuning import collector_held
 from control_plane.store import orm
-from control_plane.store.rollup_records import COUNTERS, DeviceTable, decode_many
+from control_plane.store.device_table import DeviceTable, decode_many
+from control_plane.store.rollup_aggregate import COUNTERS
 from control_plane.store.sql_fleet import aware
 
 _D = orm.DeviceRollupRow.__table__
@@ -58,7 +59,9 @@ def _executed(conn, stmt, pg: bool) -> Iterator:
     try:
         if pg:
             # IN lists as one placeholder per value (SQLAlchemy expands them at run time).
-            compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+            compiled = stmt.compile(
+                dialect=conn.dialect, compile_kwargs={"render_postcompile": True}
+            )
             with conn.connection.driver_connection.cursor(binary=True) as cursor:
                 cursor.execute(compiled.string, compiled.params)
                 yield cursor

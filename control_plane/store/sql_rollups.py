@@ -21,22 +21,23 @@ from sqlalchemy import (
 )
 
 from control_plane.store import orm
-from control_plane.store.rollup_records import (
+from control_plane.store.device_table import LEAN_SKIPS, DeviceTable
+from control_plane.store.rollup_aggregate import (
     COUNTERS,
-    FLEET,
     INT64_MAX,
-    LEAN_SKIPS,
     Aggregate,
-    DeviceDelta,
-    DeviceKey,
-    DeviceRollup,
-    DeviceTable,
-    PendingBatch,
-    RollupKey,
-    RollupStore,
     clamp,
     decode_buckets,
     encode_buckets,
+)
+from control_plane.store.rollup_records import (
+    FLEET,
+    DeviceDelta,
+    DeviceKey,
+    DeviceRollup,
+    PendingBatch,
+    RollupKey,
+    RollupStore,
 )
 from control_plane.store.sql_bulk import Bulk
 from control_plane.store.sql_device_table import read_device_table

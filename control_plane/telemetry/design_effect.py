@@ -19,7 +19,7 @@ from control_plane.telemetry.robust import capped
 from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
 if TYPE_CHECKING:
-    from control_plane.store.rollup_records import DeviceTable
+    from control_plane.store.device_table import DeviceTable
     from control_plane.telemetry.robust import Devices
 
 

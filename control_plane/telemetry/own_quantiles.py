@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from control_plane.store.rollup_records import DeviceTable
+from control_plane.store.device_table import DeviceTable
 from runtime.histogram import BUCKETS_PER_DOUBLING, MIN_NS, N_BUCKETS
 
 if TYPE_CHECKING:

@@ -29,13 +29,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from contract import errors
-from control_plane.store.rollup_records import (
-    COUNTERS,
-    INSTALL_COUNTERS,
-    Aggregate,
-    DeviceRollup,
-    DeviceTable,
-)
+from control_plane.store.device_table import DeviceTable
+from control_plane.store.rollup_aggregate import COUNTERS, INSTALL_COUNTERS, Aggregate
+from control_plane.store.rollup_records import DeviceRollup
 from control_plane.telemetry.own_quantiles import (  # noqa: F401 - robust's API
     DeviceQuantiles,
     device_quantiles,

@@ -37,17 +37,16 @@ from typing import Protocol
 
 from control_plane.store.fleet import FleetStore
 from control_plane.store.report_records import MAX_REPORT_AGE, ModelStatsRecord, ReportBatch
+from control_plane.store.rollup_aggregate import Aggregate, StatsDelta
 from control_plane.store.rollup_records import (
     EPOCH,
     FLEET,
     OUTSIDE,
-    Aggregate,
     DeviceDelta,
     DeviceKey,
     PendingBatch,
     RollupKey,
     RollupStore,
-    StatsDelta,
 )
 from control_plane.telemetry.classes import DeviceClass
 

@@ -13,7 +13,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from contract import errors
-from control_plane.store.rollup_records import Aggregate, RollupKey, RollupStore, llm_figures
+from control_plane.store.rollup_aggregate import Aggregate, llm_figures
+from control_plane.store.rollup_records import RollupKey, RollupStore
 from control_plane.telemetry.classes import class_values
 from control_plane.telemetry.roller import HOUR, MINUTE, bucket_start, utcnow
 

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.store.base import ModelRecord
 from control_plane.store.report_records import ModelStatsRecord
-from control_plane.store.rollup_records import Aggregate, RollupKey
+from control_plane.store.rollup_aggregate import Aggregate
+from control_plane.store.rollup_records import RollupKey
 from control_plane.telemetry.roller import HOUR, MINUTE
 from dashboards import metrics
 from runtime.histogram import LatencyHistogram

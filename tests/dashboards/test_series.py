@@ -9,7 +9,8 @@ import json
 import numpy as np
 
 from control_plane.store.report_records import ModelStatsRecord
-from control_plane.store.rollup_records import Aggregate, RollupKey
+from control_plane.store.rollup_aggregate import Aggregate
+from control_plane.store.rollup_records import RollupKey
 from control_plane.telemetry import series
 from control_plane.telemetry.roller import HOUR, MINUTE
 from runtime.histogram import LatencyHistogram

@@ -21,14 +21,8 @@ from control_plane.rollouts.guardrails import (
     wilson,
 )
 from control_plane.store.report_records import ModelStatsRecord
-from control_plane.store.rollup_records import (
-    EPOCH,
-    INT64_MAX,
-    Aggregate,
-    DeviceKey,
-    DeviceRollup,
-    saturating_add,
-)
+from control_plane.store.rollup_aggregate import INT64_MAX, Aggregate, saturating_add
+from control_plane.store.rollup_records import EPOCH, DeviceKey, DeviceRollup
 from control_plane.telemetry.robust import Devices, _compact, device_quantiles, min_samples
 from runtime.histogram import LatencyHistogram
 

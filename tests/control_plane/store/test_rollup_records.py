@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane.store.rollup_records import decode_buckets, decode_many, encode_buckets
+from control_plane.store.device_table import decode_many
+from control_plane.store.rollup_aggregate import decode_buckets, encode_buckets
 from runtime.histogram import N_BUCKETS
 
 

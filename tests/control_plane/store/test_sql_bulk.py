@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from contract import errors
 from control_plane.store import orm
-from control_plane.store.rollup_records import COUNTERS
+from control_plane.store.rollup_aggregate import COUNTERS
 from control_plane.store.sql_bulk import Bulk
 from control_plane.store.sql_store import SqlStore
 

@@ -274,7 +274,8 @@ def test_rollup_rows_from_before_language_models_read_beside_theirs(db_url):
     """Rows that existed when 0011 added time to first token read with rows that have it."""
     from alembic import command
 
-    from control_plane.store.rollup_records import EPOCH, FLEET, Aggregate, DeviceDelta, DeviceKey
+    from control_plane.store.rollup_aggregate import Aggregate
+    from control_plane.store.rollup_records import EPOCH, FLEET, DeviceDelta, DeviceKey
     from runtime.histogram import SCHEME, bucket_of
 
     store = SqlStore(db_url)
@@ -344,7 +345,8 @@ def _insert_devices(conn, numbers, enrolled_at: dt.datetime) -> None:
 
 def _device_rows(store) -> None:
     """Two windows, two cohorts, two configs; crash signals, time to first token, gaps."""
-    from control_plane.store.rollup_records import Aggregate, DeviceDelta, DeviceKey
+    from control_plane.store.rollup_aggregate import Aggregate
+    from control_plane.store.rollup_records import DeviceDelta, DeviceKey
     from runtime.histogram import SCHEME, bucket_of
 
     now = dt.datetime(2026, 11, 23, 12, 0, 0, 250_000, tzinfo=dt.UTC)
@@ -406,7 +408,7 @@ def test_a_device_table_reads_only_the_cohorts_asked_for(store):
 def test_a_lean_device_table_reads_the_same_rows_without_what_a_health_view_skips(store):
     import numpy as np
 
-    from control_plane.store.rollup_records import LEAN_SKIPS
+    from control_plane.store.device_table import LEAN_SKIPS
 
     _device_rows(store)
     since = dt.datetime(2026, 11, 10, tzinfo=dt.UTC)

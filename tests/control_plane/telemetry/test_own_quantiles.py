@@ -7,7 +7,8 @@ import datetime as dt
 import numpy as np
 import pytest
 
-from control_plane.store.rollup_records import EPOCH, Aggregate, DeviceKey, DeviceRollup
+from control_plane.store.rollup_aggregate import Aggregate
+from control_plane.store.rollup_records import EPOCH, DeviceKey, DeviceRollup
 from control_plane.telemetry import own_quantiles
 from control_plane.telemetry.robust import Devices, device_quantiles
 from runtime.histogram import N_BUCKETS

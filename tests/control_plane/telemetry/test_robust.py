@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control_plane.store.rollup_records import EPOCH, Aggregate, DeviceKey, DeviceRollup
+from control_plane.store.rollup_aggregate import Aggregate
+from control_plane.store.rollup_records import EPOCH, DeviceKey, DeviceRollup
 from control_plane.telemetry.robust import Devices, capped, quantile_weights
 from runtime.histogram import LatencyHistogram
 
