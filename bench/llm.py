@@ -131,6 +131,12 @@ def through_agent(stub, model: str, prompt: str):
         yield reply.text, (reply.summary.tokens_out if reply.HasField("summary") else None)
 
 
+async def _no_status():
+    from protos import agent_pb2
+
+    return agent_pb2.StatusResponse()
+
+
 def compare_serving(tar: Path, rounds: int) -> dict:
     """Generate through a real local API and in process, alternating; return the ratios."""
     import grpc
@@ -139,7 +145,7 @@ def compare_serving(tar: Path, rounds: int) -> dict:
     from device_agent.local_api import AgentServicer, start_local_api
     from device_agent.report_outbox import Collector
     from device_agent.serving import Serving
-    from protos import agent_pb2, agent_pb2_grpc
+    from protos import agent_pb2_grpc
     from runtime.llm import LlmSession, LlmWorker
 
     files = _bundle_files(tar)
@@ -149,7 +155,7 @@ def compare_serving(tar: Path, rounds: int) -> dict:
     llm.put(
         "llm", {"version": 1, "variant": "q4", "uid": "u", "config": "CPU/low/t4/mem-low"}, worker
     )
-    servicer = AgentServicer(Serving(Collector()), agent_pb2.StatusResponse, llm_serving=llm)
+    servicer = AgentServicer(Serving(Collector()), _no_status, llm_serving=llm)
     state = Path(tempfile.mkdtemp(prefix="skiff-bench-"))
     loop = asyncio.new_event_loop()
     server, path = loop.run_until_complete(start_local_api(state, servicer))

@@ -28,6 +28,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -137,6 +138,9 @@ class Agent(ServingSlots):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()
         self.last: SyncOutcome | None = None
+        # Status reads the state directory here (ServingSlots.status); no thread until then.
+        self._status_pool = ThreadPoolExecutor(1, thread_name_prefix="skiff-status")
+        self._status_reading: asyncio.Future | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -205,6 +209,7 @@ class Agent(ServingSlots):
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+        self._status_pool.shutdown(wait=False, cancel_futures=True)
         self.state.unlock()
 
     def _connection(self, credential: str = "") -> DeviceConnection:

@@ -1,11 +1,12 @@
 """What the agent serves: loading installed versions, promotions, roll-backs, status.
 
 `ServingSlots` is the serving half of `device_agent.agent.Agent` (a mixin: it uses the
-agent's installer, serving tables, sync lock and telemetry queue). An activated version
-is loaded in a worker and swapped in; one that cannot load here, or fails at run time, is
-rolled back to the previous version (reported as such); one that could not load for a
-passing reason (a busy machine) is tried again after LOAD_RETRY_S. A promoted version
-that serves on its predecessor's config has its other configs probed while it serves.
+agent's installer, serving tables, sync lock, telemetry queue and status thread). An
+activated version is loaded in a worker and swapped in; one that cannot load here, or
+fails at run time, is rolled back to the previous version (reported as such); one that
+could not load for a passing reason (a busy machine) is tried again after LOAD_RETRY_S.
+A promoted version that serves on its predecessor's config has its other configs probed
+while it serves.
 """
 
 from __future__ import annotations
@@ -150,13 +151,11 @@ class ServingSlots:
     async def status(self) -> agent_pb2.StatusResponse:
         """Return what the local API's Status answers.
 
-        The state directory is read in a thread: its files and the lock probe cost ~1 ms,
-        which on the loop would hold up every other local call (Infer, PushEvents) and the
-        Watch stream. The live figures are read on the loop, where they change.
+        The state directory is read off the loop (its files and the lock probe, ~0.5 ms,
+        would hold up every other local call and the Watch stream), then the live figures
+        on the loop, where they change: the two are read a moment apart.
         """
-        from device_agent import status
-
-        body = await asyncio.to_thread(status.read_status, self.state.path)
+        body = await asyncio.shield(self._state_read())  # one caller leaving ends no read
         live = {}
         if self.serving is not None:
             live = {**self.llm_serving.status(), **self.serving.status()}
@@ -200,6 +199,24 @@ class ServingSlots:
                 )
             )
         return msg
+
+    def _state_read(self) -> asyncio.Future:
+        """Return the read of the state directory under way, or start one.
+
+        In a thread of its own, not the pool inferences and installs share: an app asking
+        Status in a loop never waits behind them nor holds them up. Calls that arrive while
+        a read is under way share it, so a flood of them costs one read at a time.
+        """
+        reading = self._status_reading
+        if reading is None or reading.done():
+            from device_agent import status
+
+            loop = asyncio.get_running_loop()
+            reading = loop.run_in_executor(self._status_pool, status.read_status, self.state.path)
+            # Read even if every caller left: its error is not "never retrieved".
+            reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._status_reading = reading
+        return reading
 
 
 def _same_slot(a: dict | None, b: dict) -> bool:

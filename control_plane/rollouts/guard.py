@@ -174,7 +174,8 @@ class Guard:
         sliced = slice_codes(table.device_class)
         kinds = {c: table.cohort == c for c in (CANDIDATE, BASELINE)}
         value_of = dict(map(reversed, codes.items()))
-        inside = sorted(value_of[code] for code in np.unique(sliced[table.cohort != OUTSIDE]))
+        # Slices the rollout's own devices report in (the table holds no outside rows).
+        inside = sorted(value_of[code] for code in np.unique(sliced))
         slice_masks = {v: sliced == codes[v] for v in inside}
 
         def cohorts(value: str, window: dt.datetime) -> dict[str, np.ndarray]:

@@ -275,9 +275,9 @@ class RollupStore(abc.ABC):
         """Return the device rows of one scope (a rollout id, or FLEET) as a table.
 
         Optionally only one model version's, only rows seen since `seen_since`, only
-        windows starting in [windows_since, windows_before), only these cohorts'; `lean`:
-        without the `LEAN_SKIPS` columns (None in the table), which a health view never
-        reads.
+        windows starting in [windows_since, windows_before), only the `cohorts` named (an
+        empty tuple: no rows); `lean`: without the `LEAN_SKIPS` columns (None in the
+        table), which a health view never reads.
         """
 
     @abc.abstractmethod

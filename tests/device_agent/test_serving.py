@@ -361,16 +361,22 @@ def _plain(a, slot) -> bytes:
     )
 
 
-def test_status_reads_the_state_directory_off_the_event_loop(cp, tmp_path, monkeypatch):
-    """Status reads files and probes a lock: in a thread, so the loop serves meanwhile."""
+def test_status_reads_the_state_directory_off_the_loop_once_for_callers_at_once(
+    cp, tmp_path, monkeypatch
+):
+    """Status reads files and probes a lock in a thread of its own, the loop serving
+    meanwhile; calls that arrive during a read share it, and one caller leaving ends none.
+    """
     from device_agent import status as status_module
 
     real = status_module.read_status
     entered, release = threading.Event(), threading.Event()
+    reads: list[str] = []
 
     def held(path):
+        reads.append(threading.current_thread().name)
         entered.set()
-        assert release.wait(30), "never released"
+        assert release.wait(10), "the state directory was read on the event loop"
         return real(path)
 
     monkeypatch.setattr(status_module, "read_status", held)
@@ -379,18 +385,21 @@ def test_status_reads_the_state_directory_off_the_event_loop(cp, tmp_path, monke
     async def main():
         async with agent(cp, tmp_path / "s", enroll_token=token(cp), serve=True) as a:
             await a.sync_once()
-            pending = asyncio.ensure_future(a.status())
-            # Waited for from another thread: were the read on the loop, the loop would
-            # be stuck in it and this would time out.
-            assert await asyncio.to_thread(entered.wait, 30)
-            ticks = 0
-            for _ in range(3):  # the loop runs other work while the read is held
-                await asyncio.sleep(0)
-                ticks += 1
-            assert ticks == 3 and not pending.done()
+            first = asyncio.ensure_future(a.status())
+            # Waited for from another thread: were the read on the loop, the loop would be
+            # stuck in it until `held` gave up.
+            assert await asyncio.to_thread(entered.wait, 10)
+            others = [asyncio.ensure_future(a.status()) for _ in range(50)]
+            await asyncio.sleep(0)  # the loop runs them while the read is held
+            assert not first.done() and not any(o.done() for o in others)
+            first.cancel()  # a caller that leaves
             release.set()
-            status = await pending
-            assert status.device_id == a.identity.device_id
-            assert status.models[0].model == MODEL and status.models[0].active_version == 1
+            answers = await asyncio.gather(*others)
+            assert reads[0].startswith("skiff-status") and len(reads) == 1
+            assert {s.device_id for s in answers} == {a.identity.device_id}
+            assert answers[0].models[0].model == MODEL
+            assert answers[0].models[0].active_version == 1
+            again = await a.status()  # a call after the read ended reads again
+            assert len(reads) == 2 and again == answers[0]
 
     asyncio.run(main())
