@@ -4,9 +4,9 @@
 built to start (its modules, schema and handlers, some 130k) over and over: under Report
 load (bench/telemetry.py --quick) about 20 full collections in each database's run,
 2.1-2.3 s of the server's CPU. Those objects live as long as the process, so once it
-serves they are left out of every later collection (gc.freeze): 1.3-1.5 s, and 0.8-1.3 s
-once reported histograms' bucket pairs stopped being lists the collector tracks
-(control_plane.api.telemetry_convert).
+serves they are left out of every later collection (gc.freeze): 1.3-1.5 s, and 0.65-0.70 s
+once reported histograms' buckets stopped being lists the collector tracks (a tuple of
+pairs: control_plane.api.telemetry_convert).
 
 `collector_held`: a bulk read's tuples are not collected while the read runs. A health
 view reads some 20k device rows as the driver's tuples and turns them into columns
